@@ -1,0 +1,1 @@
+//! The ncclscope NCCL profiler plugin.

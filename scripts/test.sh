@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): installs what the tests need, builds everything, runs every test.
+# Works on a fresh machine with only the Rust toolchain and Python 3.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# nvcc 13.0 from PyPI, so the CUDA hook is compiled and device-linked on every change.
+source scripts/install-nvcc.sh
+
+cargo build --workspace --all-targets
+cargo test --workspace --no-fail-fast
