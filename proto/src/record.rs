@@ -84,6 +84,8 @@ pub enum Record {
     /// GPU clock -> host clock for `cuda_dev`: `host = gpu + offset_ns`, good to `error_ns`, measured at
     /// `host_ns`. `drift_ppb` is the offset's drift since the previous calibration.
     Calibration { cuda_dev: i32, offset_ns: i64, error_ns: u32, drift_ppb: i32, host_ns: u64 },
+    /// Names a device-hook `func_id` (from `ncclProfilerDevFuncName` on an RFC host).
+    FuncName { func_id: u32, name: StrId },
 }
 
 /// Why a record could not be decoded.
@@ -106,6 +108,7 @@ mod kind {
     pub const KERNEL_PHASE: u8 = 8;
     pub const DEV_WORK: u8 = 9;
     pub const CALIBRATION: u8 = 10;
+    pub const FUNC_NAME: u8 = 11;
 }
 
 fn head(kind: u8, comm: u32) -> u64 {
@@ -132,7 +135,7 @@ impl Record {
             | Record::KernelCh { comm, .. }
             | Record::KernelPhase { comm, .. }
             | Record::DevWork { comm, .. } => Some(comm),
-            Record::Str { .. } | Record::Calibration { .. } => None,
+            Record::Str { .. } | Record::Calibration { .. } | Record::FuncName { .. } => None,
         }
     }
 
@@ -243,6 +246,10 @@ impl Record {
                 w[3] = drift_ppb as u32 as u64;
                 w[6] = host_ns;
             }
+            Record::FuncName { func_id, name } => {
+                w[0] = head(kind::FUNC_NAME, 0) | (name.0 as u64) << 16;
+                w[1] = func_id as u64;
+            }
         }
         w
     }
@@ -339,6 +346,7 @@ impl Record {
                 drift_ppb: w[3] as u32 as i32,
                 host_ns: w[6],
             },
+            kind::FUNC_NAME => Record::FuncName { func_id: w[1] as u32, name: StrId((w[0] >> 16) as u16) },
             other => return Err(DecodeError::UnknownKind(other)),
         })
     }
@@ -400,6 +408,7 @@ mod tests {
                 gpu_stop: 6,
             },
             Record::Calibration { cuda_dev: 3, offset_ns: -123456789, error_ns: 900, drift_ppb: -12, host_ns: 15 },
+            Record::FuncName { func_id: 672, name: StrId(3) },
         ]
     }
 
