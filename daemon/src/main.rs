@@ -1,1 +1,39 @@
-fn main() {}
+//! `ncclscope`: the node daemon and the operator CLI.
+
+use clap::{Parser, Subcommand};
+use ncclscope::cli;
+
+#[derive(Parser)]
+#[command(name = "ncclscope", version, about = "NCCL kernel telemetry: node daemon and operator tools")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the node daemon: ingest every process's segment, aggregate, export OTLP.
+    Daemon(cli::daemon::Args),
+    /// Daemon plus simulated ranks through the real plugin; no GPU needed.
+    Demo(cli::demo::Args),
+    /// Live terminal view of the jobs on this node.
+    Top(cli::top::Args),
+    /// One-shot statistics table or JSON.
+    Stats(cli::stats::Args),
+    /// Export a job's trace (Perfetto/Chrome JSON or OTLP JSON).
+    Export(cli::export::Args),
+    /// One simulated rank (used by `demo`).
+    #[command(hide = true)]
+    SimRank(cli::sim_rank::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Daemon(a) => cli::daemon::run(a),
+        Cmd::Demo(a) => cli::demo::run(a),
+        Cmd::Top(a) => cli::top::run(a),
+        Cmd::Stats(a) => cli::stats::run(a),
+        Cmd::Export(a) => cli::export::run(a),
+        Cmd::SimRank(a) => cli::sim_rank::run(a),
+    }
+}

@@ -1,1 +1,4 @@
 //! The ncclscope NCCL profiler plugin.
+
+mod devhook;
+mod sink;

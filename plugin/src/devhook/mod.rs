@@ -5,7 +5,7 @@
 
 use std::ffi::c_void;
 
-use ncclscope_proto::Producer;
+use crate::sink::Sink;
 
 /// `getDeviceHook(cudaDev, devHook, devCtx)` for communicator `comm` (the one whose `init` just ran on
 /// this thread, if any). Returns with `*dev_hook = null` when no hook is available.
@@ -26,9 +26,9 @@ pub unsafe fn get_device_hook(_cuda_dev: i32, _comm: Option<u32>, dev_hook: *mut
 
 /// Called from the forwarding thread's loop: moves completed device records into the segment.
 /// Returns how many records it produced (0 lets the loop back off).
-pub fn drain(_out: &mut Producer) -> usize {
+pub fn drain(_out: &mut dyn Sink) -> usize {
     0
 }
 
 /// The communicator is being finalized: drain its rings and free them once no kernel can write them.
-pub fn finalize_comm(_comm: u32, _out: &mut Producer) {}
+pub fn finalize_comm(_comm: u32, _out: &mut dyn Sink) {}

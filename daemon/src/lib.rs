@@ -1,0 +1,4 @@
+//! The ncclscope daemon and operator tools.
+
+pub mod cli;
+pub mod hub;
