@@ -1,0 +1,755 @@
+//! Per-job spool: every completed collective instance the daemon accepted, kept on disk so that
+//! `ncclscope export` works during and after a job, and across a daemon crash or restart.
+//!
+//! Layout: `<dir>/<job>/<seq>.spool`, where `<job>` is the job id with every byte outside
+//! `[A-Za-z0-9._-]` written as `%XX`, and `<seq>` is a spool-wide, ever-increasing 16-digit hex number
+//! (so the oldest file of the whole spool is the one with the smallest sequence). A file is an 8-byte
+//! magic followed by records `{u32 len LE, u32 crc32(payload) LE, payload}`, payload a prost-encoded
+//! [`Collective`]. Files are only appended to; [`Spool::append`] returns after `fdatasync`, so what it
+//! acknowledged survives a SIGKILL or power loss. A torn tail (the daemon died mid-append) is truncated
+//! when the spool is opened. Past the configured size or age the oldest files are deleted.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use ncclscope_proto::api::Collective;
+use prost::Message;
+
+const MAGIC: &[u8; 8] = b"NCSPOOL1";
+const RECORD_HEADER: usize = 8;
+/// A record larger than this is corruption, not a collective.
+const MAX_RECORD: usize = 16 << 20;
+const EXT: &str = "spool";
+
+/// How much the spool keeps.
+#[derive(Clone, Debug)]
+pub struct SpoolLimits {
+    /// Total bytes on disk over all jobs; the oldest files go first past it.
+    pub max_bytes: u64,
+    /// Files whose last append is older than this are deleted.
+    pub max_age: Duration,
+    /// A job's file is closed and a new one started past this size (the unit of deletion).
+    pub file_bytes: u64,
+}
+
+impl Default for SpoolLimits {
+    fn default() -> Self {
+        SpoolLimits {
+            max_bytes: 1 << 30,
+            max_age: Duration::from_secs(7 * 24 * 3600),
+            file_bytes: 16 << 20,
+        }
+    }
+}
+
+/// What [`Spool::open`] found and repaired, and what the bounds removed since.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SpoolStats {
+    pub bytes: u64,
+    pub files: u64,
+    /// Bytes cut off torn or corrupt tails when the spool was opened.
+    pub truncated_bytes: u64,
+    /// Files deleted because the spool was over its size or age bound.
+    pub evicted_files: u64,
+}
+
+/// One spool file as the index knows it: `len` is the acknowledged (fsynced) length.
+#[derive(Clone, Debug)]
+struct FileEntry {
+    seq: u64,
+    path: PathBuf,
+    len: u64,
+    modified: SystemTime,
+}
+
+/// The committed state, shared between the writer and any number of readers.
+#[derive(Debug, Default)]
+struct Index {
+    jobs: BTreeMap<String, Vec<FileEntry>>,
+    stats: SpoolStats,
+}
+
+/// The writer side, owned by the daemon's aggregation task.
+pub struct Spool {
+    dir: PathBuf,
+    limits: SpoolLimits,
+    index: Arc<Mutex<Index>>,
+    next_seq: u64,
+    /// Open append handle per job (its newest file).
+    open: BTreeMap<String, File>,
+}
+
+/// A cheap, cloneable, `Send` handle that reads what the spool has acknowledged, concurrently with
+/// appends (the gRPC Export call runs on it).
+#[derive(Clone)]
+pub struct SpoolReader {
+    index: Arc<Mutex<Index>>,
+}
+
+impl Spool {
+    /// Opens (creating if needed) the spool in `dir`, truncating torn tails left by a crash.
+    pub fn open(dir: impl AsRef<Path>, limits: SpoolLimits) -> io::Result<Spool> {
+        let dir = dir.as_ref().to_path_buf();
+        fs::create_dir_all(&dir)?;
+        let mut index = scan(&dir)?;
+        // Only a job's newest file is ever appended to, so only it can have a torn tail; older files are
+        // checked by readers (CRC per record).
+        for files in index.jobs.values_mut() {
+            if let Some(last) = files.last_mut() {
+                let valid = repair_tail(&last.path)?;
+                index.stats.truncated_bytes += last.len - valid;
+                index.stats.bytes -= last.len - valid;
+                last.len = valid;
+            }
+        }
+        let next_seq = index
+            .jobs
+            .values()
+            .flatten()
+            .map(|f| f.seq + 1)
+            .max()
+            .unwrap_or(0);
+        let mut spool = Spool {
+            dir,
+            limits,
+            index: Arc::new(Mutex::new(index)),
+            next_seq,
+            open: BTreeMap::new(),
+        };
+        spool.enforce_limits()?;
+        Ok(spool)
+    }
+
+    pub fn reader(&self) -> SpoolReader {
+        SpoolReader {
+            index: self.index.clone(),
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn stats(&self) -> SpoolStats {
+        lock(&self.index).stats.clone()
+    }
+
+    /// Appends `batch` to the files of the jobs it belongs to; durable (fdatasync) when it returns `Ok`.
+    /// On an error (full disk, I/O error) nothing of the failing job's part of the batch is kept: the
+    /// file is cut back to its last acknowledged length, so the spool stays readable.
+    pub fn append(&mut self, batch: &[Arc<Collective>]) -> io::Result<()> {
+        let mut by_job: BTreeMap<&str, Vec<u8>> = BTreeMap::new();
+        for c in batch {
+            let buf = by_job.entry(c.job_id.as_str()).or_default();
+            let len = c.encoded_len();
+            buf.reserve(RECORD_HEADER + len);
+            buf.extend_from_slice(&(len as u32).to_le_bytes());
+            let at = buf.len();
+            buf.extend_from_slice(&[0; 4]);
+            let start = buf.len();
+            c.encode(buf).map_err(io::Error::other)?;
+            let crc = crc32fast::hash(&buf[start..]);
+            buf[at..start].copy_from_slice(&crc.to_le_bytes());
+        }
+        let mut result = Ok(());
+        for (job, bytes) in by_job {
+            if let Err(e) = self.append_job(job, &bytes) {
+                result = Err(e);
+            }
+        }
+        self.enforce_limits()?;
+        result
+    }
+
+    fn append_job(&mut self, job: &str, bytes: &[u8]) -> io::Result<()> {
+        let needs_new = {
+            let index = lock(&self.index);
+            index
+                .jobs
+                .get(job)
+                .and_then(|f| f.last())
+                .is_none_or(|f| f.len >= self.limits.file_bytes)
+        };
+        if needs_new {
+            self.start_file(job)?;
+        } else if !self.open.contains_key(job) {
+            // The job's newest file from before a restart (or a failed append): continue it.
+            let (path, committed) = lock(&self.index).jobs[job]
+                .last()
+                .map(|f| (f.path.clone(), f.len))
+                .expect("job has a file");
+            let file = OpenOptions::new().append(true).open(path)?;
+            if file.metadata()?.len() != committed {
+                // A failed append whose cut-back failed too: cut back now, before anything follows it.
+                file.set_len(committed)?;
+            }
+            self.open.insert(job.to_string(), file);
+        }
+        let committed = lock(&self.index).jobs[job].last().map_or(0, |f| f.len);
+        let file = self.open.get_mut(job).expect("opened above");
+        let written = file.write_all(bytes).and_then(|()| file.sync_data());
+        if let Err(e) = written {
+            // Cut back to what was acknowledged, so a later append does not follow garbage.
+            let _ = file.set_len(committed);
+            self.open.remove(job);
+            return Err(e);
+        }
+        let mut index = lock(&self.index);
+        let last = index
+            .jobs
+            .get_mut(job)
+            .and_then(|f| f.last_mut())
+            .expect("job has a file");
+        last.len += bytes.len() as u64;
+        last.modified = SystemTime::now();
+        index.stats.bytes += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Starts a new file for `job` (its first, or after the current one reached `file_bytes`).
+    fn start_file(&mut self, job: &str) -> io::Result<()> {
+        let job_dir = self.dir.join(escape_job(job));
+        fs::create_dir_all(&job_dir)?;
+        let seq = self.next_seq;
+        let path = job_dir.join(format!("{seq:016x}.{EXT}"));
+        let mut file = OpenOptions::new()
+            .create_new(true)
+            .append(true)
+            .open(&path)?;
+        if let Err(e) = file.write_all(MAGIC).and_then(|()| file.sync_data()) {
+            let _ = fs::remove_file(&path);
+            return Err(e);
+        }
+        // The new directory entry must survive a crash too.
+        File::open(&job_dir)?.sync_all()?;
+        self.next_seq += 1;
+        self.open.insert(job.to_string(), file);
+        let mut index = lock(&self.index);
+        index.stats.bytes += MAGIC.len() as u64;
+        index.stats.files += 1;
+        index
+            .jobs
+            .entry(job.to_string())
+            .or_default()
+            .push(FileEntry {
+                seq,
+                path,
+                len: MAGIC.len() as u64,
+                modified: SystemTime::now(),
+            });
+        Ok(())
+    }
+
+    /// Deletes every file whose last append is older than `max_age`, then the oldest files while the
+    /// spool is over `max_bytes`. Called by every append; call it periodically too so that the age bound
+    /// applies to an idle spool.
+    pub fn enforce_limits(&mut self) -> io::Result<()> {
+        let now = SystemTime::now();
+        loop {
+            let victim = {
+                let index = lock(&self.index);
+                let files = index
+                    .jobs
+                    .iter()
+                    .flat_map(|(job, files)| files.iter().map(move |f| (job, f)));
+                let expired = |f: &FileEntry| {
+                    now.duration_since(f.modified).unwrap_or_default() > self.limits.max_age
+                };
+                if let Some((job, f)) = files.clone().find(|(_, f)| expired(f)) {
+                    Some((job.clone(), f.seq))
+                } else if index.stats.bytes > self.limits.max_bytes {
+                    files
+                        .min_by_key(|(_, f)| f.seq)
+                        .map(|(job, f)| (job.clone(), f.seq))
+                } else {
+                    None
+                }
+            };
+            let Some((job, seq)) = victim else {
+                return Ok(());
+            };
+            self.evict(&job, seq)?;
+        }
+    }
+
+    fn evict(&mut self, job: &str, seq: u64) -> io::Result<()> {
+        let entry = {
+            let mut index = lock(&self.index);
+            let files = index.jobs.get_mut(job).expect("victim exists");
+            let pos = files
+                .iter()
+                .position(|f| f.seq == seq)
+                .expect("victim exists");
+            let entry = files.remove(pos);
+            if pos == files.len() {
+                // It was the job's newest file, the one appends go to.
+                self.open.remove(job);
+            }
+            if files.is_empty() {
+                index.jobs.remove(job);
+            }
+            index.stats.bytes -= entry.len;
+            index.stats.files -= 1;
+            index.stats.evicted_files += 1;
+            entry
+        };
+        match fs::remove_file(&entry.path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        if let Some(parent) = entry.path.parent() {
+            // Only succeeds once the job's directory is empty.
+            let _ = fs::remove_dir(parent);
+        }
+        Ok(())
+    }
+}
+
+impl SpoolReader {
+    /// Reads a spool directory without a daemon (`ncclscope export --spool DIR`): nothing is repaired;
+    /// a torn tail simply ends that file.
+    pub fn open_dir(dir: impl AsRef<Path>) -> io::Result<SpoolReader> {
+        let dir = dir.as_ref();
+        if !dir.is_dir() {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("no spool directory at {}", dir.display()),
+            ));
+        }
+        Ok(SpoolReader {
+            index: Arc::new(Mutex::new(scan(dir)?)),
+        })
+    }
+
+    /// Job ids with spooled collectives, sorted.
+    pub fn jobs(&self) -> Vec<String> {
+        lock(&self.index).jobs.keys().cloned().collect()
+    }
+
+    /// Bytes the spool holds for `job_id` (for a progress bar).
+    pub fn job_bytes(&self, job_id: &str) -> u64 {
+        lock(&self.index)
+            .jobs
+            .get(job_id)
+            .map_or(0, |f| f.iter().map(|f| f.len).sum())
+    }
+
+    /// The job's collectives, oldest first, as acknowledged when this is called. Blocking file I/O: run
+    /// it off the async runtime. A corrupt record yields one error and ends that file.
+    pub fn read_job(&self, job_id: &str) -> JobRecords {
+        let files = lock(&self.index)
+            .jobs
+            .get(job_id)
+            .cloned()
+            .unwrap_or_default();
+        JobRecords {
+            files: files.into_iter(),
+            current: None,
+        }
+    }
+}
+
+/// Iterator over one job's spooled records; owns its snapshot of the index so it outlives the lock.
+pub struct JobRecords {
+    files: std::vec::IntoIter<FileEntry>,
+    current: Option<FileCursor>,
+}
+
+struct FileCursor {
+    reader: BufReader<File>,
+    remaining: u64,
+    path: PathBuf,
+}
+
+impl Iterator for JobRecords {
+    type Item = io::Result<Collective>;
+
+    fn next(&mut self) -> Option<io::Result<Collective>> {
+        loop {
+            if self.current.is_none() {
+                let entry = self.files.next()?;
+                match open_cursor(&entry) {
+                    Ok(Some(c)) => self.current = Some(c),
+                    // Deleted by the age/size bound since the snapshot: it is gone, not an error.
+                    Ok(None) => continue,
+                    Err(e) => return Some(Err(e)),
+                }
+            }
+            let cur = self.current.as_mut().expect("set above");
+            match read_record(&mut cur.reader, cur.remaining) {
+                Ok(Some((c, used))) => {
+                    cur.remaining -= used;
+                    return Some(Ok(c));
+                }
+                Ok(None) => self.current = None,
+                Err(e) => {
+                    let path = cur.path.display().to_string();
+                    self.current = None;
+                    return Some(Err(io::Error::new(e.kind(), format!("{path}: {e}"))));
+                }
+            }
+        }
+    }
+}
+
+fn open_cursor(entry: &FileEntry) -> io::Result<Option<FileCursor>> {
+    let mut file = match File::open(&entry.path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut magic = [0; 8];
+    file.read_exact(&mut magic)?;
+    if &magic != MAGIC {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{}: not a spool file", entry.path.display()),
+        ));
+    }
+    Ok(Some(FileCursor {
+        reader: BufReader::new(file),
+        remaining: entry.len.saturating_sub(MAGIC.len() as u64),
+        path: entry.path.clone(),
+    }))
+}
+
+/// Reads one record within `remaining` bytes: `Ok(None)` at a clean end, an error for a torn or corrupt
+/// record.
+fn read_record(r: &mut impl Read, remaining: u64) -> io::Result<Option<(Collective, u64)>> {
+    if remaining == 0 {
+        return Ok(None);
+    }
+    let corrupt = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());
+    if remaining < RECORD_HEADER as u64 {
+        return Err(corrupt("torn record header"));
+    }
+    let mut header = [0; RECORD_HEADER];
+    r.read_exact(&mut header)?;
+    let len = u32::from_le_bytes(header[..4].try_into().expect("4 bytes")) as usize;
+    let crc = u32::from_le_bytes(header[4..].try_into().expect("4 bytes"));
+    if len > MAX_RECORD || (RECORD_HEADER + len) as u64 > remaining {
+        return Err(corrupt("torn or oversized record"));
+    }
+    let mut payload = vec![0; len];
+    r.read_exact(&mut payload)?;
+    if crc32fast::hash(&payload) != crc {
+        return Err(corrupt("record CRC mismatch"));
+    }
+    let c =
+        Collective::decode(payload.as_slice()).map_err(|e| corrupt(&format!("bad record: {e}")))?;
+    Ok(Some((c, (RECORD_HEADER + len) as u64)))
+}
+
+/// Finds the length of the valid prefix of a spool file and truncates it there (fsynced).
+fn repair_tail(path: &Path) -> io::Result<u64> {
+    let mut file = OpenOptions::new().read(true).write(true).open(path)?;
+    let size = file.metadata()?.len();
+    let mut magic = [0; 8];
+    let valid = if size < MAGIC.len() as u64 || {
+        file.read_exact(&mut magic)?;
+        &magic != MAGIC
+    } {
+        // A file whose creation was torn: make it an empty, valid file.
+        file.set_len(0)?;
+        file.seek(SeekFrom::Start(0))?;
+        file.write_all(MAGIC)?;
+        file.sync_data()?;
+        return Ok(MAGIC.len() as u64);
+    } else {
+        let mut reader = BufReader::new(&mut file);
+        let mut pos = MAGIC.len() as u64;
+        while let Ok(Some((_, used))) = read_record(&mut reader, size - pos) {
+            pos += used;
+        }
+        pos
+    };
+    if valid < size {
+        file.set_len(valid)?;
+        file.sync_data()?;
+    }
+    Ok(valid)
+}
+
+/// Builds the index from the directory tree (file lengths as found; the caller repairs tails).
+fn scan(dir: &Path) -> io::Result<Index> {
+    let mut index = Index::default();
+    for job_dir in fs::read_dir(dir)? {
+        let job_dir = job_dir?;
+        if !job_dir.file_type()?.is_dir() {
+            continue;
+        }
+        let Some(job) = job_dir.file_name().to_str().and_then(unescape_job) else {
+            continue;
+        };
+        let mut files = Vec::new();
+        for f in fs::read_dir(job_dir.path())? {
+            let f = f?;
+            let path = f.path();
+            let Some(seq) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(&format!(".{EXT}")))
+                .and_then(|s| u64::from_str_radix(s, 16).ok())
+            else {
+                continue;
+            };
+            let meta = f.metadata()?;
+            files.push(FileEntry {
+                seq,
+                path,
+                len: meta.len(),
+                modified: meta.modified()?,
+            });
+        }
+        if files.is_empty() {
+            continue;
+        }
+        files.sort_by_key(|f| f.seq);
+        index.stats.files += files.len() as u64;
+        index.stats.bytes += files.iter().map(|f| f.len).sum::<u64>();
+        index.jobs.insert(job, files);
+    }
+    Ok(index)
+}
+
+/// A job id as a directory name: any byte outside `[A-Za-z0-9._-]` (and a leading '.') as `%XX`.
+fn escape_job(job: &str) -> String {
+    let mut out = String::with_capacity(job.len());
+    for (i, b) in job.bytes().enumerate() {
+        if b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || (b == b'.' && i > 0) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    if out.is_empty() {
+        out.push('%');
+    }
+    out
+}
+
+fn unescape_job(name: &str) -> Option<String> {
+    if name == "%" {
+        return Some(String::new());
+    }
+    let bytes = name.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = name.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+fn lock(index: &Mutex<Index>) -> std::sync::MutexGuard<'_, Index> {
+    index.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn coll(job: &str, rank: u32, seq: u64) -> Arc<Collective> {
+        Arc::new(Collective {
+            job_id: job.into(),
+            rank,
+            seq,
+            func: "AllReduce".into(),
+            bytes: 1 << 20,
+            channels: vec![Default::default(); 4],
+            ..Default::default()
+        })
+    }
+
+    fn read_all(r: &SpoolReader, job: &str) -> Vec<Collective> {
+        r.read_job(job).collect::<io::Result<_>>().unwrap()
+    }
+
+    #[test]
+    fn appends_read_back_in_order_per_job_and_across_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
+        let batch: Vec<_> = (0..10)
+            .map(|i| coll(if i % 2 == 0 { "a" } else { "b/c d" }, i, i as u64))
+            .collect();
+        spool.append(&batch).unwrap();
+        spool.append(&[coll("a", 0, 100)]).unwrap();
+        let seqs = |v: Vec<Collective>| v.iter().map(|c| c.seq).collect::<Vec<_>>();
+        assert_eq!(seqs(read_all(&spool.reader(), "a")), [0, 2, 4, 6, 8, 100]);
+        assert_eq!(seqs(read_all(&spool.reader(), "b/c d")), [1, 3, 5, 7, 9]);
+        assert_eq!(spool.reader().jobs(), ["a", "b/c d"]);
+        drop(spool);
+
+        let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
+        spool.append(&[coll("a", 0, 101)]).unwrap();
+        assert_eq!(
+            seqs(read_all(&spool.reader(), "a")),
+            [0, 2, 4, 6, 8, 100, 101]
+        );
+        assert_eq!(
+            read_all(&SpoolReader::open_dir(dir.path()).unwrap(), "b/c d").len(),
+            5
+        );
+        assert_eq!(spool.stats().truncated_bytes, 0);
+    }
+
+    #[test]
+    fn torn_tail_is_truncated_on_open_and_appends_continue_after_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
+        spool.append(&[coll("j", 0, 1), coll("j", 0, 2)]).unwrap();
+        let path = lock(&spool.index).jobs["j"][0].path.clone();
+        drop(spool);
+        // A crash mid-append: half a record header and payload after the acknowledged records.
+        let good = fs::metadata(&path).unwrap().len();
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(&[200, 0, 0, 0, 1, 2, 3, 4, 5]).unwrap();
+        drop(f);
+
+        let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
+        assert_eq!(spool.stats().truncated_bytes, 9);
+        assert_eq!(fs::metadata(&path).unwrap().len(), good);
+        spool.append(&[coll("j", 0, 3)]).unwrap();
+        let seqs: Vec<_> = read_all(&spool.reader(), "j")
+            .iter()
+            .map(|c| c.seq)
+            .collect();
+        assert_eq!(seqs, [1, 2, 3]);
+    }
+
+    #[test]
+    fn corrupt_record_is_an_error_not_garbage() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
+        spool.append(&[coll("j", 0, 1), coll("j", 0, 2)]).unwrap();
+        let path = lock(&spool.index).jobs["j"][0].path.clone();
+        let mut bytes = fs::read(&path).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0xff;
+        fs::write(&path, bytes).unwrap();
+        let got: Vec<_> = spool.reader().read_job("j").collect();
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[0].as_ref().unwrap().seq, 1);
+        assert!(
+            got[1].as_ref().unwrap_err().to_string().contains("CRC"),
+            "{:?}",
+            got[1]
+        );
+    }
+
+    #[test]
+    fn oldest_files_go_first_past_the_size_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = (RECORD_HEADER + coll("j", 0, 0).encoded_len()) as u64;
+        let limits = SpoolLimits {
+            max_bytes: 20 * one,
+            max_age: Duration::from_secs(3600),
+            file_bytes: 4 * one,
+        };
+        let mut spool = Spool::open(dir.path(), limits.clone()).unwrap();
+        for seq in 0..100 {
+            spool.append(&[coll("old", 0, seq)]).unwrap();
+        }
+        for seq in 0..10 {
+            spool.append(&[coll("new", 0, seq)]).unwrap();
+        }
+        let stats = spool.stats();
+        assert!(stats.bytes <= limits.max_bytes, "{stats:?}");
+        assert!(stats.evicted_files > 0);
+        // Everything of the newest job is kept; the old job lost its oldest records, not its newest.
+        assert_eq!(read_all(&spool.reader(), "new").len(), 10);
+        let old: Vec<_> = read_all(&spool.reader(), "old")
+            .iter()
+            .map(|c| c.seq)
+            .collect();
+        assert!(
+            !old.is_empty() && old[0] > 0 && *old.last().unwrap() == 99,
+            "{old:?}"
+        );
+        assert!(old.windows(2).all(|w| w[1] == w[0] + 1));
+        // Bytes on disk agree with the accounting.
+        let on_disk: u64 = walk(dir.path())
+            .iter()
+            .map(|p| fs::metadata(p).unwrap().len())
+            .sum();
+        assert_eq!(on_disk, stats.bytes);
+    }
+
+    #[test]
+    fn files_past_the_age_bound_are_deleted_with_their_job() {
+        let dir = tempfile::tempdir().unwrap();
+        let limits = SpoolLimits {
+            max_age: Duration::from_millis(50),
+            ..Default::default()
+        };
+        let mut spool = Spool::open(dir.path(), limits).unwrap();
+        spool.append(&[coll("j", 0, 1)]).unwrap();
+        std::thread::sleep(Duration::from_millis(120));
+        spool.enforce_limits().unwrap();
+        assert!(spool.reader().jobs().is_empty());
+        assert!(walk(dir.path()).is_empty());
+        // The job starts a fresh file afterwards.
+        spool.append(&[coll("j", 0, 2)]).unwrap();
+        assert_eq!(read_all(&spool.reader(), "j").len(), 1);
+    }
+
+    #[test]
+    fn a_reader_snapshot_ignores_later_appends_and_survives_eviction() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = (RECORD_HEADER + coll("j", 0, 0).encoded_len()) as u64;
+        let limits = SpoolLimits {
+            max_bytes: 1 << 30,
+            max_age: Duration::from_secs(3600),
+            file_bytes: 2 * one,
+        };
+        let mut spool = Spool::open(dir.path(), limits).unwrap();
+        for seq in 0..6 {
+            spool.append(&[coll("j", 0, seq)]).unwrap();
+        }
+        let mut it = spool.reader().read_job("j");
+        assert_eq!(it.next().unwrap().unwrap().seq, 0);
+        spool.append(&[coll("j", 0, 6)]).unwrap();
+        spool.limits.max_bytes = 0;
+        spool.enforce_limits().unwrap();
+        // The open file is read to its end; the deleted ones are skipped; the later append is not seen.
+        let rest: Vec<_> = it.map(|c| c.unwrap().seq).collect();
+        assert_eq!(rest, [1]);
+    }
+
+    #[test]
+    fn job_ids_round_trip_through_directory_names() {
+        for job in ["", "a", ".hidden", "x/../y", "pod-1_2.3", "ünï %41"] {
+            let name = escape_job(job);
+            assert!(
+                !name.contains('/') && !name.starts_with('.') && !name.is_empty(),
+                "{name}"
+            );
+            assert_eq!(unescape_job(&name).as_deref(), Some(job));
+        }
+    }
+
+    fn walk(dir: &Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        for e in fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                out.extend(walk(&p))
+            } else {
+                out.push(p)
+            }
+        }
+        out
+    }
+}
