@@ -1,5 +1,6 @@
 //! The ncclscope daemon and operator tools.
 
+pub mod api;
 pub mod cli;
 pub mod hub;
 pub mod spool;

@@ -1,0 +1,441 @@
+//! The daemon's gRPC query API (`proto/ncclscope.proto`, service `Query`), served over a Unix socket
+//! separate from the plugins' registration socket, and the client side used by `top`, `stats` and
+//! `export`.
+//!
+//! The server reads only the [`Hub`] (snapshots and the live stream) and a [`SpoolReader`] (Export), so
+//! it never slows ingest: a slow watcher misses instances (broadcast lag), a slow exporter only holds a
+//! file descriptor.
+
+use std::future::Future;
+use std::io;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+
+use anyhow::Context;
+use hyper_util::rt::TokioIo;
+use ncclscope_proto::api::query_client::QueryClient;
+use ncclscope_proto::api::query_server::{Query, QueryServer};
+use ncclscope_proto::api::{
+    Collective, ExportRequest, ListJobsRequest, ListJobsResponse, StatsRequest, StatsResponse,
+    WatchRequest,
+};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{broadcast, mpsc};
+use tokio_stream::Stream;
+use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
+use tonic::transport::{Channel, Endpoint, Server, Uri};
+use tonic::{Request, Response, Status};
+
+use crate::hub::Hub;
+use crate::spool::SpoolReader;
+
+/// Where the daemon serves the API and the tools look for it (`--api-socket`, `NCCLSCOPE_API_SOCKET`).
+pub const DEFAULT_API_SOCKET: &str = "/run/ncclscope/api.sock";
+/// The environment variable naming the API socket, for the daemon and the tools alike.
+pub const API_SOCKET_ENV: &str = "NCCLSCOPE_API_SOCKET";
+
+/// Where to serve the API. Only a Unix socket: job telemetry must not go over a network in clear text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ApiAddr {
+    Unix(PathBuf),
+}
+
+impl ApiAddr {
+    /// Parses `PATH`, `unix:PATH`, or refuses `tcp://...` (and any other scheme) with the reason.
+    pub fn parse(s: &str) -> anyhow::Result<ApiAddr> {
+        if let Some(rest) = s.strip_prefix("unix:") {
+            return Ok(ApiAddr::Unix(PathBuf::from(rest)));
+        }
+        if s.contains("://") || s.parse::<std::net::SocketAddr>().is_ok() {
+            anyhow::bail!(
+                "refusing to serve the query API on {s:?}: TCP would need TLS, which this build does not \
+                 support; serve it on a Unix socket (a path or unix:PATH) and forward that socket \
+                 (e.g. ssh -L /local.sock:{DEFAULT_API_SOCKET}) to reach it remotely"
+            );
+        }
+        if s.is_empty() {
+            anyhow::bail!("the query API socket path is empty");
+        }
+        Ok(ApiAddr::Unix(PathBuf::from(s)))
+    }
+}
+
+/// The `Query` service over the daemon's hub and spool.
+#[derive(Clone)]
+pub struct QueryService {
+    hub: Arc<Hub>,
+    spool: Option<SpoolReader>,
+}
+
+impl QueryService {
+    /// `spool: None` (a daemon run without a spool) makes Export answer `unavailable`.
+    pub fn new(hub: Arc<Hub>, spool: Option<SpoolReader>) -> QueryService {
+        QueryService { hub, spool }
+    }
+
+    pub fn into_server(self) -> QueryServer<QueryService> {
+        QueryServer::new(self)
+    }
+}
+
+type CollectiveStream = Pin<Box<dyn Stream<Item = Result<Collective, Status>> + Send>>;
+
+/// Instances sent ahead of a slow Export/Watch client before the server waits for it.
+const STREAM_BUFFER: usize = 256;
+
+#[tonic::async_trait]
+impl Query for QueryService {
+    async fn list_jobs(
+        &self,
+        _req: Request<ListJobsRequest>,
+    ) -> Result<Response<ListJobsResponse>, Status> {
+        let mut jobs = self.hub.jobs();
+        // A job the daemon no longer holds in memory (e.g. before a restart) is still exportable.
+        if let Some(spool) = &self.spool {
+            for job_id in spool.jobs() {
+                if !jobs.jobs.iter().any(|j| j.job_id == job_id) {
+                    jobs.jobs.push(ncclscope_proto::api::Job {
+                        job_id,
+                        ..Default::default()
+                    });
+                }
+            }
+        }
+        Ok(Response::new(jobs))
+    }
+
+    async fn get_stats(
+        &self,
+        req: Request<StatsRequest>,
+    ) -> Result<Response<StatsResponse>, Status> {
+        let job = req.into_inner().job_id;
+        let mut stats = self.hub.stats();
+        if !job.is_empty() {
+            stats.colls.retain(|c| c.job_id == job);
+            stats.ranks.retain(|r| r.job_id == job);
+        }
+        Ok(Response::new(stats))
+    }
+
+    type WatchStream = CollectiveStream;
+
+    async fn watch(
+        &self,
+        req: Request<WatchRequest>,
+    ) -> Result<Response<CollectiveStream>, Status> {
+        let job = req.into_inner().job_id;
+        let mut live = self.hub.subscribe();
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+        tokio::spawn(async move {
+            loop {
+                let c = match live.recv().await {
+                    Ok(c) => c,
+                    // This watcher fell behind: it misses some instances, the daemon does not wait for it.
+                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(broadcast::error::RecvError::Closed) => return,
+                };
+                if (job.is_empty() || c.job_id == job)
+                    && tx.send(Ok(Collective::clone(&c))).await.is_err()
+                {
+                    return; // the client went away
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    type ExportStream = CollectiveStream;
+
+    async fn export(
+        &self,
+        req: Request<ExportRequest>,
+    ) -> Result<Response<CollectiveStream>, Status> {
+        let job = req.into_inner().job_id;
+        let Some(spool) = self.spool.clone() else {
+            return Err(Status::unavailable(
+                "this daemon runs without a spool: nothing to export",
+            ));
+        };
+        let jobs = spool.jobs();
+        if !jobs.contains(&job) {
+            return Err(Status::not_found(format!(
+                "no spooled job {job:?}; spooled jobs: {jobs:?}"
+            )));
+        }
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+        tokio::task::spawn_blocking(move || {
+            for item in spool.read_job(&job) {
+                let item =
+                    item.map_err(|e| Status::data_loss(format!("spool of job {job:?}: {e}")));
+                let failed = item.is_err();
+                if tx.blocking_send(item).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// Binds the API socket: creates its directory, replaces a stale socket file (one nobody listens on),
+/// refuses to take over a live one or to delete anything that is not a socket. Mode 0660: the daemon's
+/// group may query it.
+pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                anyhow::bail!(
+                    "another daemon already serves the query API at {}",
+                    path.display()
+                );
+            }
+            std::fs::remove_file(path)
+                .with_context(|| format!("removing stale socket {}", path.display()))?;
+        }
+        Ok(_) => anyhow::bail!(
+            "{} exists and is not a socket; refusing to replace it",
+            path.display()
+        ),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("checking {}", path.display())),
+    }
+    let listener =
+        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .with_context(|| format!("setting the mode of {}", path.display()))?;
+    Ok(listener)
+}
+
+/// Serves `service` on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: UnixListener,
+    service: QueryService,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    Server::builder()
+        .add_service(service.into_server())
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .await
+        .context("serving the query API")
+}
+
+/// The API socket the tools use: the flag, else `NCCLSCOPE_API_SOCKET`, else the default.
+pub fn socket_path(flag: Option<&Path>) -> PathBuf {
+    flag.map(Path::to_path_buf)
+        .or_else(|| std::env::var_os(API_SOCKET_ENV).map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_API_SOCKET))
+}
+
+/// Connects to the daemon's API on its Unix socket, with an error that says what to check.
+pub async fn connect(path: &Path) -> anyhow::Result<QueryClient<Channel>> {
+    let socket = path.to_path_buf();
+    // The URI is required by the HTTP/2 layer but never resolved: the connector dials the socket.
+    let channel = Endpoint::from_static("http://ncclscope.local")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let socket = socket.clone();
+            async move { Ok::<_, io::Error>(TokioIo::new(UnixStream::connect(socket).await?)) }
+        }))
+        .await
+        .with_context(|| {
+            format!(
+                "cannot reach the ncclscope daemon's query API at {} (is `ncclscope daemon` running? \
+                 point --api-socket or {API_SOCKET_ENV} at its API socket)",
+                path.display()
+            )
+        })?;
+    Ok(QueryClient::new(channel).max_decoding_message_size(64 << 20))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spool::{Spool, SpoolLimits};
+    use ncclscope_proto::api::{CollStats, Job, RankStats};
+
+    fn coll(job: &str, seq: u64) -> Arc<Collective> {
+        Arc::new(Collective {
+            job_id: job.into(),
+            seq,
+            func: "AllGather".into(),
+            ..Default::default()
+        })
+    }
+
+    struct Running {
+        _dir: tempfile::TempDir,
+        socket: PathBuf,
+        hub: Arc<Hub>,
+        spool: Spool,
+        stop: Option<tokio::sync::oneshot::Sender<()>>,
+        task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    }
+
+    async fn start() -> Running {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("run/api.sock");
+        let hub = Arc::new(Hub::default());
+        let spool = Spool::open(dir.path().join("spool"), SpoolLimits::default()).unwrap();
+        let listener = bind(&socket).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let service = QueryService::new(hub.clone(), Some(spool.reader()));
+        let task = tokio::spawn(serve(listener, service, async {
+            let _ = stopped.await;
+        }));
+        Running {
+            _dir: dir,
+            socket,
+            hub,
+            spool,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    #[tokio::test]
+    async fn lists_filters_stats_exports_and_watches_over_the_socket() {
+        let mut d = start().await;
+        d.hub.set_jobs(ListJobsResponse {
+            jobs: vec![Job {
+                job_id: "live".into(),
+                live: true,
+                ..Default::default()
+            }],
+        });
+        d.hub.set_stats(StatsResponse {
+            colls: vec![
+                CollStats {
+                    job_id: "a".into(),
+                    count: 3,
+                    ..Default::default()
+                },
+                CollStats {
+                    job_id: "b".into(),
+                    count: 4,
+                    ..Default::default()
+                },
+            ],
+            ranks: vec![RankStats {
+                job_id: "b".into(),
+                rank: 1,
+                ..Default::default()
+            }],
+            health: None,
+        });
+        let batch: Vec<_> = (0..1000)
+            .map(|s| coll(if s % 3 == 0 { "x" } else { "y" }, s))
+            .collect();
+        d.spool.append(&batch).unwrap();
+
+        let mut client = connect(&d.socket).await.unwrap();
+        let jobs = client
+            .list_jobs(ListJobsRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let ids: Vec<_> = jobs.jobs.iter().map(|j| j.job_id.as_str()).collect();
+        assert_eq!(ids, ["live", "x", "y"]);
+
+        let all = client
+            .get_stats(StatsRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(all.colls.len(), 2);
+        let b = client
+            .get_stats(StatsRequest { job_id: "b".into() })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((b.colls.len(), b.colls[0].count, b.ranks.len()), (1, 4, 1));
+
+        let mut stream = client
+            .export(ExportRequest { job_id: "x".into() })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut seqs = Vec::new();
+        while let Some(c) = stream.message().await.unwrap() {
+            seqs.push(c.seq);
+        }
+        assert_eq!(seqs, (0..1000).filter(|s| s % 3 == 0).collect::<Vec<_>>());
+
+        let err = client
+            .export(ExportRequest {
+                job_id: "nope".into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::NotFound);
+
+        let mut watch = client
+            .watch(WatchRequest { job_id: "y".into() })
+            .await
+            .unwrap()
+            .into_inner();
+        // The subscription exists once the call returned; publish after it, filtered to job y.
+        for s in 0..5 {
+            d.hub.publish(coll(if s % 2 == 0 { "y" } else { "z" }, s));
+        }
+        for want in [0, 2, 4] {
+            let c = watch.message().await.unwrap().unwrap();
+            assert_eq!((c.job_id.as_str(), c.seq), ("y", want));
+        }
+
+        d.stop.take().unwrap().send(()).unwrap();
+        drop(watch);
+        d.task.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn bind_replaces_a_stale_socket_but_not_a_live_one_or_a_file() {
+        let d = start().await;
+        let err = bind(&d.socket).unwrap_err().to_string();
+        assert!(err.contains("already serves"), "{err}");
+        d.task.abort();
+        let _ = d.task.await;
+        // The listener is gone; the socket file is left behind, stale.
+        assert!(d.socket.exists());
+        drop(bind(&d.socket).unwrap());
+
+        let file = d._dir.path().join("plain");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(
+            bind(&file)
+                .unwrap_err()
+                .to_string()
+                .contains("not a socket")
+        );
+    }
+
+    #[tokio::test]
+    async fn connecting_to_no_daemon_says_what_to_check() {
+        let err = connect(Path::new("/nonexistent/ncclscope/api.sock"))
+            .await
+            .unwrap_err();
+        assert!(
+            format!("{err:#}").contains("is `ncclscope daemon` running"),
+            "{err:#}"
+        );
+    }
+
+    #[test]
+    fn tcp_is_refused_without_tls() {
+        for addr in ["tcp://0.0.0.0:7000", "127.0.0.1:7000", "http://x:1"] {
+            let err = ApiAddr::parse(addr).unwrap_err().to_string();
+            assert!(err.contains("TLS"), "{err}");
+        }
+        assert_eq!(
+            ApiAddr::parse("unix:/a/b").unwrap(),
+            ApiAddr::Unix("/a/b".into())
+        );
+        assert_eq!(
+            ApiAddr::parse("/a/b").unwrap(),
+            ApiAddr::Unix("/a/b".into())
+        );
+    }
+}
