@@ -3,4 +3,6 @@
 pub mod api;
 pub mod cli;
 pub mod hub;
+pub mod otlp_json;
+pub mod perfetto;
 pub mod spool;
