@@ -208,7 +208,7 @@ mod tests {
         let doc: Value = serde_json::from_slice(&w.finish().unwrap()).unwrap();
         let events = doc["traceEvents"].as_array().unwrap();
         let t0 = doc["metadata"]["ncclscope_t0_unix_ns"].as_u64().unwrap();
-        assert!(t0 < t && t0 % 1_000_000_000 == 0);
+        assert!(t0 < t && t0.is_multiple_of(1_000_000_000));
 
         let procs: Vec<_> = events
             .iter()
