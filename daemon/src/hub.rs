@@ -9,6 +9,18 @@ use std::sync::{Arc, Mutex};
 use ncclscope_proto::api::{Collective, ListJobsResponse, StatsResponse};
 use tokio::sync::broadcast;
 
+/// Where completed instances become durable before they are published: the spool. The engine calls
+/// it with each batch in completion order; `Ok` means the batch survives a crash.
+pub trait Durable: Send {
+    fn append(&mut self, batch: &[Arc<Collective>]) -> std::io::Result<()>;
+}
+
+impl Durable for crate::spool::Spool {
+    fn append(&mut self, batch: &[Arc<Collective>]) -> std::io::Result<()> {
+        crate::spool::Spool::append(self, batch)
+    }
+}
+
 /// Live subscribers that fall further behind than this many instances miss some (counted by them).
 pub const LIVE_BACKLOG: usize = 4096;
 

@@ -1,8 +1,79 @@
-//! STUB: not implemented yet.
+//! `ncclscope daemon`: the node daemon. Configuration from /etc/ncclscope/ncclscope.toml, then
+//! NCCLSCOPE_* variables, then these flags; READY=1 to systemd once every socket is bound; SIGTERM or
+//! SIGINT drains, flushes and exits.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::config::{Config, Overrides};
+use crate::hub::Hub;
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Configuration file (default /etc/ncclscope/ncclscope.toml, optional).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Registration socket for plugins.
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Segment name prefix under /dev/shm.
+    #[arg(long)]
+    pub shm_prefix: Option<String>,
+    /// Directory for per-segment resume state.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// Query API socket.
+    #[arg(long)]
+    pub api_socket: Option<PathBuf>,
+    /// Spool directory ("" disables the spool).
+    #[arg(long)]
+    pub spool_dir: Option<PathBuf>,
+    /// OTLP/gRPC endpoint, e.g. http://127.0.0.1:4317 ("" disables).
+    #[arg(long)]
+    pub otlp_endpoint: Option<String>,
+    /// Prometheus endpoint address ("" disables).
+    #[arg(long)]
+    pub prometheus_listen: Option<String>,
+    /// Fraction of collectives exported as spans.
+    #[arg(long)]
+    pub sample_ratio: Option<f64>,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("NCCLSCOPE_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let overrides = Overrides {
+        socket: args.socket,
+        shm_prefix: args.shm_prefix,
+        state_dir: args.state_dir,
+        api_socket: args.api_socket,
+        spool_dir: args.spool_dir,
+        otlp_endpoint: args.otlp_endpoint,
+        prometheus_listen: args.prometheus_listen,
+        sample_ratio: args.sample_ratio,
+    };
+    let config = Config::load(args.config.as_deref(), std::env::vars(), &overrides)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let running = crate::run::start(config, Arc::new(Hub::default())).await?;
+        if let Err(e) = crate::notify::notify("READY=1") {
+            tracing::warn!(error = %e, "could not notify systemd");
+        }
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = term.recv() => {},
+            _ = tokio::signal::ctrl_c() => {},
+        }
+        tracing::info!("stopping: draining segments and flushing exports");
+        let _ = crate::notify::notify("STOPPING=1");
+        running.stop().await
+    })
 }

@@ -1,0 +1,912 @@
+//! Turns one process's record stream into completed collective (and p2p) instances: resolves strings
+//! and communicators, joins each host Coll/P2p event with its kernel work, maps GPU time to host time.
+//!
+//! Joins: on the stock path a `KernelCh` names its operation (`parent` = the `CollStart` id), so the
+//! join is exact. On the device-hook path a `DevWork` carries only (channel, funcId, workCounter): it
+//! joins the oldest operation of its communicator still waiting for work on that channel (kernels of
+//! one communicator run in order), checked against the funcId's name when the host supplied one.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+use ncclscope_proto::api::{ChannelWork, Collective};
+use ncclscope_proto::{Record, StrId, TimingPath};
+use serde::{Deserialize, Serialize};
+
+use crate::bandwidth;
+
+/// Sinks a previous daemon already delivered an operation to (persisted in the segment state).
+pub mod done {
+    /// Spool, live subscribers, statistics and metrics.
+    pub const RECORDED: u8 = 1;
+    /// OTLP spans (or decided not to export: sampled out, dropped and counted).
+    pub const EXPORTED: u8 = 2;
+    pub const ALL: u8 = RECORDED | EXPORTED;
+}
+
+/// What the assembler counts; all monotonic.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AssembleCounters {
+    pub records: u64,
+    pub decode_errors: u64,
+    /// Kernel records whose operation is unknown (never started, or already closed).
+    pub kernel_unjoined: u64,
+    pub dev_work: u64,
+    pub dev_joined: u64,
+    /// Operations closed without all their kernel work (timeout, communicator end, process exit).
+    pub incomplete: u64,
+    /// Operations closed early because too many were in flight.
+    pub pending_overflow: u64,
+    /// Kernel work mapped to host time without any calibration of its device.
+    pub uncalibrated: u64,
+    /// Records for a communicator index that was never announced.
+    pub unknown_comm: u64,
+}
+
+/// A communicator as the process announced it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CommInfo {
+    pub comm: u32,
+    pub comm_hash: u64,
+    pub rank: u32,
+    pub nranks: u32,
+    pub nnodes: u32,
+    pub cuda_dev: i32,
+    pub name: u16,
+    pub device_hook: bool,
+    /// Finalized; kept so that re-reading its records after a restart still resolves it.
+    #[serde(default)]
+    pub ended: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Calibration {
+    pub offset_ns: i64,
+    pub error_ns: u32,
+}
+
+/// What must survive a daemon restart to interpret a segment from its committed tail on.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Dictionary {
+    pub strings: Vec<(u16, String)>,
+    pub func_names: Vec<(u32, u16)>,
+    pub calibrations: Vec<(i32, Calibration)>,
+    pub comms: Vec<CommInfo>,
+}
+
+struct Op {
+    comm: u32,
+    first_pos: u64,
+    is_p2p: bool,
+    seq: u64,
+    func: StrId,
+    datatype: StrId,
+    algo: StrId,
+    proto: StrId,
+    count: u64,
+    root: i32,
+    peer: i32,
+    n_channels: u8,
+    enqueue_ns: u64,
+    stop_ns: Option<u64>,
+    channels: Vec<ChannelWork>,
+    seen: u64,
+    last_progress_ns: u64,
+    prior: u8,
+}
+
+/// One finished operation, with where its records start in the segment (for the commit point).
+#[derive(Debug)]
+pub struct Completed {
+    pub coll: Arc<Collective>,
+    pub op_id: u64,
+    pub first_pos: u64,
+    /// Sinks that already have it (from a daemon that ran before a restart).
+    pub prior: u8,
+}
+
+/// Per-process assembly state.
+pub struct Assembler {
+    pid: u32,
+    job_id: String,
+    host: String,
+    strings: HashMap<u16, Arc<str>>,
+    func_names: HashMap<u32, u16>,
+    calibrations: HashMap<i32, Calibration>,
+    comms: HashMap<u32, CommInfo>,
+    /// Device-hook path: per (comm, channel), the operations awaiting work there, oldest first.
+    waiting: HashMap<(u32, u8), std::collections::VecDeque<u64>>,
+    ops: HashMap<u64, Op>,
+    by_pos: BTreeSet<(u64, u64)>,
+    /// Operations already delivered by a previous daemon: id -> (first record position, sinks).
+    prior: HashMap<u64, (u64, u8)>,
+    dictionary_changed: bool,
+    max_pending: usize,
+    pub counters: AssembleCounters,
+}
+
+impl Assembler {
+    pub fn new(pid: u32, job_id: String, host: String, max_pending: usize) -> Assembler {
+        Assembler {
+            pid,
+            job_id,
+            host,
+            strings: HashMap::new(),
+            func_names: HashMap::new(),
+            calibrations: HashMap::new(),
+            comms: HashMap::new(),
+            waiting: HashMap::new(),
+            ops: HashMap::new(),
+            by_pos: BTreeSet::new(),
+            prior: HashMap::new(),
+            dictionary_changed: false,
+            max_pending,
+            counters: AssembleCounters::default(),
+        }
+    }
+
+    /// Resumes from a persisted dictionary and the operations a previous daemon delivered.
+    pub fn restore(
+        &mut self,
+        dict: Dictionary,
+        delivered: impl IntoIterator<Item = (u64, u64, u8)>,
+    ) {
+        self.strings = dict
+            .strings
+            .into_iter()
+            .map(|(k, v)| (k, Arc::from(v)))
+            .collect();
+        self.func_names = dict.func_names.into_iter().collect();
+        self.calibrations = dict.calibrations.into_iter().collect();
+        self.comms = dict.comms.into_iter().map(|c| (c.comm, c)).collect();
+        self.prior = delivered
+            .into_iter()
+            .map(|(id, pos, flags)| (id, (pos, flags)))
+            .collect();
+    }
+
+    pub fn dictionary(&self) -> Dictionary {
+        let mut d = Dictionary {
+            strings: self
+                .strings
+                .iter()
+                .map(|(k, v)| (*k, v.to_string()))
+                .collect(),
+            func_names: self.func_names.iter().map(|(k, v)| (*k, *v)).collect(),
+            calibrations: self.calibrations.iter().map(|(k, v)| (*k, *v)).collect(),
+            comms: self.comms.values().cloned().collect(),
+        };
+        d.strings.sort_unstable_by_key(|e| e.0);
+        d.func_names.sort_unstable_by_key(|e| e.0);
+        d.calibrations.sort_unstable_by_key(|e| e.0);
+        d.comms.sort_unstable_by_key(|c| c.comm);
+        d
+    }
+
+    /// Whether the dictionary changed since the last call.
+    pub fn take_dictionary_changed(&mut self) -> bool {
+        std::mem::take(&mut self.dictionary_changed)
+    }
+
+    /// Communicators not finalized yet.
+    pub fn comms(&self) -> impl Iterator<Item = &CommInfo> {
+        self.comms.values().filter(|c| !c.ended)
+    }
+
+    /// An interned string ("" if unknown).
+    pub fn string(&self, id: u16) -> String {
+        self.text(StrId(id))
+    }
+
+    /// Largest calibration error bound among this process's devices.
+    pub fn max_calibration_error_ns(&self) -> u32 {
+        self.calibrations
+            .values()
+            .map(|c| c.error_ns)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Deliveries by a previous daemon still relevant: (op id, first record position, sinks).
+    pub fn prior_deliveries(&self) -> impl Iterator<Item = (u64, u64, u8)> + '_ {
+        self.prior.iter().map(|(id, (pos, f))| (*id, *pos, *f))
+    }
+
+    pub fn job_id(&self) -> &str {
+        &self.job_id
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Position of the first record of the oldest operation still in flight.
+    pub fn oldest_pending_pos(&self) -> Option<u64> {
+        self.by_pos.first().map(|&(pos, _)| pos)
+    }
+
+    pub fn pending(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Forgets prior deliveries whose records are now committed (they can never be read again).
+    pub fn prune_prior(&mut self, tail: u64) {
+        self.prior.retain(|_, (pos, _)| *pos >= tail);
+    }
+
+    /// Applies one record at stream position `pos`; finished operations are appended to `out`.
+    pub fn apply(&mut self, pos: u64, record: Record, now_ns: u64, out: &mut Vec<Completed>) {
+        self.counters.records += 1;
+        match record {
+            Record::Str { id, len, bytes } => {
+                let text = String::from_utf8_lossy(&bytes[..len as usize]);
+                self.strings.insert(id.0, Arc::from(text.as_ref()));
+                self.dictionary_changed = true;
+            }
+            Record::FuncName { func_id, name } => {
+                self.func_names.insert(func_id, name.0);
+                self.dictionary_changed = true;
+            }
+            Record::Calibration {
+                cuda_dev,
+                offset_ns,
+                error_ns,
+                ..
+            } => {
+                self.calibrations.insert(
+                    cuda_dev,
+                    Calibration {
+                        offset_ns,
+                        error_ns,
+                    },
+                );
+                self.dictionary_changed = true;
+            }
+            Record::Comm {
+                comm,
+                comm_hash,
+                rank,
+                nranks,
+                nnodes,
+                cuda_dev,
+                name,
+                path,
+                ..
+            } => {
+                let info = CommInfo {
+                    comm,
+                    comm_hash,
+                    rank,
+                    nranks,
+                    nnodes,
+                    cuda_dev,
+                    name: name.0,
+                    device_hook: path == TimingPath::DeviceHook,
+                    ended: false,
+                };
+                self.comms.insert(comm, info);
+                self.dictionary_changed = true;
+            }
+            Record::CommEnd { comm, .. } => {
+                let ids: Vec<u64> = self
+                    .ops
+                    .iter()
+                    .filter(|(_, op)| op.comm == comm)
+                    .map(|(id, _)| *id)
+                    .collect();
+                let mut ids: Vec<(u64, u64)> = ids
+                    .into_iter()
+                    .map(|id| (self.ops[&id].first_pos, id))
+                    .collect();
+                ids.sort_unstable();
+                for (_, id) in ids {
+                    self.finish(id, out);
+                }
+                self.waiting.retain(|(c, _), _| *c != comm);
+                if let Some(c) = self.comms.get_mut(&comm) {
+                    c.ended = true;
+                    self.dictionary_changed = true;
+                }
+            }
+            Record::CollStart {
+                comm,
+                id,
+                seq,
+                func,
+                datatype,
+                algo,
+                proto,
+                count,
+                root,
+                n_channels,
+                host_ns,
+                ..
+            } => {
+                let op = Op {
+                    comm,
+                    first_pos: pos,
+                    is_p2p: false,
+                    seq,
+                    func,
+                    datatype,
+                    algo,
+                    proto,
+                    count,
+                    root,
+                    peer: -1,
+                    n_channels,
+                    enqueue_ns: host_ns,
+                    stop_ns: None,
+                    channels: Vec::new(),
+                    seen: 0,
+                    last_progress_ns: now_ns,
+                    prior: 0,
+                };
+                self.start(id, op, out);
+            }
+            Record::P2pStart {
+                comm,
+                id,
+                func,
+                datatype,
+                count,
+                peer,
+                n_channels,
+                host_ns,
+            } => {
+                let op = Op {
+                    comm,
+                    first_pos: pos,
+                    is_p2p: true,
+                    // P2p has no NCCL sequence number: the plugin's process-unique, increasing op id.
+                    seq: id,
+                    func,
+                    datatype,
+                    algo: StrId(0),
+                    proto: StrId(0),
+                    count,
+                    root: -1,
+                    peer,
+                    n_channels,
+                    enqueue_ns: host_ns,
+                    stop_ns: None,
+                    channels: Vec::new(),
+                    seen: 0,
+                    last_progress_ns: now_ns,
+                    prior: 0,
+                };
+                self.start(id, op, out);
+            }
+            Record::OpStop { id, host_ns, .. } => {
+                if let Some(op) = self.ops.get_mut(&id) {
+                    op.stop_ns = Some(host_ns);
+                    op.last_progress_ns = now_ns;
+                    self.try_finish(id, out);
+                }
+            }
+            Record::KernelCh {
+                parent,
+                channel,
+                gpu_start,
+                gpu_stop,
+                ..
+            } => {
+                if self.ops.contains_key(&parent) {
+                    self.add_work(parent, channel, gpu_start, gpu_stop, 1, now_ns);
+                    self.try_finish(parent, out);
+                } else {
+                    self.counters.kernel_unjoined += 1;
+                }
+            }
+            // Phases refine a KernelCh that is already timed; the Collective has no place for them.
+            Record::KernelPhase { .. } => {}
+            Record::DevWork {
+                comm,
+                channel,
+                func_id,
+                gpu_start,
+                gpu_stop,
+                ..
+            } => {
+                self.counters.dev_work += 1;
+                let Some(queue) = self.waiting.get_mut(&(comm, channel)) else {
+                    return;
+                };
+                let Some(&id) = queue.front() else { return };
+                let Some(op) = self.ops.get(&id) else { return };
+                if let Some(name) = self
+                    .func_names
+                    .get(&func_id)
+                    .and_then(|s| self.strings.get(s))
+                {
+                    let func = self.strings.get(&op.func.0).map_or("", |s| s);
+                    if !func.is_empty()
+                        && !name
+                            .to_ascii_lowercase()
+                            .contains(&func.to_ascii_lowercase())
+                    {
+                        // Not this operation's kernel: joining would be wrong; the op keeps waiting.
+                        return;
+                    }
+                }
+                queue.pop_front();
+                self.counters.dev_joined += 1;
+                self.add_work(id, channel, gpu_start, gpu_stop, 1, now_ns);
+                self.try_finish(id, out);
+            }
+        }
+    }
+
+    fn start(&mut self, id: u64, mut op: Op, out: &mut Vec<Completed>) {
+        let Some(info) = self.comms.get(&op.comm) else {
+            self.counters.unknown_comm += 1;
+            return;
+        };
+        if let Some(&(_, flags)) = self.prior.get(&id) {
+            op.prior = flags;
+        }
+        if info.device_hook {
+            for ch in 0..op.n_channels.min(64) {
+                self.waiting.entry((op.comm, ch)).or_default().push_back(id);
+            }
+        }
+        if let Some(old) = self.ops.insert(id, op) {
+            // A reused id: close the old one as it is rather than mixing the two.
+            self.by_pos.remove(&(old.first_pos, id));
+            self.counters.incomplete += 1;
+        }
+        self.by_pos.insert((self.ops[&id].first_pos, id));
+        while self.ops.len() > self.max_pending {
+            let &(_, oldest) = self.by_pos.first().expect("ops and by_pos agree");
+            self.counters.pending_overflow += 1;
+            self.finish(oldest, out);
+        }
+    }
+
+    fn add_work(
+        &mut self,
+        id: u64,
+        channel: u8,
+        gpu_start: u64,
+        gpu_stop: u64,
+        items: u32,
+        now_ns: u64,
+    ) {
+        let cuda_dev = self
+            .ops
+            .get(&id)
+            .and_then(|op| self.comms.get(&op.comm))
+            .map_or(-1, |c| c.cuda_dev);
+        let offset = match self.calibrations.get(&cuda_dev) {
+            Some(c) => c.offset_ns,
+            None => {
+                self.counters.uncalibrated += 1;
+                0
+            }
+        };
+        let to_host = |gpu: u64| gpu.saturating_add_signed(offset);
+        let op = self.ops.get_mut(&id).expect("caller checked");
+        op.seen |= 1 << (channel & 63);
+        op.last_progress_ns = now_ns;
+        op.channels.push(ChannelWork {
+            channel: channel as u32,
+            start_unix_ns: to_host(gpu_start),
+            end_unix_ns: to_host(gpu_stop.max(gpu_start)),
+            work_items: items,
+        });
+    }
+
+    fn try_finish(&mut self, id: u64, out: &mut Vec<Completed>) {
+        let Some(op) = self.ops.get(&id) else { return };
+        if op.stop_ns.is_some() && op.seen.count_ones() >= op.n_channels as u32 {
+            self.finish(id, out);
+        }
+    }
+
+    /// Closes operations without progress for `timeout_ns`.
+    pub fn sweep(&mut self, now_ns: u64, timeout_ns: u64, out: &mut Vec<Completed>) {
+        let stale: Vec<(u64, u64)> = self
+            .ops
+            .iter()
+            .filter(|(_, op)| now_ns.saturating_sub(op.last_progress_ns) >= timeout_ns)
+            .map(|(id, op)| (op.first_pos, *id))
+            .collect();
+        let mut stale = stale;
+        stale.sort_unstable();
+        for (_, id) in stale {
+            self.finish(id, out);
+        }
+    }
+
+    /// Closes every operation in flight (the process is gone and its segment drained).
+    pub fn finish_all(&mut self, out: &mut Vec<Completed>) {
+        while let Some(&(_, id)) = self.by_pos.first() {
+            self.finish(id, out);
+        }
+    }
+
+    fn finish(&mut self, id: u64, out: &mut Vec<Completed>) {
+        let Some(op) = self.ops.remove(&id) else {
+            return;
+        };
+        self.by_pos.remove(&(op.first_pos, id));
+        if op.stop_ns.is_none() || op.seen.count_ones() < op.n_channels as u32 {
+            self.counters.incomplete += 1;
+        }
+        for ch in 0..op.n_channels.min(64) {
+            if let Some(q) = self.waiting.get_mut(&(op.comm, ch)) {
+                q.retain(|&x| x != id);
+            }
+        }
+        let coll = self.build(&op);
+        out.push(Completed {
+            coll: Arc::new(coll),
+            op_id: id,
+            first_pos: op.first_pos,
+            prior: op.prior,
+        });
+    }
+
+    fn text(&self, id: StrId) -> String {
+        self.strings
+            .get(&id.0)
+            .map_or_else(String::new, |s| s.to_string())
+    }
+
+    fn build(&self, op: &Op) -> Collective {
+        let info = self.comms.get(&op.comm);
+        let nranks = info.map_or(1, |c| c.nranks);
+        let func = self.text(op.func);
+        let datatype = self.text(op.datatype);
+        let msg = bandwidth::datatype_size(&datatype)
+            .unwrap_or(0)
+            .saturating_mul(op.count);
+        let bytes = bandwidth::inspector_bytes(&func, msg, nranks);
+        let mut channels = op.channels.clone();
+        channels.sort_unstable_by_key(|c| c.channel);
+        let (timing_source, start, end, exec) = if channels.is_empty() {
+            let end = op.stop_ns.unwrap_or(op.enqueue_ns);
+            (
+                "host",
+                op.enqueue_ns,
+                end,
+                end.saturating_sub(op.enqueue_ns),
+            )
+        } else {
+            let start = channels.iter().map(|c| c.start_unix_ns).min().unwrap_or(0);
+            let end = channels.iter().map(|c| c.end_unix_ns).max().unwrap_or(0);
+            let exec = channels
+                .iter()
+                .map(|c| c.end_unix_ns - c.start_unix_ns)
+                .max()
+                .unwrap_or(0);
+            let source = if info.is_some_and(|c| c.device_hook) {
+                "device_hook"
+            } else {
+                "kernel_gpu"
+            };
+            (source, start, end, exec)
+        };
+        let (algbw, busbw) = bandwidth::bandwidths(&func, bytes, nranks, exec);
+        let calibration_error_ns = info
+            .and_then(|c| self.calibrations.get(&c.cuda_dev))
+            .map_or(if channels.is_empty() { 0 } else { u32::MAX }, |c| {
+                c.error_ns
+            });
+        Collective {
+            job_id: self.job_id.clone(),
+            host: self.host.clone(),
+            pid: self.pid,
+            comm_hash: info.map_or(0, |c| c.comm_hash),
+            comm_name: info.map_or_else(String::new, |c| self.text(StrId(c.name))),
+            rank: info.map_or(0, |c| c.rank),
+            nranks,
+            nnodes: info.map_or(1, |c| c.nnodes),
+            seq: op.seq,
+            func,
+            datatype,
+            algo: self.text(op.algo),
+            proto: self.text(op.proto),
+            count: op.count,
+            bytes,
+            root: op.root,
+            peer: op.peer,
+            n_channels: op.n_channels as u32,
+            enqueue_unix_ns: op.enqueue_ns,
+            start_unix_ns: start,
+            end_unix_ns: end,
+            exec_ns: exec,
+            timing_source: timing_source.into(),
+            algbw_gbs: algbw,
+            busbw_gbs: busbw,
+            calibration_error_ns,
+            channels,
+            is_p2p: op.is_p2p,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(id: u16, t: &str) -> Record {
+        Record::str(StrId(id), t.as_bytes())
+    }
+
+    fn comm(path: TimingPath) -> Record {
+        Record::Comm {
+            comm: 0,
+            comm_hash: 0xabc,
+            rank: 1,
+            nranks: 4,
+            nnodes: 1,
+            cuda_dev: 0,
+            name: StrId(0),
+            nccl_version: 23007,
+            path,
+            host_ns: 0,
+        }
+    }
+
+    fn coll(id: u64, seq: u64, n_channels: u8) -> Record {
+        Record::CollStart {
+            comm: 0,
+            id,
+            seq,
+            func: StrId(1),
+            datatype: StrId(2),
+            algo: StrId(3),
+            proto: StrId(4),
+            count: 1 << 20,
+            root: -1,
+            n_channels,
+            n_warps: 16,
+            host_ns: 1000,
+        }
+    }
+
+    fn feed(a: &mut Assembler, recs: &[Record]) -> Vec<Completed> {
+        let mut out = Vec::new();
+        for (i, r) in recs.iter().enumerate() {
+            a.apply(i as u64, *r, 0, &mut out);
+        }
+        out
+    }
+
+    fn prelude(path: TimingPath) -> Vec<Record> {
+        vec![
+            s(1, "AllReduce"),
+            s(2, "ncclFloat32"),
+            s(3, "RING"),
+            s(4, "LL128"),
+            Record::Calibration {
+                cuda_dev: 0,
+                offset_ns: 1_000_000,
+                error_ns: 250,
+                drift_ppb: 0,
+                host_ns: 0,
+            },
+            comm(path),
+        ]
+    }
+
+    #[test]
+    fn stock_path_joins_by_parent_and_applies_calibration() {
+        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut recs = prelude(TimingPath::KernelCh);
+        recs.push(coll(10, 5, 2));
+        recs.push(Record::OpStop {
+            comm: 0,
+            id: 10,
+            host_ns: 1500,
+        });
+        recs.push(Record::KernelCh {
+            comm: 0,
+            parent: 10,
+            channel: 1,
+            gpu_start: 100,
+            gpu_stop: 900,
+            host_ns: 0,
+        });
+        // The op waits for its second channel.
+        assert!(feed(&mut a, &recs).is_empty());
+        let mut out = Vec::new();
+        a.apply(
+            99,
+            Record::KernelCh {
+                comm: 0,
+                parent: 10,
+                channel: 0,
+                gpu_start: 50,
+                gpu_stop: 500,
+                host_ns: 0,
+            },
+            0,
+            &mut out,
+        );
+        assert_eq!(out.len(), 1);
+        let c = &out[0].coll;
+        assert_eq!(out[0].first_pos, 6);
+        assert_eq!((c.comm_hash, c.rank, c.nranks, c.seq), (0xabc, 1, 4, 5));
+        assert_eq!(
+            (
+                c.func.as_str(),
+                c.datatype.as_str(),
+                c.algo.as_str(),
+                c.proto.as_str()
+            ),
+            ("AllReduce", "ncclFloat32", "RING", "LL128")
+        );
+        assert_eq!(c.timing_source, "kernel_gpu");
+        assert_eq!(c.start_unix_ns, 1_000_050);
+        assert_eq!(c.end_unix_ns, 1_000_900);
+        assert_eq!(c.exec_ns, 800, "max over channels");
+        assert_eq!(c.bytes, 4 << 20);
+        let expect_alg = (4u64 << 20) as f64 / 800.0;
+        assert!((c.algbw_gbs - expect_alg).abs() < 1e-9);
+        assert!((c.busbw_gbs - expect_alg * 1.5).abs() < 1e-9);
+        assert_eq!(c.calibration_error_ns, 250);
+        assert_eq!(
+            c.channels.iter().map(|w| w.channel).collect::<Vec<_>>(),
+            vec![0, 1]
+        );
+        assert_eq!(a.counters.incomplete, 0);
+        assert_eq!(a.oldest_pending_pos(), None);
+    }
+
+    #[test]
+    fn hook_path_joins_by_channel_order_and_checks_the_func_name() {
+        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut recs = prelude(TimingPath::DeviceHook);
+        recs.push(s(9, "AllReduce_Sum_f32_RING_LL"));
+        recs.push(Record::FuncName {
+            func_id: 42,
+            name: StrId(9),
+        });
+        recs.push(s(10, "Broadcast_RING_LL"));
+        recs.push(Record::FuncName {
+            func_id: 43,
+            name: StrId(10),
+        });
+        recs.push(coll(1, 0, 1));
+        recs.push(coll(2, 1, 1));
+        recs.push(Record::OpStop {
+            comm: 0,
+            id: 1,
+            host_ns: 0,
+        });
+        recs.push(Record::OpStop {
+            comm: 0,
+            id: 2,
+            host_ns: 0,
+        });
+        let dev = |f, t| Record::DevWork {
+            comm: 0,
+            channel: 0,
+            func_id: f,
+            work_counter: 0,
+            gpu_start: t,
+            gpu_stop: t + 10,
+        };
+        recs.push(dev(42, 100));
+        recs.push(dev(43, 200)); // wrong kernel for op 2: not joined
+        recs.push(dev(42, 300));
+        let out = feed(&mut a, &recs);
+        let seqs: Vec<(u64, u64)> = out
+            .iter()
+            .map(|c| (c.coll.seq, c.coll.start_unix_ns))
+            .collect();
+        assert_eq!(seqs, vec![(0, 1_000_100), (1, 1_000_300)]);
+        assert_eq!(out[0].coll.timing_source, "device_hook");
+        assert_eq!((a.counters.dev_work, a.counters.dev_joined), (3, 2));
+    }
+
+    #[test]
+    fn timeouts_comm_end_and_overflow_close_ops_as_incomplete() {
+        let mut a = Assembler::new(7, "job".into(), "node".into(), 2);
+        let mut recs = prelude(TimingPath::KernelCh);
+        recs.extend([coll(1, 0, 1), coll(2, 1, 1), coll(3, 2, 1)]);
+        let out = feed(&mut a, &recs);
+        assert_eq!(
+            out.iter().map(|c| c.op_id).collect::<Vec<_>>(),
+            vec![1],
+            "oldest closed on overflow"
+        );
+        assert_eq!(a.counters.pending_overflow, 1);
+        assert_eq!(a.oldest_pending_pos(), Some(7));
+        let mut out = Vec::new();
+        a.apply(
+            20,
+            Record::OpStop {
+                comm: 0,
+                id: 2,
+                host_ns: 2000,
+            },
+            50,
+            &mut out,
+        );
+        a.sweep(60, 20, &mut out);
+        assert_eq!(
+            out.iter().map(|c| c.op_id).collect::<Vec<_>>(),
+            vec![3],
+            "op 3 idle since 0"
+        );
+        assert_eq!(out[0].coll.timing_source, "host");
+        a.apply(
+            21,
+            Record::CommEnd {
+                comm: 0,
+                host_ns: 0,
+            },
+            60,
+            &mut out,
+        );
+        assert_eq!(out.iter().map(|c| c.op_id).collect::<Vec<_>>(), vec![3, 2]);
+        assert_eq!(out[1].coll.exec_ns, 1000, "host timing: enqueue to stop");
+        assert_eq!(a.counters.incomplete, 3);
+        assert_eq!(a.pending(), 0);
+    }
+
+    #[test]
+    fn restore_resumes_with_the_dictionary_and_marks_prior_deliveries() {
+        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        feed(&mut a, &prelude(TimingPath::KernelCh));
+        assert!(a.take_dictionary_changed());
+        let dict = a.dictionary();
+        let mut b = Assembler::new(7, "job".into(), "node".into(), 100);
+        b.restore(dict, [(10, 6, done::RECORDED)]);
+        let mut out = Vec::new();
+        b.apply(6, coll(10, 5, 0), 0, &mut out);
+        b.apply(
+            7,
+            Record::OpStop {
+                comm: 0,
+                id: 10,
+                host_ns: 1000,
+            },
+            0,
+            &mut out,
+        );
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].prior, done::RECORDED);
+        assert_eq!(out[0].coll.func, "AllReduce");
+        b.prune_prior(7);
+        assert!(b.prior.is_empty());
+    }
+
+    #[test]
+    fn unknown_references_are_counted_not_fatal() {
+        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut out = Vec::new();
+        a.apply(0, coll(1, 0, 1), 0, &mut out);
+        a.apply(
+            1,
+            Record::KernelCh {
+                comm: 0,
+                parent: 1,
+                channel: 0,
+                gpu_start: 0,
+                gpu_stop: 1,
+                host_ns: 0,
+            },
+            0,
+            &mut out,
+        );
+        a.apply(
+            2,
+            Record::OpStop {
+                comm: 0,
+                id: 1,
+                host_ns: 0,
+            },
+            0,
+            &mut out,
+        );
+        assert!(out.is_empty());
+        assert_eq!(
+            (a.counters.unknown_comm, a.counters.kernel_unjoined),
+            (1, 1)
+        );
+    }
+}

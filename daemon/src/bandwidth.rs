@@ -1,0 +1,112 @@
+//! Message sizes and bandwidths exactly as NCCL Inspector defines them, so ncclscope's busBW can be
+//! compared with Inspector's and nccl-tests': algBW = bytes / exec time, busBW = algBW * factor, where
+//!
+//! | collective | bytes | busBW factor |
+//! |---|---|---|
+//! | AllReduce | msg | 2(n-1)/n |
+//! | AllGather(V), ReduceScatter | msg * nranks | (n-1)/n |
+//! | everything else (Reduce, Broadcast, p2p) | msg | 1 |
+//!
+//! with msg = count * sizeof(datatype).
+
+/// Bytes per element of an NCCL datatype, by the name NCCL gives the profiler (`ncclFloat32`, ...).
+pub fn datatype_size(name: &str) -> Option<u64> {
+    let n = name
+        .strip_prefix("nccl")
+        .unwrap_or(name)
+        .to_ascii_lowercase();
+    Some(match n.as_str() {
+        "int8" | "char" | "uint8" | "float8e4m3" | "float8e5m2" => 1,
+        "float16" | "half" | "bfloat16" => 2,
+        "int32" | "int" | "uint32" | "float32" | "float" => 4,
+        "int64" | "uint64" | "float64" | "double" => 8,
+        _ => return None,
+    })
+}
+
+/// The bytes Inspector divides by the execution time for `func` with a message of `msg_bytes`.
+pub fn inspector_bytes(func: &str, msg_bytes: u64, nranks: u32) -> u64 {
+    match func {
+        "AllGather" | "AllGatherV" | "ReduceScatter" => msg_bytes.saturating_mul(nranks as u64),
+        _ => msg_bytes,
+    }
+}
+
+/// Inspector's busBW factor for `func` over `nranks` ranks.
+pub fn bus_factor(func: &str, nranks: u32) -> f64 {
+    let n = nranks.max(1) as f64;
+    match func {
+        "AllReduce" => 2.0 * (n - 1.0) / n,
+        "AllGather" | "AllGatherV" | "ReduceScatter" => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+/// (algBW, busBW) in GB/s (10^9 bytes per second); zero when there is no execution time.
+pub fn bandwidths(func: &str, bytes: u64, nranks: u32, exec_ns: u64) -> (f64, f64) {
+    if exec_ns == 0 {
+        return (0.0, 0.0);
+    }
+    let alg = bytes as f64 / exec_ns as f64; // bytes per ns = GB/s
+    (alg, alg * bus_factor(func, nranks))
+}
+
+/// Labels of the message-size buckets: powers of two from 1 KiB to 16 GiB, as "upper bound".
+pub fn size_bucket(bytes: u64) -> &'static str {
+    const LABELS: [&str; 25] = [
+        "<=1KiB", "<=2KiB", "<=4KiB", "<=8KiB", "<=16KiB", "<=32KiB", "<=64KiB", "<=128KiB",
+        "<=256KiB", "<=512KiB", "<=1MiB", "<=2MiB", "<=4MiB", "<=8MiB", "<=16MiB", "<=32MiB",
+        "<=64MiB", "<=128MiB", "<=256MiB", "<=512MiB", "<=1GiB", "<=2GiB", "<=4GiB", "<=8GiB",
+        ">8GiB",
+    ];
+    let log = 64 - bytes.max(1).saturating_sub(1).leading_zeros() as usize; // ceil(log2)
+    LABELS[log.saturating_sub(10).min(LABELS.len() - 1)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn datatypes_by_nccl_name() {
+        assert_eq!(datatype_size("ncclFloat32"), Some(4));
+        assert_eq!(datatype_size("ncclBfloat16"), Some(2));
+        assert_eq!(datatype_size("ncclInt8"), Some(1));
+        assert_eq!(datatype_size("ncclFloat64"), Some(8));
+        assert_eq!(datatype_size("ncclFloat8e4m3"), Some(1));
+        assert_eq!(datatype_size("ncclUint64"), Some(8));
+        assert_eq!(datatype_size("ncclNothing"), None);
+    }
+
+    #[test]
+    fn inspector_definitions() {
+        // 1 GB AllReduce over 8 ranks in 10 ms: algBW 100 GB/s, busBW 175 GB/s.
+        let (alg, bus) = bandwidths(
+            "AllReduce",
+            inspector_bytes("AllReduce", 1_000_000_000, 8),
+            8,
+            10_000_000,
+        );
+        assert!(
+            (alg - 100.0).abs() < 1e-9 && (bus - 175.0).abs() < 1e-9,
+            "{alg} {bus}"
+        );
+        // AllGather: bytes are msg * nranks, factor (n-1)/n.
+        let b = inspector_bytes("AllGather", 1_000_000, 4);
+        assert_eq!(b, 4_000_000);
+        let (alg, bus) = bandwidths("AllGather", b, 4, 1_000_000);
+        assert!((alg - 4.0).abs() < 1e-9 && (bus - 3.0).abs() < 1e-9);
+        assert_eq!(bus_factor("Broadcast", 8), 1.0);
+        assert_eq!(bus_factor("Send", 8), 1.0);
+        assert_eq!(bandwidths("AllReduce", 10, 2, 0), (0.0, 0.0));
+    }
+
+    #[test]
+    fn size_buckets() {
+        assert_eq!(size_bucket(0), "<=1KiB");
+        assert_eq!(size_bucket(1024), "<=1KiB");
+        assert_eq!(size_bucket(1025), "<=2KiB");
+        assert_eq!(size_bucket(1 << 20), "<=1MiB");
+        assert_eq!(size_bucket(u64::MAX), ">8GiB");
+    }
+}

@@ -1,0 +1,519 @@
+//! The daemon's configuration: built-in defaults, then the TOML file, then `NCCLSCOPE_*` environment
+//! variables, then command-line flags. Every layer is checked against the same schema (unknown keys
+//! are errors) and [`Config::validate`] checks what spans several keys; errors name the bad key.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Where the daemon looks for its configuration file when none is given.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/ncclscope/ncclscope.toml";
+/// Prefix of the environment variables that override keys: `NCCLSCOPE_<SECTION>_<KEY>`.
+pub const ENV_PREFIX: &str = "NCCLSCOPE_";
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Unix socket where plugins register their segments (the plugin's `NCCLSCOPE_SOCKET`).
+    pub socket: PathBuf,
+    /// Segment name prefix under /dev/shm (the plugin's `NCCLSCOPE_SHM_PREFIX`).
+    pub shm_prefix: String,
+    /// Per-segment state (string table, communicators, calibration, already-exported operations) that
+    /// lets a restarted daemon resume a segment. On tmpfs it lives exactly as long as the segments.
+    pub state_dir: PathBuf,
+    /// Unix socket of the gRPC query API (`ncclscope top|stats|export`).
+    pub api_socket: PathBuf,
+    /// Deadline for draining and flushing on SIGTERM, in milliseconds.
+    pub shutdown_timeout_ms: u64,
+    pub drain: Drain,
+    pub aggregate: Aggregate,
+    pub otlp: Otlp,
+    pub prometheus: Prometheus,
+    pub spool: Spool,
+}
+
+/// The per-job spool behind `ncclscope export`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Spool {
+    /// Directory; empty disables the spool (and `export` from it).
+    pub dir: PathBuf,
+    pub max_bytes: u64,
+    pub max_age_hours: u64,
+}
+
+impl Default for Spool {
+    fn default() -> Self {
+        Spool {
+            dir: PathBuf::from("/var/lib/ncclscope/spool"),
+            max_bytes: 1 << 30,
+            max_age_hours: 7 * 24,
+        }
+    }
+}
+
+/// How segments are drained: one shared ticker over all segments, adaptive between the two intervals.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Drain {
+    pub min_interval_ms: u64,
+    pub max_interval_ms: u64,
+    /// Records read from one segment per tick, so one busy process cannot starve the others.
+    pub batch_records: usize,
+    /// Segments attached at once; registrations beyond it are refused.
+    pub max_segments: usize,
+    /// How often /dev/shm is rescanned for segments that never registered, in milliseconds (0: only at start).
+    pub rescan_interval_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Aggregate {
+    /// An operation that has made no progress for this long is completed with what it has (counted).
+    pub op_timeout_ms: u64,
+    /// Operations in flight per process; a process beyond it has its oldest completed as incomplete.
+    pub max_pending_ops: usize,
+    /// How long the ranks of one collective on this node are awaited for the skew/straggler computation.
+    pub skew_window_ms: u64,
+    /// Metric series (job, communicator, collective, size bucket); beyond it new series fold into "other".
+    pub max_series: usize,
+    /// Width of the rolling window behind p50/p99 in the stats API, in seconds.
+    pub rolling_window_s: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Otlp {
+    /// OTLP/gRPC endpoint such as `http://127.0.0.1:4317`; empty disables OTLP export.
+    pub endpoint: String,
+    /// Fraction of collective instances exported as spans, decided from (commHash, seq) so that every
+    /// rank on every node keeps the same ones. Metrics are never sampled.
+    pub sample_ratio: f64,
+    /// Also keep every instance slower than this factor times its series' rolling p50 (0 disables).
+    pub slow_factor: f64,
+    /// Emit one child span per channel under each rank's span.
+    pub channel_spans: bool,
+    /// Spans waiting for export; beyond it new spans are dropped and counted.
+    pub queue_spans: usize,
+    pub batch_spans: usize,
+    pub batch_timeout_ms: u64,
+    /// Attempts per batch (with exponential backoff) before the batch is dropped and counted.
+    pub max_attempts: u32,
+    pub request_timeout_ms: u64,
+    /// Period of the OTLP metrics export, in milliseconds.
+    pub metrics_interval_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Prometheus {
+    /// Address of the Prometheus text endpoint (`/metrics`); empty disables it.
+    pub listen: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            socket: PathBuf::from("/run/ncclscope/ncclscope.sock"),
+            shm_prefix: ncclscope_proto::segment::DEFAULT_PREFIX.to_string(),
+            state_dir: PathBuf::from("/run/ncclscope/state"),
+            api_socket: PathBuf::from(crate::api::DEFAULT_API_SOCKET),
+            shutdown_timeout_ms: 5000,
+            drain: Drain::default(),
+            aggregate: Aggregate::default(),
+            otlp: Otlp::default(),
+            prometheus: Prometheus::default(),
+            spool: Spool::default(),
+        }
+    }
+}
+
+impl Default for Drain {
+    fn default() -> Self {
+        Drain {
+            min_interval_ms: 1,
+            max_interval_ms: 10,
+            batch_records: 8192,
+            max_segments: 1024,
+            rescan_interval_ms: 5000,
+        }
+    }
+}
+
+impl Default for Aggregate {
+    fn default() -> Self {
+        Aggregate {
+            op_timeout_ms: 10_000,
+            max_pending_ops: 16_384,
+            skew_window_ms: 2000,
+            max_series: 4096,
+            rolling_window_s: 60,
+        }
+    }
+}
+
+impl Default for Otlp {
+    fn default() -> Self {
+        Otlp {
+            endpoint: String::new(),
+            sample_ratio: 1.0,
+            slow_factor: 4.0,
+            channel_spans: false,
+            queue_spans: 65_536,
+            batch_spans: 1024,
+            batch_timeout_ms: 200,
+            max_attempts: 5,
+            request_timeout_ms: 5000,
+            metrics_interval_ms: 10_000,
+        }
+    }
+}
+
+impl Default for Prometheus {
+    fn default() -> Self {
+        Prometheus {
+            listen: "127.0.0.1:9464".into(),
+        }
+    }
+}
+
+/// A configuration error that names the key (or file, or variable) at fault.
+#[derive(Debug, thiserror::Error)]
+#[error("{origin}: {message}")]
+pub struct ConfigError {
+    pub origin: String,
+    pub message: String,
+}
+
+fn err(origin: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        origin: origin.into(),
+        message: message.into(),
+    }
+}
+
+/// Values given on the command line; `None` leaves the lower layers alone.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    pub socket: Option<PathBuf>,
+    pub shm_prefix: Option<String>,
+    pub state_dir: Option<PathBuf>,
+    pub api_socket: Option<PathBuf>,
+    pub spool_dir: Option<PathBuf>,
+    pub otlp_endpoint: Option<String>,
+    pub prometheus_listen: Option<String>,
+    pub sample_ratio: Option<f64>,
+}
+
+impl Config {
+    /// Loads the layers. `file` given explicitly must exist; the default path may be absent.
+    pub fn load(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+        flags: &Overrides,
+    ) -> Result<Config, ConfigError> {
+        let mut table =
+            toml::Table::try_from(Config::default()).map_err(|e| err("defaults", e.to_string()))?;
+        let path = file.unwrap_or(Path::new(DEFAULT_CONFIG_PATH));
+        match std::fs::read_to_string(path) {
+            Ok(text) => {
+                let from_file: toml::Table = text
+                    .parse()
+                    .map_err(|e: toml::de::Error| err(path.display().to_string(), e.to_string()))?;
+                // Deserialize the file alone first so that unknown keys are reported against it.
+                Config::deserialize(toml::Value::Table(from_file.clone()))
+                    .map_err(|e| err(path.display().to_string(), e.to_string()))?;
+                merge(&mut table, from_file);
+            }
+            Err(e) if file.is_none() && e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(err(path.display().to_string(), e.to_string())),
+        }
+        apply_env(&mut table, env)?;
+        let mut config = Config::deserialize(toml::Value::Table(table))
+            .map_err(|e| err("configuration", e.to_string()))?;
+        let f = flags.clone();
+        if let Some(v) = f.socket {
+            config.socket = v;
+        }
+        if let Some(v) = f.shm_prefix {
+            config.shm_prefix = v;
+        }
+        if let Some(v) = f.state_dir {
+            config.state_dir = v;
+        }
+        if let Some(v) = f.api_socket {
+            config.api_socket = v;
+        }
+        if let Some(v) = f.spool_dir {
+            config.spool.dir = v;
+        }
+        if let Some(v) = f.otlp_endpoint {
+            config.otlp.endpoint = v;
+        }
+        if let Some(v) = f.prometheus_listen {
+            config.prometheus.listen = v;
+        }
+        if let Some(v) = f.sample_ratio {
+            config.otlp.sample_ratio = v;
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks ranges and relations between keys.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("drain.min_interval_ms", self.drain.min_interval_ms),
+            ("drain.max_interval_ms", self.drain.max_interval_ms),
+            ("drain.batch_records", self.drain.batch_records as u64),
+            ("drain.max_segments", self.drain.max_segments as u64),
+            ("aggregate.op_timeout_ms", self.aggregate.op_timeout_ms),
+            (
+                "aggregate.max_pending_ops",
+                self.aggregate.max_pending_ops as u64,
+            ),
+            ("aggregate.max_series", self.aggregate.max_series as u64),
+            (
+                "aggregate.rolling_window_s",
+                self.aggregate.rolling_window_s,
+            ),
+            ("otlp.queue_spans", self.otlp.queue_spans as u64),
+            ("otlp.batch_spans", self.otlp.batch_spans as u64),
+            ("otlp.batch_timeout_ms", self.otlp.batch_timeout_ms),
+            ("otlp.max_attempts", self.otlp.max_attempts as u64),
+            ("otlp.request_timeout_ms", self.otlp.request_timeout_ms),
+            ("otlp.metrics_interval_ms", self.otlp.metrics_interval_ms),
+            ("shutdown_timeout_ms", self.shutdown_timeout_ms),
+            ("spool.max_bytes", self.spool.max_bytes),
+            ("spool.max_age_hours", self.spool.max_age_hours),
+        ];
+        for (key, v) in positive {
+            if v == 0 {
+                return Err(err(key, "must be greater than 0"));
+            }
+        }
+        if self.drain.max_interval_ms < self.drain.min_interval_ms {
+            return Err(err(
+                "drain.max_interval_ms",
+                "must be >= drain.min_interval_ms",
+            ));
+        }
+        if self.otlp.batch_spans > self.otlp.queue_spans {
+            return Err(err("otlp.batch_spans", "must be <= otlp.queue_spans"));
+        }
+        if !(0.0..=1.0).contains(&self.otlp.sample_ratio) {
+            return Err(err(
+                "otlp.sample_ratio",
+                format!("{} is not in [0, 1]", self.otlp.sample_ratio),
+            ));
+        }
+        if !(self.otlp.slow_factor == 0.0 || self.otlp.slow_factor >= 1.0) {
+            return Err(err("otlp.slow_factor", "must be 0 (off) or >= 1"));
+        }
+        if !self.otlp.endpoint.is_empty() {
+            let ok = (self.otlp.endpoint.starts_with("http://")
+                || self.otlp.endpoint.starts_with("https://"))
+                && self.otlp.endpoint.parse::<tonic::transport::Uri>().is_ok();
+            if !ok {
+                return Err(err(
+                    "otlp.endpoint",
+                    format!("{:?} is not an http(s):// URL", self.otlp.endpoint),
+                ));
+            }
+        }
+        if !self.prometheus.listen.is_empty()
+            && self.prometheus.listen.parse::<SocketAddr>().is_err()
+        {
+            return Err(err(
+                "prometheus.listen",
+                format!("{:?} is not an address:port", self.prometheus.listen),
+            ));
+        }
+        if self.shm_prefix.is_empty() || self.shm_prefix.contains('/') {
+            return Err(err("shm_prefix", "must be non-empty and contain no '/'"));
+        }
+        if self.socket.as_os_str().is_empty() {
+            return Err(err("socket", "must not be empty"));
+        }
+        if self.api_socket.as_os_str().is_empty() || self.api_socket == self.socket {
+            return Err(err("api_socket", "must be set and differ from socket"));
+        }
+        if self.state_dir.as_os_str().is_empty() {
+            return Err(err("state_dir", "must not be empty"));
+        }
+        Ok(())
+    }
+
+    pub fn shutdown_timeout(&self) -> Duration {
+        Duration::from_millis(self.shutdown_timeout_ms)
+    }
+}
+
+/// Overlays `top` onto `base`, key by key, recursing into tables.
+fn merge(base: &mut toml::Table, top: toml::Table) {
+    for (k, v) in top {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(t)) => merge(b, t),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+/// Applies `NCCLSCOPE_<PATH>` variables to the keys they name (`NCCLSCOPE_OTLP_ENDPOINT` ->
+/// `otlp.endpoint`). Variables that name no key are left alone: the plugin shares the prefix.
+fn apply_env(
+    table: &mut toml::Table,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<(), ConfigError> {
+    let mut keys = Vec::new();
+    leaf_keys(table, &mut Vec::new(), &mut keys);
+    for (var, raw) in env {
+        let Some(rest) = var.strip_prefix(ENV_PREFIX) else {
+            continue;
+        };
+        let Some(path) = keys
+            .iter()
+            .find(|p| p.join("_").to_ascii_uppercase() == rest)
+        else {
+            continue;
+        };
+        let (section, key) = path.split_at(path.len() - 1);
+        let mut at = &mut *table;
+        for s in section {
+            at = at
+                .get_mut(s)
+                .and_then(toml::Value::as_table_mut)
+                .expect("leaf_keys walks tables");
+        }
+        // Typed keys take TOML syntax (numbers, booleans); strings may be given bare.
+        let is_string = matches!(at.get(&key[0]), Some(toml::Value::String(_)));
+        let value = if is_string {
+            toml::Value::String(raw.clone())
+        } else {
+            let doc: toml::Table = format!("v = {raw}").parse().map_err(|_| {
+                err(
+                    &var,
+                    format!("{raw:?} is not a valid value for {}", path.join(".")),
+                )
+            })?;
+            doc["v"].clone()
+        };
+        at.insert(key[0].clone(), value);
+        Config::deserialize(toml::Value::Table(table.clone()))
+            .map_err(|e| err(&var, e.to_string()))?;
+    }
+    Ok(())
+}
+
+fn leaf_keys(table: &toml::Table, prefix: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+    for (k, v) in table {
+        prefix.push(k.clone());
+        match v {
+            toml::Value::Table(t) => leaf_keys(t, prefix, out),
+            _ => out.push(prefix.clone()),
+        }
+        prefix.pop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(file: &str, env: &[(&str, &str)], flags: Overrides) -> Result<Config, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ncclscope.toml");
+        std::fs::write(&path, file).unwrap();
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        Config::load(Some(&path), env, &flags)
+    }
+
+    #[test]
+    fn layers_apply_in_order_file_env_flags() {
+        let c = load(
+            "shm_prefix = \"fromfile\"\n[otlp]\nendpoint = \"http://file:4317\"\nsample_ratio = 0.5\n[drain]\nbatch_records = 100\n",
+            &[("NCCLSCOPE_OTLP_SAMPLE_RATIO", "0.25"), ("NCCLSCOPE_DRAIN_MAX_INTERVAL_MS", "20"), ("NCCLSCOPE_JOB_ID", "x")],
+            Overrides { otlp_endpoint: Some("http://flag:4317".into()), ..Default::default() },
+        )
+        .unwrap();
+        assert_eq!(c.shm_prefix, "fromfile");
+        assert_eq!(c.otlp.endpoint, "http://flag:4317");
+        assert_eq!(c.otlp.sample_ratio, 0.25);
+        assert_eq!(c.drain.batch_records, 100);
+        assert_eq!(c.drain.max_interval_ms, 20);
+        assert_eq!(c.drain.min_interval_ms, Drain::default().min_interval_ms);
+    }
+
+    #[test]
+    fn errors_name_the_bad_key() {
+        let e = load("[otlp]\nendpont = \"x\"\n", &[], Overrides::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("endpont"), "{e}");
+        let e = load(
+            "[drain]\nbatch_records = \"many\"\n",
+            &[],
+            Overrides::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("batch_records"), "{e}");
+        let e = load(
+            "",
+            &[("NCCLSCOPE_DRAIN_BATCH_RECORDS", "lots")],
+            Overrides::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("NCCLSCOPE_DRAIN_BATCH_RECORDS"), "{e}");
+        let e = load(
+            "[drain]\nmin_interval_ms = 50\nmax_interval_ms = 10\n",
+            &[],
+            Overrides::default(),
+        )
+        .unwrap_err();
+        assert_eq!(e.origin, "drain.max_interval_ms");
+        let e = load(
+            "[otlp]\nendpoint = \"localhost:4317\"\n",
+            &[],
+            Overrides::default(),
+        )
+        .unwrap_err();
+        assert_eq!(e.origin, "otlp.endpoint");
+        let e = load(
+            "",
+            &[],
+            Overrides {
+                sample_ratio: Some(1.5),
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert_eq!(e.origin, "otlp.sample_ratio");
+        let e = load(
+            "[prometheus]\nlisten = \"nowhere\"\n",
+            &[],
+            Overrides::default(),
+        )
+        .unwrap_err();
+        assert_eq!(e.origin, "prometheus.listen");
+    }
+
+    #[test]
+    fn an_explicit_file_must_exist_the_default_need_not() {
+        let missing = Path::new("/nonexistent/ncclscope.toml");
+        let e = Config::load(Some(missing), Vec::new(), &Overrides::default()).unwrap_err();
+        assert!(e.origin.contains("/nonexistent/ncclscope.toml"));
+    }
+
+    #[test]
+    fn the_shipped_example_is_valid() {
+        let text = include_str!("../../deploy/ncclscope.toml");
+        let c = load(text, &[], Overrides::default()).unwrap();
+        c.validate().unwrap();
+    }
+}

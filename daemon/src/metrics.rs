@@ -1,0 +1,400 @@
+//! The daemon's metrics, built once per snapshot into one neutral model and rendered two ways:
+//! Prometheus text (served on localhost) and OTLP metrics. Never sampled; label sets are bounded by
+//! the series cap ([`crate::stats`]) and the ranks attached to this node.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
+use opentelemetry_proto::tonic::metrics::v1::{
+    AggregationTemporality, Gauge, Histogram, HistogramDataPoint, Metric, NumberDataPoint, Sum,
+    metric, number_data_point,
+};
+
+use crate::histogram::Buckets;
+use crate::stats::Stats;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+#[derive(Clone, Debug)]
+pub enum Value {
+    Number(f64),
+    Histogram(Buckets),
+}
+
+#[derive(Clone, Debug)]
+pub struct Family {
+    pub name: &'static str,
+    pub help: &'static str,
+    pub kind: Kind,
+    pub points: Vec<(Vec<(&'static str, String)>, Value)>,
+}
+
+impl Family {
+    fn new(name: &'static str, help: &'static str, kind: Kind) -> Family {
+        Family {
+            name,
+            help,
+            kind,
+            points: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, labels: Vec<(&'static str, String)>, v: f64) {
+        self.points.push((labels, Value::Number(v)));
+    }
+}
+
+/// The daemon's own health: what came in and what was lost where.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Health {
+    pub segments: u64,
+    pub records_in: u64,
+    pub decode_errors: u64,
+    pub collectives: u64,
+    /// Per stage: every plugin counter (ring_full, queue_full, dev_lost, ...) and the daemon's own.
+    pub lost: BTreeMap<String, u64>,
+    pub spans_exported: u64,
+    pub export_errors: u64,
+    pub max_calibration_error_ns: u32,
+    pub dev_work: u64,
+    pub dev_joined: u64,
+}
+
+fn comm_label(hash: u64) -> String {
+    format!("{hash:016x}")
+}
+
+/// Builds every metric family from the statistics and the health counters.
+pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
+    let mut exec = Family::new(
+        "ncclscope_collective_exec_time_microseconds",
+        "Execution time per collective instance (max over channels of the kernel work time)",
+        Kind::Histogram,
+    );
+    let mut busbw = Family::new(
+        "ncclscope_collective_bus_bandwidth_gbs",
+        "Bus bandwidth per collective instance as NCCL Inspector defines it, GB/s",
+        Kind::Histogram,
+    );
+    let mut keys: Vec<_> = stats.series.iter().collect();
+    keys.sort_by(|a, b| a.0.cmp(b.0));
+    for (k, s) in keys {
+        let labels = vec![
+            ("job", k.job.to_string()),
+            ("comm", comm_label(k.comm_hash)),
+            ("collective", k.func.to_string()),
+            ("size_bucket", k.size_bucket.to_string()),
+            ("n_nodes", s.nnodes.to_string()),
+        ];
+        exec.points
+            .push((labels.clone(), Value::Histogram(s.exec_us.clone())));
+        busbw
+            .points
+            .push((labels, Value::Histogram(s.busbw_gbs.clone())));
+    }
+    let mut skew = Family::new(
+        "ncclscope_rank_skew_microseconds",
+        "How much later this rank's kernels started than the earliest rank of the same collective on this node",
+        Kind::Histogram,
+    );
+    let mut straggler = Family::new(
+        "ncclscope_rank_straggler_total",
+        "Collectives in which this rank was the last of the node's ranks to start (when=start) or to end (when=end)",
+        Kind::Counter,
+    );
+    let mut per_rank = Family::new(
+        "ncclscope_rank_collectives_total",
+        "Collective instances per rank",
+        Kind::Counter,
+    );
+    let mut ranks: Vec<_> = stats.ranks.iter().collect();
+    ranks.sort_by(|a, b| a.0.cmp(b.0));
+    for (k, r) in ranks {
+        let labels = vec![
+            ("job", k.job.to_string()),
+            ("comm", comm_label(k.comm_hash)),
+            ("rank", k.rank.to_string()),
+        ];
+        skew.points
+            .push((labels.clone(), Value::Histogram(r.skew_us.clone())));
+        let with = |when: &str| {
+            let mut l = labels.clone();
+            l.push(("when", when.to_string()));
+            l
+        };
+        straggler.push(with("start"), r.last_to_start as f64);
+        straggler.push(with("end"), r.last_to_end as f64);
+        per_rank.push(labels, r.collectives as f64);
+    }
+    let mut out = vec![exec, busbw, skew, straggler, per_rank];
+    let counter = |name, help, v: u64| {
+        let mut f = Family::new(name, help, Kind::Counter);
+        f.push(Vec::new(), v as f64);
+        f
+    };
+    let gauge = |name, help, v: f64| {
+        let mut f = Family::new(name, help, Kind::Gauge);
+        f.push(Vec::new(), v);
+        f
+    };
+    out.push(gauge(
+        "ncclscope_segments",
+        "Segments (NCCL processes) attached",
+        health.segments as f64,
+    ));
+    out.push(counter(
+        "ncclscope_records_total",
+        "Records read from segments",
+        health.records_in,
+    ));
+    out.push(counter(
+        "ncclscope_decode_errors_total",
+        "Records that did not decode",
+        health.decode_errors,
+    ));
+    out.push(counter(
+        "ncclscope_collectives_total",
+        "Collective and p2p instances completed",
+        health.collectives,
+    ));
+    let mut lost = Family::new(
+        "ncclscope_lost_total",
+        "Events lost (or declined) per stage: plugin counters and the daemon's own",
+        Kind::Counter,
+    );
+    for (stage, v) in &health.lost {
+        lost.push(vec![("stage", stage.clone())], *v as f64);
+    }
+    out.push(lost);
+    out.push(counter(
+        "ncclscope_spans_exported_total",
+        "Spans accepted by the OTLP receiver",
+        health.spans_exported,
+    ));
+    out.push(counter(
+        "ncclscope_export_errors_total",
+        "Failed OTLP export attempts",
+        health.export_errors,
+    ));
+    out.push(gauge(
+        "ncclscope_calibration_error_max_nanoseconds",
+        "Largest GPU-to-host clock calibration error bound among attached processes",
+        health.max_calibration_error_ns as f64,
+    ));
+    let join_rate = if health.dev_work == 0 {
+        1.0
+    } else {
+        health.dev_joined as f64 / health.dev_work as f64
+    };
+    out.push(gauge(
+        "ncclscope_device_hook_join_ratio",
+        "Fraction of device-hook work items joined to a host collective",
+        join_rate,
+    ));
+    out
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+fn label_text(labels: &[(&'static str, String)], extra: Option<(&str, String)>) -> String {
+    let mut parts: Vec<String> = labels
+        .iter()
+        .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
+        .collect();
+    if let Some((k, v)) = extra {
+        parts.push(format!("{k}=\"{v}\""));
+    }
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!("{{{}}}", parts.join(","))
+    }
+}
+
+/// Prometheus text exposition format 0.0.4.
+pub fn render_prometheus(families: &[Family]) -> String {
+    let mut out = String::new();
+    for f in families {
+        let kind = match f.kind {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        };
+        let _ = writeln!(
+            out,
+            "# HELP {} {}\n# TYPE {} {}",
+            f.name, f.help, f.name, kind
+        );
+        for (labels, v) in &f.points {
+            match v {
+                Value::Number(n) => {
+                    let _ = writeln!(out, "{}{} {}", f.name, label_text(labels, None), n);
+                }
+                Value::Histogram(b) => {
+                    let mut cum = 0;
+                    for (i, c) in b.counts.iter().enumerate() {
+                        cum += c;
+                        let le = b
+                            .bounds
+                            .get(i)
+                            .map_or("+Inf".to_string(), |x| x.to_string());
+                        let _ = writeln!(
+                            out,
+                            "{}_bucket{} {}",
+                            f.name,
+                            label_text(labels, Some(("le", le))),
+                            cum
+                        );
+                    }
+                    let _ = writeln!(out, "{}_sum{} {}", f.name, label_text(labels, None), b.sum);
+                    let _ = writeln!(
+                        out,
+                        "{}_count{} {}",
+                        f.name,
+                        label_text(labels, None),
+                        b.count
+                    );
+                }
+            }
+        }
+    }
+    out
+}
+
+fn attributes(labels: &[(&'static str, String)]) -> Vec<KeyValue> {
+    labels
+        .iter()
+        .map(|(k, v)| KeyValue {
+            key: k.to_string(),
+            value: Some(AnyValue {
+                value: Some(any_value::Value::StringValue(v.clone())),
+            }),
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// OTLP metrics, cumulative since `start_ns`.
+pub fn to_otlp(families: &[Family], start_ns: u64, now_ns: u64) -> Vec<Metric> {
+    let cumulative = AggregationTemporality::Cumulative as i32;
+    families
+        .iter()
+        .filter(|f| !f.points.is_empty())
+        .map(|f| {
+            let numbers = || {
+                f.points
+                    .iter()
+                    .filter_map(|(l, v)| match v {
+                        Value::Number(n) => Some(NumberDataPoint {
+                            attributes: attributes(l),
+                            start_time_unix_nano: start_ns,
+                            time_unix_nano: now_ns,
+                            value: Some(number_data_point::Value::AsDouble(*n)),
+                            ..Default::default()
+                        }),
+                        Value::Histogram(_) => None,
+                    })
+                    .collect()
+            };
+            let data = match f.kind {
+                Kind::Counter => metric::Data::Sum(Sum {
+                    data_points: numbers(),
+                    aggregation_temporality: cumulative,
+                    is_monotonic: true,
+                }),
+                Kind::Gauge => metric::Data::Gauge(Gauge {
+                    data_points: numbers(),
+                }),
+                Kind::Histogram => metric::Data::Histogram(Histogram {
+                    data_points: f
+                        .points
+                        .iter()
+                        .filter_map(|(l, v)| match v {
+                            Value::Histogram(b) => Some(HistogramDataPoint {
+                                attributes: attributes(l),
+                                start_time_unix_nano: start_ns,
+                                time_unix_nano: now_ns,
+                                count: b.count,
+                                sum: Some(b.sum),
+                                bucket_counts: b.counts.clone(),
+                                explicit_bounds: b.bounds.to_vec(),
+                                ..Default::default()
+                            }),
+                            Value::Number(_) => None,
+                        })
+                        .collect(),
+                    aggregation_temporality: cumulative,
+                }),
+            };
+            Metric {
+                name: f.name.to_string(),
+                description: f.help.to_string(),
+                data: Some(data),
+                ..Default::default()
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ncclscope_proto::api::Collective;
+
+    #[test]
+    fn prometheus_text_has_cumulative_buckets_and_escaped_labels() {
+        let mut stats = Stats::new(1_000_000_000, 1000, 10);
+        for exec in [1_500u64, 3_000, 3_000_000] {
+            let c = Collective {
+                job_id: "j\"1".into(),
+                comm_hash: 1,
+                func: "AllReduce".into(),
+                bytes: 4096,
+                exec_ns: exec,
+                busbw_gbs: 1.0,
+                nnodes: 1,
+                timing_source: "kernel_gpu".into(),
+                ..Default::default()
+            };
+            stats.observe(&c, 0);
+        }
+        let health = Health {
+            lost: BTreeMap::from([("ring_full".into(), 3)]),
+            ..Default::default()
+        };
+        let text = render_prometheus(&families(&stats, &health));
+        let l = "job=\"j\\\"1\",comm=\"0000000000000001\",collective=\"AllReduce\",size_bucket=\"<=4KiB\",n_nodes=\"1\"";
+        assert!(
+            text.contains(&format!(
+                "ncclscope_collective_exec_time_microseconds_bucket{{{l},le=\"2\"}} 1\n"
+            )),
+            "{text}"
+        );
+        assert!(text.contains(&format!(
+            "ncclscope_collective_exec_time_microseconds_bucket{{{l},le=\"5\"}} 2\n"
+        )));
+        assert!(text.contains(&format!(
+            "ncclscope_collective_exec_time_microseconds_bucket{{{l},le=\"+Inf\"}} 3\n"
+        )));
+        assert!(text.contains(&format!(
+            "ncclscope_collective_exec_time_microseconds_count{{{l}}} 3\n"
+        )));
+        assert!(text.contains("ncclscope_lost_total{stage=\"ring_full\"} 3\n"));
+        let otlp = to_otlp(&families(&stats, &health), 1, 2);
+        let Some(metric::Data::Histogram(h)) = &otlp[0].data else {
+            panic!()
+        };
+        assert_eq!(h.data_points[0].count, 3);
+        assert_eq!(h.data_points[0].bucket_counts.iter().sum::<u64>(), 3);
+    }
+}

@@ -1,0 +1,205 @@
+//! OTLP/gRPC export: a bounded span queue fed by the engine, batched, retried with exponential
+//! backoff, and dropped (counted) when the receiver stays away; plus the periodic metrics export.
+//! Each span item carries an acknowledgement the engine waits for before it commits the segment
+//! records behind it, so spans still queued when the daemon is killed are re-read and re-exported.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use ncclscope_proto::api::Collective;
+use opentelemetry_proto::tonic::collector::metrics::v1::ExportMetricsServiceRequest;
+use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_client::MetricsServiceClient;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_client::TraceServiceClient;
+use opentelemetry_proto::tonic::common::v1::{AnyValue, InstrumentationScope, KeyValue, any_value};
+use opentelemetry_proto::tonic::metrics::v1::{Metric, ResourceMetrics, ScopeMetrics};
+use opentelemetry_proto::tonic::resource::v1::Resource;
+use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans};
+use tokio::sync::mpsc;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::config::Otlp;
+use crate::spans;
+
+/// One instance to export. `acked` is its segment's acknowledgement cursor: after the attempt ends
+/// (accepted, or given up and counted) it is raised to `emit_no`. Items of one segment are queued in
+/// `emit_no` order and handled in queue order, so the cursor only moves forward.
+pub struct SpanItem {
+    pub coll: Arc<Collective>,
+    pub acked: Arc<AtomicU64>,
+    pub emit_no: u64,
+}
+
+/// Export outcomes, shared with the engine's health snapshot.
+#[derive(Debug, Default)]
+pub struct ExportCounters {
+    pub spans_exported: AtomicU64,
+    pub spans_dropped: AtomicU64,
+    pub export_errors: AtomicU64,
+    pub metrics_exported: AtomicU64,
+}
+
+fn resource(host: &str) -> Resource {
+    let kv = |k: &str, v: &str| KeyValue {
+        key: k.into(),
+        value: Some(AnyValue {
+            value: Some(any_value::Value::StringValue(v.into())),
+        }),
+        ..Default::default()
+    };
+    // One daemon serves many processes: process.pid is a span attribute, not a resource attribute.
+    Resource {
+        attributes: vec![kv("service.name", "ncclscope"), kv("host.name", host)],
+        ..Default::default()
+    }
+}
+
+fn scope() -> InstrumentationScope {
+    InstrumentationScope {
+        name: "ncclscope".into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        ..Default::default()
+    }
+}
+
+pub fn channel(endpoint: &str, timeout: Duration) -> Result<Channel, tonic::transport::Error> {
+    Ok(Endpoint::from_shared(endpoint.to_string())?
+        .timeout(timeout)
+        .connect_timeout(timeout)
+        .connect_lazy())
+}
+
+/// Runs until `spans` and `metrics` are both closed and drained.
+pub async fn run(
+    cfg: Otlp,
+    host: String,
+    channel: Channel,
+    mut spans: mpsc::Receiver<SpanItem>,
+    mut metrics: mpsc::Receiver<Vec<Metric>>,
+    counters: Arc<ExportCounters>,
+) {
+    let mut traces = TraceServiceClient::new(channel.clone());
+    let mut metric_client = MetricsServiceClient::new(channel);
+    let batch_timeout = Duration::from_millis(cfg.batch_timeout_ms);
+    let mut batch: Vec<SpanItem> = Vec::with_capacity(cfg.batch_spans);
+    let (mut spans_open, mut metrics_open) = (true, true);
+    while spans_open || metrics_open {
+        tokio::select! {
+            item = spans.recv(), if spans_open => match item {
+                Some(item) => {
+                    batch.push(item);
+                    let deadline = tokio::time::Instant::now() + batch_timeout;
+                    while batch.len() < cfg.batch_spans {
+                        match tokio::time::timeout_at(deadline, spans.recv()).await {
+                            Ok(Some(item)) => batch.push(item),
+                            Ok(None) => { spans_open = false; break; }
+                            Err(_) => break,
+                        }
+                    }
+                    send_spans(&cfg, &host, &mut traces, &mut batch, &counters).await;
+                }
+                None => spans_open = false,
+            },
+            m = metrics.recv(), if metrics_open => match m {
+                Some(m) => send_metrics(&cfg, &host, &mut metric_client, m, &counters).await,
+                None => metrics_open = false,
+            },
+        }
+    }
+}
+
+async fn send_spans(
+    cfg: &Otlp,
+    host: &str,
+    client: &mut TraceServiceClient<Channel>,
+    batch: &mut Vec<SpanItem>,
+    counters: &ExportCounters,
+) {
+    let mut otlp_spans = Vec::with_capacity(batch.len() * 2);
+    for item in batch.iter() {
+        spans::spans_of(&item.coll, cfg.channel_spans, &mut otlp_spans);
+    }
+    let n = otlp_spans.len() as u64;
+    let request = ExportTraceServiceRequest {
+        resource_spans: vec![ResourceSpans {
+            resource: Some(resource(host)),
+            scope_spans: vec![ScopeSpans {
+                scope: Some(scope()),
+                spans: otlp_spans,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+    };
+    let ok = with_retry(cfg, counters, || {
+        let mut c = client.clone();
+        let r = request.clone();
+        async move { c.export(r).await.map(|_| ()) }
+    })
+    .await;
+    if ok {
+        counters.spans_exported.fetch_add(n, Ordering::Relaxed);
+    } else {
+        counters
+            .spans_dropped
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+    }
+    for item in batch.drain(..) {
+        item.acked.fetch_max(item.emit_no, Ordering::Release);
+    }
+}
+
+async fn send_metrics(
+    cfg: &Otlp,
+    host: &str,
+    client: &mut MetricsServiceClient<Channel>,
+    metrics: Vec<Metric>,
+    counters: &ExportCounters,
+) {
+    let request = ExportMetricsServiceRequest {
+        resource_metrics: vec![ResourceMetrics {
+            resource: Some(resource(host)),
+            scope_metrics: vec![ScopeMetrics {
+                scope: Some(scope()),
+                metrics,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+    };
+    let ok = with_retry(cfg, counters, || {
+        let mut c = client.clone();
+        let r = request.clone();
+        async move { c.export(r).await.map(|_| ()) }
+    })
+    .await;
+    if ok {
+        counters.metrics_exported.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Up to `max_attempts` tries, 100 ms doubling to 5 s between them.
+async fn with_retry<F, Fut>(cfg: &Otlp, counters: &ExportCounters, mut attempt: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), tonic::Status>>,
+{
+    let mut backoff = Duration::from_millis(100);
+    for i in 0..cfg.max_attempts {
+        match attempt().await {
+            Ok(()) => return true,
+            Err(status) => {
+                counters.export_errors.fetch_add(1, Ordering::Relaxed);
+                if i == 0 {
+                    tracing::warn!(code = ?status.code(), message = status.message(), "OTLP export failed; retrying");
+                }
+            }
+        }
+        if i + 1 < cfg.max_attempts {
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+    false
+}

@@ -1,0 +1,148 @@
+//! The registration socket: a plugin connects, writes `REGISTER <segment-name>\n`, and gets `OK\n` or
+//! `ERR <reason>\n`. The peer's pid and uid come from SO_PEERCRED, never from what it says: a segment is
+//! accepted only if its name, its shared-memory object's owner and its header all agree with the peer.
+
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::Path;
+use std::sync::mpsc as std_mpsc;
+use std::time::Duration;
+
+use anyhow::Context;
+use ncclscope_proto::segment::{Segment, SegmentError, SegmentName};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::oneshot;
+
+use crate::engine::Attach;
+
+/// Longest request line accepted.
+const MAX_LINE: usize = 512;
+const IO_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Binds the registration socket (mode 0666: every user's NCCL processes register), replacing a
+/// stale socket file but never a live one or anything that is not a socket.
+pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                anyhow::bail!("another daemon already listens on {}", path.display());
+            }
+            std::fs::remove_file(path)
+                .with_context(|| format!("removing stale socket {}", path.display()))?;
+        }
+        Ok(_) => anyhow::bail!(
+            "{} exists and is not a socket; refusing to replace it",
+            path.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("checking {}", path.display())),
+    }
+    let listener =
+        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
+        .with_context(|| format!("setting the mode of {}", path.display()))?;
+    Ok(listener)
+}
+
+/// Accepts registrations until the task is dropped.
+pub async fn serve(listener: UnixListener, prefix: String, engine: std_mpsc::Sender<Attach>) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept on the registration socket failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let prefix = prefix.clone();
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            if let Err(e) =
+                tokio::time::timeout(IO_TIMEOUT * 3, handle(stream, &prefix, &engine)).await
+            {
+                tracing::debug!(error = %e, "registration timed out");
+            }
+        });
+    }
+}
+
+async fn handle(stream: UnixStream, prefix: &str, engine: &std_mpsc::Sender<Attach>) {
+    let cred = stream.peer_cred();
+    let (read, mut write) = stream.into_split();
+    let mut line = String::new();
+    let mut reader = BufReader::new(read.take(MAX_LINE as u64));
+    let read = tokio::time::timeout(IO_TIMEOUT, reader.read_line(&mut line)).await;
+    let reply = match (cred, read) {
+        (Ok(cred), Ok(Ok(_))) => match cred.pid() {
+            Some(pid) => register(line.trim_end(), pid as u32, cred.uid(), prefix, engine).await,
+            None => Err("peer pid unavailable".to_string()),
+        },
+        (Err(e), _) => Err(format!("no peer credentials: {e}")),
+        (_, Ok(Err(e))) => Err(format!("read: {e}")),
+        (_, Err(_)) => Err("timed out reading the request".into()),
+    };
+    let text = match &reply {
+        Ok(()) => "OK\n".to_string(),
+        Err(reason) => {
+            tracing::warn!(request = %line.trim_end(), reason = %reason, "registration refused");
+            format!("ERR {}\n", reason.replace('\n', " "))
+        }
+    };
+    let _ = tokio::time::timeout(IO_TIMEOUT, write.write_all(text.as_bytes())).await;
+}
+
+async fn register(
+    line: &str,
+    pid: u32,
+    uid: u32,
+    prefix: &str,
+    engine: &std_mpsc::Sender<Attach>,
+) -> Result<(), String> {
+    let name = line
+        .strip_prefix("REGISTER ")
+        .ok_or("expected `REGISTER <segment-name>`")?;
+    let name = SegmentName::parse(name).ok_or_else(|| format!("{name:?} is not a segment name"))?;
+    if name.prefix != prefix {
+        return Err(format!(
+            "prefix {:?} is not this daemon's ({prefix:?})",
+            name.prefix
+        ));
+    }
+    if name.pid != pid || name.uid != uid {
+        return Err(format!(
+            "segment names pid {} uid {}, peer is pid {pid} uid {uid}",
+            name.pid, name.uid
+        ));
+    }
+    let seg = Segment::open(&name).map_err(|e| match e {
+        SegmentError::NotReady { .. } => "segment not initialised yet".to_string(),
+        e => e.to_string(),
+    })?;
+    let owner = seg.owner();
+    if seg.file_uid() != uid {
+        return Err(format!(
+            "shared memory object is owned by uid {}, peer is uid {uid}",
+            seg.file_uid()
+        ));
+    }
+    if owner.uid != uid || owner.pid != pid {
+        return Err(format!(
+            "segment header says pid {} uid {}, peer is pid {pid} uid {uid}",
+            owner.pid, owner.uid
+        ));
+    }
+    let (tx, rx) = oneshot::channel();
+    engine
+        .send(Attach {
+            name,
+            segment: seg,
+            reply: tx,
+        })
+        .map_err(|_| "daemon is shutting down".to_string())?;
+    rx.await
+        .map_err(|_| "daemon is shutting down".to_string())?
+}

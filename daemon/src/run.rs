@@ -1,0 +1,187 @@
+//! The daemon as a library: [`start`] binds its sockets and starts ingest, export and the query API;
+//! [`Running::stop`] drains, flushes and stops. `ncclscope daemon` and `ncclscope demo` both use it.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+
+use crate::config::Config;
+use crate::engine::{Engine, Outputs};
+use crate::hub::{Durable, Hub};
+use crate::otlp::{self, ExportCounters};
+use crate::spool::{Spool, SpoolLimits};
+use crate::{api, prometheus, register};
+
+/// A started daemon.
+pub struct Running {
+    stop: Arc<AtomicBool>,
+    engine: Option<std::thread::JoinHandle<()>>,
+    exporter: Option<JoinHandle<()>>,
+    listeners: Vec<JoinHandle<()>>,
+    api_shutdown: Option<oneshot::Sender<()>>,
+    api: Option<JoinHandle<anyhow::Result<()>>>,
+    shutdown_timeout: Duration,
+    /// Where the Prometheus endpoint listens (the actual port when the config said port 0).
+    pub prometheus_addr: Option<SocketAddr>,
+    pub socket: PathBuf,
+    pub api_socket: PathBuf,
+    /// Export outcomes, for callers that want to report them.
+    pub export_counters: Arc<ExportCounters>,
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// Starts the daemon on the current tokio runtime. Every socket is bound before this returns, so a
+/// caller may signal readiness (systemd) or start plugins right after.
+pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
+    config.validate()?;
+    let cfg = Arc::new(config);
+    std::fs::create_dir_all(&cfg.state_dir)
+        .with_context(|| format!("creating state_dir {}", cfg.state_dir.display()))?;
+    let (spool, reader): (Option<Box<dyn Durable>>, _) = if cfg.spool.dir.as_os_str().is_empty() {
+        (None, None)
+    } else {
+        let limits = SpoolLimits {
+            max_bytes: cfg.spool.max_bytes,
+            max_age: Duration::from_secs(cfg.spool.max_age_hours * 3600),
+            ..SpoolLimits::default()
+        };
+        let spool = Spool::open(&cfg.spool.dir, limits)
+            .with_context(|| format!("opening spool.dir {}", cfg.spool.dir.display()))?;
+        let reader = spool.reader();
+        (Some(Box::new(spool)), Some(reader))
+    };
+    let registration = register::bind(&cfg.socket)?;
+    let api_listener = api::bind(&cfg.api_socket)?;
+    let prometheus_listener = if cfg.prometheus.listen.is_empty() {
+        None
+    } else {
+        let l = tokio::net::TcpListener::bind(&cfg.prometheus.listen)
+            .await
+            .with_context(|| format!("binding prometheus.listen {}", cfg.prometheus.listen))?;
+        Some(l)
+    };
+    let prometheus_addr = prometheus_listener
+        .as_ref()
+        .and_then(|l| l.local_addr().ok());
+    let host = hostname();
+    let export_counters = Arc::new(ExportCounters::default());
+    let (prom_tx, prom_rx) = watch::channel(Arc::new(String::new()));
+    let mut outputs = Outputs {
+        spans: None,
+        metrics: None,
+        export_counters: export_counters.clone(),
+        prometheus: prom_tx,
+    };
+    let exporter = if cfg.otlp.endpoint.is_empty() {
+        None
+    } else {
+        let channel = otlp::channel(
+            &cfg.otlp.endpoint,
+            Duration::from_millis(cfg.otlp.request_timeout_ms),
+        )
+        .with_context(|| format!("otlp.endpoint {}", cfg.otlp.endpoint))?;
+        let (span_tx, span_rx) = mpsc::channel(cfg.otlp.queue_spans);
+        let (metrics_tx, metrics_rx) = mpsc::channel(2);
+        outputs.spans = Some(span_tx);
+        outputs.metrics = Some(metrics_tx);
+        Some(tokio::spawn(otlp::run(
+            cfg.otlp.clone(),
+            host,
+            channel,
+            span_rx,
+            metrics_rx,
+            export_counters.clone(),
+        )))
+    };
+    let (reg_tx, reg_rx) = std::sync::mpsc::channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    let engine = Engine::new(cfg.clone(), hub.clone(), spool, outputs);
+    let engine = {
+        let stop = stop.clone();
+        std::thread::Builder::new()
+            .name("ncclscope-ingest".into())
+            .spawn(move || engine.run(reg_rx, stop))?
+    };
+    let mut listeners = vec![tokio::spawn(register::serve(
+        registration,
+        cfg.shm_prefix.clone(),
+        reg_tx,
+    ))];
+    if let Some(l) = prometheus_listener {
+        listeners.push(tokio::spawn(prometheus::serve(l, prom_rx)));
+    }
+    let (api_shutdown, api_stop) = oneshot::channel::<()>();
+    let service = api::QueryService::new(hub, reader);
+    let api = tokio::spawn(api::serve(api_listener, service, async move {
+        let _ = api_stop.await;
+    }));
+    tracing::info!(socket = %cfg.socket.display(), api = %cfg.api_socket.display(), otlp = %cfg.otlp.endpoint, prometheus = ?prometheus_addr, "ncclscope daemon started");
+    Ok(Running {
+        stop,
+        engine: Some(engine),
+        exporter,
+        listeners,
+        api_shutdown: Some(api_shutdown),
+        api: Some(api),
+        shutdown_timeout: cfg.shutdown_timeout(),
+        prometheus_addr,
+        socket: cfg.socket.clone(),
+        api_socket: cfg.api_socket.clone(),
+        export_counters,
+    })
+}
+
+impl Running {
+    /// Stops accepting registrations, drains every segment, commits, flushes the exporter (bounded
+    /// by `shutdown_timeout_ms` each), and stops the query API.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        for l in self.listeners.drain(..) {
+            l.abort();
+        }
+        self.stop.store(true, Ordering::Release);
+        if let Some(engine) = self.engine.take() {
+            tokio::task::spawn_blocking(move || engine.join())
+                .await
+                .context("joining the ingest thread")?
+                .map_err(|_| anyhow::anyhow!("the ingest thread panicked"))?;
+        }
+        if let Some(exporter) = self.exporter.take()
+            && tokio::time::timeout(self.shutdown_timeout, exporter)
+                .await
+                .is_err()
+        {
+            tracing::warn!(
+                "OTLP flush did not finish within shutdown_timeout_ms; unexported spans stay in the segments"
+            );
+        }
+        if let Some(tx) = self.api_shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(api) = self.api.take() {
+            let _ = tokio::time::timeout(self.shutdown_timeout, api).await;
+        }
+        let _ = std::fs::remove_file(&self.socket);
+        let _ = std::fs::remove_file(&self.api_socket);
+        Ok(())
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        for l in &self.listeners {
+            l.abort();
+        }
+    }
+}

@@ -1,0 +1,234 @@
+//! OpenTelemetry spans for collective instances, with ids that every node derives alike.
+//!
+//! - trace id = f(commHash, seq): all ranks of one collective, on every node, land in one trace;
+//! - each rank's span id = f(commHash, seq, rank), its parent the collective's root span
+//!   id = f(commHash, seq); the root span itself is emitted by rank 0's daemon only (with rank 0's
+//!   times), so no coordination is needed and the root is never duplicated;
+//! - optional channel spans: id = f(commHash, seq, rank, channel), children of the rank's span.
+//!
+//! Sampling is a function of (commHash, seq) too, so every rank keeps the same collectives.
+//! The daemon builds OTLP protobuf spans itself (opentelemetry-proto) because the SDK generates ids.
+
+use ncclscope_proto::api::Collective;
+use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
+use opentelemetry_proto::tonic::trace::v1::{Span, span::SpanKind};
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+fn mix(a: u64, b: u64) -> u64 {
+    splitmix(a ^ splitmix(b))
+}
+
+/// OTLP ids must not be all zero.
+fn nonzero(x: u64) -> u64 {
+    if x == 0 { 1 } else { x }
+}
+
+pub fn trace_id(comm_hash: u64, seq: u64) -> [u8; 16] {
+    let hi = mix(comm_hash, seq);
+    let lo = mix(hi, 0x7472_6163_6500_0001); // "trace"
+    let mut id = [0u8; 16];
+    id[..8].copy_from_slice(&hi.to_be_bytes());
+    id[8..].copy_from_slice(&nonzero(lo).to_be_bytes());
+    id
+}
+
+pub fn root_span_id(comm_hash: u64, seq: u64) -> [u8; 8] {
+    nonzero(mix(mix(comm_hash, seq), 0x726f_6f74)).to_be_bytes() // "root"
+}
+
+pub fn rank_span_id(comm_hash: u64, seq: u64, rank: u32) -> [u8; 8] {
+    nonzero(mix(mix(comm_hash, seq), 0x1_0000_0000 | rank as u64)).to_be_bytes()
+}
+
+pub fn channel_span_id(comm_hash: u64, seq: u64, rank: u32, channel: u32) -> [u8; 8] {
+    let rank_id = u64::from_be_bytes(rank_span_id(comm_hash, seq, rank));
+    nonzero(mix(rank_id, 0x2_0000_0000 | channel as u64)).to_be_bytes()
+}
+
+/// Whether (commHash, seq) falls in the sampled fraction `ratio`: the same answer on every node.
+pub fn sampled(comm_hash: u64, seq: u64, ratio: f64) -> bool {
+    if ratio >= 1.0 {
+        return true;
+    }
+    let h = mix(comm_hash ^ 0x7361_6d70_6c65, seq); // "sample"
+    (h as f64) < ratio * 18_446_744_073_709_551_616.0
+}
+
+fn kv(key: &str, v: any_value::Value) -> KeyValue {
+    KeyValue {
+        key: key.to_string(),
+        value: Some(AnyValue { value: Some(v) }),
+        ..Default::default()
+    }
+}
+
+fn s(key: &str, v: &str) -> KeyValue {
+    kv(key, any_value::Value::StringValue(v.to_string()))
+}
+
+fn i(key: &str, v: i64) -> KeyValue {
+    kv(key, any_value::Value::IntValue(v))
+}
+
+fn f(key: &str, v: f64) -> KeyValue {
+    kv(key, any_value::Value::DoubleValue(v))
+}
+
+/// Attributes every span of an instance carries.
+fn common(c: &Collective) -> Vec<KeyValue> {
+    vec![
+        s("nccl.collective", &c.func),
+        i("nccl.nranks", c.nranks as i64),
+        s("nccl.comm_hash", &format!("{:016x}", c.comm_hash)),
+        i("nccl.seq", c.seq as i64),
+        s("job.id", &c.job_id),
+    ]
+}
+
+/// Appends the spans this node emits for `c`: the rank's span, its root when `c` is rank 0 of a
+/// collective, and one span per channel if asked.
+pub fn spans_of(c: &Collective, channel_spans: bool, out: &mut Vec<Span>) {
+    let trace_id = trace_id(c.comm_hash, c.seq).to_vec();
+    let root_id = root_span_id(c.comm_hash, c.seq).to_vec();
+    let rank_id = rank_span_id(c.comm_hash, c.seq, c.rank);
+    let is_collective = !c.is_p2p;
+    if is_collective && c.rank == 0 {
+        out.push(Span {
+            trace_id: trace_id.clone(),
+            span_id: root_id.clone(),
+            name: c.func.clone(),
+            kind: SpanKind::Internal as i32,
+            start_time_unix_nano: c.enqueue_unix_ns.min(c.start_unix_ns),
+            end_time_unix_nano: c.end_unix_ns,
+            attributes: {
+                let mut a = common(c);
+                a.push(i("nccl.bytes", c.bytes as i64));
+                a
+            },
+            ..Default::default()
+        });
+    }
+    let mut attributes = common(c);
+    attributes.extend([
+        i("nccl.rank", c.rank as i64),
+        s("nccl.algo", &c.algo),
+        s("nccl.proto", &c.proto),
+        s("nccl.datatype", &c.datatype),
+        i("nccl.bytes", c.bytes as i64),
+        i("nccl.count", c.count as i64),
+        i("nccl.channels", c.n_channels as i64),
+        i("nccl.nnodes", c.nnodes as i64),
+        i("nccl.exec_ns", c.exec_ns as i64),
+        f("nccl.algbw_gbs", c.algbw_gbs),
+        f("nccl.busbw_gbs", c.busbw_gbs),
+        s("nccl.timing_source", &c.timing_source),
+        i("nccl.calibration_error_ns", c.calibration_error_ns as i64),
+        i("nccl.enqueue_unix_ns", c.enqueue_unix_ns as i64),
+        i("process.pid", c.pid as i64),
+        s("nccl.comm_name", &c.comm_name),
+    ]);
+    if c.is_p2p {
+        attributes.push(i("nccl.peer", c.peer as i64));
+    } else if c.root >= 0 {
+        attributes.push(i("nccl.root", c.root as i64));
+    }
+    out.push(Span {
+        trace_id: trace_id.clone(),
+        span_id: rank_id.to_vec(),
+        parent_span_id: if is_collective { root_id } else { Vec::new() },
+        name: format!("{} rank", c.func),
+        kind: SpanKind::Internal as i32,
+        start_time_unix_nano: c.start_unix_ns,
+        end_time_unix_nano: c.end_unix_ns,
+        attributes,
+        ..Default::default()
+    });
+    if channel_spans {
+        for w in &c.channels {
+            out.push(Span {
+                trace_id: trace_id.clone(),
+                span_id: channel_span_id(c.comm_hash, c.seq, c.rank, w.channel).to_vec(),
+                parent_span_id: rank_id.to_vec(),
+                name: format!("{} channel", c.func),
+                kind: SpanKind::Internal as i32,
+                start_time_unix_nano: w.start_unix_ns,
+                end_time_unix_nano: w.end_unix_ns,
+                attributes: vec![
+                    i("nccl.rank", c.rank as i64),
+                    i("nccl.channel", w.channel as i64),
+                    i("nccl.work_items", w.work_items as i64),
+                ],
+                ..Default::default()
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ncclscope_proto::api::ChannelWork;
+
+    #[test]
+    fn ids_depend_on_the_right_inputs() {
+        assert_eq!(trace_id(1, 2), trace_id(1, 2));
+        assert_ne!(trace_id(1, 2), trace_id(1, 3));
+        assert_ne!(trace_id(1, 2), trace_id(2, 2));
+        assert_ne!(rank_span_id(1, 2, 0), rank_span_id(1, 2, 1));
+        assert_ne!(rank_span_id(1, 2, 0), root_span_id(1, 2));
+        assert_ne!(channel_span_id(1, 2, 0, 0), channel_span_id(1, 2, 1, 0));
+    }
+
+    #[test]
+    fn sampling_is_by_collective_and_close_to_the_ratio() {
+        let kept = (0..100_000)
+            .filter(|&seq| sampled(0xfeed, seq, 0.1))
+            .count();
+        assert!((9_000..11_000).contains(&kept), "{kept}");
+        assert!((0..1000).all(|seq| sampled(7, seq, 1.0)));
+        assert!(!(0..1000).any(|seq| sampled(7, seq, 0.0)));
+    }
+
+    #[test]
+    fn rank_zero_emits_the_root_and_channels_hang_under_the_rank() {
+        let c = Collective {
+            func: "AllReduce".into(),
+            comm_hash: 5,
+            seq: 9,
+            rank: 0,
+            nranks: 2,
+            start_unix_ns: 100,
+            end_unix_ns: 200,
+            enqueue_unix_ns: 50,
+            channels: vec![ChannelWork {
+                channel: 3,
+                start_unix_ns: 100,
+                end_unix_ns: 190,
+                work_items: 1,
+            }],
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        spans_of(&c, true, &mut out);
+        assert_eq!(out.len(), 3);
+        let (root, rank, ch) = (&out[0], &out[1], &out[2]);
+        assert!(root.parent_span_id.is_empty());
+        assert_eq!(rank.parent_span_id, root.span_id);
+        assert_eq!(ch.parent_span_id, rank.span_id);
+        assert!(out.iter().all(|s| s.trace_id == trace_id(5, 9).to_vec()));
+        assert_eq!(
+            (rank.start_time_unix_nano, rank.end_time_unix_nano),
+            (100, 200)
+        );
+        let mut out = Vec::new();
+        spans_of(&Collective { rank: 1, ..c }, false, &mut out);
+        assert_eq!(out.len(), 1, "only rank 0 emits the root");
+        assert_eq!(out[0].parent_span_id, root_span_id(5, 9).to_vec());
+    }
+}

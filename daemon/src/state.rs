@@ -1,0 +1,89 @@
+//! Per-segment resume state, one small JSON file per segment in `state_dir`. The segment's committed
+//! tail survives a daemon restart inside the segment itself; this file carries what the records before
+//! the tail defined (strings, communicators, calibration) and which operations after the tail were
+//! already delivered, so a restarted daemon neither misreads nor double-counts what it re-reads.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::assemble::Dictionary;
+
+#[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SegmentState {
+    /// The segment this belongs to (a reused file name with another owner is ignored).
+    pub segment: String,
+    /// Committed tail when written: the file is valid for a segment whose tail is this or later.
+    pub tail: u64,
+    pub dictionary: Dictionary,
+    /// (operation id, position of its first record, sinks it was delivered to).
+    pub delivered: Vec<(u64, u64, u8)>,
+}
+
+pub fn path(dir: &Path, segment: &str) -> PathBuf {
+    dir.join(format!("{segment}.json"))
+}
+
+/// The state saved for `segment`, if any.
+pub fn load(dir: &Path, segment: &str) -> io::Result<Option<SegmentState>> {
+    let text = match std::fs::read(path(dir, segment)) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let state: SegmentState =
+        serde_json::from_slice(&text).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    Ok((state.segment == segment).then_some(state))
+}
+
+/// Replaces the saved state atomically (write then rename).
+pub fn store(dir: &Path, state: &SegmentState) -> io::Result<()> {
+    let final_path = path(dir, &state.segment);
+    let tmp = final_path.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec(state).map_err(io::Error::other)?)?;
+    std::fs::rename(&tmp, &final_path)
+}
+
+pub fn remove(dir: &Path, segment: &str) {
+    let _ = std::fs::remove_file(path(dir, segment));
+}
+
+/// Segment names that have a state file (to clean up after segments that vanished meanwhile).
+pub fn list(dir: &Path) -> Vec<String> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    rd.filter_map(|e| {
+        e.ok()?
+            .file_name()
+            .to_str()?
+            .strip_suffix(".json")
+            .map(str::to_string)
+    })
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_owner_check() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = SegmentState {
+            segment: "p.1.2.3".into(),
+            tail: 9,
+            delivered: vec![(5, 10, 3)],
+            ..Default::default()
+        };
+        store(dir.path(), &s).unwrap();
+        assert_eq!(load(dir.path(), "p.1.2.3").unwrap(), Some(s));
+        assert_eq!(list(dir.path()), vec!["p.1.2.3".to_string()]);
+        assert_eq!(load(dir.path(), "p.1.2.4").unwrap(), None);
+        std::fs::write(path(dir.path(), "bad"), b"{").unwrap();
+        assert!(load(dir.path(), "bad").is_err());
+        remove(dir.path(), "p.1.2.3");
+        assert_eq!(load(dir.path(), "p.1.2.3").unwrap(), None);
+    }
+}

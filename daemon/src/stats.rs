@@ -1,0 +1,396 @@
+//! Statistics over completed instances, across every process on the node: per (job, communicator,
+//! collective, size bucket) and per (job, communicator, rank), plus the cross-rank skew and the
+//! straggler of each collective among this node's ranks. Bounded: the series count is capped and the
+//! skew rendezvous holds a bounded window of recent collectives.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use ncclscope_proto::api::{CollStats, Collective, RankStats};
+
+use crate::bandwidth;
+use crate::histogram::{BUSBW_GBS_BOUNDS, Buckets, EXEC_US_BOUNDS, Rolling, SKEW_US_BOUNDS};
+
+/// Label of the series that absorbs everything beyond `max_series`.
+pub const OVERFLOW_BUCKET: &str = "other";
+/// Collectives awaited at once for the skew computation.
+const MAX_RENDEZVOUS: usize = 65_536;
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeriesKey {
+    pub job: Arc<str>,
+    pub comm_hash: u64,
+    pub func: Arc<str>,
+    pub size_bucket: &'static str,
+}
+
+#[derive(Clone, Debug)]
+pub struct Series {
+    pub nnodes: u32,
+    pub exec_us: Buckets,
+    pub busbw_gbs: Buckets,
+    rolling_exec_ns: Rolling,
+    rolling_busbw_mbs: Rolling,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RankKey {
+    pub job: Arc<str>,
+    pub comm_hash: u64,
+    pub rank: u32,
+}
+
+#[derive(Clone, Debug)]
+pub struct RankSeries {
+    pub collectives: u64,
+    pub skew_us: Buckets,
+    /// Collectives in which this rank's kernels started last / ended last among the node's ranks.
+    pub last_to_start: u64,
+    pub last_to_end: u64,
+    rolling_exec_ns: Rolling,
+    rolling_skew_ns: Rolling,
+}
+
+struct Arrival {
+    job: Arc<str>,
+    comm_hash: u64,
+    rank: u32,
+    start: u64,
+    end: u64,
+}
+
+struct Rendezvous {
+    arrivals: Vec<Arrival>,
+    opened_ns: u64,
+}
+
+pub struct Stats {
+    window_ns: u64,
+    skew_window_ns: u64,
+    max_series: usize,
+    pub series: HashMap<SeriesKey, Series>,
+    pub ranks: HashMap<RankKey, RankSeries>,
+    rendezvous: HashMap<(u64, u64), Rendezvous>,
+    rendezvous_order: VecDeque<(u64, u64)>,
+    /// Ranks of each communicator attached on this node (how many arrivals a rendezvous awaits).
+    local_ranks: HashMap<u64, usize>,
+    /// Collectives per job, with first and last end times.
+    pub jobs: HashMap<Arc<str>, (u64, u64, u64)>,
+    pub folded: u64,
+    pub skew_evaluated: u64,
+}
+
+impl Stats {
+    pub fn new(window_ns: u64, skew_window_ns: u64, max_series: usize) -> Stats {
+        Stats {
+            window_ns,
+            skew_window_ns,
+            max_series,
+            series: HashMap::new(),
+            ranks: HashMap::new(),
+            rendezvous: HashMap::new(),
+            rendezvous_order: VecDeque::new(),
+            local_ranks: HashMap::new(),
+            jobs: HashMap::new(),
+            folded: 0,
+            skew_evaluated: 0,
+        }
+    }
+
+    pub fn set_local_ranks(&mut self, local_ranks: HashMap<u64, usize>) {
+        self.local_ranks = local_ranks;
+    }
+
+    /// The rolling p50 exec time of `c`'s series, if it has enough samples to judge an outlier.
+    pub fn p50_exec_ns(&self, c: &Collective, min_samples: u64) -> Option<u64> {
+        let key = self.key_of(c);
+        let s = self.series.get(&key)?;
+        (s.rolling_exec_ns.count() >= min_samples).then(|| s.rolling_exec_ns.quantile(0.5))
+    }
+
+    fn key_of(&self, c: &Collective) -> SeriesKey {
+        SeriesKey {
+            job: Arc::from(c.job_id.as_str()),
+            comm_hash: c.comm_hash,
+            func: Arc::from(c.func.as_str()),
+            size_bucket: bandwidth::size_bucket(c.bytes),
+        }
+    }
+
+    pub fn observe(&mut self, c: &Collective, now_ns: u64) {
+        let mut key = self.key_of(c);
+        if !self.series.contains_key(&key) && self.series.len() >= self.max_series {
+            self.folded += 1;
+            key = SeriesKey {
+                job: Arc::from(""),
+                comm_hash: 0,
+                func: Arc::from(""),
+                size_bucket: OVERFLOW_BUCKET,
+            };
+        }
+        let s = self.series.entry(key).or_insert_with(|| Series {
+            nnodes: c.nnodes,
+            exec_us: Buckets::new(EXEC_US_BOUNDS),
+            busbw_gbs: Buckets::new(BUSBW_GBS_BOUNDS),
+            rolling_exec_ns: Rolling::default(),
+            rolling_busbw_mbs: Rolling::default(),
+        });
+        s.exec_us.record(c.exec_ns as f64 / 1000.0);
+        s.rolling_exec_ns.record(c.exec_ns, now_ns, self.window_ns);
+        if c.exec_ns > 0 {
+            s.busbw_gbs.record(c.busbw_gbs);
+            s.rolling_busbw_mbs
+                .record((c.busbw_gbs * 1000.0) as u64, now_ns, self.window_ns);
+        }
+        let j = self.jobs.entry(Arc::from(c.job_id.as_str())).or_insert((
+            0,
+            c.end_unix_ns,
+            c.end_unix_ns,
+        ));
+        j.0 += 1;
+        j.1 = j.1.min(c.end_unix_ns);
+        j.2 = j.2.max(c.end_unix_ns);
+        let window = self.window_ns;
+        let r = self.rank_mut(c);
+        r.collectives += 1;
+        r.rolling_exec_ns.record(c.exec_ns, now_ns, window);
+        if !c.is_p2p && c.timing_source != "host" {
+            self.arrive(c, now_ns);
+        }
+    }
+
+    fn rank_mut(&mut self, c: &Collective) -> &mut RankSeries {
+        let key = RankKey {
+            job: Arc::from(c.job_id.as_str()),
+            comm_hash: c.comm_hash,
+            rank: c.rank,
+        };
+        self.ranks.entry(key).or_insert_with(|| RankSeries {
+            collectives: 0,
+            skew_us: Buckets::new(SKEW_US_BOUNDS),
+            last_to_start: 0,
+            last_to_end: 0,
+            rolling_exec_ns: Rolling::default(),
+            rolling_skew_ns: Rolling::default(),
+        })
+    }
+
+    fn arrive(&mut self, c: &Collective, now_ns: u64) {
+        let key = (c.comm_hash, c.seq);
+        if !self.rendezvous.contains_key(&key) {
+            if self.rendezvous.len() >= MAX_RENDEZVOUS {
+                self.expire(u64::MAX, 1);
+            }
+            self.rendezvous.insert(
+                key,
+                Rendezvous {
+                    arrivals: Vec::new(),
+                    opened_ns: now_ns,
+                },
+            );
+            self.rendezvous_order.push_back(key);
+        }
+        let rv = self.rendezvous.get_mut(&key).expect("inserted above");
+        rv.arrivals.push(Arrival {
+            job: Arc::from(c.job_id.as_str()),
+            comm_hash: c.comm_hash,
+            rank: c.rank,
+            start: c.start_unix_ns,
+            end: c.end_unix_ns,
+        });
+        let expected = self
+            .local_ranks
+            .get(&c.comm_hash)
+            .copied()
+            .unwrap_or(1)
+            .max(1);
+        if rv.arrivals.len() >= expected {
+            let rv = self.rendezvous.remove(&key).expect("present");
+            self.evaluate(rv, now_ns);
+        }
+    }
+
+    /// Evaluates rendezvous older than the skew window (ranks that never arrived are left out);
+    /// `at_most` bounds the work.
+    pub fn expire(&mut self, now_ns: u64, at_most: usize) {
+        let mut n = 0;
+        while let Some(&key) = self.rendezvous_order.front() {
+            let Some(rv) = self.rendezvous.get(&key) else {
+                self.rendezvous_order.pop_front();
+                continue;
+            };
+            if n >= at_most || now_ns.saturating_sub(rv.opened_ns) < self.skew_window_ns {
+                break;
+            }
+            self.rendezvous_order.pop_front();
+            let rv = self.rendezvous.remove(&key).expect("present");
+            self.evaluate(rv, now_ns);
+            n += 1;
+        }
+    }
+
+    fn evaluate(&mut self, rv: Rendezvous, now_ns: u64) {
+        if rv.arrivals.len() < 2 {
+            return;
+        }
+        self.skew_evaluated += 1;
+        let min_start = rv.arrivals.iter().map(|a| a.start).min().unwrap_or(0);
+        let last_start = rv
+            .arrivals
+            .iter()
+            .max_by_key(|a| (a.start, a.rank))
+            .map(|a| a.rank);
+        let last_end = rv
+            .arrivals
+            .iter()
+            .max_by_key(|a| (a.end, a.rank))
+            .map(|a| a.rank);
+        let window = self.window_ns;
+        for a in rv.arrivals {
+            let skew = a.start - min_start;
+            let key = RankKey {
+                job: a.job,
+                comm_hash: a.comm_hash,
+                rank: a.rank,
+            };
+            let Some(r) = self.ranks.get_mut(&key) else {
+                continue;
+            };
+            r.skew_us.record(skew as f64 / 1000.0);
+            r.rolling_skew_ns.record(skew, now_ns, window);
+            if Some(a.rank) == last_start {
+                r.last_to_start += 1;
+            }
+            if Some(a.rank) == last_end {
+                r.last_to_end += 1;
+            }
+        }
+    }
+
+    /// The stats API's view (rolling percentiles).
+    pub fn coll_stats(&self) -> Vec<CollStats> {
+        let mut out: Vec<CollStats> = self
+            .series
+            .iter()
+            .map(|(k, s)| CollStats {
+                job_id: k.job.to_string(),
+                comm_hash: k.comm_hash,
+                func: k.func.to_string(),
+                size_bucket: k.size_bucket.to_string(),
+                count: s.exec_us.count,
+                exec_p50_us: s.rolling_exec_ns.quantile(0.5) as f64 / 1000.0,
+                exec_p99_us: s.rolling_exec_ns.quantile(0.99) as f64 / 1000.0,
+                busbw_p50_gbs: s.rolling_busbw_mbs.quantile(0.5) as f64 / 1000.0,
+            })
+            .collect();
+        out.sort_by(|a, b| {
+            (&a.job_id, a.comm_hash, &a.func, &a.size_bucket).cmp(&(
+                &b.job_id,
+                b.comm_hash,
+                &b.func,
+                &b.size_bucket,
+            ))
+        });
+        out
+    }
+
+    pub fn rank_stats(&self, lost_by_pid: &HashMap<(Arc<str>, u64, u32), u64>) -> Vec<RankStats> {
+        let mut out: Vec<RankStats> = self
+            .ranks
+            .iter()
+            .map(|(k, r)| RankStats {
+                job_id: k.job.to_string(),
+                comm_hash: k.comm_hash,
+                rank: k.rank,
+                collectives: r.collectives,
+                exec_p50_us: r.rolling_exec_ns.quantile(0.5) as f64 / 1000.0,
+                exec_p99_us: r.rolling_exec_ns.quantile(0.99) as f64 / 1000.0,
+                skew_p50_us: r.rolling_skew_ns.quantile(0.5) as f64 / 1000.0,
+                straggler_count: r.last_to_start,
+                lost: lost_by_pid
+                    .get(&(k.job.clone(), k.comm_hash, k.rank))
+                    .copied()
+                    .unwrap_or(0),
+            })
+            .collect();
+        out.sort_by(|a, b| (&a.job_id, a.comm_hash, a.rank).cmp(&(&b.job_id, b.comm_hash, b.rank)));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn coll(rank: u32, seq: u64, start: u64, exec: u64) -> Collective {
+        Collective {
+            job_id: "j".into(),
+            comm_hash: 9,
+            rank,
+            nranks: 4,
+            seq,
+            func: "AllReduce".into(),
+            bytes: 1 << 20,
+            start_unix_ns: start,
+            end_unix_ns: start + exec,
+            exec_ns: exec,
+            busbw_gbs: 10.0,
+            timing_source: "kernel_gpu".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn skew_and_stragglers_across_the_nodes_ranks() {
+        let mut s = Stats::new(60_000_000_000, 1000, 100);
+        s.set_local_ranks(HashMap::from([(9, 3)]));
+        for seq in 0..10 {
+            // Rank 2 always starts 5 us late; rank 0 ends last.
+            s.observe(&coll(0, seq, 1_000_000, 20_000), 0);
+            s.observe(&coll(1, seq, 1_000_000, 1_000), 0);
+            s.observe(&coll(2, seq, 1_005_000, 1_000), 0);
+        }
+        assert_eq!(s.skew_evaluated, 10);
+        let ranks = s.rank_stats(&HashMap::new());
+        assert_eq!(
+            ranks.iter().map(|r| r.straggler_count).collect::<Vec<_>>(),
+            vec![0, 0, 10]
+        );
+        assert!(
+            (4.3..=5.0).contains(&ranks[2].skew_p50_us),
+            "{}",
+            ranks[2].skew_p50_us
+        );
+        assert_eq!(
+            s.ranks[&RankKey {
+                job: Arc::from("j"),
+                comm_hash: 9,
+                rank: 0
+            }]
+                .last_to_end,
+            10
+        );
+        let colls = s.coll_stats();
+        assert_eq!(colls.len(), 1);
+        assert_eq!(colls[0].count, 30);
+        assert_eq!(colls[0].size_bucket, "<=1MiB");
+    }
+
+    #[test]
+    fn a_missing_rank_is_evaluated_after_the_window_and_series_are_capped() {
+        let mut s = Stats::new(60_000_000_000, 1000, 1);
+        s.set_local_ranks(HashMap::from([(9, 3)]));
+        s.observe(&coll(0, 1, 100, 10), 0);
+        s.observe(&coll(1, 1, 300, 10), 0);
+        assert_eq!(s.skew_evaluated, 0);
+        s.expire(500, usize::MAX);
+        assert_eq!(s.skew_evaluated, 0, "window not over");
+        s.expire(1000, usize::MAX);
+        assert_eq!(s.skew_evaluated, 1);
+        let mut other = coll(0, 2, 0, 10);
+        other.func = "Broadcast".into();
+        s.observe(&other, 0);
+        assert_eq!(s.folded, 1);
+        assert!(s.series.keys().any(|k| k.size_bucket == OVERFLOW_BUCKET));
+    }
+}
