@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Installs the pinned nvcc 13.0 from PyPI into .venv-cuda (once) and exports NVCC. Sourced by test.sh.
+# Installs the pinned nvcc 13.0 from PyPI into <repo>/.venv-cuda (once) and exports NVCC. Sourced by
+# test.sh; plugin/build.rs then compiles and device-links the CUDA code (and fails if it does not build).
 # Versions: ../shared/reference/toolchain.md (13.0.x matches driver 580; every CUDA wheel pinned).
 set -euo pipefail
-venv=".venv-cuda"
+venv="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv-cuda"
 nvcc="$venv/lib/python3*/site-packages/nvidia/cu13/bin/nvcc"
 if ! ls $nvcc >/dev/null 2>&1; then
   python3 -m venv "$venv"

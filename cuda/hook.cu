@@ -1,0 +1,91 @@
+// The device hook (relocatable code, capped at NCCLSCOPE_HOOK_MAX_REGS registers by the build so it fits
+// in every calling kernel), the reference hooks the benchmark compares it with, and the clock
+// calibration kernel. Device-linked into a fatbin that the plugin embeds and loads once per context.
+//
+// Publication is fence-free and atomic-free: a slot is six 8-byte words {4 bytes of the event, 4-byte
+// flag}, written as three 16-byte volatile stores (no fence); the flag is the low 32 bits of the slot's sequence + 1,
+// sequence = workCounter * 2 + phase. The drain accepts a slot only when all six flags match.
+#include "ncclscope.h"
+
+// Stores one event into its slot. devCtx = ring block address | log2(slots per ring). Lines 1 and 2 go
+// first so the timestamp is loaded last: fewer live registers, no spill under the cap (the drain does
+// not care about the order, only about each word's flag).
+#define NCCLSCOPE_STORE_LINE(p, lo, hi, flag) \
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(lo), "r"(flag), "r"(hi), "r"(flag) : "memory")
+
+__device__ __forceinline__ uint4* ncclscope_slot(uint64_t workCounter, uint32_t channelPhase, void* devCtx,
+                                                  uint32_t* flag) {
+  const uint64_t ctx = (uint64_t)devCtx;
+  const uint32_t shift = (uint32_t)(ctx & NCCLSCOPE_CTX_SHIFT_MASK);
+  const uint64_t seq = (workCounter << 1) + ((channelPhase >> 8) & 1);
+  *flag = (uint32_t)seq + 1;
+  const uint64_t index = ((uint64_t)(channelPhase & (NCCLSCOPE_MAX_CHANNELS - 1)) << shift) + (seq & ((1ull << shift) - 1));
+  return (uint4*)((ctx & ~(uint64_t)NCCLSCOPE_CTX_SHIFT_MASK) + index * NCCLSCOPE_SLOT_BYTES);
+}
+
+// The hook, with the RFC signature. The event is 8-byte aligned on the caller's stack.
+extern "C" __device__ __noinline__ void ncclscope_hook(const ncclProfilerDevEvent_t* ev, void* devCtx) {
+  const uint64_t wc = ev->workCounter;
+  const uint32_t channelPhase = ((const uint32_t*)ev)[5];
+  uint32_t flag;
+  uint4* slot = ncclscope_slot(wc, channelPhase, devCtx, &flag);
+  NCCLSCOPE_STORE_LINE(slot + 1, (uint32_t)wc, (uint32_t)(wc >> 32), flag);
+  NCCLSCOPE_STORE_LINE(slot + 2, ev->funcId, channelPhase, flag);
+  const uint64_t ts = ev->timestamp;
+  NCCLSCOPE_STORE_LINE(slot + 0, (uint32_t)ts, (uint32_t)(ts >> 32), flag);
+}
+
+// The same writer taking the event by value (in registers): what the RFC's ABI could cost instead.
+extern "C" __device__ __noinline__ void ncclscope_hook_byval(uint64_t timestamp, uint64_t workCounter, uint32_t funcId,
+                                                            uint32_t channelPhase, void* devCtx) {
+  uint32_t flag;
+  uint4* slot = ncclscope_slot(workCounter, channelPhase, devCtx, &flag);
+  NCCLSCOPE_STORE_LINE(slot + 1, (uint32_t)workCounter, (uint32_t)(workCounter >> 32), flag);
+  NCCLSCOPE_STORE_LINE(slot + 2, funcId, channelPhase, flag);
+  NCCLSCOPE_STORE_LINE(slot + 0, (uint32_t)timestamp, (uint32_t)(timestamp >> 32), flag);
+}
+
+// Reference hooks for the benchmark: the bare call, and the floor of the by-pointer ABI (load the
+// 24-byte event, store nothing).
+extern "C" __device__ __noinline__ void ncclscope_ref_empty(const ncclProfilerDevEvent_t*, void*) {}
+__device__ uint64_t ncclscope_ref_sink;
+extern "C" __device__ __noinline__ void ncclscope_ref_loadonly(const ncclProfilerDevEvent_t* ev, void*) {
+  const uint2* e = (const uint2*)ev;
+  const uint2 a = e[0], b = e[1], c = e[2];
+  const uint64_t x = ((uint64_t)a.y << 32 | a.x) ^ ((uint64_t)b.y << 32 | b.x) ^ ((uint64_t)c.y << 32 | c.x);
+  if (x == 0x5eed5eed5eed5eedull) ncclscope_ref_sink = x;  // never true in practice; keeps the loads
+}
+extern "C" __device__ __noinline__ void ncclscope_ref_byval_empty(uint64_t, uint64_t, uint32_t, uint32_t, void*) {}
+
+// Function-pointer globals: after device linking they hold real addresses, read with cuModuleGetGlobal.
+extern "C" __device__ ncclscopeHookFn ncclscope_hook_ptr = ncclscope_hook;
+extern "C" __device__ ncclscopeHookByValFn ncclscope_hook_byval_ptr = ncclscope_hook_byval;
+extern "C" __device__ ncclscopeHookFn ncclscope_ref_empty_ptr = ncclscope_ref_empty;
+extern "C" __device__ ncclscopeHookFn ncclscope_ref_loadonly_ptr = ncclscope_ref_loadonly;
+extern "C" __device__ ncclscopeHookByValFn ncclscope_ref_byval_empty_ptr = ncclscope_ref_byval_empty;
+
+// Clock calibration, one thread. Reports the globaltimer tick in out[0] (which also says "started"),
+// then for i = 1..n waits until the host writes i to *go and answers with the clock in out[i]. The host
+// brackets each answer with CLOCK_REALTIME reads. Any value the host writes that is not the next ping
+// (or a one-second silence) ends the kernel.
+extern "C" __global__ void ncclscope_calibrate(volatile uint64_t* go, volatile uint64_t* out, uint32_t n) {
+  uint64_t prev = ncclscope_globaltimer(), tick = ~0ull;
+  for (int changes = 0; changes < 16;) {
+    const uint64_t t = ncclscope_globaltimer();
+    if (t != prev) {
+      tick = min(tick, t - prev);
+      prev = t;
+      changes++;
+    }
+  }
+  out[0] = tick;
+  for (uint32_t i = 1; i <= n; i++) {
+    const uint64_t t0 = ncclscope_globaltimer();
+    uint64_t g;
+    while ((g = *go) < i) {
+      if (ncclscope_globaltimer() - t0 > 1000000000ull) return;
+    }
+    if (g != i) return;
+    out[i] = ncclscope_globaltimer();
+  }
+}
