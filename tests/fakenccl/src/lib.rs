@@ -1,1 +1,760 @@
-//! Fake NCCL host.
+//! A fake NCCL host for tests and simulations: it loads the real plugin `.so` (dlopen RTLD_NOW |
+//! RTLD_LOCAL, as NCCL does) and calls it exactly as NCCL 2.28 (`ncclProfiler_v5`), 2.30 (`_v6`), 2.32
+//! (`_v7`, 136-byte descriptors) or an NCCL with the device-hook RFC (`_v7` + `getDeviceHook`, 112-byte
+//! descriptors) would, with a simulated kernel behind each collective.
+//!
+//! ```no_run
+//! use ncclscope_fakenccl::{CollSpec, CommSpec, Host, HostKind};
+//! let host = Host::load("target/debug/libnccl_profiler_ncclscope.so".as_ref(), HostKind::V5)?;
+//! let mut comm = host.init_comm(&CommSpec { comm_hash: 0xabc, rank: 0, nranks: 2, ..CommSpec::default() })?;
+//! let op = comm.collective(&CollSpec { n_channels: 4, kernel_ns: 20_000, ..CollSpec::default() });
+//! // `op` is what NCCL emitted: seq, strings, and per channel the GPU start/stop times (KernelCh pTimer)
+//! // or the device-hook work items, to compare with what arrives in the segment.
+//! comm.finalize();
+//! # anyhow::Ok(())
+//! ```
+//!
+//! "libnccl" is a stand-in library (`libfakenccl_nccl.so`, or `libfakenccl_nccl_rfc.so` for the RFC
+//! host) built next to the plugin: its logger is the `logfn` passed to `init`, so the plugin finds
+//! `ncclGetVersion` (and `ncclProfilerDevFuncName`) through the same dladdr/dlopen path as in a real job.
+//! The simulated GPU clock is CLOCK_MONOTONIC in ns. Descriptors and state args are placed flush
+//! against an unmapped page, so an over-read by the plugin faults. Host events come from the calling
+//! thread; kernel events (KernelCh, KernelPhase, device-hook calls) from a second thread, as NCCL's
+//! proxy/profiler thread and the GPU would.
+//!
+//! The `fakenccl-rank` binary drives one process ("a rank") from the command line and prints a JSON
+//! [`report::Report`]; `segment-dump` prints the records of a segment.
+
+pub mod check;
+pub mod guard;
+pub mod nccl;
+pub mod process;
+pub mod report;
+
+use std::ffi::{CStr, CString, c_int, c_void};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, Ordering};
+
+use anyhow::{Context, bail};
+use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
+
+use guard::GuardedPage;
+use nccl::{
+    DESCR_V6_BYTES, DESCR_V7_BYTES, Descr, DevEvent, GetDeviceHookFn, HookFn, Logger, Vtable,
+    event, off, state,
+};
+pub use report::{HookItem, KernelReport, OpKind, OpReport, PhaseReport};
+
+/// Which NCCL the host pretends to be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HostKind {
+    /// NCCL 2.28.9: looks up `ncclProfiler_v5`.
+    V5,
+    /// NCCL 2.30.7: `ncclProfiler_v6`.
+    V6,
+    /// NCCL 2.32.3: `ncclProfiler_v7`, 136-byte descriptors, KernelPhase for symmetric kernels.
+    V7,
+    /// NCCL 2.30.7 with the device-hook RFC: `ncclProfiler_v7` with `getDeviceHook`, v6 descriptors.
+    Rfc,
+}
+
+impl HostKind {
+    pub const ALL: [HostKind; 4] = [HostKind::V5, HostKind::V6, HostKind::V7, HostKind::Rfc];
+
+    /// `ncclGetVersion`'s answer.
+    pub fn version(self) -> i32 {
+        match self {
+            HostKind::V5 => 22809,
+            HostKind::V6 | HostKind::Rfc => 23007,
+            HostKind::V7 => 23203,
+        }
+    }
+
+    /// Symbols looked up in order, as that NCCL does.
+    fn symbols(self) -> &'static [&'static CStr] {
+        match self {
+            HostKind::V5 => &[c"ncclProfiler_v5"],
+            HostKind::V6 => &[c"ncclProfiler_v6", c"ncclProfiler_v5"],
+            HostKind::V7 | HostKind::Rfc => {
+                &[c"ncclProfiler_v7", c"ncclProfiler_v6", c"ncclProfiler_v5"]
+            }
+        }
+    }
+
+    fn descr_bytes(self) -> usize {
+        if self == HostKind::V7 {
+            DESCR_V7_BYTES
+        } else {
+            DESCR_V6_BYTES
+        }
+    }
+
+    /// The stand-in libnccl this host uses.
+    pub fn libnccl_name(self) -> &'static str {
+        if self == HostKind::Rfc {
+            "libfakenccl_nccl_rfc.so"
+        } else {
+            "libfakenccl_nccl.so"
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<HostKind> {
+        HostKind::ALL.into_iter().find(|k| k.name() == s)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            HostKind::V5 => "v5",
+            HostKind::V6 => "v6",
+            HostKind::V7 => "v7",
+            HostKind::Rfc => "rfc",
+        }
+    }
+}
+
+/// A loaded plugin, as one NCCL process holds it.
+pub struct Host {
+    pub kind: HostKind,
+    /// The symbol NCCL settled on, e.g. "ncclProfiler_v5".
+    pub symbol: String,
+    vt: Vtable,
+    get_device_hook: Option<GetDeviceHookFn>,
+    logger: Logger,
+    /// NCCL's process-wide activation mask.
+    mask: &'static AtomicI32,
+    _plugin: Library,
+    _nccl: Library,
+}
+
+// SAFETY: the vtable's name points at the plugin's static string; its functions are required to be
+// thread-safe (NCCL calls them from several threads); the mask is an atomic.
+unsafe impl Send for Host {}
+// SAFETY: as above.
+unsafe impl Sync for Host {}
+
+/// A communicator to create.
+#[derive(Clone, Debug)]
+pub struct CommSpec {
+    pub comm_hash: u64,
+    pub rank: i32,
+    pub nranks: i32,
+    pub nnodes: i32,
+    /// `config.commName`; None passes NULL.
+    pub name: Option<String>,
+    /// Passed to `getDeviceHook` on an RFC host.
+    pub cuda_dev: i32,
+}
+
+impl Default for CommSpec {
+    fn default() -> Self {
+        CommSpec {
+            comm_hash: 0x1234_5678_9abc_def0,
+            rank: 0,
+            nranks: 1,
+            nnodes: 1,
+            name: None,
+            cuda_dev: 0,
+        }
+    }
+}
+
+/// One collective call and its simulated kernel: one work item per channel.
+#[derive(Clone, Debug)]
+pub struct CollSpec {
+    pub func: &'static CStr,
+    pub datatype: &'static CStr,
+    pub algo: &'static CStr,
+    pub proto: &'static CStr,
+    pub count: u64,
+    pub root: i32,
+    pub n_channels: u8,
+    pub n_warps: u8,
+    /// Simulated kernel duration per channel.
+    pub kernel_ns: u64,
+    /// Device function id the hook reports (RFC host).
+    pub func_id: u32,
+    /// A symmetric kernel's variant name (v7: `kernelVariant`, `isSymColl`, and KernelPhase events).
+    pub symmetric: Option<&'static CStr>,
+    pub user_tag: u64,
+}
+
+impl Default for CollSpec {
+    fn default() -> Self {
+        CollSpec {
+            func: c"AllReduce",
+            datatype: c"ncclFloat32",
+            algo: c"RING",
+            proto: c"LL",
+            count: 1024,
+            root: 0,
+            n_channels: 2,
+            n_warps: 16,
+            kernel_ns: 10_000,
+            func_id: 2,
+            symmetric: None,
+            user_tag: 0,
+        }
+    }
+}
+
+/// One send or receive.
+#[derive(Clone, Debug)]
+pub struct P2pSpec {
+    pub func: &'static CStr,
+    pub datatype: &'static CStr,
+    pub count: u64,
+    pub peer: i32,
+    pub n_channels: u8,
+    pub kernel_ns: u64,
+    pub func_id: u32,
+}
+
+impl Default for P2pSpec {
+    fn default() -> Self {
+        P2pSpec {
+            func: c"Send",
+            datatype: c"ncclInt8",
+            count: 4096,
+            peer: 1,
+            n_channels: 1,
+            kernel_ns: 5_000,
+            func_id: 0,
+        }
+    }
+}
+
+/// CLOCK_MONOTONIC in ns: the simulated GPU globaltimer.
+pub fn gpu_now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out pointer; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+impl Host {
+    /// Loads `plugin` as a `kind` host would, with the stand-in libnccl found next to it.
+    pub fn load(plugin: &Path, kind: HostKind) -> anyhow::Result<Arc<Host>> {
+        Host::load_as(plugin, kind, kind.version())
+    }
+
+    /// Like [`Host::load`], with `ncclGetVersion` answering `version` (0: the call fails).
+    pub fn load_as(plugin: &Path, kind: HostKind, version: i32) -> anyhow::Result<Arc<Host>> {
+        let dir = plugin.parent().unwrap_or(Path::new("."));
+        let nccl_path = dir.join(kind.libnccl_name());
+        // SAFETY: loading our own stand-in library; its initialisers are Rust statics only.
+        let nccl = unsafe { Library::open(Some(&nccl_path), RTLD_NOW | RTLD_LOCAL) }
+            .with_context(|| format!("loading the stand-in libnccl {}", nccl_path.display()))?;
+        // SAFETY: the stand-in's exported functions have exactly these signatures.
+        let (set_version, log) = unsafe {
+            (
+                *nccl.get::<unsafe extern "C" fn(c_int)>(b"fakenccl_set_version\0")?,
+                *nccl.get::<*const c_void>(b"fakenccl_log\0")?,
+            )
+        };
+        // SAFETY: as above.
+        unsafe { set_version(version) };
+        // SAFETY: `fakenccl_log` reads the fixed arguments of NCCL's variadic logger (see its docs).
+        let logger: Logger = unsafe { std::mem::transmute::<*const c_void, Logger>(log) };
+        // SAFETY: NCCL loads profiler plugins the same way; the plugin's initialisers are Rust statics.
+        let lib = unsafe { Library::open(Some(plugin), RTLD_NOW | RTLD_LOCAL) }
+            .with_context(|| format!("dlopen {} (RTLD_NOW)", plugin.display()))?;
+        for sym in kind.symbols() {
+            // SAFETY: looking up a data symbol; its address is what NCCL reads.
+            let Ok(p) = (unsafe { lib.get::<*const c_void>(sym.to_bytes_with_nul()) }) else {
+                continue;
+            };
+            let p = *p as *const Vtable;
+            // SAFETY: the exported object is at least the 48-byte vtable NCCL reads.
+            let vt = unsafe { *p };
+            let get_device_hook =
+                (kind == HostKind::Rfc && sym == &c"ncclProfiler_v7").then(|| {
+                    // SAFETY: an RFC host reads `getDeviceHook` at offset 48 of `ncclProfiler_v7`.
+                    unsafe { *(p.cast::<u8>().add(48) as *const GetDeviceHookFn) }
+                });
+            let mask: &'static AtomicI32 = Box::leak(Box::new(AtomicI32::new(0)));
+            return Ok(Arc::new(Host {
+                kind,
+                symbol: sym.to_string_lossy().into_owned(),
+                vt,
+                get_device_hook,
+                logger,
+                mask,
+                _plugin: lib,
+                _nccl: nccl,
+            }));
+        }
+        bail!("{} exports none of {:?}", plugin.display(), kind.symbols())
+    }
+
+    /// The activation mask the plugin set (NCCL's global).
+    pub fn mask(&self) -> u64 {
+        self.mask.load(Ordering::Relaxed) as u32 as u64
+    }
+
+    /// The plugin's `name` field.
+    pub fn plugin_name(&self) -> String {
+        // SAFETY: NCCL logs this pointer as a C string; the plugin keeps it static.
+        unsafe { CStr::from_ptr(self.vt.name) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// `init` for a new communicator (and `getDeviceHook` right after it on an RFC host).
+    pub fn init_comm(self: &Arc<Host>, spec: &CommSpec) -> anyhow::Result<Comm> {
+        let name = spec.name.as_deref().map(CString::new).transpose()?;
+        let mut ctx: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the arguments NCCL passes: out pointer, mask global, C string or NULL, logger.
+        let rc = unsafe {
+            (self.vt.init)(
+                &mut ctx,
+                spec.comm_hash,
+                self.mask.as_ptr(),
+                name.as_ref().map_or(std::ptr::null(), |n| n.as_ptr()),
+                spec.nnodes,
+                spec.nranks,
+                spec.rank,
+                Some(self.logger),
+            )
+        };
+        if rc != 0 {
+            bail!("init returned {rc}");
+        }
+        let mut hook = None;
+        if let Some(get) = self.get_device_hook {
+            let (mut f, mut dev_ctx) = (std::ptr::null_mut(), std::ptr::null_mut());
+            // SAFETY: the RFC signature with valid out pointers.
+            unsafe { get(spec.cuda_dev, &mut f, &mut dev_ctx) };
+            if !f.is_null() {
+                // SAFETY: a non-NULL devHook is the plugin's `void hook(const ev*, void* devCtx)`.
+                hook = Some((
+                    unsafe { std::mem::transmute::<*mut c_void, HookFn>(f) },
+                    SendPtr(dev_ctx),
+                ));
+            }
+        }
+        Ok(Comm {
+            host: self.clone(),
+            ctx: SendPtr(ctx),
+            rank: spec.rank,
+            seq: 0,
+            work_counter: [0; 64],
+            hook,
+            app_page: GuardedPage::new()?,
+            gpu_page: GuardedPage::new()?,
+        })
+    }
+}
+
+/// A raw pointer moved between the fake NCCL's threads (as NCCL moves handles between its threads).
+#[derive(Clone, Copy, Debug)]
+pub struct SendPtr(pub *mut c_void);
+// SAFETY: the pointee belongs to the plugin, which is required to be thread-safe.
+unsafe impl Send for SendPtr {}
+
+/// One communicator of a host.
+pub struct Comm {
+    host: Arc<Host>,
+    ctx: SendPtr,
+    rank: i32,
+    seq: u64,
+    /// NCCL's per-channel work counter, kept across kernels.
+    work_counter: [u64; 64],
+    hook: Option<(HookFn, SendPtr)>,
+    app_page: GuardedPage,
+    gpu_page: GuardedPage,
+}
+
+/// Calls into the plugin with descriptors and state args on a guarded page.
+struct Caller<'a> {
+    vt: &'a Vtable,
+    page: &'a mut GuardedPage,
+    descr_bytes: usize,
+    rank: i32,
+}
+
+impl Caller<'_> {
+    fn start(
+        &mut self,
+        ctx: SendPtr,
+        ty: u64,
+        parent: SendPtr,
+        fill: impl FnOnce(&Descr),
+    ) -> SendPtr {
+        let d = Descr {
+            ptr: self.page.flush_end(self.descr_bytes),
+            len: self.descr_bytes,
+        };
+        d.u64(off::TYPE, ty)
+            .ptr(off::PARENT, parent.0)
+            .i32(off::RANK, self.rank);
+        fill(&d);
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: the plugin's startEvent with a valid out pointer and a descriptor of this host's size.
+        unsafe { (self.vt.start_event)(ctx.0, &mut handle, d.ptr) };
+        SendPtr(handle)
+    }
+
+    fn record(&mut self, handle: SendPtr, st: i32, p_timer: Option<u64>) {
+        let args = match p_timer {
+            Some(t) => {
+                let p = self.page.flush_end(8);
+                // SAFETY: 8 writable bytes.
+                unsafe { *(p as *mut u64) = t };
+                p as *mut u64
+            }
+            None => std::ptr::null_mut(),
+        };
+        // SAFETY: the plugin's recordEventState; args NULL or 8 bytes flush against the guard page.
+        unsafe { (self.vt.record_event_state)(handle.0, st, args) };
+    }
+
+    fn stop(&mut self, handle: SendPtr) {
+        // SAFETY: the plugin's stopEvent.
+        unsafe { (self.vt.stop_event)(handle.0) };
+    }
+}
+
+fn text(s: &CStr) -> String {
+    s.to_string_lossy().into_owned()
+}
+
+/// Host-side kernel events to emit for one operation.
+struct Kernel<'s> {
+    n_channels: u8,
+    kernel_ns: u64,
+    func_id: u32,
+    phases: bool,
+    symmetric: Option<&'s CStr>,
+}
+
+impl Comm {
+    fn caller(&mut self) -> Caller<'_> {
+        Caller {
+            vt: &self.host.vt,
+            page: &mut self.app_page,
+            descr_bytes: self.host.kind.descr_bytes(),
+            rank: self.rank,
+        }
+    }
+
+    fn kernel_bits(&self) -> u64 {
+        if self.host.kind == HostKind::V7 {
+            event::KERNEL_CH | event::KERNEL_PHASE
+        } else {
+            event::KERNEL_CH
+        }
+    }
+
+    /// Emits one collective: Group and Coll on this thread, then the simulated kernel's events.
+    pub fn collective(&mut self, spec: &CollSpec) -> OpReport {
+        let mask = self.host.mask();
+        let kernel_bits = self.kernel_bits();
+        let seq = self.seq;
+        self.seq += 1;
+        let v7 = self.host.kind == HostKind::V7;
+        let ctx = self.ctx;
+        let mut c = self.caller();
+        let group = if mask & (event::GROUP | event::COLL | event::P2P | kernel_bits) != 0 {
+            c.start(ctx, event::GROUP, SendPtr(std::ptr::null_mut()), |_| {})
+        } else {
+            SendPtr(std::ptr::null_mut())
+        };
+        let coll = if mask & (event::COLL | kernel_bits) != 0 {
+            c.start(ctx, event::COLL, group, |d| {
+                d.u64(off::COLL_SEQ, seq)
+                    .ptr(off::COLL_FUNC, spec.func.as_ptr())
+                    .u64(off::COLL_SEND, 0x7000_0000)
+                    .u64(off::COLL_RECV, 0x7100_0000)
+                    .u64(off::COLL_COUNT, spec.count)
+                    .i32(off::COLL_ROOT, spec.root)
+                    .ptr(off::COLL_DATATYPE, spec.datatype.as_ptr())
+                    .u8(off::COLL_NCHANNELS, spec.n_channels)
+                    .u8(off::COLL_NWARPS, spec.n_warps)
+                    .ptr(off::COLL_ALGO, spec.algo.as_ptr())
+                    .ptr(off::COLL_PROTO, spec.proto.as_ptr())
+                    .ptr(off::COLL_PARENT_GROUP, group.0);
+                if v7 {
+                    d.ptr(
+                        off::COLL_KERNEL_VARIANT,
+                        spec.symmetric.map_or(std::ptr::null(), |s| s.as_ptr()),
+                    )
+                    .u8(off::COLL_IS_SYM, spec.symmetric.is_some() as u8)
+                    .u64(off::COLL_USER_TAG, spec.user_tag);
+                }
+            })
+        } else {
+            SendPtr(std::ptr::null_mut())
+        };
+        // NCCL stops the Coll once it is enqueued; its kernel events come later, from another thread.
+        if !coll.0.is_null() {
+            c.stop(coll);
+        }
+        if !group.0.is_null() {
+            c.stop(group);
+        }
+        let kernel = Kernel {
+            n_channels: spec.n_channels,
+            kernel_ns: spec.kernel_ns,
+            func_id: spec.func_id,
+            phases: v7 && spec.symmetric.is_some(),
+            symmetric: spec.symmetric,
+        };
+        let (kernels, hook_items) = self.run_kernel(mask, coll, &kernel);
+        OpReport {
+            kind: OpKind::Coll,
+            started: !coll.0.is_null(),
+            seq,
+            func: text(spec.func),
+            datatype: text(spec.datatype),
+            algo: text(spec.algo),
+            kernel_variant: spec.symmetric.filter(|_| v7).map(text),
+            proto: text(spec.proto),
+            count: spec.count,
+            root_or_peer: spec.root,
+            n_channels: spec.n_channels,
+            n_warps: spec.n_warps,
+            kernels,
+            hook_items,
+        }
+    }
+
+    /// Emits one point-to-point operation and its kernel.
+    pub fn p2p(&mut self, spec: &P2pSpec) -> OpReport {
+        let mask = self.host.mask();
+        let kernel_bits = self.kernel_bits();
+        let ctx = self.ctx;
+        let mut c = self.caller();
+        let group = if mask & (event::GROUP | event::COLL | event::P2P | kernel_bits) != 0 {
+            c.start(ctx, event::GROUP, SendPtr(std::ptr::null_mut()), |_| {})
+        } else {
+            SendPtr(std::ptr::null_mut())
+        };
+        let op = if mask & (event::P2P | kernel_bits) != 0 {
+            c.start(ctx, event::P2P, group, |d| {
+                d.ptr(off::P2P_FUNC, spec.func.as_ptr())
+                    .u64(off::P2P_BUFF, 0x7200_0000)
+                    .ptr(off::P2P_DATATYPE, spec.datatype.as_ptr())
+                    .u64(off::P2P_COUNT, spec.count)
+                    .i32(off::P2P_PEER, spec.peer)
+                    .u8(off::P2P_NCHANNELS, spec.n_channels)
+                    .ptr(off::P2P_PARENT_GROUP, group.0);
+            })
+        } else {
+            SendPtr(std::ptr::null_mut())
+        };
+        if !op.0.is_null() {
+            c.stop(op);
+        }
+        if !group.0.is_null() {
+            c.stop(group);
+        }
+        let kernel = Kernel {
+            n_channels: spec.n_channels,
+            kernel_ns: spec.kernel_ns,
+            func_id: spec.func_id,
+            phases: false,
+            symmetric: None,
+        };
+        let (kernels, hook_items) = self.run_kernel(mask, op, &kernel);
+        OpReport {
+            kind: OpKind::P2p,
+            started: !op.0.is_null(),
+            seq: 0,
+            func: text(spec.func),
+            datatype: text(spec.datatype),
+            algo: String::new(),
+            kernel_variant: None,
+            proto: String::new(),
+            count: spec.count,
+            root_or_peer: spec.peer,
+            n_channels: spec.n_channels,
+            n_warps: 0,
+            kernels,
+            hook_items,
+        }
+    }
+
+    /// The simulated kernel: one work item per channel, timed on the simulated GPU clock, reported to the
+    /// plugin from a second thread (NCCL's proxy/profiler thread for KernelCh, "the GPU" for the hook).
+    fn run_kernel(
+        &mut self,
+        mask: u64,
+        parent: SendPtr,
+        k: &Kernel<'_>,
+    ) -> (Vec<KernelReport>, Vec<HookItem>) {
+        let kernel_ch = mask & self.kernel_bits() != 0;
+        let phases = k.phases && mask & event::KERNEL_PHASE != 0;
+        let base = gpu_now_ns();
+        let mut items = Vec::new();
+        for ch in 0..k.n_channels {
+            self.work_counter[ch as usize] += 1;
+            let start = base + ch as u64;
+            items.push(HookItem {
+                channel: ch,
+                work_counter: self.work_counter[ch as usize],
+                func_id: k.func_id,
+                gpu_start: start,
+                gpu_stop: start + k.kernel_ns,
+            });
+        }
+        let hook = self.hook;
+        let host = self.host.clone();
+        let ctx = self.ctx;
+        let rank = self.rank;
+        let page = &mut self.gpu_page;
+        let symmetric = k.symmetric.is_some();
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                let mut kernels = Vec::new();
+                if let Some((f, dev_ctx)) = hook {
+                    for it in &items {
+                        for (phase, ts) in [(0u8, it.gpu_start), (1, it.gpu_stop)] {
+                            let ev = DevEvent {
+                                timestamp: ts,
+                                work_counter: it.work_counter,
+                                func_id: it.func_id,
+                                channel_id: it.channel,
+                                phase,
+                                rsvd: 0,
+                            };
+                            // SAFETY: the hook the plugin returned, with its devCtx and a valid event.
+                            unsafe { f(&ev, dev_ctx.0) };
+                        }
+                    }
+                }
+                if kernel_ch {
+                    let mut c = Caller {
+                        vt: &host.vt,
+                        page,
+                        descr_bytes: host.kind.descr_bytes(),
+                        rank,
+                    };
+                    for it in &items {
+                        let kc = c.start(ctx, event::KERNEL_CH, parent, |d| {
+                            d.u8(off::KCH_CHANNEL, it.channel)
+                                .u64(off::KCH_PTIMER, it.gpu_start);
+                        });
+                        let mut report = KernelReport {
+                            channel: it.channel,
+                            gpu_start: it.gpu_start,
+                            gpu_stop: it.gpu_stop,
+                            started: !kc.0.is_null(),
+                            phases: Vec::new(),
+                        };
+                        if phases && symmetric && !kc.0.is_null() {
+                            let span = it.gpu_stop - it.gpu_start;
+                            let bounds = [
+                                it.gpu_start,
+                                it.gpu_start + span / 4,
+                                it.gpu_stop - span / 4,
+                                it.gpu_stop,
+                            ];
+                            for (phase, name) in
+                                [(0u8, c"initial_sync"), (1, c"compute"), (2, c"final_sync")]
+                            {
+                                let (p0, p1) = (bounds[phase as usize], bounds[phase as usize + 1]);
+                                let ph = c.start(ctx, event::KERNEL_PHASE, kc, |d| {
+                                    d.u8(off::KPH_CHANNEL, it.channel)
+                                        .u8(off::KPH_PHASE, phase)
+                                        .ptr(off::KPH_NAME, name.as_ptr())
+                                        .u64(off::KPH_PTIMER, p0);
+                                });
+                                if !ph.0.is_null() {
+                                    c.record(ph, state::KERNEL_PHASE_STOP, Some(p1));
+                                    c.stop(ph);
+                                }
+                                report.phases.push(PhaseReport {
+                                    phase,
+                                    gpu_start: p0,
+                                    gpu_stop: p1,
+                                });
+                            }
+                        }
+                        if !kc.0.is_null() {
+                            c.record(kc, state::KERNEL_CH_STOP, Some(it.gpu_stop));
+                            c.stop(kc);
+                        }
+                        kernels.push(report);
+                    }
+                }
+                let hook_items = if hook.is_some() { items } else { Vec::new() };
+                (kernels, hook_items)
+            })
+            .join()
+            .expect("simulated kernel thread")
+        })
+    }
+
+    /// Calls NCCL makes that the plugin must decline or ignore cheaply: event types it does not handle
+    /// (ProxyOp, GroupApi, a type from the future), GroupApi states with NULL args, stop/record on NULL,
+    /// on the Group handle and on a garbage pointer. Returns how many of them the plugin should count
+    /// as ignored (declined starts, records that match no event, stops of unknown handles).
+    pub fn noise(&mut self) -> u64 {
+        let ctx = self.ctx;
+        let mut c = self.caller();
+        let mut ignored = 0;
+        for ty in [event::PROXY_OP, event::GROUP_API, 1 << 20] {
+            let h = c.start(ctx, ty, SendPtr(std::ptr::null_mut()), |_| {});
+            assert!(h.0.is_null(), "type {ty:#x} should be declined");
+            ignored += 1;
+        }
+        let group = c.start(ctx, event::GROUP, SendPtr(std::ptr::null_mut()), |_| {});
+        for st in [state::GROUP_START_API_STOP, state::GROUP_END_API_START] {
+            c.record(group, st, None);
+            ignored += 1;
+        }
+        c.stop(group);
+        c.stop(SendPtr(std::ptr::null_mut()));
+        let garbage = SendPtr(0xdead_bee8usize as *mut c_void);
+        c.stop(garbage);
+        c.record(garbage, state::KERNEL_CH_STOP, Some(1));
+        ignored += 2;
+        ignored
+    }
+
+    /// `finalize`.
+    pub fn finalize(self) {
+        if !self.ctx.0.is_null() {
+            // SAFETY: the context `init` returned; NCCL calls finalize only for a non-NULL one.
+            unsafe { (self.host.vt.finalize)(self.ctx.0) };
+        }
+    }
+
+    /// Whether the plugin handed out a device hook for this communicator.
+    pub fn has_hook(&self) -> bool {
+        self.hook.is_some()
+    }
+
+    /// Whether `init` returned a context (false: the plugin is disabled).
+    pub fn has_context(&self) -> bool {
+        !self.ctx.0.is_null()
+    }
+}
+
+/// The cargo target directory of the running test or binary (`target/<profile>`), where the plugin,
+/// the stand-in libnccl and the fakenccl binaries are built.
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir
+}
+
+/// The plugin built in `target_dir()`, or an error saying how to build it.
+pub fn plugin_path() -> anyhow::Result<PathBuf> {
+    let p = target_dir().join("libnccl_profiler_ncclscope.so");
+    if !p.exists() {
+        bail!(
+            "{} is missing: run `cargo build --workspace` first (scripts/test.sh does)",
+            p.display()
+        );
+    }
+    Ok(p)
+}

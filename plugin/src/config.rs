@@ -1,0 +1,196 @@
+//! The plugin's settings, from `NCCLSCOPE_*` environment variables, read once at the first `init`.
+//! An invalid value never fails the plugin: it is reported (logged once through NCCL's logger) and the
+//! default is used instead.
+
+use std::path::PathBuf;
+
+use ncclscope_proto::segment::{DEFAULT_CAPACITY, DEFAULT_PREFIX, MAX_CAPACITY};
+
+use crate::abi::event;
+
+/// Events requested when `NCCLSCOPE_EVENT_MASK` is not set: Coll | P2p | KernelCh.
+pub const DEFAULT_EVENT_MASK: i32 = (event::COLL | event::P2P | event::KERNEL_CH) as i32;
+/// Where the daemon listens when `NCCLSCOPE_SOCKET` is not set.
+pub const DEFAULT_SOCKET: &str = "/run/ncclscope/ncclscope.sock";
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// `NCCLSCOPE_DISABLE=1`: `init` succeeds with an empty mask and nothing else happens.
+    pub disabled: bool,
+    /// `NCCLSCOPE_EVENT_MASK` (decimal or 0x-hex).
+    pub event_mask: i32,
+    /// Whether the user chose the mask; if not, the plugin may adjust it (drop KernelCh under the hook).
+    pub mask_explicit: bool,
+    /// `NCCLSCOPE_SOCKET`.
+    pub socket: PathBuf,
+    /// `NCCLSCOPE_SHM_PREFIX`.
+    pub shm_prefix: String,
+    /// `NCCLSCOPE_JOB_ID`, else `SLURM_JOB_ID`, else `POD_NAME` / `KUBERNETES_POD_NAME`, else "unknown".
+    pub job_id: String,
+    /// `NCCLSCOPE_SEGMENT_RECORDS`: ring capacity of the segment, a power of two.
+    pub segment_records: u64,
+    /// Problems found while reading the environment, for the log.
+    pub warnings: Vec<String>,
+}
+
+impl Config {
+    pub fn from_env() -> Config {
+        Config::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Config {
+        let mut warnings = Vec::new();
+        let mut invalid = |name: &str, value: &str, why: &str| {
+            warnings.push(format!(
+                "ignoring {name}={value:?} ({why}); using the default"
+            ));
+        };
+        let disabled = match var("NCCLSCOPE_DISABLE").as_deref().map(str::trim) {
+            None | Some("" | "0") => false,
+            Some("1") => true,
+            Some(other) => {
+                invalid("NCCLSCOPE_DISABLE", other, "expected 0 or 1");
+                false
+            }
+        };
+        let mut event_mask = DEFAULT_EVENT_MASK;
+        let mut mask_explicit = false;
+        if let Some(v) = var("NCCLSCOPE_EVENT_MASK") {
+            match parse_int(&v)
+                .and_then(|m| i32::try_from(m).ok())
+                .filter(|m| *m >= 0)
+            {
+                Some(m) => {
+                    event_mask = m;
+                    mask_explicit = true;
+                }
+                None => invalid(
+                    "NCCLSCOPE_EVENT_MASK",
+                    &v,
+                    "expected a non-negative integer",
+                ),
+            }
+        }
+        let socket = match var("NCCLSCOPE_SOCKET") {
+            Some(s) if !s.is_empty() => PathBuf::from(s),
+            _ => PathBuf::from(DEFAULT_SOCKET),
+        };
+        let shm_prefix = match var("NCCLSCOPE_SHM_PREFIX") {
+            None => DEFAULT_PREFIX.to_string(),
+            Some(p) if valid_prefix(&p) => p,
+            Some(p) => {
+                invalid(
+                    "NCCLSCOPE_SHM_PREFIX",
+                    &p,
+                    "expected 1-64 characters, no '/' or NUL",
+                );
+                DEFAULT_PREFIX.to_string()
+            }
+        };
+        let job_id = [
+            "NCCLSCOPE_JOB_ID",
+            "SLURM_JOB_ID",
+            "POD_NAME",
+            "KUBERNETES_POD_NAME",
+        ]
+        .iter()
+        .find_map(|name| var(name).filter(|v| !v.is_empty()))
+        .unwrap_or_else(|| "unknown".to_string());
+        let mut segment_records = DEFAULT_CAPACITY;
+        if let Some(v) = var("NCCLSCOPE_SEGMENT_RECORDS") {
+            match parse_int(&v).filter(|n| n.is_power_of_two() && *n >= 16 && *n <= MAX_CAPACITY) {
+                Some(n) => segment_records = n,
+                None => invalid(
+                    "NCCLSCOPE_SEGMENT_RECORDS",
+                    &v,
+                    "expected a power of two from 16 to 2^24",
+                ),
+            }
+        }
+        Config {
+            disabled,
+            event_mask,
+            mask_explicit,
+            socket,
+            shm_prefix,
+            job_id,
+            segment_records,
+            warnings,
+        }
+    }
+}
+
+fn parse_int(s: &str) -> Option<u64> {
+    let s = s.trim();
+    match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16).ok(),
+        None => s.parse().ok(),
+    }
+}
+
+fn valid_prefix(p: &str) -> bool {
+    !p.is_empty() && p.len() <= 64 && !p.contains(['/', '\0'])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(vars: &[(&str, &str)]) -> Config {
+        Config::from_lookup(|name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    #[test]
+    fn defaults_when_nothing_is_set() {
+        let c = config(&[]);
+        assert!(!c.disabled);
+        assert_eq!(c.event_mask, 0x46);
+        assert!(!c.mask_explicit);
+        assert_eq!(c.socket, PathBuf::from(DEFAULT_SOCKET));
+        assert_eq!(c.shm_prefix, "ncclscope");
+        assert_eq!(c.job_id, "unknown");
+        assert_eq!(c.segment_records, DEFAULT_CAPACITY);
+        assert!(c.warnings.is_empty());
+    }
+
+    #[test]
+    fn values_are_parsed() {
+        let c = config(&[
+            ("NCCLSCOPE_DISABLE", "1"),
+            ("NCCLSCOPE_EVENT_MASK", "0x8046"),
+            ("NCCLSCOPE_SOCKET", "/tmp/s.sock"),
+            ("NCCLSCOPE_SHM_PREFIX", "test-x"),
+            ("SLURM_JOB_ID", "42"),
+            ("POD_NAME", "pod"),
+            ("NCCLSCOPE_SEGMENT_RECORDS", "1024"),
+        ]);
+        assert!(c.disabled);
+        assert_eq!((c.event_mask, c.mask_explicit), (0x8046, true));
+        assert_eq!(c.socket, PathBuf::from("/tmp/s.sock"));
+        assert_eq!(c.shm_prefix, "test-x");
+        assert_eq!(c.job_id, "42", "SLURM_JOB_ID wins over the pod name");
+        assert_eq!(c.segment_records, 1024);
+        assert_eq!(config(&[("NCCLSCOPE_EVENT_MASK", "6")]).event_mask, 6);
+        assert_eq!(config(&[("KUBERNETES_POD_NAME", "p1")]).job_id, "p1");
+    }
+
+    #[test]
+    fn invalid_values_fall_back_with_a_warning() {
+        let c = config(&[
+            ("NCCLSCOPE_DISABLE", "yes"),
+            ("NCCLSCOPE_EVENT_MASK", "-1"),
+            ("NCCLSCOPE_SHM_PREFIX", "a/b"),
+            ("NCCLSCOPE_SEGMENT_RECORDS", "1000"),
+        ]);
+        assert!(!c.disabled);
+        assert_eq!((c.event_mask, c.mask_explicit), (DEFAULT_EVENT_MASK, false));
+        assert_eq!(c.shm_prefix, "ncclscope");
+        assert_eq!(c.segment_records, DEFAULT_CAPACITY);
+        assert_eq!(c.warnings.len(), 4, "{:?}", c.warnings);
+        assert!(c.warnings[1].contains("NCCLSCOPE_EVENT_MASK"));
+    }
+}

@@ -1,0 +1,272 @@
+//! The forwarding thread ("ncclscope-fwd"): the segment's only producer.
+//!
+//! NCCL threads push [`Event`]s into a bounded lock-free queue and return; this thread turns them into
+//! records (interning NCCL's static strings on the way), drains the device-hook rings, flushes the loss
+//! counters into the segment header, heartbeats the segment and registers it with the daemon. When there
+//! is nothing to do it sleeps, 1 ms growing to 20 ms; NCCL threads wake it early when the queue fills up.
+
+use std::collections::HashMap;
+use std::ffi::{CStr, c_char};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use ncclscope_proto::{Counter, Producer, Record, StrId, TimingPath};
+
+use crate::devhook;
+use crate::profiler::Plugin;
+use crate::register::Registration;
+use crate::sink::Sink;
+
+const MIN_IDLE: Duration = Duration::from_millis(1);
+const MAX_IDLE: Duration = Duration::from_millis(20);
+/// Events handled per batch before the thread looks at the device rings and the heartbeat again.
+const BATCH: usize = 4096;
+
+/// A static C string owned by NCCL ("AllReduce", "ncclFloat32", ...), read on this thread only.
+#[derive(Clone, Copy, Debug)]
+pub struct CText(pub *const c_char);
+// SAFETY: it points at a NUL-terminated string NCCL never frees or changes (static storage); reading
+// it from another thread is what NCCL's own plugins do.
+unsafe impl Send for CText {}
+
+/// What NCCL threads hand to the forwarding thread.
+#[derive(Debug)]
+pub enum Event {
+    Comm {
+        comm: u32,
+        comm_hash: u64,
+        rank: u32,
+        nranks: u32,
+        nnodes: u32,
+        cuda_dev: i32,
+        name: Vec<u8>,
+        path: TimingPath,
+        host_ns: u64,
+    },
+    /// `table` is the communicator's slot in the plugin's table, flagged once the end is written.
+    CommEnd { comm: u32, table: u32, host_ns: u64 },
+    CollStart {
+        comm: u32,
+        id: u64,
+        seq: u64,
+        func: CText,
+        datatype: CText,
+        algo: CText,
+        proto: CText,
+        count: u64,
+        root: i32,
+        n_channels: u8,
+        n_warps: u8,
+        host_ns: u64,
+    },
+    P2pStart {
+        comm: u32,
+        id: u64,
+        func: CText,
+        datatype: CText,
+        count: u64,
+        peer: i32,
+        n_channels: u8,
+        host_ns: u64,
+    },
+    /// A record without strings (OpStop, KernelCh, KernelPhase).
+    Ready(Record),
+}
+
+/// Interned strings: by pointer first (NCCL's strings are static), then by content.
+#[derive(Default)]
+struct Interner {
+    by_ptr: HashMap<usize, StrId>,
+    by_text: HashMap<Vec<u8>, StrId>,
+}
+
+impl Interner {
+    fn intern(&mut self, text: &[u8], out: &mut Producer) -> StrId {
+        if let Some(id) = self.by_text.get(text) {
+            return *id;
+        }
+        let Ok(next) = u16::try_from(self.by_text.len() + 1) else {
+            out.segment().count(Counter::StrTableFull, 1);
+            return StrId(0);
+        };
+        let id = StrId(next);
+        // A definition lost to a full ring is not cached, so the string is sent again next time.
+        if !out.push(&Record::str(id, text)) {
+            return StrId(0);
+        }
+        self.by_text.insert(text.to_vec(), id);
+        id
+    }
+
+    fn intern_static(&mut self, text: CText, out: &mut Producer) -> StrId {
+        if text.0.is_null() {
+            return StrId(0);
+        }
+        if let Some(id) = self.by_ptr.get(&(text.0 as usize)) {
+            return *id;
+        }
+        // SAFETY: a non-NULL static C string from NCCL (see `CText`).
+        let bytes = unsafe { CStr::from_ptr(text.0) }.to_bytes();
+        let id = self.intern(bytes, out);
+        if id != StrId(0) {
+            self.by_ptr.insert(text.0 as usize, id);
+        }
+        id
+    }
+}
+
+pub struct Forwarder {
+    plugin: &'static Plugin,
+    producer: Producer,
+    strings: Interner,
+    registration: Registration,
+}
+
+impl Sink for Forwarder {
+    fn push(&mut self, record: &Record) {
+        self.producer.push(record);
+    }
+
+    fn intern(&mut self, text: &[u8]) -> StrId {
+        self.strings.intern(text, &mut self.producer)
+    }
+
+    fn count(&mut self, counter: Counter, n: u64) {
+        self.producer.segment().count(counter, n);
+    }
+}
+
+impl Forwarder {
+    pub fn new(plugin: &'static Plugin, producer: Producer) -> Forwarder {
+        let registration =
+            Registration::new(plugin.config.socket.clone(), producer.segment().name());
+        Forwarder {
+            plugin,
+            producer,
+            strings: Interner::default(),
+            registration,
+        }
+    }
+
+    /// The thread's body; runs for the life of the process.
+    pub fn run(mut self) {
+        let mut idle = MIN_IDLE;
+        loop {
+            let mut work = 0;
+            while let Some(event) = self.plugin.queue.pop() {
+                self.forward(event);
+                work += 1;
+                if work == BATCH {
+                    break;
+                }
+            }
+            work += devhook::drain(&mut self);
+            self.plugin.flush_counters(self.producer.segment());
+            self.producer.segment().beat();
+            self.registration.poll(Instant::now());
+            if work > 0 {
+                idle = MIN_IDLE;
+                continue;
+            }
+            self.plugin.fwd_idle.store(true, Ordering::SeqCst);
+            if self.plugin.queue.is_empty() {
+                std::thread::park_timeout(idle);
+            }
+            self.plugin.fwd_idle.store(false, Ordering::SeqCst);
+            idle = (idle * 2).min(MAX_IDLE);
+        }
+    }
+
+    fn forward(&mut self, event: Event) {
+        let record = match event {
+            Event::Comm {
+                comm,
+                comm_hash,
+                rank,
+                nranks,
+                nnodes,
+                cuda_dev,
+                name,
+                path,
+                host_ns,
+            } => {
+                let name = if name.is_empty() {
+                    StrId(0)
+                } else {
+                    self.intern(&name)
+                };
+                let nccl_version = self.plugin.host.version.unwrap_or(0);
+                Record::Comm {
+                    comm,
+                    comm_hash,
+                    rank,
+                    nranks,
+                    nnodes,
+                    cuda_dev,
+                    name,
+                    nccl_version,
+                    path,
+                    host_ns,
+                }
+            }
+            Event::CommEnd {
+                comm,
+                table,
+                host_ns,
+            } => {
+                devhook::finalize_comm(comm, &mut *self);
+                self.producer.push(&Record::CommEnd { comm, host_ns });
+                self.plugin.comm_ended(table, self.producer.segment());
+                return;
+            }
+            Event::CollStart {
+                comm,
+                id,
+                seq,
+                func,
+                datatype,
+                algo,
+                proto,
+                count,
+                root,
+                n_channels,
+                n_warps,
+                host_ns,
+            } => Record::CollStart {
+                comm,
+                id,
+                seq,
+                func: self.strings.intern_static(func, &mut self.producer),
+                datatype: self.strings.intern_static(datatype, &mut self.producer),
+                algo: self.strings.intern_static(algo, &mut self.producer),
+                proto: self.strings.intern_static(proto, &mut self.producer),
+                count,
+                root,
+                n_channels,
+                n_warps,
+                host_ns,
+            },
+            Event::P2pStart {
+                comm,
+                id,
+                func,
+                datatype,
+                count,
+                peer,
+                n_channels,
+                host_ns,
+            } => Record::P2pStart {
+                comm,
+                id,
+                func: self.strings.intern_static(func, &mut self.producer),
+                datatype: self.strings.intern_static(datatype, &mut self.producer),
+                count,
+                peer,
+                n_channels,
+                host_ns,
+            },
+            Event::Ready(record) => record,
+        };
+        self.producer.push(&record);
+    }
+}

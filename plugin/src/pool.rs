@@ -1,0 +1,313 @@
+//! The bounded pool that event handles come from.
+//!
+//! A handle given to NCCL is the address of a [`Slot`] in one preallocated array: no allocation per event,
+//! and a handle can be validated before use (inside the array, on a slot boundary, slot live), so a
+//! garbage pointer from the host is ignored instead of dereferenced. Free slots form a lock-free stack
+//! (Treiber stack with a tag against ABA). Every slot field is an atomic, so a stale handle can at worst
+//! produce a wrong record, never undefined behaviour.
+//!
+//! A Coll/P2p slot is reference-counted: one reference for NCCL's `stopEvent` and one per announced
+//! KernelCh child (`nChannels`), because NCCL starts the KernelCh events after the Coll has stopped and
+//! they must still find their parent's id.
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// Slots per process: in-flight Coll/P2p (until their last KernelCh started) plus in-flight kernel events.
+pub const POOL_SLOTS: u32 = 1 << 16;
+
+const FREE: u32 = 0;
+const STOPPED: u32 = 0x100;
+
+/// What a slot holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Kind {
+    Coll = 1,
+    P2p = 2,
+    KernelCh = 3,
+    KernelPhase = 4,
+}
+
+impl Kind {
+    fn from_state(state: u32) -> Option<Kind> {
+        Some(match state & 0xff {
+            1 => Kind::Coll,
+            2 => Kind::P2p,
+            3 => Kind::KernelCh,
+            4 => Kind::KernelPhase,
+            _ => return None,
+        })
+    }
+
+    pub fn is_op(self) -> bool {
+        matches!(self, Kind::Coll | Kind::P2p)
+    }
+}
+
+/// One event in flight. A cache line each, so threads working on neighbouring slots don't contend.
+#[repr(C, align(64))]
+#[derive(Default)]
+pub struct Slot {
+    state: AtomicU32,
+    refs: AtomicU32,
+    generation: AtomicU32,
+    next_free: AtomicU32,
+    pub comm: AtomicU32,
+    /// Channel in the low byte, KernelPhase id in the next.
+    pub channel: AtomicU32,
+    /// Kernel events: the id of the Coll/P2p they belong to.
+    pub parent: AtomicU64,
+    pub gpu_start: AtomicU64,
+    pub gpu_stop: AtomicU64,
+}
+const _: () = assert!(size_of::<Slot>() == 64);
+
+pub struct Pool {
+    slots: Box<[Slot]>,
+    /// Top of the free stack: tag << 32 | (index + 1); index + 1 == 0 means empty.
+    free: AtomicU64,
+}
+
+/// A live slot, found by [`Pool::lookup`] or [`Pool::alloc`].
+#[derive(Clone, Copy)]
+pub struct Live<'a> {
+    pub index: u32,
+    pub slot: &'a Slot,
+    pub kind: Kind,
+}
+
+impl Live<'_> {
+    /// Process-unique event id: slot index + the slot's generation, without a shared counter.
+    pub fn id(&self) -> u64 {
+        (self.slot.generation.load(Ordering::Relaxed) as u64) << 32 | self.index as u64
+    }
+
+    /// Marks the event stopped; false if it already was (a repeated stopEvent).
+    pub fn stop(&self) -> bool {
+        self.slot.state.fetch_or(STOPPED, Ordering::AcqRel) & STOPPED == 0
+    }
+}
+
+impl Pool {
+    pub fn new(slots: u32) -> Pool {
+        let slots: Box<[Slot]> = (0..slots)
+            .map(|i| {
+                let s = Slot::default();
+                s.next_free
+                    .store(if i + 1 < slots { i + 2 } else { 0 }, Ordering::Relaxed);
+                s
+            })
+            .collect();
+        let first = if slots.is_empty() { 0 } else { 1 };
+        Pool {
+            slots,
+            free: AtomicU64::new(first),
+        }
+    }
+
+    /// Takes a free slot for an event of `kind` in `comm` holding `refs` references.
+    pub fn alloc(&self, kind: Kind, comm: u32, refs: u32) -> Option<Live<'_>> {
+        let mut head = self.free.load(Ordering::Acquire);
+        let index = loop {
+            let top = head as u32;
+            if top == 0 {
+                return None;
+            }
+            let next = self.slots[(top - 1) as usize]
+                .next_free
+                .load(Ordering::Relaxed);
+            let new = ((head >> 32).wrapping_add(1) << 32) | next as u64;
+            match self
+                .free
+                .compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => break top - 1,
+                Err(h) => head = h,
+            }
+        };
+        let slot = &self.slots[index as usize];
+        slot.generation.store(
+            slot.generation.load(Ordering::Relaxed).wrapping_add(1),
+            Ordering::Relaxed,
+        );
+        slot.comm.store(comm, Ordering::Relaxed);
+        slot.refs.store(refs, Ordering::Relaxed);
+        slot.channel.store(0, Ordering::Relaxed);
+        slot.parent.store(0, Ordering::Relaxed);
+        slot.gpu_start.store(0, Ordering::Relaxed);
+        slot.gpu_stop.store(0, Ordering::Relaxed);
+        slot.state.store(kind as u32, Ordering::Release);
+        Some(Live { index, slot, kind })
+    }
+
+    /// The handle NCCL keeps for a slot.
+    pub fn handle(&self, live: &Live<'_>) -> *mut c_void {
+        live.slot as *const Slot as *mut c_void
+    }
+
+    /// The live slot behind `handle`, or None for anything that is not one of ours.
+    pub fn lookup(&self, handle: *mut c_void) -> Option<Live<'_>> {
+        let base = self.slots.as_ptr() as usize;
+        let offset = (handle as usize).checked_sub(base)?;
+        if !offset.is_multiple_of(size_of::<Slot>()) {
+            return None;
+        }
+        let index = offset / size_of::<Slot>();
+        let slot = self.slots.get(index)?;
+        let kind = Kind::from_state(slot.state.load(Ordering::Acquire))?;
+        Some(Live {
+            index: index as u32,
+            slot,
+            kind,
+        })
+    }
+
+    /// Drops one reference; the last one frees the slot.
+    pub fn release(&self, live: &Live<'_>) {
+        if live.slot.refs.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.free(live.index);
+        }
+    }
+
+    fn free(&self, index: u32) {
+        let slot = &self.slots[index as usize];
+        slot.state.store(FREE, Ordering::Release);
+        let mut head = self.free.load(Ordering::Acquire);
+        loop {
+            slot.next_free.store(head as u32, Ordering::Relaxed);
+            let new = ((head >> 32).wrapping_add(1) << 32) | (index + 1) as u64;
+            match self
+                .free
+                .compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return,
+                Err(h) => head = h,
+            }
+        }
+    }
+
+    /// Frees every slot of a finalized communicator; returns how many events were started but never
+    /// stopped. NCCL makes no more calls for the communicator, so nothing else touches these slots.
+    pub fn reclaim(&self, comm: u32) -> u64 {
+        let mut unfinished = 0;
+        for (index, slot) in self.slots.iter().enumerate() {
+            let state = slot.state.load(Ordering::Acquire);
+            if state == FREE || slot.comm.load(Ordering::Relaxed) != comm {
+                continue;
+            }
+            if state & STOPPED == 0 {
+                unfinished += 1;
+            }
+            slot.refs.store(0, Ordering::Relaxed);
+            self.free(index as u32);
+        }
+        unfinished
+    }
+
+    /// Slots in use (walks the pool).
+    #[cfg(test)]
+    pub fn in_use(&self) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| s.state.load(Ordering::Relaxed) != FREE)
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alloc_until_exhausted_then_reuse_with_a_new_id() {
+        let pool = Pool::new(4);
+        let a: Vec<_> = (0..4)
+            .map(|_| pool.alloc(Kind::KernelCh, 1, 1).unwrap())
+            .collect();
+        assert!(pool.alloc(Kind::KernelCh, 1, 1).is_none());
+        let first_id = a[2].id();
+        let h = pool.handle(&a[2]);
+        pool.release(&a[2]);
+        assert!(pool.lookup(h).is_none(), "a freed handle is not live");
+        let b = pool.alloc(Kind::Coll, 2, 1).unwrap();
+        assert_eq!(b.index, a[2].index);
+        assert_ne!(b.id(), first_id);
+        assert_eq!(pool.lookup(h).unwrap().kind, Kind::Coll);
+    }
+
+    #[test]
+    fn garbage_handles_are_rejected_without_touching_them() {
+        let pool = Pool::new(4);
+        let live = pool.alloc(Kind::P2p, 0, 1).unwrap();
+        let h = pool.handle(&live) as usize;
+        for bad in [
+            0usize,
+            8,
+            h + 1,
+            h + 4 * 64,
+            h.wrapping_sub(64),
+            usize::MAX - 63,
+        ] {
+            assert!(pool.lookup(bad as *mut c_void).is_none(), "{bad:#x}");
+        }
+        assert!(pool.lookup(h as *mut c_void).is_some());
+    }
+
+    #[test]
+    fn op_lives_until_stop_and_all_announced_children() {
+        let pool = Pool::new(2);
+        let op = pool.alloc(Kind::Coll, 0, 3).unwrap(); // stop + 2 children
+        let h = pool.handle(&op);
+        assert!(op.stop());
+        assert!(!op.stop(), "second stop is refused");
+        pool.release(&op);
+        pool.release(&op);
+        assert!(pool.lookup(h).is_some());
+        pool.release(&op);
+        assert!(pool.lookup(h).is_none());
+        assert_eq!(pool.in_use(), 0);
+    }
+
+    #[test]
+    fn reclaim_frees_a_communicator_and_counts_unstopped() {
+        let pool = Pool::new(8);
+        let a = pool.alloc(Kind::KernelCh, 7, 1).unwrap();
+        let b = pool.alloc(Kind::Coll, 7, 5).unwrap();
+        b.stop();
+        let _c = pool.alloc(Kind::Coll, 8, 1).unwrap();
+        assert_eq!(pool.reclaim(7), 1, "only the KernelCh was never stopped");
+        assert!(pool.lookup(pool.handle(&a)).is_none());
+        assert_eq!(pool.in_use(), 1);
+        assert_eq!(
+            (0..7).filter_map(|_| pool.alloc(Kind::P2p, 1, 1)).count(),
+            7
+        );
+    }
+
+    #[test]
+    fn concurrent_alloc_and_free_never_hand_out_a_slot_twice() {
+        let pool = Pool::new(64);
+        std::thread::scope(|s| {
+            for t in 0..4u32 {
+                let pool = &pool;
+                s.spawn(move || {
+                    for _ in 0..20_000 {
+                        let Some(l) = pool.alloc(Kind::KernelCh, t, 1) else {
+                            continue;
+                        };
+                        l.slot.parent.store(t as u64, Ordering::Relaxed);
+                        std::hint::spin_loop();
+                        assert_eq!(
+                            l.slot.parent.load(Ordering::Relaxed),
+                            t as u64,
+                            "slot shared by two threads"
+                        );
+                        pool.release(&l);
+                    }
+                });
+            }
+        });
+        assert_eq!(pool.in_use(), 0);
+    }
+}

@@ -1,0 +1,639 @@
+//! The plugin's process-wide state and what each NCCL callback does with an event once the entry point
+//! (`entry.rs`) has read it out of NCCL's descriptor.
+//!
+//! Hot path (startEvent / stopEvent / recordEventState): validate the handle, take or return a pool slot,
+//! push one [`Event`] into the bounded queue. No lock, no allocation, no syscall beyond the vDSO clock;
+//! a full pool or queue drops the event and counts it.
+
+use std::cell::Cell;
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::ArrayQueue;
+use ncclscope_proto::segment::{Owner, Segment, SegmentName, process_start_ticks};
+use ncclscope_proto::{Counter, Producer, Record, TimingPath, now_ns};
+
+use crate::abi::{Logger, event};
+use crate::config::Config;
+use crate::forward::{CText, Event, Forwarder};
+use crate::host::{self, HostInfo};
+use crate::pool::{Kind, POOL_SLOTS, Pool};
+
+/// Events waiting for the forwarding thread.
+pub const QUEUE_EVENTS: usize = 1 << 15;
+/// Queue depth at which an NCCL thread wakes the sleeping forwarding thread.
+const WAKE_DEPTH: usize = QUEUE_EVENTS / 8;
+/// Communicators alive at once in one process.
+pub const MAX_COMMS: usize = 1024;
+/// How long `finalize` waits for the forwarding thread to write the communicator's end.
+const FINALIZE_WAIT: Duration = Duration::from_secs(2);
+
+/// The handle returned for Group events: they carry nothing we forward, so they take no pool slot.
+static GROUP_HANDLE: u8 = 0;
+
+pub fn group_handle() -> *mut c_void {
+    &GROUP_HANDLE as *const u8 as *mut c_void
+}
+
+/// One communicator (the `context` NCCL keeps between `init` and `finalize`).
+#[derive(Default)]
+struct CommSlot {
+    live: AtomicBool,
+    id: AtomicU32,
+    announced: AtomicBool,
+    ended: AtomicBool,
+    comm_hash: AtomicU64,
+    rank: AtomicU32,
+    nranks: AtomicU32,
+    nnodes: AtomicU32,
+    name: Mutex<Vec<u8>>,
+}
+
+/// A Coll read from its descriptor.
+pub struct CollInfo {
+    pub seq: u64,
+    pub func: CText,
+    pub datatype: CText,
+    pub algo: CText,
+    pub proto: CText,
+    pub count: u64,
+    pub root: i32,
+    pub n_channels: u8,
+    pub n_warps: u8,
+}
+
+/// A P2p read from its descriptor.
+pub struct P2pInfo {
+    pub func: CText,
+    pub datatype: CText,
+    pub count: u64,
+    pub peer: i32,
+    pub n_channels: u8,
+}
+
+/// A `startEvent`, read from its descriptor.
+pub enum Start {
+    Group,
+    Coll(CollInfo),
+    P2p(P2pInfo),
+    KernelCh {
+        channel: u8,
+        p_timer: u64,
+    },
+    KernelPhase {
+        channel: u8,
+        phase: u8,
+        p_timer: u64,
+    },
+    /// A type this plugin does not handle (or does not know).
+    Other,
+}
+
+pub struct Plugin {
+    pub config: Config,
+    pub host: HostInfo,
+    pool: Pool,
+    comms: Box<[CommSlot]>,
+    next_comm: AtomicU32,
+    live_comms: AtomicU32,
+    pub(crate) queue: ArrayQueue<Event>,
+    /// Losses counted on NCCL threads, moved into the segment header by the forwarding thread.
+    pending: [AtomicU64; Counter::ALL.len()],
+    /// NCCL's activation mask (one global int for all communicators) and the value we want in it.
+    mask_ptr: AtomicPtr<c_int>,
+    mask: AtomicI32,
+    fwd: OnceLock<Thread>,
+    pub(crate) fwd_idle: AtomicBool,
+}
+
+/// None: disabled (NCCLSCOPE_DISABLE, or the segment could not be set up).
+static PLUGIN: OnceLock<Option<&'static Plugin>> = OnceLock::new();
+/// Set on the first panic caught at the C boundary: every entry point then returns at once.
+static FAILED: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    /// The communicator whose `init` ran last on this thread: NCCL calls `getDeviceHook` right after it.
+    static LAST_INIT: Cell<Option<u32>> = const { Cell::new(None) };
+}
+
+/// The plugin, if it is running.
+pub fn plugin() -> Option<&'static Plugin> {
+    if FAILED.load(Ordering::Relaxed) {
+        return None;
+    }
+    PLUGIN.get().copied().flatten()
+}
+
+/// Latches the plugin off after a panic: clears NCCL's mask so the event callbacks stop coming.
+pub fn fail(what: &str) {
+    if !FAILED.swap(true, Ordering::SeqCst) {
+        if let Some(p) = PLUGIN.get().copied().flatten() {
+            p.set_mask(0);
+        }
+        host::log(
+            true,
+            &format!("internal error in {what}; profiling disabled for this process"),
+        );
+    }
+}
+
+/// `init`: returns the communicator context (NULL when disabled), after setting `*mask`.
+///
+/// # Safety
+/// `mask` is NULL or NCCL's activation-mask global; `name` is NULL or a NUL-terminated string.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn init(
+    abi: u32,
+    comm_hash: u64,
+    mask: *mut c_int,
+    name: *const std::ffi::c_char,
+    nnodes: c_int,
+    nranks: c_int,
+    rank: c_int,
+    logfn: Option<Logger>,
+) -> *mut c_void {
+    host::set_logger(logfn);
+    let Some(plugin) = *PLUGIN.get_or_init(|| Plugin::launch(abi, logfn)) else {
+        if !mask.is_null() {
+            // SAFETY: NCCL's mask is a live, aligned, process-wide int (see `Plugin::set_mask`).
+            unsafe { AtomicI32::from_ptr(mask) }.store(0, Ordering::Relaxed);
+        }
+        return std::ptr::null_mut();
+    };
+    if abi == 7 && !plugin.host.v7_descriptors() && !plugin.host.is_rfc() {
+        host::log_once(
+            "v7-unknown-host",
+            true,
+            &format!(
+                "ncclProfiler_v7 called by NCCL version {:?}, which is not >= 2.31: reading v6 descriptor fields only",
+                plugin.host.version
+            ),
+        );
+    }
+    plugin.mask_ptr.store(mask, Ordering::Release);
+    plugin.set_mask(plugin.mask.load(Ordering::Relaxed));
+    // SAFETY: per this function's contract.
+    let name = unsafe { host::c_string(name) }.unwrap_or_default();
+    plugin.open_comm(comm_hash, name, nnodes, nranks, rank)
+}
+
+impl Plugin {
+    fn launch(abi: u32, logfn: Option<Logger>) -> Option<&'static Plugin> {
+        let config = Config::from_env();
+        for w in &config.warnings {
+            host::log(true, w);
+        }
+        if config.disabled {
+            host::log(false, "disabled by NCCLSCOPE_DISABLE=1");
+            return None;
+        }
+        let host = host::detect(logfn);
+        if !host::pin_self() {
+            host::log(
+                true,
+                "cannot pin the plugin library in memory; profiling disabled",
+            );
+            return None;
+        }
+        let pid = std::process::id();
+        let uid = rustix::process::getuid().as_raw();
+        let start_ticks = process_start_ticks(pid).unwrap_or(0);
+        let name = SegmentName {
+            prefix: config.shm_prefix.clone(),
+            uid,
+            pid,
+            start_ticks,
+        };
+        let hostname = rustix::system::uname()
+            .nodename()
+            .to_string_lossy()
+            .into_owned();
+        let owner = Owner {
+            pid,
+            uid,
+            start_ticks,
+            hostname,
+            job_id: config.job_id.clone(),
+        };
+        let segment = match Segment::create(&name, &owner, config.segment_records) {
+            Ok(s) => s,
+            Err(e) => {
+                host::log(
+                    true,
+                    &format!("cannot create the shared-memory segment ({e}); profiling disabled"),
+                );
+                return None;
+            }
+        };
+        host::log(
+            false,
+            &format!(
+                "plugin {} loaded as ncclProfiler_v{abi} by NCCL {:?}{}; segment /dev/shm/{name}, mask {:#x}",
+                env!("CARGO_PKG_VERSION"),
+                host.version,
+                if host.is_rfc() {
+                    " (device-hook RFC)"
+                } else {
+                    ""
+                },
+                config.event_mask
+            ),
+        );
+        let plugin: &'static Plugin = Box::leak(Box::new(Plugin {
+            mask: AtomicI32::new(config.event_mask),
+            config,
+            host,
+            pool: Pool::new(POOL_SLOTS),
+            comms: (0..MAX_COMMS).map(|_| CommSlot::default()).collect(),
+            next_comm: AtomicU32::new(0),
+            live_comms: AtomicU32::new(0),
+            queue: ArrayQueue::new(QUEUE_EVENTS),
+            pending: Default::default(),
+            mask_ptr: AtomicPtr::new(std::ptr::null_mut()),
+            fwd: OnceLock::new(),
+            fwd_idle: AtomicBool::new(false),
+        }));
+        let forwarder = Forwarder::new(plugin, Producer::new(segment));
+        match std::thread::Builder::new()
+            .name("ncclscope-fwd".into())
+            .spawn(move || forwarder.run())
+        {
+            Ok(handle) => {
+                let _ = plugin.fwd.set(handle.thread().clone());
+                Some(plugin)
+            }
+            Err(e) => {
+                host::log(
+                    true,
+                    &format!("cannot start the forwarding thread ({e}); profiling disabled"),
+                );
+                let _ = Segment::unlink(&name);
+                None
+            }
+        }
+    }
+
+    /// Stores `value` in NCCL's activation mask (shared by all communicators; NCCL reads it atomically).
+    pub fn set_mask(&self, value: i32) {
+        self.mask.store(value, Ordering::Relaxed);
+        let p = self.mask_ptr.load(Ordering::Acquire);
+        if !p.is_null() {
+            // SAFETY: `p` is NCCL's `ncclProfilerEventMask`, an aligned int that lives as long as the
+            // process; NCCL and plugins access it with atomic loads and stores.
+            unsafe { AtomicI32::from_ptr(p) }.store(value, Ordering::Relaxed);
+        }
+    }
+
+    pub fn count(&self, counter: Counter) {
+        self.pending[counter as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Moves the counts taken on NCCL threads into the segment header (forwarding thread).
+    pub fn flush_counters(&self, segment: &Segment) {
+        for c in Counter::ALL {
+            let n = self.pending[c as usize].swap(0, Ordering::Relaxed);
+            if n > 0 {
+                segment.count(c, n);
+            }
+        }
+    }
+
+    fn push(&self, event: Event) {
+        if self.queue.push(event).is_err() {
+            self.count(Counter::QueueFull);
+            return;
+        }
+        if self.fwd_idle.load(Ordering::Relaxed)
+            && self.queue.len() >= WAKE_DEPTH
+            && self.fwd_idle.swap(false, Ordering::SeqCst)
+        {
+            self.wake();
+        }
+    }
+
+    fn wake(&self) {
+        if let Some(t) = self.fwd.get() {
+            t.unpark();
+        }
+    }
+
+    fn open_comm(
+        &self,
+        comm_hash: u64,
+        name: Vec<u8>,
+        nnodes: c_int,
+        nranks: c_int,
+        rank: c_int,
+    ) -> *mut c_void {
+        let Some((index, slot)) = self.comms.iter().enumerate().find(|(_, s)| {
+            s.live
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        }) else {
+            host::log_once(
+                "comm-table-full",
+                true,
+                &format!("more than {MAX_COMMS} communicators; not profiling the rest"),
+            );
+            return std::ptr::null_mut();
+        };
+        let id = self.next_comm.fetch_add(1, Ordering::Relaxed);
+        slot.id.store(id, Ordering::Relaxed);
+        slot.comm_hash.store(comm_hash, Ordering::Relaxed);
+        slot.rank.store(rank as u32, Ordering::Relaxed);
+        slot.nranks.store(nranks as u32, Ordering::Relaxed);
+        slot.nnodes.store(nnodes as u32, Ordering::Relaxed);
+        if let Ok(mut n) = slot.name.lock() {
+            *n = name;
+        }
+        slot.ended.store(false, Ordering::Relaxed);
+        slot.announced.store(false, Ordering::Release);
+        self.live_comms.fetch_add(1, Ordering::AcqRel);
+        LAST_INIT.set(Some(index as u32));
+        // On an RFC host the timing path is known once `getDeviceHook` has run; announce then.
+        if !self.host.is_rfc() {
+            self.announce(slot, TimingPath::KernelCh, -1);
+        }
+        slot as *const CommSlot as *mut c_void
+    }
+
+    /// Queues the communicator's [`Record::Comm`], once.
+    fn announce(&self, slot: &CommSlot, path: TimingPath, cuda_dev: i32) {
+        if slot.announced.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let name = slot.name.lock().map(|n| n.clone()).unwrap_or_default();
+        self.push(Event::Comm {
+            comm: slot.id.load(Ordering::Relaxed),
+            comm_hash: slot.comm_hash.load(Ordering::Relaxed),
+            rank: slot.rank.load(Ordering::Relaxed),
+            nranks: slot.nranks.load(Ordering::Relaxed),
+            nnodes: slot.nnodes.load(Ordering::Relaxed),
+            cuda_dev,
+            name,
+            path,
+            host_ns: now_ns(),
+        });
+    }
+
+    /// The communicator behind an NCCL context pointer, if it is one of ours and alive.
+    fn comm(&self, ctx: *mut c_void) -> Option<&CommSlot> {
+        let offset = (ctx as usize).checked_sub(self.comms.as_ptr() as usize)?;
+        if !offset.is_multiple_of(size_of::<CommSlot>()) {
+            return None;
+        }
+        self.comms
+            .get(offset / size_of::<CommSlot>())
+            .filter(|s| s.live.load(Ordering::Acquire))
+    }
+
+    /// `getDeviceHook` has run for the communicator last initialised on this thread.
+    pub fn device_hook_offered(&self, cuda_dev: i32, active: bool) {
+        let Some(slot) = LAST_INIT.get().and_then(|i| self.comms.get(i as usize)) else {
+            return;
+        };
+        if active && !self.config.mask_explicit {
+            // The hook times every work item on the GPU; NCCL's own KernelCh path would only add cost.
+            self.set_mask(self.mask.load(Ordering::Relaxed) & !(event::KERNEL_CH as i32));
+        }
+        let path = if active {
+            TimingPath::DeviceHook
+        } else {
+            TimingPath::KernelCh
+        };
+        self.announce(slot, path, cuda_dev);
+    }
+
+    /// The communicator id `getDeviceHook` is about (the last `init` on this thread).
+    pub fn last_init_comm(&self) -> Option<u32> {
+        LAST_INIT
+            .get()
+            .and_then(|i| self.comms.get(i as usize))
+            .map(|s| s.id.load(Ordering::Relaxed))
+    }
+
+    /// `startEvent`: the handle NCCL keeps, or NULL to decline.
+    pub fn start(&self, ctx: *mut c_void, parent: *mut c_void, start: Start) -> *mut c_void {
+        let Some(comm_slot) = self.comm(ctx) else {
+            self.count(Counter::Ignored);
+            return std::ptr::null_mut();
+        };
+        if !comm_slot.announced.load(Ordering::Relaxed) {
+            self.announce(comm_slot, TimingPath::KernelCh, -1);
+        }
+        let comm = comm_slot.id.load(Ordering::Relaxed);
+        let host_ns = now_ns();
+        let kernel_children = |n_channels: u8| {
+            if self.mask.load(Ordering::Relaxed) & event::KERNEL_CH as i32 != 0 {
+                n_channels as u32
+            } else {
+                0
+            }
+        };
+        match start {
+            Start::Group => group_handle(),
+            Start::Coll(c) => {
+                let Some(live) = self.alloc(Kind::Coll, comm, 1 + kernel_children(c.n_channels))
+                else {
+                    return std::ptr::null_mut();
+                };
+                self.push(Event::CollStart {
+                    comm,
+                    id: live.id(),
+                    seq: c.seq,
+                    func: c.func,
+                    datatype: c.datatype,
+                    algo: c.algo,
+                    proto: c.proto,
+                    count: c.count,
+                    root: c.root,
+                    n_channels: c.n_channels,
+                    n_warps: c.n_warps,
+                    host_ns,
+                });
+                self.pool.handle(&live)
+            }
+            Start::P2p(p) => {
+                let Some(live) = self.alloc(Kind::P2p, comm, 1 + kernel_children(p.n_channels))
+                else {
+                    return std::ptr::null_mut();
+                };
+                self.push(Event::P2pStart {
+                    comm,
+                    id: live.id(),
+                    func: p.func,
+                    datatype: p.datatype,
+                    count: p.count,
+                    peer: p.peer,
+                    n_channels: p.n_channels,
+                    host_ns,
+                });
+                self.pool.handle(&live)
+            }
+            Start::KernelCh { channel, p_timer } => {
+                let op = self.pool.lookup(parent).filter(|p| p.kind.is_op());
+                let Some(live) = self.alloc(Kind::KernelCh, comm, 1) else {
+                    if let Some(op) = op {
+                        self.pool.release(&op);
+                    }
+                    return std::ptr::null_mut();
+                };
+                live.slot
+                    .parent
+                    .store(op.map_or(0, |op| op.id()), Ordering::Relaxed);
+                live.slot.channel.store(channel as u32, Ordering::Relaxed);
+                live.slot.gpu_start.store(p_timer, Ordering::Relaxed);
+                if let Some(op) = op {
+                    // This child has its parent's id now; the parent no longer waits for it.
+                    self.pool.release(&op);
+                }
+                self.pool.handle(&live)
+            }
+            Start::KernelPhase {
+                channel,
+                phase,
+                p_timer,
+            } => {
+                let op_id = self
+                    .pool
+                    .lookup(parent)
+                    .filter(|p| p.kind == Kind::KernelCh)
+                    .map_or(0, |p| p.slot.parent.load(Ordering::Relaxed));
+                let Some(live) = self.alloc(Kind::KernelPhase, comm, 1) else {
+                    return std::ptr::null_mut();
+                };
+                live.slot.parent.store(op_id, Ordering::Relaxed);
+                live.slot
+                    .channel
+                    .store(channel as u32 | (phase as u32) << 8, Ordering::Relaxed);
+                live.slot.gpu_start.store(p_timer, Ordering::Relaxed);
+                self.pool.handle(&live)
+            }
+            Start::Other => {
+                self.count(Counter::Ignored);
+                std::ptr::null_mut()
+            }
+        }
+    }
+
+    fn alloc(&self, kind: Kind, comm: u32, refs: u32) -> Option<crate::pool::Live<'_>> {
+        let live = self.pool.alloc(kind, comm, refs);
+        if live.is_none() {
+            self.count(Counter::PoolExhausted);
+        }
+        live
+    }
+
+    /// `stopEvent`.
+    pub fn stop(&self, handle: *mut c_void) {
+        let Some(live) = self.pool.lookup(handle) else {
+            if handle != group_handle() && !handle.is_null() {
+                self.count(Counter::Ignored);
+            }
+            return;
+        };
+        if !live.stop() {
+            return;
+        }
+        let comm = live.slot.comm.load(Ordering::Relaxed);
+        let channel = live.slot.channel.load(Ordering::Relaxed);
+        let gpu_start = live.slot.gpu_start.load(Ordering::Relaxed);
+        let gpu_stop = live.slot.gpu_stop.load(Ordering::Relaxed);
+        let parent = live.slot.parent.load(Ordering::Relaxed);
+        let record = match live.kind {
+            Kind::Coll | Kind::P2p => Record::OpStop {
+                comm,
+                id: live.id(),
+                host_ns: now_ns(),
+            },
+            Kind::KernelCh => Record::KernelCh {
+                comm,
+                parent,
+                channel: channel as u8,
+                gpu_start,
+                gpu_stop,
+                host_ns: now_ns(),
+            },
+            Kind::KernelPhase => Record::KernelPhase {
+                comm,
+                parent,
+                channel: channel as u8,
+                phase: (channel >> 8) as u8,
+                gpu_start,
+                gpu_stop,
+            },
+        };
+        self.pool.release(&live);
+        self.push(Event::Ready(record));
+    }
+
+    /// `recordEventState`; `p_timer` is the state args' `kernelCh.pTimer` (None for NULL args).
+    pub fn record_state(&self, handle: *mut c_void, state: u32, p_timer: Option<u64>) {
+        let live = self.pool.lookup(handle);
+        let expected = match live.map(|l| l.kind) {
+            Some(Kind::KernelCh) => crate::abi::state::KERNEL_CH_STOP,
+            Some(Kind::KernelPhase) => crate::abi::state::KERNEL_PHASE_STOP,
+            _ => u32::MAX,
+        };
+        match (live, p_timer) {
+            (Some(live), Some(t)) if state == expected => {
+                live.slot.gpu_stop.store(t, Ordering::Relaxed)
+            }
+            _ => self.count(Counter::Ignored),
+        }
+    }
+
+    /// `finalize`: frees the communicator's events and waits (bounded) until its end is in the segment.
+    pub fn finalize(&self, ctx: *mut c_void) {
+        let Some(slot) = self.comm(ctx) else { return };
+        let table = (ctx as usize - self.comms.as_ptr() as usize) / size_of::<CommSlot>();
+        self.announce(slot, TimingPath::KernelCh, -1);
+        let comm = slot.id.load(Ordering::Relaxed);
+        let unfinished = self.pool.reclaim(comm);
+        self.pending[Counter::Unfinished as usize].fetch_add(unfinished, Ordering::Relaxed);
+        self.live_comms.fetch_sub(1, Ordering::AcqRel);
+        let deadline = Instant::now() + FINALIZE_WAIT;
+        let mut end = Some(Event::CommEnd {
+            comm,
+            table: table as u32,
+            host_ns: now_ns(),
+        });
+        while let Some(event) = end.take() {
+            if let Err(event) = self.queue.push(event) {
+                if Instant::now() >= deadline {
+                    self.count(Counter::QueueFull);
+                    break;
+                }
+                end = Some(event);
+                self.wake();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        self.wake();
+        while !slot.ended.load(Ordering::Acquire) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        if !slot.ended.load(Ordering::Acquire) {
+            host::log_once(
+                "finalize-timeout",
+                true,
+                "finalize: the forwarding thread did not confirm in time",
+            );
+        }
+        slot.live.store(false, Ordering::Release);
+    }
+
+    /// The forwarding thread wrote the communicator's end. Closes the segment when it was the last one.
+    pub fn comm_ended(&self, table: u32, segment: &Segment) {
+        if let Some(slot) = self.comms.get(table as usize) {
+            slot.ended.store(true, Ordering::Release);
+        }
+        if self.live_comms.load(Ordering::Acquire) == 0 {
+            self.flush_counters(segment);
+            segment.close();
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! One fake-NCCL process ("a rank"): loads the plugin as the chosen NCCL would, runs communicators on
+//! their own threads, and prints a JSON `Report` of everything it emitted on stdout.
+
+use std::ffi::CStr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use ncclscope_fakenccl::report::{CommReport, Report};
+use ncclscope_fakenccl::{CollSpec, CommSpec, Host, HostKind, P2pSpec};
+
+#[derive(Parser)]
+struct Args {
+    /// The plugin .so (default: the one in this binary's target dir).
+    #[arg(long)]
+    plugin: Option<PathBuf>,
+    /// v5 (NCCL 2.28), v6 (2.30), v7 (2.32) or rfc (2.30 + device-hook RFC).
+    #[arg(long, default_value = "v5", value_parser = parse_kind)]
+    kind: HostKind,
+    /// Override what ncclGetVersion answers (0: it fails).
+    #[arg(long)]
+    version: Option<i32>,
+    /// Communicators, each driven by its own thread.
+    #[arg(long, default_value_t = 1)]
+    comms: u32,
+    /// Collectives per communicator.
+    #[arg(long, default_value_t = 10)]
+    colls: u32,
+    /// Sends/receives per communicator (after the collectives).
+    #[arg(long, default_value_t = 0)]
+    p2ps: u32,
+    #[arg(long, default_value_t = 2)]
+    channels: u8,
+    #[arg(long, default_value_t = 10_000)]
+    kernel_ns: u64,
+    /// Make every other collective a symmetric kernel (v7: KernelPhase events).
+    #[arg(long)]
+    symmetric: bool,
+    /// Also make calls the plugin must decline or ignore (unknown types, NULL args, garbage handles).
+    #[arg(long)]
+    noise: bool,
+    #[arg(long, default_value_t = 0)]
+    rank: i32,
+    #[arg(long, default_value_t = 1)]
+    nranks: i32,
+    #[arg(long, default_value_t = 1)]
+    nnodes: i32,
+    #[arg(long, default_value_t = 0x5ca1_ab1e_0000_0000)]
+    comm_hash: u64,
+    /// Pause between operations, in microseconds.
+    #[arg(long, default_value_t = 0)]
+    interval_us: u64,
+    /// Stay alive this long after the work, before finalize.
+    #[arg(long, default_value_t = 0)]
+    hold_ms: u64,
+    /// Exit without calling finalize (a crashed or killed rank).
+    #[arg(long)]
+    no_finalize: bool,
+}
+
+fn parse_kind(s: &str) -> Result<HostKind, String> {
+    HostKind::parse(s).ok_or_else(|| format!("unknown host kind {s:?} (v5, v6, v7, rfc)"))
+}
+
+const FUNCS: [(&CStr, u32); 3] = [(c"AllReduce", 2), (c"AllGather", 1), (c"ReduceScatter", 3)];
+const TYPES: [&CStr; 3] = [c"ncclFloat32", c"ncclBfloat16", c"ncclInt8"];
+const ALGOS: [&CStr; 2] = [c"RING", c"TREE"];
+const PROTOS: [&CStr; 3] = [c"LL", c"LL128", c"SIMPLE"];
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let plugin = match &args.plugin {
+        Some(p) => p.clone(),
+        None => ncclscope_fakenccl::plugin_path()?,
+    };
+    let host = Host::load_as(
+        &plugin,
+        args.kind,
+        args.version.unwrap_or(args.kind.version()),
+    )?;
+    let comms: Vec<CommReport> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..args.comms)
+            .map(|i| {
+                let host = host.clone();
+                let args = &args;
+                s.spawn(move || run_comm(&host, args, i))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("communicator thread"))
+            .collect::<anyhow::Result<_>>()
+    })?;
+    let report = Report {
+        kind: args.kind,
+        symbol: host.symbol.clone(),
+        plugin_name: host.plugin_name(),
+        pid: std::process::id(),
+        mask: host.mask(),
+        comms,
+    };
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
+fn run_comm(host: &std::sync::Arc<Host>, args: &Args, i: u32) -> anyhow::Result<CommReport> {
+    let spec = CommSpec {
+        comm_hash: args.comm_hash + i as u64,
+        rank: args.rank,
+        nranks: args.nranks,
+        nnodes: args.nnodes,
+        name: i.is_multiple_of(2).then(|| format!("comm-{i}")),
+        cuda_dev: i as i32,
+    };
+    let mut comm = host.init_comm(&spec)?;
+    let mut ops = Vec::new();
+    let pause = || {
+        if args.interval_us > 0 {
+            std::thread::sleep(Duration::from_micros(args.interval_us));
+        }
+    };
+    for n in 0..args.colls as usize {
+        let (func, func_id) = FUNCS[n % FUNCS.len()];
+        let coll = CollSpec {
+            func,
+            datatype: TYPES[n % TYPES.len()],
+            algo: ALGOS[n % ALGOS.len()],
+            proto: PROTOS[n % PROTOS.len()],
+            count: 1024 << (n % 8),
+            root: (n % 3) as i32,
+            n_channels: args.channels,
+            n_warps: 8,
+            kernel_ns: args.kernel_ns,
+            func_id,
+            symmetric: (args.symmetric && n % 2 == 1).then_some(c"AllReduce_RSxLD_AGxST"),
+            user_tag: n as u64,
+        };
+        ops.push(comm.collective(&coll));
+        pause();
+    }
+    for n in 0..args.p2ps as usize {
+        let p2p = P2pSpec {
+            func: if n.is_multiple_of(2) { c"Send" } else { c"Recv" },
+            peer: (args.rank + 1) % args.nranks.max(1),
+            count: 4096 + n as u64,
+            n_channels: 1 + (n % 2) as u8,
+            kernel_ns: args.kernel_ns / 2,
+            ..P2pSpec::default()
+        };
+        ops.push(comm.p2p(&p2p));
+        pause();
+    }
+    let ignored = if args.noise { comm.noise() } else { 0 };
+    if args.hold_ms > 0 {
+        std::thread::sleep(Duration::from_millis(args.hold_ms));
+    }
+    let report = CommReport {
+        comm_hash: spec.comm_hash,
+        rank: spec.rank,
+        nranks: spec.nranks,
+        nnodes: spec.nnodes,
+        name: spec.name.clone(),
+        has_context: comm.has_context(),
+        has_hook: comm.has_hook(),
+        ops,
+        ignored,
+    };
+    if !args.no_finalize {
+        comm.finalize();
+    }
+    Ok(report)
+}

@@ -1,0 +1,333 @@
+//! The oracle of the plugin tests: does a segment hold exactly what the fake NCCL emitted?
+//!
+//! Per communicator the records must come in emission order: `Comm`, then per operation its start,
+//! its `OpStop`, then per channel the KernelPhase children and the `KernelCh` (the fake host emits the
+//! kernel events of one operation before the next operation starts), then `CommEnd`. Every field is
+//! compared; strings must be defined (`Str`) before they are used. Device-hook work items (`DevWork`)
+//! are compared as a set per communicator; `Calibration` and `FuncName` records are allowed anywhere.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use anyhow::{Context, bail, ensure};
+use ncclscope_proto::{Counter, Record, StrId, TimingPath};
+
+use crate::process::Contents;
+use crate::report::{CommReport, OpKind, Report};
+
+/// What the plugin is expected to have done with the events.
+#[derive(Clone, Copy, Debug)]
+pub struct Expect {
+    /// The plugin reads v7-only fields (upstream NCCL >= 2.31): kernel variants and KernelPhase.
+    pub v7_fields: bool,
+    /// Every communicator was finalized (CommEnd present, segment closed).
+    pub finalized: bool,
+}
+
+/// Totals of a successful check.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Summary {
+    pub comms: usize,
+    pub ops: usize,
+    pub kernel_ch: usize,
+    pub kernel_phase: usize,
+    pub dev_work: usize,
+    pub strings: usize,
+    pub ignored: u64,
+}
+
+pub fn check(report: &Report, seg: &Contents, expect: Expect) -> anyhow::Result<Summary> {
+    ensure!(
+        seg.owner.pid == report.pid,
+        "segment pid {} != rank pid {}",
+        seg.owner.pid,
+        report.pid
+    );
+    let strings = seg.strings()?;
+    let mut defined = HashSet::new();
+    let mut per_comm: BTreeMap<u32, Vec<Record>> = BTreeMap::new();
+    let mut dev_work: HashMap<u32, Vec<Record>> = HashMap::new();
+    for r in &seg.records {
+        let used: &[StrId] = match r {
+            Record::Str { id, .. } => {
+                defined.insert(*id);
+                &[]
+            }
+            Record::Comm { name, .. } => &[*name],
+            Record::CollStart {
+                func,
+                datatype,
+                algo,
+                proto,
+                ..
+            } => &[*func, *datatype, *algo, *proto],
+            Record::P2pStart { func, datatype, .. } => &[*func, *datatype],
+            Record::FuncName { name, .. } => &[*name],
+            _ => &[],
+        };
+        for id in used {
+            ensure!(
+                id.0 == 0 || defined.contains(id),
+                "{r:?} uses string {id:?} before its definition"
+            );
+        }
+        match r {
+            Record::DevWork { comm, .. } => dev_work.entry(*comm).or_default().push(*r),
+            Record::Str { .. } | Record::Calibration { .. } | Record::FuncName { .. } => {}
+            _ => per_comm
+                .entry(r.comm().context("record without a communicator")?)
+                .or_default()
+                .push(*r),
+        }
+    }
+    let text = |id: StrId| -> anyhow::Result<String> {
+        if id.0 == 0 {
+            return Ok(String::new());
+        }
+        strings
+            .get(&id)
+            .cloned()
+            .with_context(|| format!("undefined string {id:?}"))
+    };
+    ensure!(
+        per_comm.len() == report.comms.iter().filter(|c| c.has_context).count(),
+        "{} communicators in the segment, {} in the run",
+        per_comm.len(),
+        report.comms.len()
+    );
+    let mut summary = Summary {
+        strings: strings.len(),
+        ..Summary::default()
+    };
+    let mut ids = HashSet::new();
+    for (comm, records) in &per_comm {
+        let Some(Record::Comm {
+            comm_hash,
+            rank,
+            nranks,
+            nnodes,
+            name,
+            nccl_version,
+            path,
+            cuda_dev,
+            ..
+        }) = records.first().copied()
+        else {
+            bail!(
+                "communicator {comm}: first record is {:?}, not Comm",
+                records.first()
+            );
+        };
+        let rep: &CommReport = report
+            .comms
+            .iter()
+            .find(|c| c.comm_hash == comm_hash)
+            .with_context(|| format!("communicator {comm}: hash {comm_hash:#x} not in the run"))?;
+        ensure!(
+            (rank, nranks, nnodes) == (rep.rank as u32, rep.nranks as u32, rep.nnodes as u32),
+            "communicator {comm}: rank/nranks/nnodes"
+        );
+        ensure!(
+            text(name)? == rep.name.clone().unwrap_or_default(),
+            "communicator {comm}: name"
+        );
+        ensure!(
+            nccl_version == report.kind.version() as u32 || nccl_version == 0,
+            "nccl_version {nccl_version}"
+        );
+        let want_path = if rep.has_hook {
+            TimingPath::DeviceHook
+        } else {
+            TimingPath::KernelCh
+        };
+        ensure!(
+            path == want_path,
+            "communicator {comm}: path {path:?}, want {want_path:?}"
+        );
+        let _ = cuda_dev;
+        let mut rest = records[1..].iter();
+        for (n, op) in rep.ops.iter().enumerate() {
+            let ctx = || format!("communicator {comm}, operation {n} ({op:?})");
+            let mut op_id = 0;
+            if op.started {
+                let start = rest
+                    .next()
+                    .with_context(|| format!("{}: start missing", ctx()))?;
+                match (op.kind, *start) {
+                    (
+                        OpKind::Coll,
+                        Record::CollStart {
+                            id,
+                            seq,
+                            func,
+                            datatype,
+                            algo,
+                            proto,
+                            count,
+                            root,
+                            n_channels,
+                            n_warps,
+                            ..
+                        },
+                    ) => {
+                        let want_algo = match (&op.kernel_variant, expect.v7_fields) {
+                            (Some(v), true) => v.clone(),
+                            _ => op.algo.clone(),
+                        };
+                        ensure!(
+                            (seq, text(func)?, text(datatype)?, text(algo)?, text(proto)?)
+                                == (
+                                    op.seq,
+                                    op.func.clone(),
+                                    op.datatype.clone(),
+                                    want_algo,
+                                    op.proto.clone()
+                                ),
+                            "{}: strings/seq of {start:?}",
+                            ctx()
+                        );
+                        ensure!(
+                            (count, root, n_channels, n_warps)
+                                == (op.count, op.root_or_peer, op.n_channels, op.n_warps),
+                            "{}: {start:?}",
+                            ctx()
+                        );
+                        op_id = id;
+                    }
+                    (
+                        OpKind::P2p,
+                        Record::P2pStart {
+                            id,
+                            func,
+                            datatype,
+                            count,
+                            peer,
+                            n_channels,
+                            ..
+                        },
+                    ) => {
+                        ensure!(
+                            (text(func)?, text(datatype)?, count, peer, n_channels)
+                                == (
+                                    op.func.clone(),
+                                    op.datatype.clone(),
+                                    op.count,
+                                    op.root_or_peer,
+                                    op.n_channels
+                                ),
+                            "{}: {start:?}",
+                            ctx()
+                        );
+                        op_id = id;
+                    }
+                    _ => bail!("{}: got {start:?}", ctx()),
+                }
+                ensure!(ids.insert(op_id), "{}: id {op_id} reused", ctx());
+                let stop = rest.next().copied();
+                ensure!(
+                    matches!(stop, Some(Record::OpStop { comm: c, id, .. }) if c == *comm && id == op_id),
+                    "{}: expected OpStop, got {stop:?}",
+                    ctx()
+                );
+                summary.ops += 1;
+            }
+            for k in op.kernels.iter().filter(|k| k.started) {
+                if expect.v7_fields {
+                    for ph in &k.phases {
+                        let r = rest.next().copied();
+                        let want = Record::KernelPhase {
+                            comm: *comm,
+                            parent: op_id,
+                            channel: k.channel,
+                            phase: ph.phase,
+                            gpu_start: ph.gpu_start,
+                            gpu_stop: ph.gpu_stop,
+                        };
+                        ensure!(r == Some(want), "{}: got {r:?}, want {want:?}", ctx());
+                        summary.kernel_phase += 1;
+                    }
+                }
+                let r = rest.next().copied();
+                let ok = matches!(r, Some(Record::KernelCh { comm: c, parent, channel, gpu_start, gpu_stop, .. })
+                    if c == *comm && parent == op_id && channel == k.channel
+                        && gpu_start == k.gpu_start && gpu_stop == k.gpu_stop);
+                ensure!(
+                    ok,
+                    "{}: got {r:?}, want KernelCh {k:?} of op {op_id}",
+                    ctx()
+                );
+                summary.kernel_ch += 1;
+            }
+        }
+        if expect.finalized {
+            let end = rest.next().copied();
+            ensure!(
+                matches!(end, Some(Record::CommEnd { comm: c, .. }) if c == *comm),
+                "communicator {comm}: got {end:?}, want CommEnd"
+            );
+        }
+        let extra: Vec<_> = rest.collect();
+        ensure!(
+            extra.is_empty(),
+            "communicator {comm}: unexpected records {extra:?}"
+        );
+
+        let mut want_items: Vec<_> = rep.ops.iter().flat_map(|o| o.hook_items.iter()).collect();
+        let got = dev_work.remove(comm).unwrap_or_default();
+        ensure!(
+            got.len() == want_items.len(),
+            "communicator {comm}: {} DevWork, want {}",
+            got.len(),
+            want_items.len()
+        );
+        for r in got {
+            let Record::DevWork {
+                channel,
+                func_id,
+                work_counter,
+                gpu_start,
+                gpu_stop,
+                ..
+            } = r
+            else {
+                unreachable!()
+            };
+            let at = want_items
+                .iter()
+                .position(|i| {
+                    (
+                        i.channel,
+                        i.func_id,
+                        i.work_counter,
+                        i.gpu_start,
+                        i.gpu_stop,
+                    ) == (channel, func_id, work_counter, gpu_start, gpu_stop)
+                })
+                .with_context(|| format!("communicator {comm}: unexpected {r:?}"))?;
+            want_items.swap_remove(at);
+            summary.dev_work += 1;
+        }
+        summary.comms += 1;
+    }
+    ensure!(
+        dev_work.is_empty(),
+        "DevWork for unknown communicators: {:?}",
+        dev_work.keys()
+    );
+    for c in Counter::ALL {
+        if c.is_loss() {
+            ensure!(
+                seg.counter(c) == 0,
+                "loss counter {} = {}",
+                c.name(),
+                seg.counter(c)
+            );
+        }
+    }
+    summary.ignored = seg.counter(Counter::Ignored);
+    ensure!(
+        seg.closed == expect.finalized,
+        "segment closed = {}",
+        seg.closed
+    );
+    Ok(summary)
+}

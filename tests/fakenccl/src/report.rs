@@ -1,0 +1,90 @@
+//! What the fake NCCL emitted, to compare with what arrives in the segment (also the JSON that
+//! `fakenccl-rank` prints).
+
+use serde::{Deserialize, Serialize};
+
+use crate::HostKind;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OpKind {
+    Coll,
+    P2p,
+}
+
+/// One Coll or P2p and its kernel.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpReport {
+    pub kind: OpKind,
+    /// Whether the plugin accepted the Coll/P2p event (returned a handle).
+    pub started: bool,
+    /// Coll sequence number per communicator (0 for P2p).
+    pub seq: u64,
+    pub func: String,
+    pub datatype: String,
+    pub algo: String,
+    /// A v7 symmetric collective's `kernelVariant` (the plugin reports it as the algorithm).
+    pub kernel_variant: Option<String>,
+    pub proto: String,
+    pub count: u64,
+    pub root_or_peer: i32,
+    pub n_channels: u8,
+    pub n_warps: u8,
+    /// KernelCh events emitted (stock path), in emission order.
+    pub kernels: Vec<KernelReport>,
+    /// Device-hook work items (RFC host with a hook): each called START then STOP.
+    pub hook_items: Vec<HookItem>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelReport {
+    pub channel: u8,
+    pub gpu_start: u64,
+    pub gpu_stop: u64,
+    /// Whether the plugin accepted the KernelCh event.
+    pub started: bool,
+    pub phases: Vec<PhaseReport>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PhaseReport {
+    pub phase: u8,
+    pub gpu_start: u64,
+    pub gpu_stop: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HookItem {
+    pub channel: u8,
+    pub work_counter: u64,
+    pub func_id: u32,
+    pub gpu_start: u64,
+    pub gpu_stop: u64,
+}
+
+/// One communicator's run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommReport {
+    pub comm_hash: u64,
+    pub rank: i32,
+    pub nranks: i32,
+    pub nnodes: i32,
+    pub name: Option<String>,
+    pub has_context: bool,
+    pub has_hook: bool,
+    pub ops: Vec<OpReport>,
+    /// Calls the plugin should have counted as ignored (see `Comm::noise`).
+    pub ignored: u64,
+}
+
+/// A whole fake-NCCL process.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Report {
+    pub kind: HostKind,
+    pub symbol: String,
+    pub plugin_name: String,
+    pub pid: u32,
+    /// The activation mask after the last init.
+    pub mask: u64,
+    pub comms: Vec<CommReport>,
+}

@@ -1,0 +1,295 @@
+//! The real plugin .so, loaded by a fake NCCL of each flavour (2.28 v5, 2.30 v6, 2.32 v7, RFC host), from
+//! several threads, with descriptors flush against a guard page: every record in the segment is checked
+//! against what the host emitted (see `ncclscope_fakenccl::check`).
+
+use ncclscope_fakenccl::check::{Expect, check};
+use ncclscope_fakenccl::process::{Cleanup, read_only_segment, run_rank, unique_prefix};
+use ncclscope_proto::{Counter, Record};
+
+/// Three communicators on three threads, collectives (half symmetric) and p2p, plus calls to ignore.
+const WORKLOAD: &[&str] = &[
+    "--comms",
+    "3",
+    "--colls",
+    "40",
+    "--p2ps",
+    "6",
+    "--channels",
+    "4",
+    "--symmetric",
+    "--noise",
+];
+/// Coll | P2p | KernelCh | KernelPhase.
+const MASK_WITH_PHASES: (&str, &str) = ("NCCLSCOPE_EVENT_MASK", "0x8046");
+
+fn host_roundtrip(kind: &str, v7_fields: bool) {
+    let prefix = unique_prefix(kind);
+    let _cleanup = Cleanup(prefix.clone());
+    let mut args = vec!["--kind", kind];
+    args.extend_from_slice(WORKLOAD);
+    let run = run_rank(&prefix, &args, &[MASK_WITH_PHASES]).unwrap();
+    assert_eq!(
+        run.report.mask, 0x8046,
+        "init sets the mask from NCCLSCOPE_EVENT_MASK"
+    );
+    let seg = read_only_segment(&prefix).unwrap();
+    let summary = check(
+        &run.report,
+        &seg,
+        Expect {
+            v7_fields,
+            finalized: true,
+        },
+    )
+    .unwrap_or_else(|e| panic!("{kind}: {e:#}\nplugin log:\n{}", run.stderr));
+    assert_eq!(summary.comms, 3);
+    assert_eq!(summary.ops, 3 * 46);
+    assert_eq!(summary.kernel_ch, 3 * (40 * 4 + 3 + 3 * 2));
+    let phases = 3 * 20 * 4 * 3;
+    assert_eq!(summary.kernel_phase, if v7_fields { phases } else { 0 });
+    let noise: u64 = run.report.comms.iter().map(|c| c.ignored).sum();
+    assert_eq!(summary.ignored, noise, "ignored = the host's noise calls");
+    assert!(
+        run.stderr
+            .contains(&format!("loaded as {}", run.report.symbol)),
+        "{}",
+        run.stderr
+    );
+}
+
+#[test]
+fn nccl_2_28_through_v5() {
+    host_roundtrip("v5", false);
+}
+
+#[test]
+fn nccl_2_30_through_v6() {
+    host_roundtrip("v6", false);
+}
+
+#[test]
+fn nccl_2_32_through_v7_reads_v7_fields_and_kernel_phases() {
+    host_roundtrip("v7", true);
+}
+
+#[test]
+fn rfc_host_gets_v6_reads_and_the_device_hook_path() {
+    // 112-byte descriptors behind `ncclProfiler_v7`: a v7-field read would hit the guard page.
+    let prefix = unique_prefix("rfc");
+    let _cleanup = Cleanup(prefix.clone());
+    let mut args = vec!["--kind", "rfc"];
+    args.extend_from_slice(WORKLOAD);
+    // Default mask: the plugin may drop KernelCh once its hook is active.
+    let run = run_rank(&prefix, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
+    assert_eq!(run.report.symbol, "ncclProfiler_v7");
+    assert!(run.stderr.contains("device-hook RFC"), "{}", run.stderr);
+    let seg = read_only_segment(&prefix).unwrap();
+    let summary = check(
+        &run.report,
+        &seg,
+        Expect {
+            v7_fields: false,
+            finalized: true,
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e:#}\nplugin log:\n{}", run.stderr));
+    let hooked = run.report.comms.iter().all(|c| c.has_hook);
+    // getDeviceHook ran for each communicator with its cudaDev (0, 1, 2).
+    let mut devs: Vec<i32> = seg
+        .records
+        .iter()
+        .filter_map(|r| {
+            if let Record::Comm { cuda_dev, .. } = r {
+                Some(*cuda_dev)
+            } else {
+                None
+            }
+        })
+        .collect();
+    devs.sort();
+    assert_eq!(devs, vec![0, 1, 2]);
+    if hooked {
+        assert_eq!(
+            summary.dev_work,
+            3 * (40 * 4 + 9),
+            "every work item reached the segment"
+        );
+        assert_eq!(
+            summary.kernel_ch, 0,
+            "the plugin drops NCCL's KernelCh path when its hook is active"
+        );
+    } else {
+        assert_eq!(summary.kernel_ch, 3 * (40 * 4 + 9));
+    }
+}
+
+#[test]
+fn v7_symbol_on_an_nccl_of_unknown_version_reads_only_v6_fields() {
+    let prefix = unique_prefix("v7-unknown");
+    let _cleanup = Cleanup(prefix.clone());
+    let mut args = vec!["--kind", "v7", "--version", "0"];
+    args.extend_from_slice(WORKLOAD);
+    let run = run_rank(&prefix, &args, &[MASK_WITH_PHASES]).unwrap();
+    assert!(
+        run.stderr.contains("reading v6 descriptor fields only"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(
+        run.stderr
+            .matches("reading v6 descriptor fields only")
+            .count(),
+        1,
+        "logged once"
+    );
+    let seg = read_only_segment(&prefix).unwrap();
+    let summary = check(
+        &run.report,
+        &seg,
+        Expect {
+            v7_fields: false,
+            finalized: true,
+        },
+    )
+    .unwrap();
+    assert_eq!(summary.kernel_phase, 0);
+    let noise: u64 = run.report.comms.iter().map(|c| c.ignored).sum();
+    // KernelPhase is an unknown type without v7 fields: declined and counted.
+    assert_eq!(summary.ignored, noise + 3 * 20 * 4 * 3);
+}
+
+#[test]
+fn a_full_segment_drops_and_counts_every_lost_record() {
+    let prefix = unique_prefix("full");
+    let _cleanup = Cleanup(prefix.clone());
+    // One communicator so the 12 distinct strings all fit in the first 64 records.
+    let run = run_rank(
+        &prefix,
+        &[
+            "--kind",
+            "v6",
+            "--comms",
+            "1",
+            "--colls",
+            "100",
+            "--channels",
+            "4",
+        ],
+        &[("NCCLSCOPE_SEGMENT_RECORDS", "64")],
+    )
+    .unwrap();
+    let seg = read_only_segment(&prefix).unwrap();
+    assert_eq!(seg.capacity, 64);
+    assert_eq!(seg.records.len(), 64);
+    let strings = seg.strings().unwrap().len() as u64;
+    assert_eq!(
+        strings,
+        3 + 3 + 2 + 3 + 1,
+        "funcs, datatypes, algos, protos, the comm name"
+    );
+    let produced = 1 + strings + 100 * (2 + 4) + 1;
+    assert_eq!(
+        seg.records.len() as u64 + seg.counter(Counter::RingFull),
+        produced
+    );
+    assert_eq!(
+        seg.counter(Counter::QueueFull) + seg.counter(Counter::PoolExhausted),
+        0
+    );
+    let first = seg
+        .records
+        .iter()
+        .find(|r| !matches!(r, Record::Str { .. }));
+    assert!(matches!(first, Some(Record::Comm { .. })), "{first:?}");
+    assert!(run.report.comms[0].ops.iter().all(|o| o.started));
+}
+
+#[test]
+fn disabled_plugin_returns_an_empty_mask_and_creates_nothing() {
+    let prefix = unique_prefix("off");
+    let _cleanup = Cleanup(prefix.clone());
+    let run = run_rank(
+        &prefix,
+        &["--kind", "v5", "--colls", "3"],
+        &[("NCCLSCOPE_DISABLE", "1")],
+    )
+    .unwrap();
+    assert_eq!(run.report.mask, 0);
+    assert!(run.report.comms.iter().all(|c| !c.has_context));
+    assert!(ncclscope_proto::segment::list(&prefix).unwrap().is_empty());
+    assert!(
+        run.stderr.contains("disabled by NCCLSCOPE_DISABLE=1"),
+        "{}",
+        run.stderr
+    );
+}
+
+#[test]
+fn invalid_settings_are_logged_once_and_defaults_used() {
+    let prefix = unique_prefix("badenv");
+    let _cleanup = Cleanup(prefix.clone());
+    let run = run_rank(
+        &prefix,
+        &["--kind", "v5", "--comms", "2", "--colls", "3"],
+        &[
+            ("NCCLSCOPE_EVENT_MASK", "lots"),
+            ("NCCLSCOPE_SEGMENT_RECORDS", "100"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(run.report.mask, 0x46, "default mask Coll | P2p | KernelCh");
+    assert_eq!(
+        run.stderr.matches("ignoring NCCLSCOPE_EVENT_MASK").count(),
+        1,
+        "{}",
+        run.stderr
+    );
+    assert_eq!(
+        run.stderr
+            .matches("ignoring NCCLSCOPE_SEGMENT_RECORDS")
+            .count(),
+        1
+    );
+    let seg = read_only_segment(&prefix).unwrap();
+    check(
+        &run.report,
+        &seg,
+        Expect {
+            v7_fields: false,
+            finalized: true,
+        },
+    )
+    .unwrap();
+}
+
+#[test]
+fn a_rank_that_never_finalizes_leaves_an_open_segment_with_its_records() {
+    let prefix = unique_prefix("crash");
+    let _cleanup = Cleanup(prefix.clone());
+    let run = run_rank(
+        &prefix,
+        &[
+            "--kind",
+            "v5",
+            "--colls",
+            "5",
+            "--hold-ms",
+            "200",
+            "--no-finalize",
+        ],
+        &[],
+    )
+    .unwrap();
+    let seg = read_only_segment(&prefix).unwrap();
+    assert!(!seg.closed);
+    assert!(!ncclscope_proto::segment::owner_alive(&seg.name));
+    check(
+        &run.report,
+        &seg,
+        Expect {
+            v7_fields: false,
+            finalized: false,
+        },
+    )
+    .unwrap();
+}
