@@ -140,7 +140,11 @@ fn run_comm(host: &std::sync::Arc<Host>, args: &Args, i: u32) -> anyhow::Result<
     }
     for n in 0..args.p2ps as usize {
         let p2p = P2pSpec {
-            func: if n.is_multiple_of(2) { c"Send" } else { c"Recv" },
+            func: if n.is_multiple_of(2) {
+                c"Send"
+            } else {
+                c"Recv"
+            },
             peer: (args.rank + 1) % args.nranks.max(1),
             count: 4096 + n as u64,
             n_channels: 1 + (n % 2) as u8,
