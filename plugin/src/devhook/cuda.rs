@@ -213,7 +213,7 @@ impl Device {
             make_ctx(dev, shift),
             Memory::InPlace {
                 words: host as *const AtomicU64,
-                owner: Box::new(Retained),
+                _owner: Box::new(Retained),
             },
         ))
     }

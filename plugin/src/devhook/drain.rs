@@ -26,7 +26,7 @@ pub enum Memory {
     /// Host-readable words (plain memory, or pinned host-mapped memory). The owner keeps them alive.
     InPlace {
         words: *const AtomicU64,
-        owner: Box<dyn Send>,
+        _owner: Box<dyn Send>,
     },
     /// Device memory, read through copies into a staging area of `MAX_CHANNELS * max_window` slots.
     Staged {

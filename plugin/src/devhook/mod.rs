@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use ncclscope_proto::Record;
 
-pub use drain::{CommRings, CopyOut, Emitter, Memory};
+use drain::{CommRings, Emitter, Memory};
 use ring::{DevEvent, HeapBlock};
 
 use crate::sink::Sink;
@@ -257,7 +257,7 @@ fn offer(cuda_dev: i32, comm: u32) -> Result<(*mut c_void, *mut c_void), String>
                 ctx,
                 Memory::InPlace {
                     words,
-                    owner: Box::new(block),
+                    _owner: Box::new(block),
                 },
                 Clock::Cpu,
             )

@@ -35,7 +35,6 @@ const _: () = assert!(std::mem::offset_of!(DevEvent, channel) == 20);
 const _: () = assert!(std::mem::offset_of!(DevEvent, phase) == 21);
 
 pub const PHASE_START: u8 = 0;
-pub const PHASE_STOP: u8 = 1;
 
 /// One slot's words.
 pub type Slot = [u64; SLOT_WORDS];

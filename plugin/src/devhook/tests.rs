@@ -124,7 +124,7 @@ fn rings(comm: u32, shift: u32, staged: bool) -> (Arc<HeapBlock>, CommRings) {
     } else {
         Memory::InPlace {
             words: block.words().as_ptr(),
-            owner: Box::new(block.clone()),
+            _owner: Box::new(block.clone()),
         }
     };
     (block, CommRings::new(comm, 0, shift, mem))

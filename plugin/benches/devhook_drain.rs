@@ -1,0 +1,199 @@
+//! Drain throughput and idle cost on the CPU: the real plugin .so in simulation mode
+//! (`NCCLSCOPE_RING_MEMORY=cpu`), its `getDeviceHook` host-function hook called as the kernel would call
+//! the device hook, its forwarding thread draining the rings into the segment, and this process reading
+//! the segment as the daemon would, checking every work item.
+//!
+//! cargo build --release -p ncclscope-plugin && cargo bench -p ncclscope-plugin --bench devhook_drain
+//! Prints `key: value` lines (docs/benchmarks.md, "Device hook").
+
+mod devhook_support;
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use devhook_support::{Plugin, cpu_time, forwarding_thread_cpu, forwarding_thread_switches};
+use ncclscope_proto::Counter;
+
+/// The RFC event, as the kernel passes it.
+#[repr(C)]
+struct DevEvent {
+    timestamp: u64,
+    work_counter: u64,
+    func_id: u32,
+    channel: u8,
+    phase: u8,
+    rsvd: u16,
+}
+
+type Hook = unsafe extern "C" fn(*const DevEvent, *mut c_void);
+
+const CHANNELS: u8 = 16;
+
+fn func_of(wc: u64) -> u32 {
+    7 + (wc % 3) as u32
+}
+
+fn monotonic_ns() -> u64 {
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Writes work items on every channel (one writer thread: one writer per ring), at `rate` events/s
+/// (0: as fast as possible) for `duration`. Continues each channel's work counter from `*next_wc`.
+fn write(
+    hook: Hook,
+    ctx: *mut c_void,
+    rate: u64,
+    duration: Duration,
+    next_wc: &mut u64,
+    written: &AtomicU64,
+) {
+    let t0 = Instant::now();
+    let base = monotonic_ns();
+    let mut n = 0u64;
+    while t0.elapsed() < duration {
+        for _ in 0..1024 {
+            let wc = *next_wc;
+            for channel in 0..CHANNELS {
+                for phase in 0..2 {
+                    // A synthetic timestamp: the clock read is not what is measured here.
+                    let timestamp = base + wc * 2 + phase as u64;
+                    let ev = DevEvent {
+                        timestamp,
+                        work_counter: wc,
+                        func_id: func_of(wc),
+                        channel,
+                        phase,
+                        rsvd: 0,
+                    };
+                    // SAFETY: the plugin's CPU hook with the devCtx it handed out for this communicator.
+                    unsafe { hook(&ev, ctx) };
+                }
+            }
+            *next_wc += 1;
+            n += 2 * CHANNELS as u64;
+        }
+        written.store(n, Relaxed);
+        if rate > 0 {
+            // Sleep (not spin) when ahead: on a small machine a spinning writer would starve the drain.
+            let due = Duration::from_secs_f64(n as f64 / rate as f64);
+            if let Some(ahead) = due.checked_sub(t0.elapsed()) {
+                std::thread::sleep(ahead);
+            }
+        }
+    }
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let plugin = Plugin::load(
+        "drain",
+        &[
+            ("NCCLSCOPE_RING_MEMORY", "cpu"),
+            ("NCCLSCOPE_RING_SLOTS", "131072"),
+            ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
+        ],
+    );
+    let comm = plugin.comm(0xd1a1, 0);
+    assert!(
+        !comm.hook.is_null(),
+        "the plugin offered no hook in cpu mode"
+    );
+    // SAFETY: in cpu mode getDeviceHook returns a host function with the hook's signature.
+    let hook: Hook = unsafe { std::mem::transmute::<*mut c_void, Hook>(comm.hook) };
+    let mut reader = plugin.segment();
+    let mut next_wc = 1u64;
+    let mut total_written = 0u64;
+
+    for (label, rate, secs) in [("paced_20M", 20_000_000u64, 5u64), ("unpaced", 0, 3)] {
+        let written = AtomicU64::new(0);
+        let done = AtomicBool::new(false);
+        let before = reader.check.works * 2
+            + reader.counter(Counter::DevLost)
+            + reader.counter(Counter::DevUnpaired);
+        let lost_before = reader.counter(Counter::DevLost);
+        let fwd_before = forwarding_thread_cpu().unwrap_or_default();
+        let sw_before = forwarding_thread_switches().unwrap_or_default();
+        let t0 = Instant::now();
+        let ctx = comm.dev_ctx as usize;
+        std::thread::scope(|s| {
+            let (written, done, next_wc) = (&written, &done, &mut next_wc);
+            s.spawn(move || {
+                write(
+                    hook,
+                    ctx as *mut c_void,
+                    rate,
+                    Duration::from_secs(secs),
+                    next_wc,
+                    written,
+                );
+                done.store(true, Relaxed);
+            });
+            // Read until the writer is done and every written event is accounted for (delivered or counted).
+            let deadline = Instant::now() + Duration::from_secs(secs + 30);
+            loop {
+                // As the daemon does: read in batches, sleep briefly when there is nothing.
+                if reader.poll(&func_of) == 0 {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                let accounted = reader.check.works * 2
+                    + reader.counter(Counter::DevLost)
+                    + reader.counter(Counter::DevUnpaired)
+                    - before;
+                if done.load(Relaxed) && accounted >= written.load(Relaxed)
+                    || Instant::now() > deadline
+                {
+                    break;
+                }
+            }
+        });
+        let elapsed = t0.elapsed().as_secs_f64();
+        let w = written.load(Relaxed);
+        total_written += w;
+        let lost = reader.counter(Counter::DevLost) - lost_before;
+        println!("{label}_events_written: {w}");
+        println!("{label}_events_per_s: {:.2}M", w as f64 / elapsed / 1e6);
+        println!("{label}_lost: {lost}");
+        // What the drain costs, independent of how much CPU this shared machine gave it.
+        let fwd = (forwarding_thread_cpu().unwrap_or_default() - fwd_before).as_secs_f64();
+        println!("{label}_forwarding_thread_cpu_s: {fwd:.2}");
+        let sw = forwarding_thread_switches().unwrap_or_default();
+        println!(
+            "{label}_forwarding_thread_parks_preemptions: {} {}",
+            sw.0 - sw_before.0,
+            sw.1 - sw_before.1
+        );
+        println!(
+            "{label}_events_per_forwarding_cpu_s: {:.2}M",
+            (w - lost) as f64 / fwd / 1e6
+        );
+    }
+    // Pending START halves stay unpaired until finalize; a writer always finishes its pairs.
+    println!("out_of_order: {}", reader.check.out_of_order);
+    println!("bad_content: {}", reader.check.bad_content);
+    println!("calibrations: {}", reader.check.calibrations.len());
+
+    // Idle: rings exist, nothing is written; the forwarding thread keeps polling them.
+    std::thread::sleep(Duration::from_secs(1));
+    let (c0, t0) = (cpu_time(), Instant::now());
+    std::thread::sleep(Duration::from_secs(10));
+    let idle = (cpu_time() - c0).as_secs_f64() / t0.elapsed().as_secs_f64();
+    println!("idle_cpu_percent_of_one_core: {:.3}", idle * 100.0);
+
+    plugin.finalize(&comm);
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(2) {
+        if reader.poll(&func_of) == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    let accounted = reader.check.works * 2
+        + reader.counter(Counter::DevLost)
+        + reader.counter(Counter::DevUnpaired);
+    println!("events_written_total: {total_written}");
+    println!("events_accounted_total: {accounted}");
+    reader.unlink();
+}
