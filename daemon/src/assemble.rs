@@ -193,6 +193,11 @@ impl Assembler {
         self.comms.values().filter(|c| !c.ended)
     }
 
+    /// Every communicator announced, finalized ones included.
+    pub fn all_comms(&self) -> impl Iterator<Item = &CommInfo> {
+        self.comms.values()
+    }
+
     /// An interned string ("" if unknown).
     pub fn string(&self, id: u16) -> String {
         self.text(StrId(id))

@@ -49,7 +49,7 @@ const SWEEP_EVERY: Duration = Duration::from_millis(100);
 const LIVENESS_EVERY: Duration = Duration::from_millis(500);
 const SNAPSHOT_EVERY: Duration = Duration::from_secs(1);
 /// Longest a segment's tail may lag the engine's progress before it is committed.
-const COMMIT_EVERY: Duration = Duration::from_millis(50);
+const COMMIT_EVERY: Duration = Duration::from_millis(10);
 
 struct Attached {
     name: SegmentName,
@@ -262,7 +262,8 @@ impl Engine {
     fn refresh_local_ranks(&mut self) {
         let mut m: HashMap<u64, usize> = HashMap::new();
         for s in &self.segments {
-            for c in s.asm.comms() {
+            // Finalized communicators count too: their last collectives may still be awaited.
+            for c in s.asm.all_comms() {
                 *m.entry(c.comm_hash).or_default() += 1;
             }
         }

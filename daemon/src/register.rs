@@ -76,6 +76,9 @@ async fn handle(stream: UnixStream, prefix: &str, engine: &std_mpsc::Sender<Atta
     let mut line = String::new();
     let mut reader = BufReader::new(read.take(MAX_LINE as u64));
     let read = tokio::time::timeout(IO_TIMEOUT, reader.read_line(&mut line)).await;
+    if matches!(read, Ok(Ok(0))) {
+        return; // connected and closed without a request: a liveness probe
+    }
     let reply = match (cred, read) {
         (Ok(cred), Ok(Ok(_))) => match cred.pid() {
             Some(pid) => register(line.trim_end(), pid as u32, cred.uid(), prefix, engine).await,

@@ -1,0 +1,633 @@
+//! End to end with real processes: rank processes write their shared-memory segments and register on
+//! the daemon's socket; the real `ncclscope daemon` binary ingests them and exports OTLP/gRPC to a real
+//! receiver (fake-opentelemetry-collector in this test process) and Prometheus text.
+//!
+//! The rank processes are this test binary re-run as `daemon_rank_child` (an ignored test), writing
+//! with `proto::Producer` exactly the records the plugin writes on the stock KernelCh path, with known
+//! GPU times and a known calibration, so the test can check every span's times to the nanosecond.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
+use ncclscope_proto::segment::{self, Counter, Owner, Producer, Segment, SegmentName};
+use ncclscope_proto::{Record, StrId, TimingPath};
+
+const RANK_ENV: &str = "NCCLSCOPE_TEST_DAEMON_RANK";
+const COMM_HASH: u64 = 0x5eed_0000_0000_cafe;
+const CHANNELS: u64 = 2;
+const GPU_BASE: u64 = 1_000_000_000;
+const HOST_BASE: i64 = 1_790_000_000_000_000_000;
+const JOB: &str = "e2e-job";
+
+/// Host = GPU + offset: each rank's device gets its own offset, as real devices would.
+fn offset(rank: u32) -> i64 {
+    HOST_BASE - GPU_BASE as i64 + rank as i64 * 1_000
+}
+
+fn gpu_times(rank: u32, seq: u64, ch: u64) -> (u64, u64) {
+    let start = GPU_BASE + seq * 100_000 + rank as u64 * 700 + ch * 50;
+    (start, start + 20_000 + seq * 3 + ch * 11 + rank as u64)
+}
+
+fn records_per_rank(ncolls: u64) -> u64 {
+    // 4 strings, calibration, comm, per collective start + channels + stop, comm end.
+    4 + 1 + 1 + ncolls * (2 + CHANNELS) + 1
+}
+
+/// The rank process, run by the tests below through `RANK_ENV` = "prefix|socket|rank|nranks|ncolls|pace_us".
+#[test]
+#[ignore = "child process of the daemon end-to-end tests"]
+fn daemon_rank_child() {
+    let spec = std::env::var(RANK_ENV).expect("run by the daemon e2e tests");
+    let f: Vec<&str> = spec.split('|').collect();
+    let (prefix, socket) = (f[0], Path::new(f[1]));
+    let rank: u32 = f[2].parse().unwrap();
+    let nranks: u32 = f[3].parse().unwrap();
+    let ncolls: u64 = f[4].parse().unwrap();
+    let pace = Duration::from_micros(f[5].parse().unwrap());
+    let pid = std::process::id();
+    let uid = rustix::process::getuid().as_raw();
+    let start_ticks = segment::process_start_ticks(pid).unwrap();
+    let name = SegmentName {
+        prefix: prefix.into(),
+        uid,
+        pid,
+        start_ticks,
+    };
+    let owner = Owner {
+        pid,
+        uid,
+        start_ticks,
+        hostname: "testhost".into(),
+        job_id: JOB.into(),
+    };
+    let mut p = Producer::new(Segment::create(&name, &owner, 1 << 14).unwrap());
+    register(socket, &name);
+    // A loss the plugin would have counted: it must reach the daemon's loss metrics.
+    p.segment().count(Counter::QueueFull, rank as u64 + 1);
+    for (id, text) in [
+        (1, "AllReduce"),
+        (2, "ncclFloat32"),
+        (3, "RING"),
+        (4, "SIMPLE"),
+    ] {
+        assert!(p.push(&Record::str(StrId(id), text.as_bytes())));
+    }
+    let cal = Record::Calibration {
+        cuda_dev: rank as i32,
+        offset_ns: offset(rank),
+        error_ns: 100 + rank,
+        drift_ppb: 0,
+        host_ns: 0,
+    };
+    assert!(p.push(&cal));
+    assert!(p.push(&Record::Comm {
+        comm: 0,
+        comm_hash: COMM_HASH,
+        rank,
+        nranks,
+        nnodes: 1,
+        cuda_dev: rank as i32,
+        name: StrId(0),
+        nccl_version: 22809,
+        path: TimingPath::KernelCh,
+        host_ns: ncclscope_proto::now_ns(),
+    }));
+    for seq in 0..ncolls {
+        let id = seq + 1;
+        let host_ns = ncclscope_proto::now_ns();
+        p.push(&Record::CollStart {
+            comm: 0,
+            id,
+            seq,
+            func: StrId(1),
+            datatype: StrId(2),
+            algo: StrId(3),
+            proto: StrId(4),
+            count: 1 << 18,
+            root: -1,
+            n_channels: CHANNELS as u8,
+            n_warps: 16,
+            host_ns,
+        });
+        for ch in 0..CHANNELS {
+            let (gpu_start, gpu_stop) = gpu_times(rank, seq, ch);
+            p.push(&Record::KernelCh {
+                comm: 0,
+                parent: id,
+                channel: ch as u8,
+                gpu_start,
+                gpu_stop,
+                host_ns,
+            });
+        }
+        p.push(&Record::OpStop {
+            comm: 0,
+            id,
+            host_ns,
+        });
+        if !pace.is_zero() {
+            std::thread::sleep(pace);
+        }
+    }
+    p.push(&Record::CommEnd {
+        comm: 0,
+        host_ns: ncclscope_proto::now_ns(),
+    });
+    p.segment().close();
+    assert_eq!(
+        p.segment().counter(Counter::RingFull),
+        0,
+        "the ring was sized for the whole run"
+    );
+}
+
+/// Registers like the plugin: `REGISTER <name>`, retrying while the daemon is not there yet.
+fn register(socket: &Path, name: &SegmentName) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) {
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            writeln!(s, "REGISTER {name}").unwrap();
+            let mut reply = String::new();
+            BufReader::new(s).read_line(&mut reply).unwrap();
+            assert_eq!(reply, "OK\n", "registration refused");
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "daemon socket {} never appeared",
+            socket.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A daemon, its rank processes and their segments, all cleaned up on drop (even on failure).
+struct Harness {
+    dir: tempfile::TempDir,
+    prefix: String,
+    config: PathBuf,
+    prometheus: String,
+    daemon: Option<Child>,
+    ranks: Vec<Child>,
+}
+
+fn binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("ncclscope");
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo build --workspace` first",
+        bin.display()
+    );
+    bin
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Harness {
+    fn new(tag: &str, otlp_endpoint: &str) -> Harness {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = format!("ncclscope-test-{tag}-{}", std::process::id());
+        let prometheus = format!("127.0.0.1:{}", free_port());
+        let config = dir.path().join("ncclscope.toml");
+        let d = dir.path().display();
+        std::fs::write(
+            &config,
+            format!(
+                "socket = \"{d}/ncclscope.sock\"\napi_socket = \"{d}/api.sock\"\nshm_prefix = \"{prefix}\"\n\
+                 state_dir = \"{d}/state\"\n[spool]\ndir = \"{d}/spool\"\n[otlp]\nendpoint = \"{otlp_endpoint}\"\n\
+                 batch_timeout_ms = 50\nmetrics_interval_ms = 500\n[prometheus]\nlisten = \"{prometheus}\"\n\
+                 [drain]\nrescan_interval_ms = 200\n"
+            ),
+        )
+        .unwrap();
+        Harness {
+            dir,
+            prefix,
+            config,
+            prometheus,
+            daemon: None,
+            ranks: Vec::new(),
+        }
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("ncclscope.sock")
+    }
+
+    fn start_daemon(&mut self) {
+        let child = Command::new(binary())
+            .args(["daemon", "--config"])
+            .arg(&self.config)
+            .env("NCCLSCOPE_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        self.daemon = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::os::unix::net::UnixStream::connect(self.socket()).is_err() {
+            assert!(Instant::now() < deadline, "daemon did not start listening");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn signal_daemon(&mut self, sig: rustix::process::Signal) -> Child {
+        let child = self.daemon.take().expect("daemon running");
+        let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();
+        rustix::process::kill_process(pid, sig).unwrap();
+        child
+    }
+
+    fn start_ranks(&mut self, nranks: u32, ncolls: u64, pace_us: u64) {
+        for rank in 0..nranks {
+            let spec = format!(
+                "{}|{}|{rank}|{nranks}|{ncolls}|{pace_us}",
+                self.prefix,
+                self.socket().display()
+            );
+            let child = Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--ignored",
+                    "--exact",
+                    "daemon_rank_child",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(RANK_ENV, spec)
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
+            self.ranks.push(child);
+        }
+    }
+
+    fn wait_ranks(&mut self) {
+        for mut r in self.ranks.drain(..) {
+            assert!(r.wait().unwrap().success(), "a rank process failed");
+        }
+    }
+
+    fn segments_left(&self) -> usize {
+        segment::list(&self.prefix).unwrap().len()
+    }
+
+    fn metrics(&self) -> String {
+        let Ok(mut s) = std::net::TcpStream::connect(&self.prometheus) else {
+            return String::new();
+        };
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut text = String::new();
+        let _ = s.read_to_string(&mut text);
+        text.split_once("\r\n\r\n")
+            .map_or(String::new(), |(_, body)| body.to_string())
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        for c in self.ranks.iter_mut().chain(self.daemon.as_mut()) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for name in segment::list(&self.prefix).unwrap_or_default() {
+            let _ = Segment::unlink(&name);
+        }
+    }
+}
+
+/// Value of the sample `name{labels}` (labels as written, "" for none) in Prometheus text.
+fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(name_and_labels)?
+            .strip_prefix(' ')?
+            .parse()
+            .ok()
+    })
+}
+
+/// Receives spans until `done` says so or `timeout` passes.
+async fn collect(
+    collector: &mut FakeCollectorServer,
+    into: &mut Vec<ExportedSpan>,
+    timeout: Duration,
+    done: impl Fn(&[ExportedSpan]) -> bool,
+) {
+    let deadline = Instant::now() + timeout;
+    while !done(into) && Instant::now() < deadline {
+        into.extend(
+            collector
+                .exported_spans(1, Duration::from_millis(100))
+                .await,
+        );
+    }
+}
+
+/// An attribute's value; the fake collector keeps them in their Debug form
+/// (`Some(AnyValue { value: Some(IntValue(5)) })`).
+fn attr<'a>(s: &'a ExportedSpan, k: &str) -> &'a str {
+    let Some(v) = s.attributes.get(k) else {
+        return "";
+    };
+    for (open, close) in [
+        ("StringValue(\"", "\")"),
+        ("IntValue(", ")"),
+        ("DoubleValue(", ")"),
+        ("BoolValue(", ")"),
+    ] {
+        if let Some(rest) = v.split_once(open).map(|(_, r)| r) {
+            return rest.split_once(close).map_or(rest, |(v, _)| v);
+        }
+    }
+    v
+}
+
+fn rank_spans(spans: &[ExportedSpan]) -> Vec<&ExportedSpan> {
+    spans
+        .iter()
+        .filter(|s| s.name == "AllReduce rank")
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_ranks_of_a_collective_share_one_trace_with_calibrated_times_and_nothing_is_lost() {
+    const NRANKS: u32 = 4;
+    const NCOLLS: u64 = 40;
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let mut h = Harness::new("e2e", &collector.endpoint());
+    h.start_daemon();
+    h.start_ranks(NRANKS, NCOLLS, 0);
+    h.wait_ranks();
+
+    let expected_rank_spans = (NRANKS as u64 * NCOLLS) as usize;
+    let mut spans = Vec::new();
+    collect(&mut collector, &mut spans, Duration::from_secs(60), |s| {
+        rank_spans(s).len() >= expected_rank_spans
+            && s.len() >= expected_rank_spans + NCOLLS as usize
+    })
+    .await;
+    assert_eq!(
+        rank_spans(&spans).len(),
+        expected_rank_spans,
+        "one span per rank per collective"
+    );
+    assert_eq!(
+        spans.len(),
+        expected_rank_spans + NCOLLS as usize,
+        "plus one root per collective"
+    );
+
+    let mut by_seq: BTreeMap<u64, Vec<&ExportedSpan>> = BTreeMap::new();
+    for s in &spans {
+        by_seq
+            .entry(attr(s, "nccl.seq").parse().unwrap())
+            .or_default()
+            .push(s);
+    }
+    assert_eq!(by_seq.len(), NCOLLS as usize);
+    for (seq, group) in &by_seq {
+        let trace: BTreeSet<&str> = group.iter().map(|s| s.trace_id.as_str()).collect();
+        assert_eq!(trace.len(), 1, "seq {seq}: every rank's span in one trace");
+        let roots: Vec<_> = group
+            .iter()
+            .filter(|s| s.parent_span_id.is_empty())
+            .collect();
+        assert_eq!(roots.len(), 1, "seq {seq}: one root");
+        let ranks: BTreeSet<&str> = group
+            .iter()
+            .filter(|s| s.parent_span_id == roots[0].span_id)
+            .map(|s| attr(s, "nccl.rank"))
+            .collect();
+        assert_eq!(
+            ranks.len(),
+            NRANKS as usize,
+            "seq {seq}: each rank's span is a child of the root"
+        );
+        for s in group.iter().filter(|s| !s.parent_span_id.is_empty()) {
+            let rank: u32 = attr(s, "nccl.rank").parse().unwrap();
+            let (mut start, mut end, mut exec) = (u64::MAX, 0, 0);
+            for ch in 0..CHANNELS {
+                let (a, b) = gpu_times(rank, *seq, ch);
+                start = start.min(a);
+                end = end.max(b);
+                exec = exec.max(b - a);
+            }
+            let host = |gpu: u64| (gpu as i64 + offset(rank)) as u64;
+            assert_eq!(
+                (s.start_time_unix_nano, s.end_time_unix_nano),
+                (host(start), host(end)),
+                "seq {seq} rank {rank}"
+            );
+            assert_eq!(attr(s, "nccl.exec_ns"), exec.to_string());
+            assert_eq!(
+                attr(s, "nccl.calibration_error_ns"),
+                (100 + rank).to_string()
+            );
+            assert_eq!(attr(s, "nccl.collective"), "AllReduce");
+            assert_eq!(attr(s, "nccl.nranks"), NRANKS.to_string());
+            assert_eq!(attr(s, "nccl.comm_hash"), format!("{COMM_HASH:016x}"));
+            assert_eq!(attr(s, "nccl.algo"), "RING");
+            assert_eq!(attr(s, "nccl.proto"), "SIMPLE");
+            assert_eq!(attr(s, "nccl.datatype"), "ncclFloat32");
+            assert_eq!(attr(s, "nccl.bytes"), (4u64 << 18).to_string());
+            assert_eq!(attr(s, "nccl.channels"), CHANNELS.to_string());
+            assert_eq!(attr(s, "job.id"), JOB);
+        }
+    }
+
+    // Metrics: every collective counted, every record read, the plugins' own loss counters carried.
+    let total = NRANKS as u64 * NCOLLS;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut text = h.metrics();
+    while (sample(&text, "ncclscope_collectives_total") != Some(total as f64)
+        || sample(&text, "ncclscope_segments") != Some(0.0))
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(200));
+        text = h.metrics();
+    }
+    assert_eq!(
+        sample(&text, "ncclscope_collectives_total"),
+        Some(total as f64),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "ncclscope_records_total"),
+        Some((NRANKS as u64 * records_per_rank(NCOLLS)) as f64)
+    );
+    let queue_full: u64 = (1..=NRANKS as u64).sum();
+    assert_eq!(
+        sample(&text, "ncclscope_lost_total{stage=\"queue_full\"}"),
+        Some(queue_full as f64)
+    );
+    for stage in [
+        "ring_full",
+        "incomplete",
+        "kernel_unjoined",
+        "export_dropped",
+        "spool_failed",
+    ] {
+        assert!(
+            matches!(
+                sample(&text, &format!("ncclscope_lost_total{{stage=\"{stage}\"}}")),
+                None | Some(0.0)
+            ),
+            "{stage}"
+        );
+    }
+    let exec_count: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("ncclscope_collective_exec_time_microseconds_count{"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum();
+    assert_eq!(
+        exec_count, total as f64,
+        "every instance in the exec-time histogram"
+    );
+    let stragglers = sample(
+        &text,
+        &format!(
+            "ncclscope_rank_straggler_total{{job=\"{JOB}\",comm=\"{COMM_HASH:016x}\",rank=\"3\",when=\"start\"}}"
+        ),
+    );
+    assert_eq!(
+        stragglers,
+        Some(NCOLLS as f64),
+        "rank 3 starts last every time (after calibration)"
+    );
+    // Exited processes' segments are drained and removed.
+    assert_eq!(h.segments_left(), 0);
+
+    // SIGTERM: drain, flush, exit cleanly.
+    let mut daemon = h.signal_daemon(rustix::process::Signal::TERM);
+    let status = wait_timeout(&mut daemon, Duration::from_secs(20));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "daemon exits 0 on SIGTERM"
+    );
+}
+
+fn wait_timeout(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
+    const NRANKS: u32 = 3;
+    const NCOLLS: u64 = 1500;
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let mut h = Harness::new("restart", &collector.endpoint());
+    h.start_daemon();
+    h.start_ranks(NRANKS, NCOLLS, 1000);
+    let mut spans = Vec::new();
+    // Let the first daemon export part of the run, then kill it without warning.
+    collect(&mut collector, &mut spans, Duration::from_secs(60), |s| {
+        rank_spans(s).len() >= 600
+    })
+    .await;
+    let before = rank_spans(&spans).len();
+    assert!(before >= 600, "first daemon exported {before} rank spans");
+    let mut killed = h.signal_daemon(rustix::process::Signal::KILL);
+    killed.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // The second daemon finds the segments by scanning /dev/shm (the ranks registered only once).
+    h.start_daemon();
+    h.wait_ranks();
+    let expected: BTreeSet<(u32, u64)> = (0..NRANKS)
+        .flat_map(|r| (0..NCOLLS).map(move |s| (r, s)))
+        .collect();
+    let seen = |spans: &[ExportedSpan]| -> BTreeSet<(u32, u64)> {
+        rank_spans(spans)
+            .iter()
+            .map(|s| {
+                (
+                    attr(s, "nccl.rank").parse().unwrap(),
+                    attr(s, "nccl.seq").parse().unwrap(),
+                )
+            })
+            .collect()
+    };
+    collect(&mut collector, &mut spans, Duration::from_secs(90), |s| {
+        seen(s).len() >= expected.len()
+    })
+    .await;
+    let got = seen(&spans);
+    let missing: Vec<_> = expected.difference(&got).take(10).collect();
+    assert!(
+        missing.is_empty(),
+        "spans lost across the restart, e.g. {missing:?}"
+    );
+
+    // A span delivered twice (acknowledged by the receiver but killed before the commit) has the same
+    // ids both times; different content under one id would be a bug.
+    let mut by_id: HashMap<&str, &ExportedSpan> = HashMap::new();
+    let mut duplicates = 0;
+    for s in rank_spans(&spans) {
+        if let Some(prev) = by_id.insert(&s.span_id, s) {
+            duplicates += 1;
+            assert_eq!(
+                (prev.start_time_unix_nano, prev.end_time_unix_nano),
+                (s.start_time_unix_nano, s.end_time_unix_nano)
+            );
+        }
+    }
+    eprintln!("restart: {before} rank spans before the kill, {duplicates} re-delivered after it");
+    assert!(
+        duplicates < expected.len() / 20,
+        "re-delivery is bounded by a commit interval, got {duplicates}"
+    );
+
+    // The spool (the durable record behind `export`) has every instance.
+    let reader = ncclscope::spool::SpoolReader::open_dir(h.dir.path().join("spool")).unwrap();
+    let spooled: Vec<(u32, u64)> = reader
+        .read_job(JOB)
+        .map(|c| c.map(|c| (c.rank, c.seq)).unwrap())
+        .collect();
+    let spooled_set: BTreeSet<(u32, u64)> = spooled.iter().copied().collect();
+    assert_eq!(spooled_set, expected, "spool complete across the restart");
+    eprintln!(
+        "restart: spool holds {} records for {} instances",
+        spooled.len(),
+        expected.len()
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while h.segments_left() > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        h.segments_left(),
+        0,
+        "segments drained and removed by the second daemon"
+    );
+    let mut daemon = h.signal_daemon(rustix::process::Signal::TERM);
+    assert!(wait_timeout(&mut daemon, Duration::from_secs(20)).is_some_and(|s| s.success()));
+}
