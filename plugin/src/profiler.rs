@@ -18,6 +18,7 @@ use ncclscope_proto::{Counter, Producer, Record, TimingPath, now_ns};
 
 use crate::abi::{Logger, event};
 use crate::config::Config;
+use crate::devhook;
 use crate::forward::{CText, Event, Forwarder};
 use crate::host::{self, HostInfo};
 use crate::pool::{Kind, POOL_SLOTS, Pool};
@@ -191,6 +192,11 @@ impl Plugin {
             return None;
         }
         let host = host::detect(logfn);
+        devhook::set_log(host::log);
+        devhook::set_func_name_fn(host.dev_func_name);
+        if let Some(why) = host.is_rfc().then(devhook::gpu_unavailable).flatten() {
+            host::log(false, &format!("the device hook cannot use a GPU here: {why}"));
+        }
         if !host::pin_self() {
             host::log(
                 true,
