@@ -32,7 +32,7 @@ __device__ __forceinline__ void harness(void* fn, void* ctx, uint64_t* workCount
   uint64_t wc = threadIdx.x == 0 ? workCounters[channel] : 0;
   uint64_t spun = 0;
   for (uint32_t b = 0; b < nBatches; b++) {
-    const uint32_t func = funcId + (b & 1);
+    const uint32_t func = funcId + ((wc / nWorks) & 1);  // one funcId per batch, alternating
     if (threadIdx.x == 0)
       for (uint32_t k = 1; k <= nWorks; k++) harness_event<Mode>(fn, ctx, wc + k, func, channel, 0);
     __syncthreads();

@@ -38,9 +38,9 @@ pub struct Plugin {
     pub prefix: String,
 }
 
-/// The plugin .so built next to this benchmark (target/<profile>/), or the path in argv[1].
+/// The plugin .so built next to this benchmark (target/<profile>/), or argv[1] when it names a .so.
 pub fn plugin_path() -> PathBuf {
-    if let Some(p) = std::env::args().nth(1).filter(|a| !a.starts_with('-')) {
+    if let Some(p) = std::env::args().nth(1).filter(|a| a.ends_with(".so")) {
         return PathBuf::from(p);
     }
     let exe = std::env::current_exe().expect("current_exe");

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The device-hook GPU batch: correctness runs, the overrun run, the cost benchmark and the 60 s
+# calibration run, each its own process, logs under $OUT. Runs on the GPU machine from the repo root.
+# Needs .carry/ with the plugin .so and the devhook_gpu benchmark binary, both built on a machine with
+# cargo and NVCC (see docs/benchmarks.md, "Device hook"):
+#   source scripts/install-nvcc.sh && cargo build --release -p ncclscope-plugin --benches \
+#     && cargo build --release -p ncclscope-plugin
+#   mkdir -p .carry && cp target/release/libnccl_profiler_ncclscope.so .carry/ \
+#     && cp target/release/deps/devhook_gpu-<hash> .carry/devhook_gpu
+set -uo pipefail
+OUT="${OUT:-/tmp/devhook-gpu}"
+mkdir -p "$OUT"
+so="$PWD/.carry/libnccl_profiler_ncclscope.so"
+bin="$PWD/.carry/devhook_gpu"
+summary="$OUT/summary.txt"
+: > "$summary"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+
+run() {
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$bin" "$so" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: rc=$? ($((SECONDS - t0)) s)" >> "$summary"
+}
+
+run verify_host_deep 90 verify host 16384 1000
+run verify_device_deep 90 verify device 16384 1000
+run verify_host_wrap 90 verify host 4096 20000
+run verify_device_wrap 90 verify device 4096 20000
+run overrun_host 60 overrun host
+run overrun_device 60 overrun device
+run bench 120 bench
+run calibration 100 calibration 60
+grep -h -E "PASS|FAIL|ratio|bench_ns|calibration_|_lost:|_delivered:|_written:|panicked|error" "$OUT"/*.log >> "$summary"
+cat "$summary"
