@@ -25,12 +25,12 @@ run() {
 }
 
 run verify_host_deep 90 verify host 16384 1000
-run verify_device_deep 90 verify device 16384 1000
-run verify_host_wrap 90 verify host 4096 20000
-run verify_device_wrap 90 verify device 4096 20000
-run overrun_host 60 overrun host
-run overrun_device 60 overrun device
 run bench 120 bench
 run calibration 100 calibration 60
+run verify_device_deep 90 verify device 16384 1000
+run verify_host_wrap 60 verify host 4096 20000
+run verify_device_wrap 60 verify device 4096 20000
+run overrun_host 40 overrun host
+run overrun_device 40 overrun device
 grep -h -E "PASS|FAIL|ratio|bench_ns|calibration_|_lost:|_delivered:|_written:|panicked|error" "$OUT"/*.log >> "$summary"
 cat "$summary"
