@@ -64,6 +64,8 @@ struct Attached {
     /// Operations this daemon delivered whose records are not yet committed: id -> (pos, sinks).
     delivered: HashMap<u64, (u64, u8)>,
     last_commit: Instant,
+    /// `delivered` changed since the state was last saved.
+    dirty: bool,
     exited: bool,
 }
 
@@ -211,6 +213,7 @@ impl Engine {
             unacked: VecDeque::new(),
             delivered: HashMap::new(),
             last_commit: Instant::now(),
+            dirty: false,
             exited: false,
         });
         self.refresh_local_ranks();
@@ -421,6 +424,7 @@ impl Engine {
                 }
             }
             seg.delivered.insert(c.op_id, (c.first_pos, flags));
+            seg.dirty = true;
         }
     }
 
@@ -434,6 +438,7 @@ impl Engine {
                 seg.unacked.pop_front();
                 if let Some(e) = seg.delivered.get_mut(&id) {
                     e.1 |= done::EXPORTED;
+                    seg.dirty = true;
                 }
             }
         }
@@ -636,7 +641,7 @@ fn commit(
     }
     let tail = seg.consumer.segment().tail();
     let dict_changed = seg.asm.take_dictionary_changed();
-    if target <= tail && !dict_changed {
+    if target <= tail && !dict_changed && !seg.dirty {
         return;
     }
     let lag = target.saturating_sub(tail);
@@ -671,4 +676,5 @@ fn commit(
     }
     seg.consumer.commit(target);
     seg.last_commit = Instant::now();
+    seg.dirty = false;
 }

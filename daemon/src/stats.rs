@@ -198,12 +198,13 @@ impl Stats {
             start: c.start_unix_ns,
             end: c.end_unix_ns,
         });
+        // With every local rank in, evaluate now; otherwise the skew window decides.
         let expected = self
             .local_ranks
             .get(&c.comm_hash)
             .copied()
             .unwrap_or(1)
-            .max(1);
+            .max(2);
         if rv.arrivals.len() >= expected {
             let rv = self.rendezvous.remove(&key).expect("present");
             self.evaluate(rv, now_ns);
