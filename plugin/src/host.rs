@@ -100,9 +100,13 @@ pub fn pin_self() -> bool {
     }
     // Linked into the executable itself (NCCL_PROFILER_PLUGIN=STATIC_PLUGIN, benchmarks): never unloaded.
     // SAFETY: dli_fname is a NUL-terminated path owned by the dynamic linker.
-    let path = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
+    let path = unsafe { CStr::from_ptr(info.dli_fname) }
+        .to_string_lossy()
+        .into_owned();
     let exe = std::env::current_exe().ok();
-    std::fs::canonicalize(path).ok().is_some_and(|p| Some(p) == exe)
+    std::fs::canonicalize(path)
+        .ok()
+        .is_some_and(|p| Some(p) == exe)
 }
 
 /// `dlsym` in `handle`, or in the global scope when there is no handle.

@@ -195,7 +195,10 @@ impl Plugin {
         devhook::set_log(host::log);
         devhook::set_func_name_fn(host.dev_func_name);
         if let Some(why) = host.is_rfc().then(devhook::gpu_unavailable).flatten() {
-            host::log(false, &format!("the device hook cannot use a GPU here: {why}"));
+            host::log(
+                false,
+                &format!("the device hook cannot use a GPU here: {why}"),
+            );
         }
         if !host::pin_self() {
             host::log(
