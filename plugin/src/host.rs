@@ -29,6 +29,14 @@ impl HostInfo {
         self.dev_func_name.is_some()
     }
 
+    /// "2.28.9", or "of unknown version".
+    pub fn version_text(&self) -> String {
+        match self.version {
+            Some(v) => format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100),
+            None => "of unknown version".to_string(),
+        }
+    }
+
     /// Whether `ncclProfiler_v7` receives upstream v7 (136-byte) descriptors: an upstream NCCL >= 2.31.
     /// An RFC host passes v6 descriptors; an unknown version is treated as v6 (the safe subset).
     pub fn v7_descriptors(&self) -> bool {

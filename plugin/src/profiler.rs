@@ -169,8 +169,8 @@ pub unsafe fn init(
             "v7-unknown-host",
             true,
             &format!(
-                "ncclProfiler_v7 called by NCCL version {:?}, which is not >= 2.31: reading v6 descriptor fields only",
-                plugin.host.version
+                "ncclProfiler_v7 called by NCCL {}, which is not >= 2.31: reading v6 descriptor fields only",
+                plugin.host.version_text()
             ),
         );
     }
@@ -240,9 +240,9 @@ impl Plugin {
         host::log(
             false,
             &format!(
-                "plugin {} loaded as ncclProfiler_v{abi} by NCCL {:?}{}; segment /dev/shm/{name}, mask {:#x}",
+                "plugin {} loaded as ncclProfiler_v{abi} by NCCL {}{}; segment /dev/shm/{name}, mask {:#x}",
                 env!("CARGO_PKG_VERSION"),
-                host.version,
+                host.version_text(),
                 if host.is_rfc() {
                     " (device-hook RFC)"
                 } else {
