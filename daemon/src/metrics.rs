@@ -86,7 +86,7 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
     keys.sort_by(|a, b| a.0.cmp(b.0));
     for (k, s) in keys {
         let labels = vec![
-            ("job", k.job.to_string()),
+            ("job_id", k.job.to_string()),
             ("comm", comm_label(k.comm_hash)),
             ("collective", k.func.to_string()),
             ("size_bucket", k.size_bucket.to_string()),
@@ -117,7 +117,7 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
     ranks.sort_by(|a, b| a.0.cmp(b.0));
     for (k, r) in ranks {
         let labels = vec![
-            ("job", k.job.to_string()),
+            ("job_id", k.job.to_string()),
             ("comm", comm_label(k.comm_hash)),
             ("rank", k.rank.to_string()),
         ];
@@ -373,7 +373,7 @@ mod tests {
             ..Default::default()
         };
         let text = render_prometheus(&families(&stats, &health));
-        let l = "job=\"j\\\"1\",comm=\"0000000000000001\",collective=\"AllReduce\",size_bucket=\"<=4KiB\",n_nodes=\"1\"";
+        let l = "job_id=\"j\\\"1\",comm=\"0000000000000001\",collective=\"AllReduce\",size_bucket=\"<=4KiB\",n_nodes=\"1\"";
         assert!(
             text.contains(&format!(
                 "ncclscope_collective_exec_time_microseconds_bucket{{{l},le=\"2\"}} 1\n"

@@ -513,7 +513,7 @@ async fn all_ranks_of_a_collective_share_one_trace_with_calibrated_times_and_not
     let stragglers = sample(
         &text,
         &format!(
-            "ncclscope_rank_straggler_total{{job=\"{JOB}\",comm=\"{COMM_HASH:016x}\",rank=\"3\",when=\"start\"}}"
+            "ncclscope_rank_straggler_total{{job_id=\"{JOB}\",comm=\"{COMM_HASH:016x}\",rank=\"3\",when=\"start\"}}"
         ),
     );
     assert_eq!(
@@ -646,4 +646,192 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
     );
     let mut daemon = h.signal_daemon(rustix::process::Signal::TERM);
     assert!(wait_timeout(&mut daemon, Duration::from_secs(20)).is_some_and(|s| s.success()));
+}
+
+/// The real plugin `.so` in fake-NCCL ranks (stock KernelCh path on NCCL 2.28's v5 ABI, and the
+/// device-hook path on an RFC host): every operation each rank's NCCL emitted becomes one span with
+/// exactly the kernel timings NCCL reported, ranks of one collective share a trace, and the
+/// device-hook work items all join their collective.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_timings() {
+    use ncclscope_fakenccl::report::Report;
+    const NRANKS: u32 = 2;
+    const NCOLLS: u32 = 30;
+    const P2PS: u32 = 4;
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let mut h = Harness::new("fakenccl", &collector.endpoint());
+    h.start_daemon();
+    let rank_bin = ncclscope_fakenccl::process::rank_binary().unwrap();
+    let mut children = Vec::new();
+    for (kind, comm_hash) in [
+        ("v5", 0x1111_0000_0000_0000u64),
+        ("rfc", 0x2222_0000_0000_0000),
+    ] {
+        for rank in 0..NRANKS {
+            let child = Command::new(&rank_bin)
+                .args([
+                    "--kind",
+                    kind,
+                    "--colls",
+                    &NCOLLS.to_string(),
+                    "--p2ps",
+                    &P2PS.to_string(),
+                ])
+                .args([
+                    "--channels",
+                    "3",
+                    "--kernel-ns",
+                    "15000",
+                    "--interval-us",
+                    "200",
+                ])
+                .args(["--rank", &rank.to_string(), "--nranks", &NRANKS.to_string()])
+                .args(["--comm-hash", &comm_hash.to_string()])
+                .env("NCCLSCOPE_SHM_PREFIX", &h.prefix)
+                .env("NCCLSCOPE_SOCKET", h.socket())
+                .env("NCCLSCOPE_JOB_ID", "fake-job")
+                // No GPU here: the hook's rings in plain memory, written as the device would.
+                .env("NCCLSCOPE_RING_MEMORY", "cpu")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            children.push((kind, child));
+        }
+    }
+    let mut reports: Vec<(&str, Report)> = Vec::new();
+    for (kind, child) in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "fakenccl-rank failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        reports.push((kind, serde_json::from_slice(&out.stdout).unwrap()));
+    }
+    let ops_per_rank = (NCOLLS + P2PS) as usize;
+    let expected = reports.len() * ops_per_rank;
+    let mut spans = Vec::new();
+    let is_rank_span = |s: &ExportedSpan| s.name.ends_with(" rank");
+    collect(&mut collector, &mut spans, Duration::from_secs(60), |s| {
+        s.iter().filter(|s| is_rank_span(s)).count() >= expected
+    })
+    .await;
+    let rank_spans: Vec<&ExportedSpan> = spans.iter().filter(|s| is_rank_span(s)).collect();
+    assert_eq!(
+        rank_spans.len(),
+        expected,
+        "one span per operation per rank"
+    );
+
+    let mut traces: HashMap<(String, String), BTreeSet<String>> = HashMap::new();
+    for (kind, report) in &reports {
+        let comm = &report.comms[0];
+        for op in comm.ops.iter().filter(|o| o.started) {
+            let is_p2p = op.kind == ncclscope_fakenccl::OpKind::P2p;
+            let mine: Vec<&&ExportedSpan> = rank_spans
+                .iter()
+                .filter(|s| {
+                    attr(s, "process.pid") == report.pid.to_string()
+                        && attr(s, "nccl.collective") == op.func
+                        && if is_p2p {
+                            // p2p has no NCCL seq; each of this rank's sends/receives has its own count.
+                            attr(s, "nccl.count") == op.count.to_string()
+                        } else {
+                            attr(s, "nccl.seq") == op.seq.to_string()
+                        }
+                })
+                .collect();
+            assert!(
+                !mine.is_empty(),
+                "{kind} rank {} op {} seq {}: no span",
+                comm.rank,
+                op.func,
+                op.seq
+            );
+            // Per channel, the times NCCL reported: KernelCh pTimers (stock) or hook items (RFC).
+            let times: Vec<(u64, u64)> = if *kind == "rfc" {
+                op.hook_items
+                    .iter()
+                    .map(|i| (i.gpu_start, i.gpu_stop))
+                    .collect()
+            } else {
+                op.kernels
+                    .iter()
+                    .map(|k| (k.gpu_start, k.gpu_stop))
+                    .collect()
+            };
+            let exec = times.iter().map(|(a, b)| b - a).max().unwrap();
+            let wall =
+                times.iter().map(|t| t.1).max().unwrap() - times.iter().map(|t| t.0).min().unwrap();
+            let s = mine.iter().find(|s| {
+                attr(s, "nccl.exec_ns") == exec.to_string()
+                    && s.end_time_unix_nano - s.start_time_unix_nano == wall
+            });
+            let s = s.unwrap_or_else(|| {
+                panic!(
+                    "{kind} rank {} {} seq {}: no span with exec {exec} and wall {wall}: {mine:?}",
+                    comm.rank, op.func, op.seq
+                )
+            });
+            let source = if *kind == "rfc" {
+                "device_hook"
+            } else {
+                "kernel_gpu"
+            };
+            assert_eq!(attr(s, "nccl.timing_source"), source);
+            assert_eq!(attr(s, "nccl.datatype"), op.datatype);
+            assert_eq!(attr(s, "nccl.count"), op.count.to_string());
+            assert_eq!(attr(s, "job.id"), "fake-job");
+            if !is_p2p {
+                traces
+                    .entry((kind.to_string(), op.seq.to_string()))
+                    .or_default()
+                    .insert(s.trace_id.clone());
+            }
+        }
+    }
+    assert_eq!(traces.len(), 2 * NCOLLS as usize);
+    assert!(
+        traces.values().all(|t| t.len() == 1),
+        "both ranks of each collective in one trace"
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut text = h.metrics();
+    while sample(&text, "ncclscope_segments") != Some(0.0) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        text = h.metrics();
+    }
+    assert_eq!(
+        sample(&text, "ncclscope_device_hook_join_ratio"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "ncclscope_collectives_total"),
+        Some(expected as f64)
+    );
+    for stage in [
+        "ring_full",
+        "queue_full",
+        "dev_lost",
+        "dev_unpaired",
+        "incomplete",
+        "kernel_unjoined",
+        "dev_unjoined",
+    ] {
+        assert!(
+            matches!(
+                sample(&text, &format!("ncclscope_lost_total{{stage=\"{stage}\"}}")),
+                None | Some(0.0)
+            ),
+            "{stage}: {text}"
+        );
+    }
+    assert_eq!(
+        h.segments_left(),
+        0,
+        "segments reaped after their processes exited"
+    );
 }

@@ -1,0 +1,267 @@
+//! Daemon core benchmarks (docs/benchmarks.md, "Daemon"): `cargo bench -p ncclscope --bench daemon_core`.
+//!
+//! 1. ingest: records drained, decoded and assembled into collectives (with statistics) per second on
+//!    one thread, through the real engine over a real segment.
+//! 2. export: spans per second through the real OTLP exporter to an in-process OTLP/gRPC receiver that
+//!    only counts.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use ncclscope::config::Config;
+use ncclscope::engine::{Engine, Outputs};
+use ncclscope::hub::Hub;
+use ncclscope::otlp::{self, ExportCounters, SpanItem};
+use ncclscope_proto::api::{ChannelWork, Collective};
+use ncclscope_proto::segment::{self, Owner, Producer, Segment, SegmentName};
+use ncclscope_proto::{Record, StrId, TimingPath};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+
+const CHANNELS: u64 = 4;
+
+fn fill(p: &mut Producer, seq0: u64, n: u64) -> u64 {
+    let mut records = 0;
+    for seq in seq0..seq0 + n {
+        let id = seq + 1;
+        p.push(&Record::CollStart {
+            comm: 0,
+            id,
+            seq,
+            func: StrId(1),
+            datatype: StrId(2),
+            algo: StrId(3),
+            proto: StrId(4),
+            count: 1 << (10 + seq % 12),
+            root: -1,
+            n_channels: CHANNELS as u8,
+            n_warps: 16,
+            host_ns: seq,
+        });
+        for ch in 0..CHANNELS {
+            let t = 1_000_000 + seq * 10_000 + ch * 10;
+            p.push(&Record::KernelCh {
+                comm: 0,
+                parent: id,
+                channel: ch as u8,
+                gpu_start: t,
+                gpu_stop: t + 5000 + seq % 977,
+                host_ns: 0,
+            });
+        }
+        p.push(&Record::OpStop {
+            comm: 0,
+            id,
+            host_ns: seq,
+        });
+        records += 2 + CHANNELS;
+    }
+    records
+}
+
+fn ingest() -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = Config {
+        state_dir: dir.path().join("state"),
+        shm_prefix: format!("ncclscope-bench-{}", std::process::id()),
+        ..Config::default()
+    };
+    cfg.drain.batch_records = 1 << 16;
+    std::fs::create_dir_all(&cfg.state_dir).unwrap();
+    let (prom, _rx) = tokio::sync::watch::channel(Arc::new(String::new()));
+    let outputs = Outputs {
+        spans: None,
+        metrics: None,
+        export_counters: Arc::default(),
+        prometheus: prom,
+    };
+    let mut engine = Engine::new(
+        Arc::new(cfg.clone()),
+        Arc::new(Hub::default()),
+        None,
+        outputs,
+    );
+    let pid = std::process::id();
+    let uid = rustix::process::getuid().as_raw();
+    let start_ticks = segment::process_start_ticks(pid).unwrap();
+    let name = SegmentName {
+        prefix: cfg.shm_prefix.clone(),
+        uid,
+        pid,
+        start_ticks,
+    };
+    let owner = Owner {
+        pid,
+        uid,
+        start_ticks,
+        hostname: "bench".into(),
+        job_id: "bench".into(),
+    };
+    let seg = Segment::create(&name, &owner, 1 << 20).unwrap();
+    let mut p = Producer::new(seg);
+    for (id, t) in [
+        (1, "AllReduce"),
+        (2, "ncclBfloat16"),
+        (3, "RING"),
+        (4, "LL128"),
+    ] {
+        p.push(&Record::str(StrId(id), t.as_bytes()));
+    }
+    p.push(&Record::Calibration {
+        cuda_dev: 0,
+        offset_ns: 1 << 60,
+        error_ns: 100,
+        drift_ppb: 0,
+        host_ns: 0,
+    });
+    p.push(&Record::Comm {
+        comm: 0,
+        comm_hash: 7,
+        rank: 0,
+        nranks: 8,
+        nnodes: 1,
+        cuda_dev: 0,
+        name: StrId(0),
+        nccl_version: 22809,
+        path: TimingPath::KernelCh,
+        host_ns: 0,
+    });
+    engine
+        .attach(name.clone(), Segment::open(&name).unwrap(), false)
+        .unwrap();
+    let per_round = 150_000; // 900 k records, within the 1 Mi ring
+    let (mut records, mut busy) = (0u64, Duration::ZERO);
+    for round in 0..6 {
+        records += fill(&mut p, round * per_round, per_round);
+        let t = Instant::now();
+        while engine.tick() {}
+        engine.tick();
+        busy += t.elapsed();
+    }
+    let health = engine.health();
+    assert_eq!(
+        health.collectives,
+        6 * per_round,
+        "every collective assembled"
+    );
+    Segment::unlink(&name).unwrap();
+    records as f64 / busy.as_secs_f64()
+}
+
+struct Counting(Arc<AtomicU64>);
+
+#[tonic::async_trait]
+impl TraceService for Counting {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let n: usize = request
+            .into_inner()
+            .resource_spans
+            .iter()
+            .flat_map(|r| &r.scope_spans)
+            .map(|s| s.spans.len())
+            .sum();
+        self.0.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+fn export() -> f64 {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let received = Arc::new(AtomicU64::new(0));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(
+                    TraceServiceServer::new(Counting(received.clone()))
+                        .max_decoding_message_size(64 << 20),
+                )
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let mut cfg = Config::default().otlp;
+        cfg.batch_spans = 2048;
+        let channel = otlp::channel(&format!("http://{addr}"), Duration::from_secs(10)).unwrap();
+        let (tx, rx) = tokio::sync::mpsc::channel(cfg.queue_spans);
+        let (_mtx, mrx) = tokio::sync::mpsc::channel(1);
+        let counters = Arc::new(ExportCounters::default());
+        let exporter = tokio::spawn(otlp::run(
+            cfg,
+            "bench".into(),
+            channel,
+            rx,
+            mrx,
+            counters.clone(),
+        ));
+        let acked = Arc::new(AtomicU64::new(0));
+        let n = 200_000u64;
+        let t = Instant::now();
+        for seq in 0..n {
+            let coll = Arc::new(Collective {
+                job_id: "bench".into(),
+                comm_hash: 7,
+                rank: 1 + (seq % 7) as u32, // not rank 0: one span per instance
+                nranks: 8,
+                seq,
+                func: "AllReduce".into(),
+                datatype: "ncclBfloat16".into(),
+                algo: "RING".into(),
+                proto: "LL128".into(),
+                timing_source: "kernel_gpu".into(),
+                channels: (0..4)
+                    .map(|c| ChannelWork {
+                        channel: c,
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            });
+            tx.send(SpanItem {
+                coll,
+                acked: acked.clone(),
+                emit_no: seq + 1,
+            })
+            .await
+            .unwrap();
+        }
+        drop(tx);
+        drop(_mtx);
+        exporter.await.unwrap();
+        let secs = t.elapsed().as_secs_f64();
+        assert_eq!(
+            received.load(Ordering::Relaxed),
+            n,
+            "receiver got every span"
+        );
+        assert_eq!(acked.load(Ordering::Relaxed), n);
+        n as f64 / secs
+    })
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let ingest = ingest();
+    println!(
+        "ingest: {:.2} M records/s on one thread (engine tick: drain + decode + assemble + stats)",
+        ingest / 1e6
+    );
+    let export = export();
+    println!(
+        "export: {:.0} k spans/s to a local OTLP/gRPC receiver",
+        export / 1e3
+    );
+}
