@@ -10,13 +10,15 @@ use std::ffi::{CStr, c_char};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use ncclscope_proto::{Counter, Producer, Record, StrId, TimingPath};
+use ncclscope_proto::{Counter, Producer, Record, StrId, TimingPath, now_ns};
 
 use crate::devhook;
 use crate::profiler::Plugin;
 use crate::register::Registration;
 use crate::sink::Sink;
 
+/// How often the simulated GPU clock is re-measured (simulation only).
+const SIM_CLOCK_PERIOD: Duration = Duration::from_secs(1);
 const MIN_IDLE: Duration = Duration::from_millis(1);
 const MAX_IDLE: Duration = Duration::from_millis(20);
 /// Events handled per batch before the thread looks at the device rings and the heartbeat again.
@@ -120,6 +122,37 @@ pub struct Forwarder {
     producer: Producer,
     strings: Interner,
     registration: Registration,
+    /// Simulation: when the next calibration of the simulated GPU clock is due.
+    sim_clock_due: Option<Instant>,
+}
+
+/// Simulation: stock-path communicators (no CUDA device known, `cuda_dev` -1) carry KernelCh `pTimer`s
+/// from the fake NCCL's simulated GPU clock, CLOCK_MONOTONIC; this maps it to CLOCK_REALTIME like a
+/// device calibration does. The tightest of a few (monotonic, realtime, monotonic) brackets wins.
+fn sim_clock_calibration() -> Record {
+    let mono = || {
+        let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+        t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+    };
+    let (mut best_offset, mut best_error, mut at) = (0i64, u64::MAX, 0);
+    for _ in 0..5 {
+        let m0 = mono();
+        let real = now_ns();
+        let m1 = mono();
+        let error = (m1 - m0) / 2 + 1;
+        if error < best_error {
+            best_offset = real as i64 - (m0 + (m1 - m0) / 2) as i64;
+            best_error = error;
+            at = real;
+        }
+    }
+    Record::Calibration {
+        cuda_dev: -1,
+        offset_ns: best_offset,
+        error_ns: best_error as u32,
+        drift_ppb: 0,
+        host_ns: at,
+    }
 }
 
 impl Sink for Forwarder {
@@ -140,11 +173,13 @@ impl Forwarder {
     pub fn new(plugin: &'static Plugin, producer: Producer) -> Forwarder {
         let registration =
             Registration::new(plugin.config.socket.clone(), producer.segment().name());
+        let sim_clock_due = plugin.config.simulation.then(Instant::now);
         Forwarder {
             plugin,
             producer,
             strings: Interner::default(),
             registration,
+            sim_clock_due,
         }
     }
 
@@ -163,7 +198,12 @@ impl Forwarder {
             work += devhook::drain(&mut self);
             self.plugin.flush_counters(self.producer.segment());
             self.producer.segment().beat();
-            self.registration.poll(Instant::now());
+            let now = Instant::now();
+            self.registration.poll(now);
+            if self.sim_clock_due.is_some_and(|due| now >= due) {
+                self.producer.push(&sim_clock_calibration());
+                self.sim_clock_due = Some(now + SIM_CLOCK_PERIOD);
+            }
             if work > 0 {
                 idle = MIN_IDLE;
                 continue;

@@ -293,3 +293,51 @@ fn a_rank_that_never_finalizes_leaves_an_open_segment_with_its_records() {
     )
     .unwrap();
 }
+
+#[test]
+fn simulation_maps_the_stock_path_gpu_clock_to_host_time() {
+    let prefix = unique_prefix("simclock");
+    let _cleanup = Cleanup(prefix.clone());
+    let run = run_rank(
+        &prefix,
+        &["--kind", "v5", "--colls", "20"],
+        &[("NCCLSCOPE_RING_MEMORY", "cpu")],
+    )
+    .unwrap();
+    let seg = read_only_segment(&prefix).unwrap();
+    check(
+        &run.report,
+        &seg,
+        Expect {
+            v7_fields: false,
+            finalized: true,
+        },
+    )
+    .unwrap();
+    let Some(Record::Calibration {
+        offset_ns,
+        error_ns,
+        ..
+    }) = seg
+        .records
+        .iter()
+        .find(|r| matches!(r, Record::Calibration { cuda_dev: -1, .. }))
+        .copied()
+    else {
+        panic!("no calibration for the stock path's simulated clock");
+    };
+    assert!(error_ns < 1_000_000, "error {error_ns} ns");
+    // The fake kernel ends just before NCCL reports KernelChStop: mapped GPU time ~ host time.
+    for r in &seg.records {
+        if let Record::KernelCh {
+            gpu_stop, host_ns, ..
+        } = r
+        {
+            let mapped = gpu_stop.saturating_add_signed(offset_ns);
+            assert!(
+                mapped.abs_diff(*host_ns) < 1_000_000_000,
+                "KernelCh at {mapped} reported at {host_ns}"
+            );
+        }
+    }
+}
