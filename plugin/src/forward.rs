@@ -17,6 +17,8 @@ use crate::profiler::Plugin;
 use crate::register::Registration;
 use crate::sink::Sink;
 
+/// How often the handle pool is swept for operations whose KernelCh children never came.
+const SWEEP_PERIOD: Duration = Duration::from_secs(1);
 /// How often the simulated GPU clock is re-measured (simulation only).
 const SIM_CLOCK_PERIOD: Duration = Duration::from_secs(1);
 const MIN_IDLE: Duration = Duration::from_millis(1);
@@ -124,6 +126,7 @@ pub struct Forwarder {
     registration: Registration,
     /// Simulation: when the next calibration of the simulated GPU clock is due.
     sim_clock_due: Option<Instant>,
+    sweep_due: Instant,
 }
 
 /// Simulation: stock-path communicators (no CUDA device known, `cuda_dev` -1) carry KernelCh `pTimer`s
@@ -180,6 +183,7 @@ impl Forwarder {
             strings: Interner::default(),
             registration,
             sim_clock_due,
+            sweep_due: Instant::now() + SWEEP_PERIOD,
         }
     }
 
@@ -200,6 +204,10 @@ impl Forwarder {
             self.producer.segment().beat();
             let now = Instant::now();
             self.registration.poll(now);
+            if now >= self.sweep_due {
+                self.plugin.sweep();
+                self.sweep_due = now + SWEEP_PERIOD;
+            }
             if self.sim_clock_due.is_some_and(|due| now >= due) {
                 self.producer.push(&sim_clock_calibration());
                 self.sim_clock_due = Some(now + SIM_CLOCK_PERIOD);

@@ -8,7 +8,10 @@
 //!
 //! A Coll/P2p slot is reference-counted: one reference for NCCL's `stopEvent` and one per announced
 //! KernelCh child (`nChannels`), because NCCL starts the KernelCh events after the Coll has stopped and
-//! they must still find their parent's id.
+//! they must still find their parent's id. The count shares a word with the slot's generation, and every
+//! change is a compare-and-swap within one generation, so a slot is freed exactly once per allocation
+//! (by whoever takes its count to 0) and a late or stale release of an older generation does nothing.
+//! Stopped operations whose announced children never all came are released by [`Pool::sweep`].
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -50,15 +53,16 @@ impl Kind {
 #[derive(Default)]
 pub struct Slot {
     state: AtomicU32,
-    refs: AtomicU32,
-    generation: AtomicU32,
     next_free: AtomicU32,
+    /// generation << 32 | references.
+    refs: AtomicU64,
     pub comm: AtomicU32,
     /// Channel in the low byte, KernelPhase id in the next.
     pub channel: AtomicU32,
     /// Kernel events: the id of the Coll/P2p they belong to.
     pub parent: AtomicU64,
     pub gpu_start: AtomicU64,
+    /// Kernel events: the GPU stop time. Coll/P2p: the host time of their stopEvent.
     pub gpu_stop: AtomicU64,
 }
 const _: () = assert!(size_of::<Slot>() == 64);
@@ -75,12 +79,13 @@ pub struct Live<'a> {
     pub index: u32,
     pub slot: &'a Slot,
     pub kind: Kind,
+    generation: u32,
 }
 
 impl Live<'_> {
     /// Process-unique event id: slot index + the slot's generation, without a shared counter.
     pub fn id(&self) -> u64 {
-        (self.slot.generation.load(Ordering::Relaxed) as u64) << 32 | self.index as u64
+        (self.generation as u64) << 32 | self.index as u64
     }
 
     /// Marks the event stopped; false if it already was (a repeated stopEvent).
@@ -127,18 +132,21 @@ impl Pool {
             }
         };
         let slot = &self.slots[index as usize];
-        slot.generation.store(
-            slot.generation.load(Ordering::Relaxed).wrapping_add(1),
-            Ordering::Relaxed,
-        );
+        let generation = (slot.refs.load(Ordering::Relaxed) >> 32) as u32 + 1;
         slot.comm.store(comm, Ordering::Relaxed);
-        slot.refs.store(refs, Ordering::Relaxed);
+        slot.refs
+            .store((generation as u64) << 32 | refs as u64, Ordering::Relaxed);
         slot.channel.store(0, Ordering::Relaxed);
         slot.parent.store(0, Ordering::Relaxed);
         slot.gpu_start.store(0, Ordering::Relaxed);
         slot.gpu_stop.store(0, Ordering::Relaxed);
         slot.state.store(kind as u32, Ordering::Release);
-        Some(Live { index, slot, kind })
+        Some(Live {
+            index,
+            slot,
+            kind,
+            generation,
+        })
     }
 
     /// The handle NCCL keeps for a slot.
@@ -156,17 +164,46 @@ impl Pool {
         let index = offset / size_of::<Slot>();
         let slot = self.slots.get(index)?;
         let kind = Kind::from_state(slot.state.load(Ordering::Acquire))?;
+        let refs = slot.refs.load(Ordering::Acquire);
+        if refs as u32 == 0 {
+            return None;
+        }
         Some(Live {
             index: index as u32,
             slot,
             kind,
+            generation: (refs >> 32) as u32,
         })
     }
 
-    /// Drops one reference; the last one frees the slot.
+    /// Drops one reference of `live`'s generation; the last one frees the slot. A release of an
+    /// older generation, or of a slot already released to 0, does nothing.
     pub fn release(&self, live: &Live<'_>) {
-        if live.slot.refs.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.free(live.index);
+        self.drop_refs(live.index, live.generation, 1);
+    }
+
+    /// Takes up to `n` references of `generation` from slot `index`; frees it when the count reaches 0.
+    /// Returns whether this call freed it.
+    fn drop_refs(&self, index: u32, generation: u32, n: u32) -> bool {
+        let slot = &self.slots[index as usize];
+        let mut cur = slot.refs.load(Ordering::Acquire);
+        loop {
+            let refs = cur as u32;
+            if (cur >> 32) as u32 != generation || refs == 0 {
+                return false;
+            }
+            let new = (cur & !0xffff_ffff) | refs.saturating_sub(n) as u64;
+            match slot
+                .refs
+                .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) if new as u32 == 0 => {
+                    self.free(index);
+                    return true;
+                }
+                Ok(_) => return false,
+                Err(c) => cur = c,
+            }
         }
     }
 
@@ -196,13 +233,34 @@ impl Pool {
             if state == FREE || slot.comm.load(Ordering::Relaxed) != comm {
                 continue;
             }
-            if state & STOPPED == 0 {
+            let generation = (slot.refs.load(Ordering::Acquire) >> 32) as u32;
+            if self.drop_refs(index as u32, generation, u32::MAX) && state & STOPPED == 0 {
                 unfinished += 1;
             }
-            slot.refs.store(0, Ordering::Relaxed);
-            self.free(index as u32);
         }
         unfinished
+    }
+
+    /// Releases Coll/P2p events stopped before `stopped_before_ns` (host time) that still wait for
+    /// KernelCh children NCCL never started; returns how many. Runs on the forwarding thread.
+    pub fn sweep(&self, stopped_before_ns: u64) -> u64 {
+        let mut released = 0;
+        for (index, slot) in self.slots.iter().enumerate() {
+            let state = slot.state.load(Ordering::Acquire);
+            let stopped = state & STOPPED != 0 && Kind::from_state(state).is_some_and(Kind::is_op);
+            if !stopped {
+                continue;
+            }
+            let refs = slot.refs.load(Ordering::Acquire);
+            let stop_ns = slot.gpu_stop.load(Ordering::Relaxed);
+            if stop_ns != 0
+                && stop_ns < stopped_before_ns
+                && self.drop_refs(index as u32, (refs >> 32) as u32, u32::MAX)
+            {
+                released += 1;
+            }
+        }
+        released
     }
 
     /// Slots in use (walks the pool).
@@ -283,6 +341,51 @@ mod tests {
             (0..7).filter_map(|_| pool.alloc(Kind::P2p, 1, 1)).count(),
             7
         );
+    }
+
+    #[test]
+    fn a_stale_release_after_reuse_does_not_touch_the_new_event() {
+        let pool = Pool::new(1);
+        let op = pool.alloc(Kind::Coll, 0, 2).unwrap();
+        let stale = op; // a child that looked the parent up
+        assert!(op.stop());
+        pool.release(&op);
+        pool.release(&stale); // count 0: freed
+        let again = pool.alloc(Kind::KernelCh, 0, 1).unwrap();
+        pool.release(&stale); // an extra release of the old generation
+        assert_eq!(
+            pool.lookup(pool.handle(&again)).unwrap().kind,
+            Kind::KernelCh,
+            "still live"
+        );
+        pool.release(&again);
+        assert_eq!(pool.in_use(), 0);
+        assert!(
+            pool.alloc(Kind::P2p, 0, 1).is_some() && pool.alloc(Kind::P2p, 0, 1).is_none(),
+            "freed once"
+        );
+    }
+
+    #[test]
+    fn sweep_releases_only_old_stopped_operations_waiting_for_children() {
+        let pool = Pool::new(4);
+        let old = pool.alloc(Kind::Coll, 0, 3).unwrap();
+        old.stop();
+        old.slot.gpu_stop.store(100, Ordering::Relaxed);
+        pool.release(&old);
+        let young = pool.alloc(Kind::P2p, 0, 2).unwrap();
+        young.stop();
+        young.slot.gpu_stop.store(500, Ordering::Relaxed);
+        pool.release(&young);
+        let running = pool.alloc(Kind::Coll, 0, 2).unwrap();
+        let kernel = pool.alloc(Kind::KernelCh, 0, 1).unwrap();
+        assert_eq!(pool.sweep(200), 1);
+        assert!(pool.lookup(pool.handle(&old)).is_none());
+        for live in [young, running, kernel] {
+            assert!(pool.lookup(pool.handle(&live)).is_some());
+        }
+        pool.release(&old); // a child arriving after the sweep: nothing happens
+        assert_eq!(pool.in_use(), 3);
     }
 
     #[test]

@@ -29,6 +29,9 @@ pub const QUEUE_EVENTS: usize = 1 << 15;
 const WAKE_DEPTH: usize = QUEUE_EVENTS / 8;
 /// Communicators alive at once in one process.
 pub const MAX_COMMS: usize = 1024;
+/// How long a stopped Coll/P2p may wait for its announced KernelCh children before [`Plugin::sweep`]
+/// releases it. Generous: a kernel can sit behind other work on its stream for a long time.
+pub const ORPHAN_AGE: Duration = Duration::from_secs(30);
 /// How long `finalize` waits for the forwarding thread to write the communicator's end.
 const FINALIZE_WAIT: Duration = Duration::from_secs(2);
 
@@ -553,11 +556,16 @@ impl Plugin {
         let gpu_stop = live.slot.gpu_stop.load(Ordering::Relaxed);
         let parent = live.slot.parent.load(Ordering::Relaxed);
         let record = match live.kind {
-            Kind::Coll | Kind::P2p => Record::OpStop {
-                comm,
-                id: live.id(),
-                host_ns: now_ns(),
-            },
+            Kind::Coll | Kind::P2p => {
+                let host_ns = now_ns();
+                // Kept for `sweep`: how long the operation has waited for its KernelCh children.
+                live.slot.gpu_stop.store(host_ns, Ordering::Relaxed);
+                Record::OpStop {
+                    comm,
+                    id: live.id(),
+                    host_ns,
+                }
+            }
             Kind::KernelCh => Record::KernelCh {
                 comm,
                 parent,
@@ -577,6 +585,16 @@ impl Plugin {
         };
         self.pool.release(&live);
         self.push(Event::Ready(record));
+    }
+
+    /// Releases operations that have waited longer than [`ORPHAN_AGE`] after their stop for KernelCh
+    /// children NCCL never started (counted as [`Counter::Unfinished`]), so a host that announces more
+    /// channels than it reports cannot exhaust the pool. Forwarding thread, about once a second.
+    pub fn sweep(&self) {
+        let released = self
+            .pool
+            .sweep(now_ns().saturating_sub(ORPHAN_AGE.as_nanos() as u64));
+        self.pending[Counter::Unfinished as usize].fetch_add(released, Ordering::Relaxed);
     }
 
     /// `recordEventState`; `p_timer` is the state args' `kernelCh.pTimer` (None for NULL args).

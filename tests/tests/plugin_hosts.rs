@@ -39,6 +39,7 @@ fn host_roundtrip(kind: &str, v7_fields: bool) {
         Expect {
             v7_fields,
             finalized: true,
+            ordered: true,
         },
     )
     .unwrap_or_else(|e| panic!("{kind}: {e:#}\nplugin log:\n{}", run.stderr));
@@ -90,6 +91,7 @@ fn rfc_host_gets_v6_reads_and_the_device_hook_path() {
         Expect {
             v7_fields: false,
             finalized: true,
+            ordered: true,
         },
     )
     .unwrap_or_else(|e| panic!("{e:#}\nplugin log:\n{}", run.stderr));
@@ -149,6 +151,7 @@ fn v7_symbol_on_an_nccl_of_unknown_version_reads_only_v6_fields() {
         Expect {
             v7_fields: false,
             finalized: true,
+            ordered: true,
         },
     )
     .unwrap();
@@ -257,6 +260,7 @@ fn invalid_settings_are_logged_once_and_defaults_used() {
         Expect {
             v7_fields: false,
             finalized: true,
+            ordered: true,
         },
     )
     .unwrap();
@@ -289,6 +293,7 @@ fn a_rank_that_never_finalizes_leaves_an_open_segment_with_its_records() {
         Expect {
             v7_fields: false,
             finalized: false,
+            ordered: true,
         },
     )
     .unwrap();
@@ -311,6 +316,7 @@ fn simulation_maps_the_stock_path_gpu_clock_to_host_time() {
         Expect {
             v7_fields: false,
             finalized: true,
+            ordered: true,
         },
     )
     .unwrap();
@@ -339,5 +345,35 @@ fn simulation_maps_the_stock_path_gpu_clock_to_host_time() {
                 "KernelCh at {mapped} reported at {host_ns}"
             );
         }
+    }
+}
+
+#[test]
+fn kernel_events_from_a_concurrent_proxy_thread_keep_their_parents() {
+    // NCCL's proxy/profiler thread reports KernelCh (after the Coll has stopped) while the application
+    // thread already starts the next operations: parents must stay valid and ids must not mix up.
+    for kind in ["v5", "v7"] {
+        let prefix = unique_prefix(&format!("async-{kind}"));
+        let _cleanup = Cleanup(prefix.clone());
+        let mut args = vec!["--kind", kind, "--async-kernels"];
+        args.extend_from_slice(WORKLOAD);
+        let run = run_rank(&prefix, &args, &[MASK_WITH_PHASES]).unwrap();
+        let seg = read_only_segment(&prefix).unwrap();
+        let v7_fields = kind == "v7";
+        let summary = check(
+            &run.report,
+            &seg,
+            Expect {
+                v7_fields,
+                finalized: true,
+                ordered: false,
+            },
+        )
+        .unwrap_or_else(|e| panic!("{kind}: {e:#}\nplugin log:\n{}", run.stderr));
+        assert_eq!(summary.kernel_ch, 3 * (40 * 4 + 3 + 3 * 2));
+        assert_eq!(
+            summary.kernel_phase,
+            if v7_fields { 3 * 20 * 4 * 3 } else { 0 }
+        );
     }
 }

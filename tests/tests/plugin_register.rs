@@ -109,6 +109,7 @@ fn registers_after_the_daemon_appears_and_keeps_working_meanwhile() {
         Expect {
             v7_fields: false,
             finalized: true,
+            ordered: true,
         },
     )
     .unwrap();

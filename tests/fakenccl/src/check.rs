@@ -21,6 +21,9 @@ pub struct Expect {
     pub v7_fields: bool,
     /// Every communicator was finalized (CommEnd present, segment closed).
     pub finalized: bool,
+    /// Kernel events were emitted before the next operation (`false`: from an asynchronous proxy
+    /// thread; then only their per-operation order and their content are checked, not their position).
+    pub ordered: bool,
 }
 
 /// Totals of a successful check.
@@ -144,15 +147,17 @@ pub fn check(report: &Report, seg: &Contents, expect: Expect) -> anyhow::Result<
             "communicator {comm}: path {path:?}, want {want_path:?}"
         );
         let _ = cuda_dev;
-        let mut rest = records[1..].iter();
+        let mut rest = Streams::new(&records[1..], expect.ordered);
         for (n, op) in rep.ops.iter().enumerate() {
             let ctx = || format!("communicator {comm}, operation {n} ({op:?})");
             let mut op_id = 0;
+            let mut start_pos = 0;
             if op.started {
-                let start = rest
-                    .next()
+                let (pos, start) = rest
+                    .host_at()
                     .with_context(|| format!("{}: start missing", ctx()))?;
-                match (op.kind, *start) {
+                start_pos = pos;
+                match (op.kind, start) {
                     (
                         OpKind::Coll,
                         Record::CollStart {
@@ -222,7 +227,7 @@ pub fn check(report: &Report, seg: &Contents, expect: Expect) -> anyhow::Result<
                     _ => bail!("{}: got {start:?}", ctx()),
                 }
                 ensure!(ids.insert(op_id), "{}: id {op_id} reused", ctx());
-                let stop = rest.next().copied();
+                let stop = rest.host();
                 ensure!(
                     matches!(stop, Some(Record::OpStop { comm: c, id, .. }) if c == *comm && id == op_id),
                     "{}: expected OpStop, got {stop:?}",
@@ -233,7 +238,7 @@ pub fn check(report: &Report, seg: &Contents, expect: Expect) -> anyhow::Result<
             for k in op.kernels.iter().filter(|k| k.started) {
                 if expect.v7_fields {
                     for ph in &k.phases {
-                        let r = rest.next().copied();
+                        let r = rest.kernel(start_pos);
                         let want = Record::KernelPhase {
                             comm: *comm,
                             parent: op_id,
@@ -246,7 +251,7 @@ pub fn check(report: &Report, seg: &Contents, expect: Expect) -> anyhow::Result<
                         summary.kernel_phase += 1;
                     }
                 }
-                let r = rest.next().copied();
+                let r = rest.kernel(start_pos);
                 let ok = matches!(r, Some(Record::KernelCh { comm: c, parent, channel, gpu_start, gpu_stop, .. })
                     if c == *comm && parent == op_id && channel == k.channel
                         && gpu_start == k.gpu_start && gpu_stop == k.gpu_stop);
@@ -259,13 +264,13 @@ pub fn check(report: &Report, seg: &Contents, expect: Expect) -> anyhow::Result<
             }
         }
         if expect.finalized {
-            let end = rest.next().copied();
+            let end = rest.host();
             ensure!(
                 matches!(end, Some(Record::CommEnd { comm: c, .. }) if c == *comm),
                 "communicator {comm}: got {end:?}, want CommEnd"
             );
         }
-        let extra: Vec<_> = rest.collect();
+        let extra = rest.remaining();
         ensure!(
             extra.is_empty(),
             "communicator {comm}: unexpected records {extra:?}"
@@ -330,4 +335,62 @@ pub fn check(report: &Report, seg: &Contents, expect: Expect) -> anyhow::Result<
         seg.closed
     );
     Ok(summary)
+}
+
+/// One communicator's records after its `Comm`, read in emission order: as one stream, or (for
+/// asynchronous kernel events) as the host stream and the kernel stream, each in order, with every kernel
+/// record after its operation's start.
+struct Streams {
+    host: std::collections::VecDeque<(usize, Record)>,
+    kernel: std::collections::VecDeque<(usize, Record)>,
+    ordered: bool,
+}
+
+impl Streams {
+    fn new(records: &[Record], ordered: bool) -> Streams {
+        let (mut host, mut kernel) = (
+            std::collections::VecDeque::new(),
+            std::collections::VecDeque::new(),
+        );
+        for (pos, r) in records.iter().enumerate() {
+            let is_kernel = matches!(r, Record::KernelCh { .. } | Record::KernelPhase { .. });
+            if is_kernel && !ordered {
+                kernel.push_back((pos, *r))
+            } else {
+                host.push_back((pos, *r))
+            }
+        }
+        Streams {
+            host,
+            kernel,
+            ordered,
+        }
+    }
+
+    /// The next host-side record (op start, OpStop, CommEnd) and its position.
+    fn host_at(&mut self) -> Option<(usize, Record)> {
+        self.host.pop_front()
+    }
+
+    fn host(&mut self) -> Option<Record> {
+        self.host_at().map(|(_, r)| r)
+    }
+
+    /// The next kernel record; it must come after position `after` (its operation's start).
+    fn kernel(&mut self, after: usize) -> Option<Record> {
+        let (pos, r) = if self.ordered {
+            self.host.pop_front()?
+        } else {
+            self.kernel.pop_front()?
+        };
+        (pos > after).then_some(r)
+    }
+
+    fn remaining(self) -> Vec<Record> {
+        self.host
+            .into_iter()
+            .chain(self.kernel)
+            .map(|(_, r)| r)
+            .collect()
+    }
 }

@@ -346,6 +346,7 @@ impl Host {
             hook,
             app_page: GuardedPage::new()?,
             gpu_page: GuardedPage::new()?,
+            proxy: None,
         })
     }
 }
@@ -367,6 +368,7 @@ pub struct Comm {
     hook: Option<(HookFn, SendPtr)>,
     app_page: GuardedPage,
     gpu_page: GuardedPage,
+    proxy: Option<Proxy>,
 }
 
 /// Calls into the plugin with descriptors and state args on a guarded page.
@@ -430,6 +432,142 @@ struct Kernel<'s> {
     func_id: u32,
     phases: bool,
     symmetric: Option<&'s CStr>,
+}
+
+/// One kernel's events, as NCCL's proxy/profiler thread and the GPU report them.
+struct KernelJob {
+    parent: SendPtr,
+    items: Vec<HookItem>,
+    kernel_ch: bool,
+    phases: bool,
+}
+
+/// The long-lived proxy thread of an asynchronous communicator.
+struct Proxy {
+    tx: std::sync::mpsc::Sender<KernelJob>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+/// The three KernelPhase intervals of a work item: (phase, start, stop).
+fn phase_bounds(it: &HookItem) -> [(u8, u64, u64); 3] {
+    let span = it.gpu_stop - it.gpu_start;
+    let b = [
+        it.gpu_start,
+        it.gpu_start + span / 4,
+        it.gpu_stop - span / 4,
+        it.gpu_stop,
+    ];
+    [(0, b[0], b[1]), (1, b[1], b[2]), (2, b[2], b[3])]
+}
+
+const PHASE_NAMES: [&CStr; 3] = [c"initial_sync", c"compute", c"final_sync"];
+
+impl KernelJob {
+    /// What emitting this job reports if the plugin accepts every event.
+    fn expected(&self) -> Vec<KernelReport> {
+        if !self.kernel_ch {
+            return Vec::new();
+        }
+        self.items
+            .iter()
+            .map(|it| KernelReport {
+                channel: it.channel,
+                gpu_start: it.gpu_start,
+                gpu_stop: it.gpu_stop,
+                started: true,
+                phases: if self.phases {
+                    phase_bounds(it)
+                        .map(|(phase, a, b)| PhaseReport {
+                            phase,
+                            gpu_start: a,
+                            gpu_stop: b,
+                        })
+                        .to_vec()
+                } else {
+                    Vec::new()
+                },
+            })
+            .collect()
+    }
+
+    /// Device-hook calls, then KernelCh (and KernelPhase) events for every work item.
+    fn emit(
+        self,
+        host: &Host,
+        ctx: SendPtr,
+        rank: i32,
+        hook: Option<(HookFn, SendPtr)>,
+        page: &mut GuardedPage,
+    ) -> (Vec<KernelReport>, Vec<HookItem>) {
+        if let Some((f, dev_ctx)) = hook {
+            for it in &self.items {
+                for (phase, ts) in [(0u8, it.gpu_start), (1, it.gpu_stop)] {
+                    let ev = DevEvent {
+                        timestamp: ts,
+                        work_counter: it.work_counter,
+                        func_id: it.func_id,
+                        channel_id: it.channel,
+                        phase,
+                        rsvd: 0,
+                    };
+                    // SAFETY: the hook the plugin returned, with its devCtx and a valid event.
+                    unsafe { f(&ev, dev_ctx.0) };
+                }
+            }
+        }
+        let mut kernels = Vec::new();
+        if self.kernel_ch {
+            let mut c = Caller {
+                vt: &host.vt,
+                page,
+                descr_bytes: host.kind.descr_bytes(),
+                rank,
+            };
+            for it in &self.items {
+                let kc = c.start(ctx, event::KERNEL_CH, self.parent, |d| {
+                    d.u8(off::KCH_CHANNEL, it.channel)
+                        .u64(off::KCH_PTIMER, it.gpu_start);
+                });
+                let mut report = KernelReport {
+                    channel: it.channel,
+                    gpu_start: it.gpu_start,
+                    gpu_stop: it.gpu_stop,
+                    started: !kc.0.is_null(),
+                    phases: Vec::new(),
+                };
+                if self.phases && !kc.0.is_null() {
+                    for (phase, p0, p1) in phase_bounds(it) {
+                        let ph = c.start(ctx, event::KERNEL_PHASE, kc, |d| {
+                            d.u8(off::KPH_CHANNEL, it.channel)
+                                .u8(off::KPH_PHASE, phase)
+                                .ptr(off::KPH_NAME, PHASE_NAMES[phase as usize].as_ptr())
+                                .u64(off::KPH_PTIMER, p0);
+                        });
+                        if !ph.0.is_null() {
+                            c.record(ph, state::KERNEL_PHASE_STOP, Some(p1));
+                            c.stop(ph);
+                        }
+                        report.phases.push(PhaseReport {
+                            phase,
+                            gpu_start: p0,
+                            gpu_stop: p1,
+                        });
+                    }
+                }
+                if !kc.0.is_null() {
+                    c.record(kc, state::KERNEL_CH_STOP, Some(it.gpu_stop));
+                    c.stop(kc);
+                }
+                kernels.push(report);
+            }
+        }
+        let hook_items = if hook.is_some() {
+            self.items
+        } else {
+            Vec::new()
+        };
+        (kernels, hook_items)
+    }
 }
 
 impl Comm {
@@ -587,8 +725,6 @@ impl Comm {
         parent: SendPtr,
         k: &Kernel<'_>,
     ) -> (Vec<KernelReport>, Vec<HookItem>) {
-        let kernel_ch = mask & self.kernel_bits() != 0;
-        let phases = k.phases && mask & event::KERNEL_PHASE != 0;
         let base = gpu_now_ns();
         let mut items = Vec::new();
         for ch in 0..k.n_channels {
@@ -602,92 +738,51 @@ impl Comm {
                 gpu_stop: start + k.kernel_ns,
             });
         }
-        let hook = self.hook;
-        let host = self.host.clone();
-        let ctx = self.ctx;
-        let rank = self.rank;
+        let job = KernelJob {
+            parent,
+            items,
+            kernel_ch: mask & self.kernel_bits() != 0,
+            phases: k.phases && k.symmetric.is_some() && mask & event::KERNEL_PHASE != 0,
+        };
+        if let Some(proxy) = &self.proxy {
+            // Asynchronous: reported as NCCL will emit them; the plugin's answers are not waited for.
+            let kernels = job.expected();
+            let hook_items = if self.hook.is_some() {
+                job.items.clone()
+            } else {
+                Vec::new()
+            };
+            proxy.tx.send(job).expect("proxy thread");
+            return (kernels, hook_items);
+        }
+        let (host, ctx, rank, hook) = (self.host.clone(), self.ctx, self.rank, self.hook);
         let page = &mut self.gpu_page;
-        let symmetric = k.symmetric.is_some();
         std::thread::scope(|s| {
-            s.spawn(move || {
-                let mut kernels = Vec::new();
-                if let Some((f, dev_ctx)) = hook {
-                    for it in &items {
-                        for (phase, ts) in [(0u8, it.gpu_start), (1, it.gpu_stop)] {
-                            let ev = DevEvent {
-                                timestamp: ts,
-                                work_counter: it.work_counter,
-                                func_id: it.func_id,
-                                channel_id: it.channel,
-                                phase,
-                                rsvd: 0,
-                            };
-                            // SAFETY: the hook the plugin returned, with its devCtx and a valid event.
-                            unsafe { f(&ev, dev_ctx.0) };
-                        }
-                    }
-                }
-                if kernel_ch {
-                    let mut c = Caller {
-                        vt: &host.vt,
-                        page,
-                        descr_bytes: host.kind.descr_bytes(),
-                        rank,
-                    };
-                    for it in &items {
-                        let kc = c.start(ctx, event::KERNEL_CH, parent, |d| {
-                            d.u8(off::KCH_CHANNEL, it.channel)
-                                .u64(off::KCH_PTIMER, it.gpu_start);
-                        });
-                        let mut report = KernelReport {
-                            channel: it.channel,
-                            gpu_start: it.gpu_start,
-                            gpu_stop: it.gpu_stop,
-                            started: !kc.0.is_null(),
-                            phases: Vec::new(),
-                        };
-                        if phases && symmetric && !kc.0.is_null() {
-                            let span = it.gpu_stop - it.gpu_start;
-                            let bounds = [
-                                it.gpu_start,
-                                it.gpu_start + span / 4,
-                                it.gpu_stop - span / 4,
-                                it.gpu_stop,
-                            ];
-                            for (phase, name) in
-                                [(0u8, c"initial_sync"), (1, c"compute"), (2, c"final_sync")]
-                            {
-                                let (p0, p1) = (bounds[phase as usize], bounds[phase as usize + 1]);
-                                let ph = c.start(ctx, event::KERNEL_PHASE, kc, |d| {
-                                    d.u8(off::KPH_CHANNEL, it.channel)
-                                        .u8(off::KPH_PHASE, phase)
-                                        .ptr(off::KPH_NAME, name.as_ptr())
-                                        .u64(off::KPH_PTIMER, p0);
-                                });
-                                if !ph.0.is_null() {
-                                    c.record(ph, state::KERNEL_PHASE_STOP, Some(p1));
-                                    c.stop(ph);
-                                }
-                                report.phases.push(PhaseReport {
-                                    phase,
-                                    gpu_start: p0,
-                                    gpu_stop: p1,
-                                });
-                            }
-                        }
-                        if !kc.0.is_null() {
-                            c.record(kc, state::KERNEL_CH_STOP, Some(it.gpu_stop));
-                            c.stop(kc);
-                        }
-                        kernels.push(report);
-                    }
-                }
-                let hook_items = if hook.is_some() { items } else { Vec::new() };
-                (kernels, hook_items)
-            })
-            .join()
-            .expect("simulated kernel thread")
+            s.spawn(move || job.emit(&host, ctx, rank, hook, page))
+                .join()
+                .expect("simulated kernel thread")
         })
+    }
+
+    /// From now on, kernel events come from one long-lived proxy thread per communicator, concurrently
+    /// with the host events of later operations (as NCCL's proxy thread does), instead of being
+    /// emitted before the next operation starts. Reports then assume the plugin accepted every event.
+    pub fn set_async_kernels(&mut self) -> anyhow::Result<()> {
+        if self.proxy.is_some() {
+            return Ok(());
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<KernelJob>();
+        let (host, ctx, rank, hook) = (self.host.clone(), self.ctx, self.rank, self.hook);
+        let mut page = GuardedPage::new()?;
+        let thread = std::thread::Builder::new()
+            .name("fakenccl-proxy".into())
+            .spawn(move || {
+                for job in rx {
+                    job.emit(&host, ctx, rank, hook, &mut page);
+                }
+            })?;
+        self.proxy = Some(Proxy { tx, thread });
+        Ok(())
     }
 
     /// Calls NCCL makes that the plugin must decline or ignore cheaply: event types it does not handle
@@ -717,8 +812,12 @@ impl Comm {
         ignored
     }
 
-    /// `finalize`.
-    pub fn finalize(self) {
+    /// `finalize` (after the proxy thread, if any, has emitted everything: NCCL stops it first).
+    pub fn finalize(mut self) {
+        if let Some(proxy) = self.proxy.take() {
+            drop(proxy.tx);
+            proxy.thread.join().expect("proxy thread");
+        }
         if !self.ctx.0.is_null() {
             // SAFETY: the context `init` returned; NCCL calls finalize only for a non-NULL one.
             unsafe { (self.host.vt.finalize)(self.ctx.0) };

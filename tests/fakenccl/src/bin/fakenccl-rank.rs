@@ -39,6 +39,10 @@ struct Args {
     /// Also make calls the plugin must decline or ignore (unknown types, NULL args, garbage handles).
     #[arg(long)]
     noise: bool,
+    /// Emit kernel events from a long-lived proxy thread per communicator, concurrently with later
+    /// operations' host events.
+    #[arg(long)]
+    async_kernels: bool,
     #[arg(long, default_value_t = 0)]
     rank: i32,
     #[arg(long, default_value_t = 1)]
@@ -113,6 +117,9 @@ fn run_comm(host: &std::sync::Arc<Host>, args: &Args, i: u32) -> anyhow::Result<
         cuda_dev: i as i32,
     };
     let mut comm = host.init_comm(&spec)?;
+    if args.async_kernels {
+        comm.set_async_kernels()?;
+    }
     let mut ops = Vec::new();
     let pause = || {
         if args.interval_us > 0 {
