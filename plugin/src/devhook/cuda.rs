@@ -194,7 +194,24 @@ fn pinned_mapped(bytes: usize) -> Result<(*mut u8, u64), String> {
 struct Retained;
 
 impl Device {
+    /// Makes the context current on NCCL's init thread (already current there in practice).
     fn make_current(&self) -> Result<(), String> {
+        // SAFETY: `ctx` is a live context (never destroyed by us; NCCL's outlives its communicators).
+        check(unsafe { cu::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
+    }
+
+    /// Prepares the drain thread (ours) for driver calls: the context current, and relaxed stream-capture
+    /// mode, so the drain's copies and calibration launches on its own stream never invalidate a CUDA
+    /// graph the application captures in global mode on another thread (PyTorch does; seen on the H200).
+    fn enter_drain_thread(&self) -> Result<(), String> {
+        thread_local!(static RELAXED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+        if !RELAXED.get() {
+            let mut mode = cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+            // SAFETY: valid in/out pointer; only affects the calling thread.
+            let rc = unsafe { cu::cuThreadExchangeStreamCaptureMode(&mut mode) };
+            check(rc, "cuThreadExchangeStreamCaptureMode")?;
+            RELAXED.set(true);
+        }
         // SAFETY: `ctx` is a live context (never destroyed by us; NCCL's outlives its communicators).
         check(unsafe { cu::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
     }
@@ -203,14 +220,14 @@ impl Device {
     pub fn host_block(&self, shift: u32) -> Result<(*mut c_void, Memory), String> {
         self.make_current()?;
         let bytes = (MAX_CHANNELS << shift) * SLOT_BYTES;
-        let (host, dev) = pinned_mapped(bytes)?;
-        if dev % BLOCK_ALIGN as u64 != 0 {
-            return Err(format!(
-                "mapped ring block at {dev:#x} is not {BLOCK_ALIGN}-aligned"
-            ));
-        }
+        // Small pinned allocations may be sub-allocated with less than page alignment: align by hand.
+        let (host, dev) = pinned_mapped(bytes + BLOCK_ALIGN)?;
+        let pad = (dev.next_multiple_of(BLOCK_ALIGN as u64) - dev) as usize;
+        // SAFETY: `pad < BLOCK_ALIGN`, so the block lies inside the allocation; host and device
+        // addresses of mapped memory differ by a constant.
+        let host = unsafe { host.add(pad) };
         Ok((
-            make_ctx(dev, shift),
+            make_ctx(dev + pad as u64, shift),
             Memory::InPlace {
                 words: host as *const AtomicU64,
                 _owner: Box::new(Retained),
@@ -262,7 +279,7 @@ impl Device {
     /// Brackets `n` GPU clock reads between host clock reads: (samples, GPU clock tick in ns).
     pub fn clock_samples(&self, n: usize) -> Result<(Vec<Sample>, u64), String> {
         let n = n.min(MAX_PINGS);
-        self.make_current()?;
+        self.enter_drain_thread()?;
         // SAFETY: `ping` holds MAX_PINGS + 2 words, pinned for the life of the process.
         let words = unsafe { std::slice::from_raw_parts(self.ping, MAX_PINGS + 2) };
         for w in words {
@@ -353,7 +370,7 @@ impl CopyOut for DeviceCopy {
 
     fn complete(&mut self) -> Option<&[u64]> {
         let queued = std::mem::take(&mut self.queued);
-        let mut ok = self.dev.make_current().is_ok();
+        let mut ok = self.dev.enter_drain_thread().is_ok();
         for (src, dst, words) in queued {
             if !ok || dst + words > self.len {
                 ok = false;

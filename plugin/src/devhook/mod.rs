@@ -103,11 +103,8 @@ static ACTIVE: AtomicBool = AtomicBool::new(false);
 static DISABLED: AtomicBool = AtomicBool::new(false);
 static DRAIN: Mutex<DrainState> = Mutex::new(DrainState::new());
 static FUNC_NAME: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
-static LOG: Mutex<Log> = Mutex::new(Log {
-    sink: None,
-    pending: Vec::new(),
-    seen: Vec::new(),
-});
+/// Messages already logged (each is logged once per process).
+static LOGGED: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 /// How a device's clock is read for calibration.
 #[derive(Clone)]
@@ -133,33 +130,23 @@ impl DrainState {
     }
 }
 
-struct Log {
-    sink: Option<fn(bool, &str)>,
-    pending: Vec<(bool, String)>,
-    seen: Vec<String>,
-}
+static LOG_SINK: std::sync::OnceLock<fn(bool, &str)> = std::sync::OnceLock::new();
 
-/// Where the device hook's messages go (the host side passes NCCL's logger). Messages from before the
-/// call are replayed.
+/// Where the device hook's messages go (the host side passes its NCCL logger); NCCL's logger through
+/// `crate::host` when not set.
 pub fn set_log(sink: fn(bool, &str)) {
-    let Ok(mut log) = LOG.lock() else { return };
-    log.sink = Some(sink);
-    for (warn, msg) in std::mem::take(&mut log.pending) {
-        sink(warn, &msg);
-    }
+    let _ = LOG_SINK.set(sink);
 }
 
-/// Logs `msg` once per process (the same text is not repeated).
+/// Logs `msg` once per process through NCCL's logger (the same text is not repeated).
 fn log_once(warn: bool, msg: String) {
-    let Ok(mut log) = LOG.lock() else { return };
-    if log.seen.contains(&msg) || log.seen.len() >= 64 {
+    let Ok(mut seen) = LOGGED.lock() else { return };
+    if seen.contains(&msg) || seen.len() >= 64 {
         return;
     }
-    log.seen.push(msg.clone());
-    match log.sink {
-        Some(sink) => sink(warn, &msg),
-        None => log.pending.push((warn, msg)),
-    }
+    seen.push(msg.clone());
+    drop(seen);
+    LOG_SINK.get().copied().unwrap_or(crate::host::log)(warn, &msg);
 }
 
 /// The RFC host's funcId -> name function (`ncclProfilerDevFuncName`), when the host side found one.
