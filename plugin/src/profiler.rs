@@ -117,6 +117,13 @@ pub struct Plugin {
 static PLUGIN: OnceLock<Option<&'static Plugin>> = OnceLock::new();
 /// Set on the first panic caught at the C boundary: every entry point then returns at once.
 static FAILED: AtomicBool = AtomicBool::new(false);
+/// Set in a child forked after the plugin started (e.g. a data-loader worker): the forwarding thread
+/// does not exist there and the segment belongs to the parent, so the plugin stays out of the way.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn forked_child() {
+    FORKED.store(true, Ordering::Relaxed);
+}
 
 thread_local! {
     /// The communicator whose `init` ran last on this thread: NCCL calls `getDeviceHook` right after it.
@@ -125,7 +132,7 @@ thread_local! {
 
 /// The plugin, if it is running.
 pub fn plugin() -> Option<&'static Plugin> {
-    if FAILED.load(Ordering::Relaxed) {
+    if FAILED.load(Ordering::Relaxed) || FORKED.load(Ordering::Relaxed) {
         return None;
     }
     PLUGIN.get().copied().flatten()
@@ -160,7 +167,16 @@ pub unsafe fn init(
     logfn: Option<Logger>,
 ) -> *mut c_void {
     host::set_logger(logfn);
-    let Some(plugin) = *PLUGIN.get_or_init(|| Plugin::launch(abi, logfn)) else {
+    if FORKED.load(Ordering::Relaxed) {
+        host::log_once(
+            "forked",
+            false,
+            "not profiling in a process forked after the plugin started",
+        );
+    }
+    let launched = (!FORKED.load(Ordering::Relaxed))
+        .then(|| *PLUGIN.get_or_init(|| Plugin::launch(abi, logfn)));
+    let Some(plugin) = launched.flatten() else {
         if !mask.is_null() {
             // SAFETY: NCCL's mask is a live, aligned, process-wide int (see `Plugin::set_mask`).
             unsafe { AtomicI32::from_ptr(mask) }.store(0, Ordering::Relaxed);
@@ -268,6 +284,9 @@ impl Plugin {
             fwd: OnceLock::new(),
             fwd_idle: AtomicBool::new(false),
         }));
+        // SAFETY: registers a handler that only stores to an atomic (async-signal-safe); the library is
+        // pinned, so the handler stays mapped.
+        unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
         let forwarder = Forwarder::new(plugin, Producer::new(segment));
         match std::thread::Builder::new()
             .name("ncclscope-fwd".into())

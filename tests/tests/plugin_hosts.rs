@@ -377,3 +377,39 @@ fn kernel_events_from_a_concurrent_proxy_thread_keep_their_parents() {
         );
     }
 }
+
+#[test]
+fn a_child_forked_after_init_is_not_profiled_and_the_parent_is_unaffected() {
+    let prefix = unique_prefix("fork");
+    let _cleanup = Cleanup(prefix.clone());
+    let run = run_rank(
+        &prefix,
+        &[
+            "--kind",
+            "v6",
+            "--comms",
+            "2",
+            "--colls",
+            "10",
+            "--fork-probe",
+        ],
+        &[],
+    )
+    .unwrap();
+    assert!(
+        run.stderr.contains("fork-probe: child context: none"),
+        "{}",
+        run.stderr
+    );
+    let seg = read_only_segment(&prefix).unwrap();
+    check(
+        &run.report,
+        &seg,
+        Expect {
+            v7_fields: false,
+            finalized: true,
+            ordered: true,
+        },
+    )
+    .unwrap();
+}

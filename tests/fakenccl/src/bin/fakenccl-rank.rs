@@ -57,6 +57,10 @@ struct Args {
     /// Stay alive this long after the work, before finalize.
     #[arg(long, default_value_t = 0)]
     hold_ms: u64,
+    /// After the work, fork; the child creates a communicator (as a forked worker using NCCL would) and
+    /// reports on stderr whether the plugin stayed out ("fork-probe: child context: none").
+    #[arg(long)]
+    fork_probe: bool,
     /// Exit without calling finalize (a crashed or killed rank).
     #[arg(long)]
     no_finalize: bool,
@@ -95,6 +99,9 @@ fn main() -> anyhow::Result<()> {
             .map(|h| h.join().expect("communicator thread"))
             .collect::<anyhow::Result<_>>()
     })?;
+    if args.fork_probe {
+        fork_probe(&host)?;
+    }
     let report = Report {
         kind: args.kind,
         symbol: host.symbol.clone(),
@@ -180,4 +187,29 @@ fn run_comm(host: &std::sync::Arc<Host>, args: &Args, i: u32) -> anyhow::Result<
         comm.finalize();
     }
     Ok(report)
+}
+
+/// Forks; the child inits a communicator and exits with 0 if the plugin gave it no context.
+fn fork_probe(host: &std::sync::Arc<Host>) -> anyhow::Result<()> {
+    // SAFETY: the child only calls the plugin's init (which returns at once in a forked child) and
+    // exits with _exit, without unwinding or running destructors.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let code = match host.init_comm(&CommSpec::default()) {
+            Ok(comm) if !comm.has_context() => 0,
+            _ => 1,
+        };
+        // SAFETY: terminates the forked child immediately.
+        unsafe { libc::_exit(code) };
+    }
+    anyhow::ensure!(pid > 0, "fork failed");
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    let ok = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
+    eprintln!(
+        "fork-probe: child context: {}",
+        if ok { "none" } else { "GIVEN" }
+    );
+    Ok(())
 }
