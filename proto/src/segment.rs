@@ -269,7 +269,12 @@ impl Segment {
         .map_err(|e| io_err(e.into()))?;
         let file = File::from(fd);
         let len = segment_bytes(capacity);
-        let mapped = file.set_len(len).and_then(|_| {
+        // Reserve the pages now: a tmpfs that fills up later would otherwise kill the writer with SIGBUS
+        // on its first store to an unbacked page; this way a full /dev/shm is an error here instead.
+        let reserved = file.set_len(len).and_then(|_| {
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len).map_err(io::Error::from)
+        });
+        let mapped = reserved.and_then(|_| {
             // SAFETY: the object was just created with O_EXCL and sized to `len`; nobody else has
             // mapped it yet, and every later access goes through atomics (see `words`).
             unsafe { MmapOptions::new().len(len as usize).map_mut(&file) }
