@@ -272,7 +272,8 @@ impl Segment {
         // Reserve the pages now: a tmpfs that fills up later would otherwise kill the writer with SIGBUS
         // on its first store to an unbacked page; this way a full /dev/shm is an error here instead.
         let reserved = file.set_len(len).and_then(|_| {
-            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len).map_err(io::Error::from)
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len)
+                .map_err(io::Error::from)
         });
         let mapped = reserved.and_then(|_| {
             // SAFETY: the object was just created with O_EXCL and sized to `len`; nobody else has
