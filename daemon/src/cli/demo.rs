@@ -1,8 +1,296 @@
-//! STUB: not implemented yet.
+//! `ncclscope demo`: the whole system on one machine without a GPU. Starts a daemon in this process
+//! (temporary sockets, spool and shared-memory prefix), runs N simulated ranks as separate processes
+//! that load the real plugin `.so` through the fake NCCL host and drive a training-step mix of
+//! collectives with one injected straggler, shows the live view (or progress lines off a terminal),
+//! names the straggler the daemon found, writes a Perfetto trace of the run and exports OTLP when
+//! given an endpoint.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use crate::cli::export::{Format, export_via_api};
+use crate::cli::sim_rank::{self, TimingPath};
+use crate::cli::stats::{fetch, render, stragglers};
+use crate::cli::top::{ViewOptions, show};
+use crate::config::Config;
+use crate::hub::Hub;
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Simulated ranks (one process each).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(2..=64))]
+    pub ranks: u32,
+    /// How long the ranks run.
+    #[arg(long, default_value_t = 20)]
+    pub seconds: u64,
+    /// The rank made late (default: chosen at random).
+    #[arg(long)]
+    pub straggler: Option<u32>,
+    /// How late the straggler starts its kernels, in microseconds.
+    #[arg(long, default_value_t = 1500)]
+    pub straggler_delay_us: u64,
+    /// Kernel timing path: the device hook (RFC host, CPU-written rings) or stock NCCL's KernelCh events.
+    #[arg(long, value_enum, default_value_t = TimingPath::Hook)]
+    pub path: TimingPath,
+    /// Also export spans and metrics to this OTLP/gRPC endpoint (e.g. http://127.0.0.1:4317).
+    #[arg(long)]
+    pub otlp_endpoint: Option<String>,
+    /// Where to write the Perfetto trace (default: a file in the temporary directory).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Progress lines and a summary even on a terminal.
+    #[arg(long)]
+    pub plain: bool,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+/// Where the plugin library is: `NCCLSCOPE_PLUGIN`, else next to this executable (target/<profile>/),
+/// else in its deps/ folder (where cargo leaves it when it is built as this package's dependency). The
+/// fake NCCL host needs its stand-in libnccl in the same folder.
+pub fn find_plugin(path: TimingPath) -> anyhow::Result<PathBuf> {
+    const PLUGIN: &str = "libnccl_profiler_ncclscope.so";
+    let libnccl = sim_rank::host_kind(path).libnccl_name();
+    let usable = |dir: &std::path::Path| dir.join(PLUGIN).is_file() && dir.join(libnccl).is_file();
+    if let Some(p) = std::env::var_os("NCCLSCOPE_PLUGIN") {
+        let p = PathBuf::from(p);
+        anyhow::ensure!(
+            p.is_file(),
+            "NCCLSCOPE_PLUGIN={} does not exist",
+            p.display()
+        );
+        return Ok(p);
+    }
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("executable has no directory")?;
+    for dir in [dir.to_path_buf(), dir.join("deps")] {
+        if usable(&dir) {
+            return Ok(dir.join(PLUGIN));
+        }
+    }
+    anyhow::bail!(
+        "{PLUGIN} and the fake NCCL's {libnccl} are not next to {}: build them with `cargo build --release \
+         --workspace` (or run the demo with `cargo run --release --bin ncclscope -- demo`, which builds them)",
+        exe.display()
+    )
+}
+
+/// The simulated ranks; killed on drop so that no process outlives a failed demo.
+struct Ranks(Vec<Child>);
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let plugin = find_plugin(args.path)?;
+    let tmp = tempfile::Builder::new()
+        .prefix("ncclscope-demo-")
+        .tempdir()?;
+    let pid = std::process::id();
+    let job = format!("demo-{pid}");
+    let straggler = args
+        .straggler
+        .unwrap_or_else(|| (ncclscope_proto::now_ns() / 1000 % u64::from(args.ranks)) as u32);
+    anyhow::ensure!(
+        straggler < args.ranks,
+        "--straggler {straggler} is not a rank of {}",
+        args.ranks
+    );
+    let trace = args
+        .trace
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("ncclscope-{job}.perfetto.json")));
+
+    let defaults = Config::default();
+    let config = Config {
+        socket: tmp.path().join("ncclscope.sock"),
+        api_socket: tmp.path().join("api.sock"),
+        state_dir: tmp.path().join("state"),
+        shm_prefix: format!("ncclscope-demo-{pid}"),
+        spool: crate::config::Spool {
+            dir: tmp.path().join("spool"),
+            ..defaults.spool
+        },
+        prometheus: crate::config::Prometheus {
+            listen: String::new(),
+        },
+        otlp: crate::config::Otlp {
+            endpoint: args.otlp_endpoint.clone().unwrap_or_default(),
+            ..defaults.otlp
+        },
+        ..Config::default()
+    };
+    let tty = std::io::stdout().is_terminal() && !args.plain;
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let daemon = rt.block_on(crate::run::start(config.clone(), Arc::new(Hub::default())))?;
+    println!(
+        "ncclscope demo: daemon on {} (query it: ncclscope top --api-socket {}), {} ranks of job {job} for {} s, \
+         {} timing path, rank {straggler} made {} us late",
+        config.socket.display(),
+        config.api_socket.display(),
+        args.ranks,
+        args.seconds,
+        args.path.name(),
+        args.straggler_delay_us
+    );
+
+    let epoch_ns = sim_rank::monotonic_ns() + 1_000_000_000; // one second for the ranks to start
+    let log = tmp.path().join("ranks.log");
+    let mut ranks = Ranks(Vec::new());
+    for rank in 0..args.ranks {
+        let child = Command::new(std::env::current_exe()?)
+            .arg("sim-rank")
+            .args(["--plugin".as_ref(), plugin.as_os_str()])
+            .args([
+                "--rank",
+                &rank.to_string(),
+                "--nranks",
+                &args.ranks.to_string(),
+            ])
+            .args([
+                "--epoch-ns",
+                &epoch_ns.to_string(),
+                "--seconds",
+                &args.seconds.to_string(),
+            ])
+            .args([
+                "--straggler",
+                &straggler.to_string(),
+                "--straggler-delay-us",
+                &args.straggler_delay_us.to_string(),
+            ])
+            .args(["--path", args.path.name()])
+            .env("NCCLSCOPE_SOCKET", &config.socket)
+            .env("NCCLSCOPE_SHM_PREFIX", &config.shm_prefix)
+            .env("NCCLSCOPE_RING_MEMORY", "cpu") // simulation: no GPU; CPU rings, simulated GPU clock
+            .env("NCCLSCOPE_JOB_ID", &job)
+            .env_remove("NCCLSCOPE_DISABLE")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)?,
+            )
+            .spawn()
+            .context("starting a simulated rank")?;
+        ranks.0.push(child);
+    }
+
+    // The view runs until every rank has exited.
+    let done = Arc::new(AtomicBool::new(false));
+    let waiter = {
+        let done = done.clone();
+        let children = std::mem::take(&mut ranks.0);
+        std::thread::spawn(move || {
+            let mut produced = 0u64;
+            let mut failures = Vec::new();
+            for (rank, mut c) in children.into_iter().enumerate() {
+                let mut out = String::new();
+                if let Some(mut s) = c.stdout.take() {
+                    let _ = std::io::Read::read_to_string(&mut s, &mut out);
+                }
+                match c.wait() {
+                    Ok(st) if st.success() => {
+                        produced += sim_rank::parse_produced(&out).unwrap_or(0)
+                    }
+                    Ok(st) => failures.push(format!("rank {rank}: {st}")),
+                    Err(e) => failures.push(format!("rank {rank}: {e}")),
+                }
+            }
+            done.store(true, Ordering::Release);
+            (produced, failures)
+        })
+    };
+    let opts = ViewOptions {
+        job: job.clone(),
+        interval: Duration::from_secs(if tty { 1 } else { 5 }),
+        plain: !tty,
+        iterations: None,
+    };
+    let view = show(rt.handle(), &config.api_socket, &opts, &done);
+    let (produced, failures) = waiter
+        .join()
+        .map_err(|_| anyhow::anyhow!("rank waiter panicked"))?;
+    view?;
+    if !failures.is_empty() {
+        anyhow::bail!(
+            "simulated ranks failed ({}); their log: {}",
+            failures.join(", "),
+            log.display()
+        );
+    }
+
+    // Let the daemon drain what the ranks wrote before they exited.
+    let (jobs, stats) = rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let (jobs, stats) = fetch(&config.api_socket, &job, false).await?;
+            let seen: u64 = jobs.jobs.iter().map(|j| j.collectives).sum();
+            if seen >= produced || Instant::now() > deadline {
+                return anyhow::Ok((jobs, stats));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })?;
+    let seen: u64 = jobs.jobs.iter().map(|j| j.collectives).sum();
+    println!("\n{}", render(&jobs, &stats));
+    println!("instances: {produced} produced by the ranks, {seen} assembled by the daemon");
+
+    let n = rt.block_on(export_via_api(
+        &config.api_socket,
+        &job,
+        &trace,
+        Format::Perfetto,
+    ))?;
+    println!(
+        "Perfetto trace ({n} collective instances): {}  (open it in https://ui.perfetto.dev)",
+        trace.display()
+    );
+    let counters = daemon.export_counters.clone();
+    rt.block_on(daemon.stop())?;
+    if let Some(ep) = &args.otlp_endpoint {
+        let c = &counters;
+        println!(
+            "OTLP export to {ep}: {} spans exported, {} dropped, {} export errors",
+            c.spans_exported.load(Ordering::Relaxed),
+            c.spans_dropped.load(Ordering::Relaxed),
+            c.export_errors.load(Ordering::Relaxed)
+        );
+    }
+    verdict(&stats.ranks, straggler)
+}
+
+/// Names the straggler the daemon found and checks it against the injected one.
+fn verdict(ranks: &[ncclscope_proto::api::RankStats], injected: u32) -> anyhow::Result<()> {
+    let found = stragglers(ranks);
+    match found.first() {
+        Some(s) if s.rank == injected => {
+            println!(
+                "straggler found: rank {} (injected: rank {injected}) ✔",
+                s.rank
+            );
+            Ok(())
+        }
+        Some(s) => anyhow::bail!(
+            "the daemon named rank {} as the straggler, but rank {injected} was injected",
+            s.rank
+        ),
+        None => anyhow::bail!("the daemon found no straggler (rank {injected} was injected)"),
+    }
 }

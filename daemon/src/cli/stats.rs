@@ -28,7 +28,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let (jobs, stats) = rt.block_on(fetch(&args.api_socket, args.job.as_deref().unwrap_or("")))?;
+    let (jobs, stats) = rt.block_on(fetch(
+        &args.api_socket,
+        args.job.as_deref().unwrap_or(""),
+        true,
+    ))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&to_json(&jobs, &stats))?);
     } else {
@@ -37,16 +41,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The jobs (filtered to `job` unless empty) and statistics, from the daemon.
+/// The jobs (filtered to `job` unless empty) and statistics, from the daemon. With `require_job`, a job
+/// the daemon does not know is an error (else it is just not there yet).
 pub async fn fetch(
     socket: &std::path::Path,
     job: &str,
+    require_job: bool,
 ) -> anyhow::Result<(ListJobsResponse, StatsResponse)> {
     let mut client = api::connect(socket).await?;
     let mut jobs = client.list_jobs(ListJobsRequest {}).await?.into_inner();
     if !job.is_empty() {
         jobs.jobs.retain(|j| j.job_id == job);
-        if jobs.jobs.is_empty() {
+        if jobs.jobs.is_empty() && require_job {
             anyhow::bail!("the daemon has no job {job:?}");
         }
     }

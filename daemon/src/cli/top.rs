@@ -40,7 +40,9 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread()
+    // A worker thread drives the gRPC connection while `show` blocks on the runtime's handle.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
         .enable_all()
         .build()?;
     let opts = ViewOptions {
@@ -82,7 +84,7 @@ pub fn show(
     };
     let result = (|| -> anyhow::Result<()> {
         loop {
-            let (jobs, stats) = rt.block_on(fetch(socket, &opts.job))?;
+            let (jobs, stats) = rt.block_on(fetch(socket, &opts.job, false))?;
             view.update(jobs, stats);
             refreshes += 1;
             match terminal.as_mut() {

@@ -1,0 +1,390 @@
+//! The operator tools against a real `ncclscope daemon` process fed by real simulated ranks
+//! (`ncclscope sim-rank`: the fake NCCL host driving the real plugin .so): `stats --json` matches what
+//! the ranks produced and names the injected straggler, `export` writes exactly the spooled collectives
+//! as a Perfetto trace (through the API and straight from the spool), the spool survives a SIGKILL of the
+//! daemon, `top` names the straggler, and errors are clear.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use ncclscope::spool::SpoolReader;
+use serde_json::Value;
+
+/// target/<profile>/ncclscope, built by `cargo build --workspace` (scripts/test.sh) before the tests.
+fn ncclscope_bin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let bin = dir.join("ncclscope");
+    assert!(
+        bin.is_file(),
+        "{} is missing: run `cargo build --workspace` first",
+        bin.display()
+    );
+    bin
+}
+
+/// A daemon process with its own sockets, spool, state and shm prefix; killed (and its segments
+/// unlinked) on drop.
+struct Daemon {
+    child: Option<Child>,
+    dir: PathBuf,
+    prefix: String,
+}
+
+impl Daemon {
+    fn api(&self) -> PathBuf {
+        self.dir.join("api.sock")
+    }
+    fn socket(&self) -> PathBuf {
+        self.dir.join("ncclscope.sock")
+    }
+    fn spool(&self) -> PathBuf {
+        self.dir.join("spool")
+    }
+
+    fn start(dir: &Path, prefix: &str) -> Daemon {
+        // An empty configuration file: the test must not pick up the machine's /etc/ncclscope.
+        std::fs::write(dir.join("empty.toml"), "").unwrap();
+        let mut d = Daemon {
+            child: None,
+            dir: dir.to_path_buf(),
+            prefix: prefix.to_string(),
+        };
+        d.spawn();
+        d
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("daemon.log"))
+            .unwrap();
+        let child = Command::new(ncclscope_bin())
+            .arg("daemon")
+            .arg("--config")
+            .arg(self.dir.join("empty.toml"))
+            .args(["--socket".as_ref(), self.socket().as_os_str()])
+            .args(["--api-socket".as_ref(), self.api().as_os_str()])
+            .args(["--spool-dir".as_ref(), self.spool().as_os_str()])
+            .args(["--state-dir".as_ref(), self.dir.join("state").as_os_str()])
+            .args([
+                "--shm-prefix",
+                &self.prefix,
+                "--prometheus-listen",
+                "",
+                "--otlp-endpoint",
+                "",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::os::unix::net::UnixStream::connect(self.api()).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "daemon did not start: {}",
+                self.log()
+            );
+            if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("daemon exited with {st}: {}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn sigkill(&mut self) {
+        let mut c = self.child.take().unwrap();
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
+    }
+
+    /// Runs `ncclscope ARGS --api-socket <ours>`.
+    fn tool(&self, args: &[&str]) -> Output {
+        Command::new(ncclscope_bin())
+            .args(args)
+            .arg("--api-socket")
+            .arg(self.api())
+            .output()
+            .unwrap()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for name in ncclscope_proto::segment::list(&self.prefix).unwrap_or_default() {
+            let _ = ncclscope_proto::Segment::unlink(&name);
+        }
+    }
+}
+
+/// Runs `nranks` simulated ranks of `job` for `seconds` with `straggler` late; returns the instances
+/// each produced.
+fn run_ranks(d: &Daemon, job: &str, nranks: u32, seconds: u64, straggler: u32) -> Vec<u64> {
+    let epoch = {
+        let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64 + 500_000_000
+    };
+    let children: Vec<Child> = (0..nranks)
+        .map(|rank| {
+            Command::new(ncclscope_bin())
+                .arg("sim-rank")
+                .args(["--rank", &rank.to_string(), "--nranks", &nranks.to_string()])
+                .args([
+                    "--epoch-ns",
+                    &epoch.to_string(),
+                    "--seconds",
+                    &seconds.to_string(),
+                ])
+                .args([
+                    "--straggler",
+                    &straggler.to_string(),
+                    "--straggler-delay-us",
+                    "1500",
+                ])
+                .env("NCCLSCOPE_SOCKET", d.socket())
+                .env("NCCLSCOPE_SHM_PREFIX", &d.prefix)
+                .env("NCCLSCOPE_RING_MEMORY", "cpu") // simulation: no GPU; CPU rings, simulated GPU clock
+                .env("NCCLSCOPE_JOB_ID", job)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    children
+        .into_iter()
+        .map(|c| {
+            let out = c.wait_with_output().unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "sim-rank failed: {stdout}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            ncclscope::cli::sim_rank::parse_produced(&stdout)
+                .expect("sim-rank reports what it produced")
+        })
+        .collect()
+}
+
+fn stats_json(d: &Daemon, job: &str) -> Value {
+    let out = d.tool(&["stats", "--json", "--job", job]);
+    assert!(
+        out.status.success(),
+        "stats failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Waits until the daemon has assembled `want` instances of `job` (the ranks have exited, so their
+/// segments only need draining).
+fn wait_for(d: &Daemon, job: &str, want: u64) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let v = stats_json(d, job);
+        let have = v["jobs"][0]["collectives"].as_u64().unwrap_or(0);
+        if have >= want {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "daemon assembled {have} of {want} instances: {}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// (pid, seq) of every collective slice in a Perfetto file.
+fn perfetto_instances(path: &Path) -> BTreeSet<(u64, u64)> {
+    let doc: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let events = doc["traceEvents"].as_array().unwrap();
+    let slices: Vec<_> = events.iter().filter(|e| e["cat"] == "collective").collect();
+    let set: BTreeSet<_> = slices
+        .iter()
+        .map(|e| {
+            (
+                e["args"]["pid"].as_u64().unwrap(),
+                e["args"]["seq"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        set.len(),
+        slices.len(),
+        "duplicate slices in {}",
+        path.display()
+    );
+    set
+}
+
+#[test]
+fn tools_against_a_running_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = format!("ncst{}", std::process::id());
+    let mut d = Daemon::start(dir.path(), &prefix);
+    let job = "tools-e2e";
+    let produced = run_ranks(&d, job, 3, 4, 1);
+    let total: u64 = produced.iter().sum();
+    assert!(
+        produced.iter().all(|&n| n > 0 && n == produced[0]),
+        "{produced:?}"
+    );
+
+    // stats --json: every instance counted, per rank and per collective, and the straggler named.
+    let v = wait_for(&d, job, total);
+    assert_eq!(v["jobs"][0]["collectives"].as_u64(), Some(total));
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 3);
+    for r in ranks {
+        assert_eq!(r["collectives"].as_u64(), Some(produced[0]), "{r}");
+        assert_eq!(r["job_id"], job);
+    }
+    let by_coll: u64 = v["colls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["count"].as_u64().unwrap())
+        .sum();
+    assert_eq!(by_coll, total, "{}", v["colls"]);
+    let funcs: BTreeSet<_> = v["colls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["func"].as_str().unwrap())
+        .collect();
+    assert_eq!(funcs, ["AllGather", "AllReduce", "ReduceScatter"].into());
+    assert_eq!(v["stragglers"][0]["rank"], 1, "{}", v["stragglers"]);
+
+    // stats as a table, and top's plain lines, name the straggler.
+    let table = d.tool(&["stats", "--job", job]);
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("straggler: rank 1 of comm"), "{table}");
+    let top = d.tool(&["top", "--plain", "--iterations", "1", "--job", job]);
+    let top = String::from_utf8_lossy(&top.stdout);
+    assert!(
+        top.contains(&format!("job {job} comm")) && top.contains("3 ranks"),
+        "{top}"
+    );
+
+    // export through the API: exactly the spooled instances.
+    let spooled: Vec<_> = SpoolReader::open_dir(d.spool())
+        .unwrap()
+        .read_job(job)
+        .map(|c| c.unwrap())
+        .collect();
+    assert_eq!(spooled.len() as u64, total);
+    let want: BTreeSet<_> = spooled.iter().map(|c| (u64::from(c.pid), c.seq)).collect();
+    let trace = dir.path().join("trace.json");
+    let out = d.tool(&["export", "--job", job, "-o", trace.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(perfetto_instances(&trace), want);
+
+    // SIGKILL the daemon: everything it acknowledged is still exportable, from the spool directly and
+    // through a restarted daemon.
+    d.sigkill();
+    let offline = dir.path().join("offline.json");
+    let out = Command::new(ncclscope_bin())
+        .args([
+            "export",
+            "--job",
+            job,
+            "-o",
+            offline.to_str().unwrap(),
+            "--spool",
+            d.spool().to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(perfetto_instances(&offline), want);
+    d.spawn();
+    let again = dir.path().join("again.json");
+    let out = d.tool(&["export", "--job", job, "-o", again.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(perfetto_instances(&again), want);
+
+    // OTLP/JSON: one rank span per spooled instance.
+    let otlp = dir.path().join("trace.otlp.jsonl");
+    let out = d.tool(&[
+        "export",
+        "--job",
+        job,
+        "-o",
+        otlp.to_str().unwrap(),
+        "--format",
+        "otlp-json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rank_spans = std::fs::read_to_string(&otlp)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .flat_map(|l| {
+            l["resourceSpans"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|rs| rs["scopeSpans"][0]["spans"].as_array().unwrap().clone())
+                .collect::<Vec<_>>()
+        })
+        .filter(|s| s["name"].as_str().unwrap().ends_with(" rank"))
+        .count();
+    assert_eq!(rank_spans as u64, total);
+
+    // Clear errors: an unknown job, and no daemon at all.
+    let out = d.tool(&[
+        "export",
+        "--job",
+        "nope",
+        "-o",
+        dir.path().join("x.json").to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no spooled job \"nope\""),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new(ncclscope_bin())
+        .args([
+            "stats",
+            "--api-socket",
+            dir.path().join("absent.sock").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is `ncclscope daemon` running"));
+}
