@@ -90,13 +90,6 @@ fn pointer(m: cu::CUmodule, name: &CStr) -> u64 {
     v
 }
 
-fn try_pointer(m: cu::CUmodule, name: &CStr) -> Option<u64> {
-    let (mut g, mut size) = (0u64, 0usize);
-    // SAFETY: out pointers; a missing global is an error code, not a crash.
-    let rc = unsafe { cu::cuModuleGetGlobal_v2(&mut g, &mut size, m, name.as_ptr()) };
-    (rc == cu::CUresult::CUDA_SUCCESS).then(|| pointer(m, name))
-}
-
 fn init_gpu() -> Gpu {
     // SAFETY: driver initialisation and the primary context of device 0, made current on this thread.
     unsafe {
@@ -486,18 +479,6 @@ fn bench(gpu: &Gpu) {
         ),
         ("nccl_inline", gpu.inline, 0, inline_dev, wc_other),
     ];
-    let mut variants = variants;
-    // Candidate writers, when the hook module carries them (cost experiments).
-    for (name, sym) in [
-        ("cand_a", c"ncclscope_cand_a_ptr"),
-        ("cand_c", c"ncclscope_cand_c_ptr"),
-        ("cand_d", c"ncclscope_cand_d_ptr"),
-        ("cand_e", c"ncclscope_cand_e_ptr"),
-    ] {
-        if let Some(p) = try_pointer(refs, sym) {
-            variants.push((name, gpu.harness, p, host.dev_ctx as u64, wc_host));
-        }
-    }
     const CHANNELS: u32 = 32;
     const BATCHES: u32 = 10_000; // 20,000 items per channel
     let items = (BATCHES * N_WORKS) as f64;

@@ -6,7 +6,8 @@
 #   source scripts/install-nvcc.sh && cargo build --release -p ncclscope-plugin --benches \
 #     && cargo build --release -p ncclscope-plugin
 #   mkdir -p .carry && cp target/release/libnccl_profiler_ncclscope.so .carry/ \
-#     && cp target/release/deps/devhook_gpu-<hash> .carry/devhook_gpu
+#     && cp target/release/deps/devhook_gpu-<hash> .carry/devhook_gpu \
+#     && cp target/release/deps/devhook_drain-<hash> .carry/devhook_drain   # optional
 set -uo pipefail
 OUT="${OUT:-/tmp/devhook-gpu}"
 mkdir -p "$OUT"
@@ -42,5 +43,12 @@ run verify_host_wrap 60 verify host 4096 20000
 run verify_device_wrap 60 verify device 4096 20000
 run overrun_host 40 overrun host
 run overrun_device 40 overrun device
+# The drain's CPU benchmark, on this machine's CPUs too, when carried (its own binary).
+if [ -x .carry/devhook_drain ]; then
+  t0=$SECONDS
+  timeout 90 .carry/devhook_drain "$so" > "$OUT/drain_cpu.log" 2>&1
+  echo "drain_cpu: rc=$? ($((SECONDS - t0)) s)" >> "$summary"
+  grep -h -E "_per_s|_lost|idle|accounted|written_total" "$OUT/drain_cpu.log" >> "$summary"
+fi
 grep -h -E "PASS|FAIL|ratio|bench_ns|calibration_|_lost:|_delivered:|_written:|panicked|error" "$OUT"/*.log >> "$summary"
 cat "$summary"

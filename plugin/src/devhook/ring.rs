@@ -134,7 +134,7 @@ pub unsafe extern "C" fn cpu_hook(ev: *const DevEvent, ctx: *mut c_void) {
     let (base, shift) = split_ctx(ctx);
     let at = slot_word_index(ev.channel as usize, ev.seq(), shift);
     let words = ev.slot();
-    // cuda/hook.cu stores line 1 (workCounter), line 2 (funcId, channel/phase), then line 0 (timestamp).
+    // The same three lines as cuda/hook.cu (whose weak stores may land in any order): 1, 2, then 0.
     for i in [2, 3, 4, 5, 0, 1] {
         let w = words[i];
         // SAFETY: the block holds MAX_CHANNELS rings of 2^shift slots and `at` indexes a slot in it; the
