@@ -141,7 +141,7 @@ fn main() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!("cores: {cores}");
     for (case, bursty) in [("burst", true), ("saturated", false)] {
-        for threads in [1, 4] {
+        for threads in [1, 2, 4] {
             let empty = measure(threads, bursty, &empty_pairs);
             let plugin = measure(threads, bursty, &|n| plugin_pairs(&ctx, n));
             println!("{case}_threads_{threads}_empty_call_pair_ns: {empty:.1}");

@@ -12,11 +12,14 @@ use std::time::{Duration, Instant};
 
 use ncclscope_proto::{Counter, Producer, Record, StrId, TimingPath, now_ns};
 
+use crate::clock::Converter;
 use crate::devhook;
-use crate::profiler::Plugin;
+use crate::profiler::{ORPHAN_AGE, Plugin};
 use crate::register::Registration;
 use crate::sink::Sink;
 
+/// The forwarding thread's pause at start-up, the first baseline of the TSC rate.
+const CLOCK_BASELINE: Duration = Duration::from_millis(20);
 /// How often the handle pool is swept for operations whose KernelCh children never came.
 const SWEEP_PERIOD: Duration = Duration::from_secs(1);
 /// How often the simulated GPU clock is re-measured (simulation only).
@@ -33,7 +36,21 @@ pub struct CText(pub *const c_char);
 // it from another thread is what NCCL's own plugins do.
 unsafe impl Send for CText {}
 
-/// What NCCL threads hand to the forwarding thread.
+/// `record` with its `host_ns`, a [`crate::clock::stamp`] taken on an NCCL thread, in CLOCK_REALTIME.
+fn host_time(mut record: Record, clock: &Converter) -> Record {
+    match &mut record {
+        Record::Comm { host_ns, .. }
+        | Record::CollStart { host_ns, .. }
+        | Record::P2pStart { host_ns, .. }
+        | Record::OpStop { host_ns, .. }
+        | Record::KernelCh { host_ns, .. }
+        | Record::CommEnd { host_ns, .. } => *host_ns = clock.to_ns(*host_ns),
+        _ => {}
+    }
+    record
+}
+
+/// What NCCL threads hand to the forwarding thread. Every `host_ns` is a [`crate::clock::stamp`].
 #[derive(Debug)]
 pub enum Event {
     Comm {
@@ -127,6 +144,8 @@ pub struct Forwarder {
     /// Simulation: when the next calibration of the simulated GPU clock is due.
     sim_clock_due: Option<Instant>,
     sweep_due: Instant,
+    /// NCCL threads' stamps -> CLOCK_REALTIME; refreshed with the sweep.
+    clock: Converter,
 }
 
 /// Simulation: stock-path communicators (no CUDA device known, `cuda_dev` -1) carry KernelCh `pTimer`s
@@ -184,11 +203,14 @@ impl Forwarder {
             registration,
             sim_clock_due,
             sweep_due: Instant::now() + SWEEP_PERIOD,
+            clock: Converter::start(),
         }
     }
 
     /// The thread's body; runs for the life of the process.
     pub fn run(mut self) {
+        std::thread::sleep(CLOCK_BASELINE);
+        self.clock.refresh();
         let mut idle = MIN_IDLE;
         loop {
             let mut work = 0;
@@ -205,7 +227,8 @@ impl Forwarder {
             let now = Instant::now();
             self.registration.poll(now);
             if now >= self.sweep_due {
-                self.plugin.sweep();
+                self.clock.refresh();
+                self.plugin.sweep(self.clock.stamp_ago(ORPHAN_AGE));
                 self.sweep_due = now + SWEEP_PERIOD;
             }
             if self.sim_clock_due.is_some_and(|due| now >= due) {
@@ -263,6 +286,7 @@ impl Forwarder {
                 host_ns,
             } => {
                 devhook::finalize_comm(comm, &mut *self);
+                let host_ns = self.clock.to_ns(host_ns);
                 self.producer.push(&Record::CommEnd { comm, host_ns });
                 self.plugin.comm_ended(table, self.producer.segment());
                 return;
@@ -315,6 +339,6 @@ impl Forwarder {
             },
             Event::Ready(record) => record,
         };
-        self.producer.push(&record);
+        self.producer.push(&host_time(record, &self.clock));
     }
 }

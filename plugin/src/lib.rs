@@ -9,9 +9,11 @@
 //! - `abi`: the NCCL ABI types with their layout assertions;
 //! - `host`: which NCCL we run in (found through its logger, never linked) and logging through it;
 //! - `profiler`: per-process and per-communicator state, what each callback does;
+//! - `clock`: cheap host timestamps (TSC) converted to CLOCK_REALTIME off the hot path;
 //! - `pool`: bounded, validated event handles; `forward`: the forwarding thread; `register`: the daemon.
 
 mod abi;
+mod clock;
 mod config;
 mod devhook;
 pub mod entry;

@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
 use ncclscope_proto::segment::{Owner, Segment, SegmentName, process_start_ticks};
-use ncclscope_proto::{Counter, Producer, Record, TimingPath, now_ns};
+use ncclscope_proto::{Counter, Producer, Record, TimingPath};
 
 use crate::abi::{Logger, event};
+use crate::clock;
 use crate::config::Config;
 use crate::devhook;
 use crate::forward::{CText, Event, Forwarder};
@@ -287,6 +288,7 @@ impl Plugin {
         // SAFETY: registers a handler that only stores to an atomic (async-signal-safe); the library is
         // pinned, so the handler stays mapped.
         unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+        clock::init();
         let forwarder = Forwarder::new(plugin, Producer::new(segment));
         match std::thread::Builder::new()
             .name("ncclscope-fwd".into())
@@ -406,7 +408,7 @@ impl Plugin {
             cuda_dev,
             name,
             path,
-            host_ns: now_ns(),
+            host_ns: clock::stamp(),
         });
     }
 
@@ -456,7 +458,7 @@ impl Plugin {
             self.announce(comm_slot, TimingPath::KernelCh, -1);
         }
         let comm = comm_slot.id.load(Ordering::Relaxed);
-        let host_ns = now_ns();
+        let host_ns = clock::stamp();
         let kernel_children = |n_channels: u8| {
             if self.mask.load(Ordering::Relaxed) & event::KERNEL_CH as i32 != 0 {
                 n_channels as u32
@@ -576,7 +578,7 @@ impl Plugin {
         let parent = live.slot.parent.load(Ordering::Relaxed);
         let record = match live.kind {
             Kind::Coll | Kind::P2p => {
-                let host_ns = now_ns();
+                let host_ns = clock::stamp();
                 // Kept for `sweep`: how long the operation has waited for its KernelCh children.
                 live.slot.gpu_stop.store(host_ns, Ordering::Relaxed);
                 Record::OpStop {
@@ -591,7 +593,7 @@ impl Plugin {
                 channel: channel as u8,
                 gpu_start,
                 gpu_stop,
-                host_ns: now_ns(),
+                host_ns: clock::stamp(),
             },
             Kind::KernelPhase => Record::KernelPhase {
                 comm,
@@ -606,13 +608,12 @@ impl Plugin {
         self.push(Event::Ready(record));
     }
 
-    /// Releases operations that have waited longer than [`ORPHAN_AGE`] after their stop for KernelCh
-    /// children NCCL never started (counted as [`Counter::Unfinished`]), so a host that announces more
-    /// channels than it reports cannot exhaust the pool. Forwarding thread, about once a second.
-    pub fn sweep(&self) {
-        let released = self
-            .pool
-            .sweep(now_ns().saturating_sub(ORPHAN_AGE.as_nanos() as u64));
+    /// Releases operations stopped before `stopped_before` (a [`clock::stamp`]) that still wait for
+    /// KernelCh children NCCL never started (counted as [`Counter::Unfinished`]), so a host that announces
+    /// more channels than it reports cannot exhaust the pool. Forwarding thread, about once a second,
+    /// with the stamp of [`ORPHAN_AGE`] ago.
+    pub fn sweep(&self, stopped_before: u64) {
+        let released = self.pool.sweep(stopped_before);
         self.pending[Counter::Unfinished as usize].fetch_add(released, Ordering::Relaxed);
     }
 
@@ -645,7 +646,7 @@ impl Plugin {
         let mut end = Some(Event::CommEnd {
             comm,
             table: table as u32,
-            host_ns: now_ns(),
+            host_ns: clock::stamp(),
         });
         while let Some(event) = end.take() {
             if let Err(event) = self.queue.push(event) {

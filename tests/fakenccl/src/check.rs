@@ -97,6 +97,26 @@ pub fn check(report: &Report, seg: &Contents, expect: Expect) -> anyhow::Result<
         per_comm.len(),
         report.comms.len()
     );
+    for r in &seg.records {
+        let host_ns = match *r {
+            Record::Comm { host_ns, .. }
+            | Record::CommEnd { host_ns, .. }
+            | Record::CollStart { host_ns, .. }
+            | Record::P2pStart { host_ns, .. }
+            | Record::OpStop { host_ns, .. }
+            | Record::KernelCh { host_ns, .. } => host_ns,
+            _ => continue,
+        };
+        // A millisecond of slack for the clock conversion (TSC -> CLOCK_REALTIME).
+        ensure!(
+            report.started_ns == 0
+                || (report.started_ns - 1_000_000 <= host_ns
+                    && host_ns <= report.ended_ns + 1_000_000),
+            "host time {host_ns} of {r:?} outside the run [{}, {}]",
+            report.started_ns,
+            report.ended_ns
+        );
+    }
     let mut summary = Summary {
         strings: strings.len(),
         ..Summary::default()
@@ -227,9 +247,13 @@ pub fn check(report: &Report, seg: &Contents, expect: Expect) -> anyhow::Result<
                     _ => bail!("{}: got {start:?}", ctx()),
                 }
                 ensure!(ids.insert(op_id), "{}: id {op_id} reused", ctx());
+                let start_ns = match start {
+                    Record::CollStart { host_ns, .. } | Record::P2pStart { host_ns, .. } => host_ns,
+                    _ => 0,
+                };
                 let stop = rest.host();
                 ensure!(
-                    matches!(stop, Some(Record::OpStop { comm: c, id, .. }) if c == *comm && id == op_id),
+                    matches!(stop, Some(Record::OpStop { comm: c, id, host_ns }) if c == *comm && id == op_id && host_ns >= start_ns),
                     "{}: expected OpStop, got {stop:?}",
                     ctx()
                 );

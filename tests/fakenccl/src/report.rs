@@ -86,5 +86,11 @@ pub struct Report {
     pub pid: u32,
     /// The activation mask after the last init.
     pub mask: u64,
+    /// CLOCK_REALTIME ns before the plugin was loaded and after the last finalize: every host time the
+    /// plugin records lies in between.
+    #[serde(default)]
+    pub started_ns: u64,
+    #[serde(default)]
+    pub ended_ns: u64,
     pub comms: Vec<CommReport>,
 }

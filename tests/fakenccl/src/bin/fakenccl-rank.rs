@@ -81,6 +81,7 @@ fn main() -> anyhow::Result<()> {
         Some(p) => p.clone(),
         None => ncclscope_fakenccl::plugin_path()?,
     };
+    let started_ns = ncclscope_proto::now_ns();
     let host = Host::load_as(
         &plugin,
         args.kind,
@@ -102,7 +103,10 @@ fn main() -> anyhow::Result<()> {
     if args.fork_probe {
         fork_probe(&host)?;
     }
+    let ended_ns = ncclscope_proto::now_ns();
     let report = Report {
+        started_ns,
+        ended_ns,
         kind: args.kind,
         symbol: host.symbol.clone(),
         plugin_name: host.plugin_name(),
