@@ -33,7 +33,7 @@ pub struct Args {
     #[arg(long)]
     pub straggler: Option<u32>,
     /// How late the straggler starts its kernels, in microseconds.
-    #[arg(long, default_value_t = 1500)]
+    #[arg(long, default_value_t = 3000)]
     pub straggler_delay_us: u64,
     /// Kernel timing path: the device hook (RFC host, CPU-written rings) or stock NCCL's KernelCh events.
     #[arg(long, value_enum, default_value_t = TimingPath::Hook)]

@@ -48,7 +48,7 @@ pub struct Args {
     pub seconds: u64,
     #[arg(long)]
     pub straggler: u32,
-    #[arg(long, default_value_t = 1500)]
+    #[arg(long, default_value_t = 3000)]
     pub straggler_delay_us: u64,
     #[arg(long, value_enum, default_value_t = TimingPath::Hook)]
     pub path: TimingPath,

@@ -133,19 +133,26 @@ pub struct Straggler {
     pub job_id: String,
     pub comm_hash: u64,
     pub rank: u32,
-    /// Collectives in the interval in which this rank was the last to start, and the interval's total.
+    /// Collectives in the window in which this rank was the last to start, and the window's total.
     pub last_to_start: u64,
     pub of: u64,
     pub skew_p50_us: f64,
 }
 
-/// What the view shows: the latest snapshots, and the stragglers computed from the change since the
-/// previous one (so "current" means the last interval, not the whole job).
+/// Refreshes over which the current straggler is judged: long enough to smooth out a rank that was
+/// late once, short enough to follow a change within seconds.
+const WINDOW: usize = 10;
+
+/// (job, communicator, rank) -> (times last to start, collectives), as of one refresh.
+type Counts = HashMap<(String, u64, u32), (u64, u64)>;
+
+/// What the view shows: the latest snapshots, and the stragglers computed from the change over the last
+/// [`WINDOW`] refreshes (so "current" means the last few seconds, not the whole job).
 #[derive(Default)]
 pub struct View {
     pub jobs: ListJobsResponse,
     pub stats: StatsResponse,
-    prev: HashMap<(String, u64, u32), (u64, u64)>,
+    history: std::collections::VecDeque<Counts>,
     pub stragglers: Vec<Straggler>,
 }
 
@@ -155,7 +162,11 @@ impl View {
         let mut totals: HashMap<(String, u64), u64> = HashMap::new();
         for r in &stats.ranks {
             let key = (r.job_id.clone(), r.comm_hash, r.rank);
-            let (prev_last, prev_colls) = self.prev.get(&key).copied().unwrap_or((0, 0));
+            let (prev_last, prev_colls) = self
+                .history
+                .front()
+                .and_then(|h| h.get(&key).copied())
+                .unwrap_or((0, 0));
             let d_last = r.straggler_count.saturating_sub(prev_last);
             let d_colls = r.collectives.saturating_sub(prev_colls);
             let comm = (r.job_id.clone(), r.comm_hash);
@@ -192,7 +203,7 @@ impl View {
             stragglers.push(s);
         }
         stragglers.sort_by(|a, b| (&a.job_id, a.comm_hash).cmp(&(&b.job_id, b.comm_hash)));
-        self.prev = stats
+        let now: Counts = stats
             .ranks
             .iter()
             .map(|r| {
@@ -202,6 +213,10 @@ impl View {
                 )
             })
             .collect();
+        self.history.push_back(now);
+        if self.history.len() > WINDOW {
+            self.history.pop_front();
+        }
         self.stragglers = stragglers;
         self.jobs = jobs;
         self.stats = stats;
@@ -263,6 +278,15 @@ impl View {
     }
 
     pub fn draw(&self, f: &mut Frame, socket: &Path) {
+        let job_w = self
+            .jobs
+            .jobs
+            .iter()
+            .map(|j| j.job_id.chars().count())
+            .chain(self.stats.ranks.iter().map(|r| r.job_id.chars().count()))
+            .max()
+            .unwrap_or(0)
+            .clamp(3, 40) as u16;
         let health = self.stats.health.clone().unwrap_or_default();
         let lost_total: u64 = health.lost.values().sum();
         let [head, jobs_area, ranks_area, colls_area, foot] = Layout::vertical([
@@ -313,7 +337,7 @@ impl View {
             Table::new(
                 job_rows,
                 [
-                    Constraint::Min(20),
+                    Constraint::Length(job_w),
                     Constraint::Length(6),
                     Constraint::Length(6),
                     Constraint::Length(6),
@@ -353,7 +377,7 @@ impl View {
             Table::new(
                 rank_rows,
                 [
-                    Constraint::Min(12),
+                    Constraint::Length(job_w),
                     Constraint::Length(16),
                     Constraint::Length(5),
                     Constraint::Length(9),
@@ -392,7 +416,7 @@ impl View {
             Table::new(
                 coll_rows,
                 [
-                    Constraint::Min(12),
+                    Constraint::Length(job_w),
                     Constraint::Length(14),
                     Constraint::Length(12),
                     Constraint::Length(9),
@@ -414,15 +438,17 @@ impl View {
             colls_area,
         );
 
+        // Only the stages that lost something; all of them are in `ncclscope stats`.
         let mut lost: Vec<_> = health
             .lost
             .iter()
+            .filter(|(_, v)| **v > 0)
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
         lost.sort();
         let straggler = match self.stragglers.first() {
             Some(s) => format!(
-                "STRAGGLER: rank {} (job {}, comm {:016x}) last to start in {} of the last {} collectives, skew p50 {}",
+                "STRAGGLER: rank {} (job {}, comm {:016x}): last to start in {} of the last {} collectives, skew p50 {}",
                 s.rank,
                 s.job_id,
                 s.comm_hash,
