@@ -179,9 +179,13 @@ pub fn render(jobs: &ListJobsResponse, stats: &StatsResponse) -> String {
         out.push('\n');
     }
     if let Some(h) = &stats.health {
-        let mut lost: Vec<_> = h.lost.iter().collect();
+        // Stages that lost nothing are left out of the table (`--json` has them all).
+        let mut lost: Vec<_> = h.lost.iter().filter(|(_, v)| **v > 0).collect();
         lost.sort();
-        let lost: Vec<String> = lost.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let mut lost: Vec<String> = lost.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        if lost.is_empty() {
+            lost.push("nothing".into());
+        }
         let _ = writeln!(
             out,
             "daemon: {} segments, {} records in, {} decode errors, lost [{}], {} spans exported, {} export errors, \
