@@ -17,15 +17,18 @@ use std::process::Command;
 
 include!("src/devhook/layout.rs");
 
+#[path = "build/registers.rs"]
+mod registers;
+
 const ARCHS: [u32; 4] = [80, 90, 100, 120];
 const PTX_ARCH: u32 = 120;
-const EIATTR_REGCOUNT: u8 = 0x2f;
 
 fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
     let cuda = Path::new(env!("CARGO_MANIFEST_DIR")).join("../cuda");
     println!("cargo:rerun-if-changed={}", cuda.display());
     println!("cargo:rerun-if-changed=src/devhook/layout.rs");
+    println!("cargo:rerun-if-changed=build");
     for var in ["NVCC", "CUDA_HOME"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -150,92 +153,10 @@ fn run(cmd: &mut Command) -> Result<(), String> {
     }
 }
 
-/// Checks the register counts ptxas recorded for each function (EIATTR_REGCOUNT in .nv.info).
+/// Checks the register counts ptxas recorded in a relocatable cubin (see build/registers.rs).
 fn check_registers(cubin: &Path, arch: u32, cap: Option<usize>) -> Result<(), String> {
     let elf = std::fs::read(cubin).map_err(|e| format!("{}: {e}", cubin.display()))?;
-    let counts = register_counts(&elf)
+    let counts = registers::register_counts(&elf)
         .ok_or_else(|| format!("{}: cannot read .nv.info", cubin.display()))?;
-    let mut seen_hook = false;
-    for (func, regs) in &counts {
-        match cap {
-            Some(cap)
-                if func.starts_with("ncclscope_hook") || func.starts_with("ncclscope_ref_") =>
-            {
-                seen_hook |= func == "ncclscope_hook";
-                if *regs as usize > cap {
-                    return Err(format!(
-                        "sm_{arch}: {func} uses {regs} registers, over the cap of {cap}"
-                    ));
-                }
-            }
-            None if func.starts_with("ncclscope_harness") && (*regs as usize) < HOOK_MAX_REGS => {
-                return Err(format!(
-                    "sm_{arch}: kernel {func} allocates {regs} registers, fewer than the hook's {HOOK_MAX_REGS}"
-                ));
-            }
-            _ => {}
-        }
-    }
-    if cap.is_some() && !seen_hook {
-        return Err(format!(
-            "sm_{arch}: no register count recorded for ncclscope_hook: {counts:?}"
-        ));
-    }
-    Ok(())
-}
-
-/// (function name, registers) from a CUDA ELF's .nv.info section. Records are
-/// {format u8, attribute u8, size u16, payload}; REGCOUNT's payload is {symbol index u32, count u32}.
-fn register_counts(elf: &[u8]) -> Option<Vec<(String, u32)>> {
-    let u16_at = |o: usize| Some(u16::from_le_bytes(elf.get(o..o + 2)?.try_into().ok()?));
-    let u32_at = |o: usize| Some(u32::from_le_bytes(elf.get(o..o + 4)?.try_into().ok()?));
-    let u64_at = |o: usize| Some(u64::from_le_bytes(elf.get(o..o + 8)?.try_into().ok()?));
-    if elf.get(..5)? != b"\x7fELF\x02" {
-        return None;
-    }
-    let (shoff, shentsize, shnum, shstrndx) = (
-        u64_at(0x28)? as usize,
-        u16_at(0x3a)? as usize,
-        u16_at(0x3c)? as usize,
-        u16_at(0x3e)? as usize,
-    );
-    let section = |i: usize| {
-        let h = shoff + i * shentsize;
-        Some((
-            u32_at(h)?,
-            u32_at(h + 4)?,
-            u64_at(h + 0x18)? as usize,
-            u64_at(h + 0x20)? as usize,
-            u32_at(h + 0x28)?,
-        ))
-    };
-    let cstr = |o: usize| {
-        let bytes = elf.get(o..)?;
-        let end = bytes.iter().position(|&b| b == 0)?;
-        Some(String::from_utf8_lossy(&bytes[..end]).into_owned())
-    };
-    let (_, _, names, _, _) = section(shstrndx)?;
-    let (mut info, mut symtab) = (None, None);
-    for i in 0..shnum {
-        let (name, kind, off, size, link) = section(i)?;
-        match cstr(names + name as usize)?.as_str() {
-            ".nv.info" => info = Some((off, size)),
-            _ if kind == 2 => symtab = Some((off, size, link)),
-            _ => {}
-        }
-    }
-    let ((info_off, info_size), (sym_off, _, strtab)) = (info?, symtab?);
-    let (_, _, str_off, _, _) = section(strtab as usize)?;
-    let mut counts = Vec::new();
-    let mut o = info_off;
-    while o + 4 <= info_off + info_size {
-        let (attr, size) = (elf[o + 1], u16_at(o + 2)? as usize);
-        if elf[o] == 0x04 && attr == EIATTR_REGCOUNT {
-            let (sym, regs) = (u32_at(o + 4)? as usize, u32_at(o + 8)?);
-            let name = cstr(str_off + u32_at(sym_off + sym * 24)? as usize)?;
-            counts.push((name, regs));
-        }
-        o += 4 + if elf[o] == 0x04 { size } else { 0 };
-    }
-    Some(counts)
+    registers::check(&counts, cap, HOOK_MAX_REGS).map_err(|e| format!("sm_{arch}: {e}"))
 }

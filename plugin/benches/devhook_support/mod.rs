@@ -120,18 +120,16 @@ impl Plugin {
     pub fn segment(&self) -> Reader {
         let t0 = Instant::now();
         loop {
-            if let Some(name) = segment::list(&self.prefix)
+            let name = segment::list(&self.prefix)
                 .ok()
-                .and_then(|v| v.into_iter().next())
-            {
-                if let Ok(seg) = Segment::open(&name) {
-                    return Reader {
-                        consumer: Consumer::new(seg),
-                        buf: Vec::new(),
-                        check: Check::default(),
-                        name,
-                    };
-                }
+                .and_then(|v| v.into_iter().next());
+            if let Some((name, Ok(seg))) = name.map(|n| (n.clone(), Segment::open(&n))) {
+                return Reader {
+                    consumer: Consumer::new(seg),
+                    buf: Vec::new(),
+                    check: Check::default(),
+                    name,
+                };
             }
             assert!(
                 t0.elapsed() < Duration::from_secs(10),

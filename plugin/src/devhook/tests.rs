@@ -507,3 +507,52 @@ fn ring_config_from_env() {
     );
     assert_eq!(cfg(&[("NCCLSCOPE_RING_SLOTS", "32")]).warnings.len(), 1);
 }
+
+/// The build's register check, on the cubins this build produced (skipped when built without nvcc).
+#[allow(dead_code)]
+#[path = "../../build/registers.rs"]
+mod registers;
+
+#[test]
+fn the_register_check_passes_the_built_hook_and_catches_a_lower_cap() {
+    use super::layout::HOOK_MAX_REGS;
+    let out = std::path::Path::new(env!("OUT_DIR"));
+    for arch in [80, 90, 100, 120] {
+        let Ok(hook) = std::fs::read(out.join(format!("hook_sm{arch}.rel.cubin"))) else {
+            eprintln!("built without nvcc: no cubins to check");
+            return;
+        };
+        let harness = std::fs::read(out.join(format!("harness_sm{arch}.rel.cubin"))).unwrap();
+        let (hook, harness) = (
+            registers::register_counts(&hook).unwrap(),
+            registers::register_counts(&harness).unwrap(),
+        );
+        let used = hook
+            .iter()
+            .find(|(f, _)| f == "ncclscope_hook")
+            .map(|(_, r)| *r as usize)
+            .unwrap();
+        assert!(
+            used > 0 && used <= HOOK_MAX_REGS,
+            "sm_{arch}: hook uses {used}"
+        );
+        assert_eq!(
+            registers::check(&hook, Some(HOOK_MAX_REGS), HOOK_MAX_REGS),
+            Ok(())
+        );
+        assert_eq!(registers::check(&harness, None, HOOK_MAX_REGS), Ok(()));
+        // The same counts against a cap below what the hook uses, or a hook bigger than the harness: caught.
+        assert!(
+            registers::check(&hook, Some(used - 1), HOOK_MAX_REGS).is_err(),
+            "sm_{arch}"
+        );
+        let harness_regs = harness
+            .iter()
+            .filter(|(f, _)| f.starts_with("ncclscope_harness"))
+            .map(|(_, r)| *r as usize);
+        assert!(
+            registers::check(&harness, None, harness_regs.min().unwrap() + 1).is_err(),
+            "sm_{arch}"
+        );
+    }
+}
