@@ -72,7 +72,7 @@ fn acknowledged_instances_survive_sigkill_and_restart() {
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut acked = None;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while let Some(line) = lines.next() {
+    for line in lines.by_ref() {
         if let Some(n) = line.unwrap().strip_prefix("ACK ") {
             acked = Some(n.parse::<u64>().unwrap());
         }
