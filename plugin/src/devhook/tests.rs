@@ -556,3 +556,51 @@ fn the_register_check_passes_the_built_hook_and_catches_a_lower_cap() {
         );
     }
 }
+
+unsafe extern "C" fn test_func_name(func_id: std::ffi::c_int) -> *const std::ffi::c_char {
+    match func_id {
+        7 => c"ncclDevFunc_AllReduce_Sum_f32_RING_LL".as_ptr(),
+        8 => c"ncclDevFunc_AllGather_RING_SIMPLE".as_ptr(),
+        _ => std::ptr::null(),
+    }
+}
+
+#[test]
+fn each_new_func_id_is_named_once_when_the_host_can_name_it() {
+    // The only test that sets the process-wide name function; it restores it afterwards.
+    super::set_func_name_fn(Some(test_func_name));
+    let (block, r) = rings(9, 6, false);
+    let mut state = super::DrainState::new();
+    state.comms.push(r);
+    let mut sink = TestSink::default();
+    for wc in 1..=6 {
+        // funcIds 8, 9, 7, 8, 9, 7: 9 has no name (the daemon shows func#9).
+        write(block.ctx(), &event(0, wc, 0));
+        write(block.ctx(), &event(0, wc, 1));
+    }
+    state.drain(&mut sink);
+    for wc in 7..=9 {
+        write(block.ctx(), &event(0, wc, 0));
+        write(block.ctx(), &event(0, wc, 1));
+    }
+    state.drain(&mut sink);
+    super::set_func_name_fn(None);
+    let named: Vec<(u32, Vec<u8>)> = sink
+        .records
+        .iter()
+        .filter_map(|r| match *r {
+            Record::FuncName { func_id, name } => {
+                Some((func_id, sink.strings[name.0 as usize - 1].clone()))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        named,
+        vec![
+            (8, b"ncclDevFunc_AllGather_RING_SIMPLE".to_vec()),
+            (7, b"ncclDevFunc_AllReduce_Sum_f32_RING_LL".to_vec())
+        ]
+    );
+    assert_eq!(sink.works().count(), 9);
+}
