@@ -4,6 +4,9 @@
 //!    one thread, through the real engine over a real segment.
 //! 2. export: spans per second through the real OTLP exporter to an in-process OTLP/gRPC receiver that
 //!    only counts.
+//! 3. rss: the real `ncclscope daemon` with 64 rank processes (8 communicators of 8 ranks) writing
+//!    1 M records/s in total for 10 s, OTLP to the counting receiver at sample_ratio 0.01, spool off;
+//!    reports the daemon's peak RSS (VmHWM), the records it ingested and every loss counter.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -250,18 +253,222 @@ fn export() -> f64 {
     })
 }
 
+const RANK_ENV: &str = "NCCLSCOPE_BENCH_RANK";
+const RANKS: u64 = 64;
+const RECORDS_PER_SEC: u64 = 1_000_000;
+const RUN: Duration = Duration::from_secs(10);
+
+/// A simulated rank process: `prefix|socket|rank`, writing RECORDS_PER_SEC / RANKS records a second.
+fn rank_child(spec: &str) {
+    let f: Vec<&str> = spec.split('|').collect();
+    let rank: u64 = f[2].parse().unwrap();
+    let pid = std::process::id();
+    let uid = rustix::process::getuid().as_raw();
+    let start_ticks = segment::process_start_ticks(pid).unwrap();
+    let name = SegmentName {
+        prefix: f[0].into(),
+        uid,
+        pid,
+        start_ticks,
+    };
+    let owner = Owner {
+        pid,
+        uid,
+        start_ticks,
+        hostname: "bench".into(),
+        job_id: "bench".into(),
+    };
+    let mut p = Producer::new(Segment::create(&name, &owner, 1 << 16).unwrap());
+    let mut s = std::os::unix::net::UnixStream::connect(f[1]).unwrap();
+    use std::io::{BufRead, Write};
+    writeln!(s, "REGISTER {name}").unwrap();
+    let mut reply = String::new();
+    std::io::BufReader::new(s).read_line(&mut reply).unwrap();
+    assert_eq!(reply, "OK\n");
+    for (id, t) in [
+        (1, "AllReduce"),
+        (2, "ncclBfloat16"),
+        (3, "RING"),
+        (4, "LL128"),
+    ] {
+        p.push(&Record::str(StrId(id), t.as_bytes()));
+    }
+    p.push(&Record::Calibration {
+        cuda_dev: 0,
+        offset_ns: 1 << 60,
+        error_ns: 100,
+        drift_ppb: 0,
+        host_ns: 0,
+    });
+    p.push(&Record::Comm {
+        comm: 0,
+        comm_hash: 0xbe7c_0000 + rank / 8,
+        rank: (rank % 8) as u32,
+        nranks: 8,
+        nnodes: 1,
+        cuda_dev: 0,
+        name: StrId(0),
+        nccl_version: 22809,
+        path: TimingPath::KernelCh,
+        host_ns: 0,
+    });
+    let colls_per_sec = RECORDS_PER_SEC as f64 / RANKS as f64 / (2 + CHANNELS) as f64;
+    let t0 = Instant::now();
+    let mut seq = 0;
+    while t0.elapsed() < RUN {
+        let due = (t0.elapsed().as_secs_f64() * colls_per_sec) as u64;
+        if due > seq {
+            fill(&mut p, seq, due - seq);
+            seq = due;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    p.push(&Record::CommEnd {
+        comm: 0,
+        host_ns: 0,
+    });
+    p.segment().close();
+}
+
+fn vm_hwm_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("VmHWM:")?
+                .trim()
+                .strip_suffix("kB")?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0)
+}
+
+fn rss() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let received = Arc::new(AtomicU64::new(0));
+    let addr = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(Counting(received.clone())))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        addr
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let prefix = format!("ncclscope-benchrss-{}", std::process::id());
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = dir.path().join("ncclscope.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "socket = \"{d}/s.sock\"\napi_socket = \"{d}/api.sock\"\nshm_prefix = \"{prefix}\"\nstate_dir = \"{d}/state\"\n\
+             [spool]\ndir = \"\"\n[otlp]\nendpoint = \"http://{addr}\"\nsample_ratio = 0.01\n[prometheus]\nlisten = \"127.0.0.1:{port}\"\n"
+        ),
+    )
+    .unwrap();
+    let mut daemon = std::process::Command::new(env!("CARGO_BIN_EXE_ncclscope"))
+        .args(["daemon", "--config"])
+        .arg(&config)
+        .env("NCCLSCOPE_LOG", "warn")
+        .spawn()
+        .unwrap();
+    let socket = dir.path().join("s.sock");
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ranks: Vec<_> = (0..RANKS)
+        .map(|r| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .env(RANK_ENV, format!("{prefix}|{}|{r}", socket.display()))
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut r in ranks {
+        assert!(r.wait().unwrap().success());
+    }
+    // Let the daemon finish draining, then read its own account.
+    std::thread::sleep(Duration::from_secs(3));
+    let metrics = {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut t = String::new();
+        s.read_to_string(&mut t).unwrap();
+        t
+    };
+    let hwm = vm_hwm_kib(daemon.id());
+    let _ = rustix::process::kill_process(
+        rustix::process::Pid::from_raw(daemon.id() as i32).unwrap(),
+        rustix::process::Signal::TERM,
+    );
+    let _ = daemon.wait();
+    for name in segment::list(&prefix).unwrap_or_default() {
+        let _ = Segment::unlink(&name);
+    }
+    let value = |name: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    println!(
+        "rss: daemon peak RSS {:.1} MiB with {RANKS} ranks at {:.2} M records/s offered for {:?}; ingested {:.0} records, {:.0} collectives, {} spans received",
+        hwm as f64 / 1024.0,
+        RECORDS_PER_SEC as f64 / 1e6,
+        RUN,
+        value("ncclscope_records_total"),
+        value("ncclscope_collectives_total"),
+        received.load(Ordering::Relaxed)
+    );
+    let losses: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("ncclscope_lost_total{") && !l.ends_with(" 0"))
+        .collect();
+    println!("rss: non-zero loss counters: {losses:?}");
+}
+
 fn main() {
+    if let Ok(spec) = std::env::var(RANK_ENV) {
+        return rank_child(&spec);
+    }
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let ingest = ingest();
-    println!(
-        "ingest: {:.2} M records/s on one thread (engine tick: drain + decode + assemble + stats)",
-        ingest / 1e6
-    );
-    let export = export();
-    println!(
-        "export: {:.0} k spans/s to a local OTLP/gRPC receiver",
-        export / 1e3
-    );
+    // `cargo bench -p ncclscope --bench daemon_core -- [ingest] [export] [rss]`: a subset; default all.
+    let args: Vec<String> = std::env::args().collect();
+    let all = !["ingest", "export", "rss"]
+        .iter()
+        .any(|p| args.iter().any(|a| a == p));
+    let want = |part: &str| all || args.iter().any(|a| a == part);
+    if want("ingest") {
+        let ingest = ingest();
+        println!(
+            "ingest: {:.2} M records/s on one thread (engine tick: drain + decode + assemble + stats)",
+            ingest / 1e6
+        );
+    }
+    if want("export") {
+        let export = export();
+        println!(
+            "export: {:.0} k spans/s to a local OTLP/gRPC receiver",
+            export / 1e3
+        );
+    }
+    if want("rss") {
+        rss();
+    }
 }

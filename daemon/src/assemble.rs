@@ -7,6 +7,8 @@
 //! one communicator run in order), checked against the funcId's name when the host supplied one.
 
 use std::collections::{BTreeSet, HashMap};
+
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
 
 use ncclscope_proto::api::{ChannelWork, Collective};
@@ -74,6 +76,24 @@ pub struct Dictionary {
     pub comms: Vec<CommInfo>,
 }
 
+/// Device-hook work items that arrived before their operation's host event was read.
+const MAX_EARLY_WORKS: usize = 1024;
+
+#[derive(Clone, Copy, Debug)]
+struct Work {
+    func_id: u32,
+    gpu_start: u64,
+    gpu_stop: u64,
+}
+
+/// One (communicator, channel) on the device-hook path: operations awaiting their work item there,
+/// and work items awaiting their operation, both oldest first.
+#[derive(Debug, Default)]
+struct Lane {
+    ops: std::collections::VecDeque<u64>,
+    works: std::collections::VecDeque<Work>,
+}
+
 struct Op {
     comm: u32,
     first_pos: u64,
@@ -110,16 +130,16 @@ pub struct Assembler {
     pid: u32,
     job_id: String,
     host: String,
-    strings: HashMap<u16, Arc<str>>,
-    func_names: HashMap<u32, u16>,
-    calibrations: HashMap<i32, Calibration>,
-    comms: HashMap<u32, CommInfo>,
+    strings: Map<u16, Arc<str>>,
+    func_names: Map<u32, u16>,
+    calibrations: Map<i32, Calibration>,
+    comms: Map<u32, CommInfo>,
     /// Device-hook path: per (comm, channel), the operations awaiting work there, oldest first.
-    waiting: HashMap<(u32, u8), std::collections::VecDeque<u64>>,
-    ops: HashMap<u64, Op>,
+    waiting: Map<(u32, u8), Lane>,
+    ops: Map<u64, Op>,
     by_pos: BTreeSet<(u64, u64)>,
     /// Operations already delivered by a previous daemon: id -> (first record position, sinks).
-    prior: HashMap<u64, (u64, u8)>,
+    prior: Map<u64, (u64, u8)>,
     dictionary_changed: bool,
     max_pending: usize,
     pub counters: AssembleCounters,
@@ -131,14 +151,14 @@ impl Assembler {
             pid,
             job_id,
             host,
-            strings: HashMap::new(),
-            func_names: HashMap::new(),
-            calibrations: HashMap::new(),
-            comms: HashMap::new(),
-            waiting: HashMap::new(),
-            ops: HashMap::new(),
+            strings: Map::default(),
+            func_names: Map::default(),
+            calibrations: Map::default(),
+            comms: Map::default(),
+            waiting: Map::default(),
+            ops: Map::default(),
             by_pos: BTreeSet::new(),
-            prior: HashMap::new(),
+            prior: Map::default(),
             dictionary_changed: false,
             max_pending,
             counters: AssembleCounters::default(),
@@ -414,30 +434,16 @@ impl Assembler {
                 ..
             } => {
                 self.counters.dev_work += 1;
-                let Some(queue) = self.waiting.get_mut(&(comm, channel)) else {
-                    return;
-                };
-                let Some(&id) = queue.front() else { return };
-                let Some(op) = self.ops.get(&id) else { return };
-                if let Some(name) = self
-                    .func_names
-                    .get(&func_id)
-                    .and_then(|s| self.strings.get(s))
-                {
-                    let func = self.strings.get(&op.func.0).map_or("", |s| s);
-                    if !func.is_empty()
-                        && !name
-                            .to_ascii_lowercase()
-                            .contains(&func.to_ascii_lowercase())
-                    {
-                        // Not this operation's kernel: joining would be wrong; the op keeps waiting.
-                        return;
-                    }
+                let lane = self.waiting.entry((comm, channel)).or_default();
+                if lane.works.len() >= MAX_EARLY_WORKS {
+                    lane.works.pop_front(); // never joined: counted as dev_work - dev_joined
                 }
-                queue.pop_front();
-                self.counters.dev_joined += 1;
-                self.add_work(id, channel, gpu_start, gpu_stop, 1, now_ns);
-                self.try_finish(id, out);
+                lane.works.push_back(Work {
+                    func_id,
+                    gpu_start,
+                    gpu_stop,
+                });
+                self.match_lane((comm, channel), now_ns, out);
             }
         }
     }
@@ -450,10 +456,17 @@ impl Assembler {
         if let Some(&(_, flags)) = self.prior.get(&id) {
             op.prior = flags;
         }
-        if info.device_hook {
-            for ch in 0..op.n_channels.min(64) {
-                self.waiting.entry((op.comm, ch)).or_default().push_back(id);
-            }
+        let hook_lanes = if info.device_hook {
+            op.n_channels.min(64)
+        } else {
+            0
+        };
+        for ch in 0..hook_lanes {
+            self.waiting
+                .entry((op.comm, ch))
+                .or_default()
+                .ops
+                .push_back(id);
         }
         if let Some(old) = self.ops.insert(id, op) {
             // A reused id: close the old one as it is rather than mixing the two.
@@ -461,10 +474,69 @@ impl Assembler {
             self.counters.incomplete += 1;
         }
         self.by_pos.insert((self.ops[&id].first_pos, id));
+        let (comm, now_ns) = (self.ops[&id].comm, self.ops[&id].last_progress_ns);
+        for ch in 0..hook_lanes {
+            self.match_lane((comm, ch), now_ns, out);
+        }
         while self.ops.len() > self.max_pending {
             let &(_, oldest) = self.by_pos.first().expect("ops and by_pos agree");
             self.counters.pending_overflow += 1;
             self.finish(oldest, out);
+        }
+    }
+
+    /// Whether a device function (by funcId) can be `func`'s kernel; unknown names match anything.
+    fn work_matches(&self, func_id: u32, func: StrId) -> bool {
+        let Some(name) = self
+            .func_names
+            .get(&func_id)
+            .and_then(|s| self.strings.get(s))
+        else {
+            return true;
+        };
+        let func = self.strings.get(&func.0).map_or("", |s| s);
+        func.is_empty()
+            || name
+                .to_ascii_lowercase()
+                .contains(&func.to_ascii_lowercase())
+    }
+
+    /// Joins a lane's waiting operations and early work items in order. A work item whose function
+    /// is not the oldest operation's skips the operations before the first one it fits (they lost
+    /// their work item on this channel and close incomplete), or is dropped if none fits.
+    fn match_lane(&mut self, key: (u32, u8), now_ns: u64, out: &mut Vec<Completed>) {
+        let Some(mut lane) = self.waiting.remove(&key) else {
+            return;
+        };
+        while let (Some(&id), Some(&work)) = (lane.ops.front(), lane.works.front()) {
+            let Some(op) = self.ops.get(&id) else {
+                lane.ops.pop_front();
+                continue;
+            };
+            if self.work_matches(work.func_id, op.func) {
+                lane.ops.pop_front();
+                lane.works.pop_front();
+                self.counters.dev_joined += 1;
+                self.add_work(id, key.1, work.gpu_start, work.gpu_stop, 1, now_ns);
+                // Finishing the op edits the lanes: put this one back while it does.
+                self.waiting.insert(key, lane);
+                self.try_finish(id, out);
+                lane = self.waiting.remove(&key).unwrap_or_default();
+                continue;
+            }
+            let fits_later = lane.ops.iter().skip(1).any(|later| {
+                self.ops
+                    .get(later)
+                    .is_some_and(|o| self.work_matches(work.func_id, o.func))
+            });
+            if fits_later {
+                lane.ops.pop_front();
+            } else {
+                lane.works.pop_front();
+            }
+        }
+        if !lane.ops.is_empty() || !lane.works.is_empty() {
+            self.waiting.insert(key, lane);
         }
     }
 
@@ -539,8 +611,8 @@ impl Assembler {
             self.counters.incomplete += 1;
         }
         for ch in 0..op.n_channels.min(64) {
-            if let Some(q) = self.waiting.get_mut(&(op.comm, ch)) {
-                q.retain(|&x| x != id);
+            if let Some(lane) = self.waiting.get_mut(&(op.comm, ch)) {
+                lane.ops.retain(|&x| x != id);
             }
         }
         let coll = self.build(&op);
@@ -805,6 +877,65 @@ mod tests {
         assert_eq!(seqs, vec![(0, 1_000_100), (1, 1_000_300)]);
         assert_eq!(out[0].coll.timing_source, "device_hook");
         assert_eq!((a.counters.dev_work, a.counters.dev_joined), (3, 2));
+    }
+
+    #[test]
+    fn hook_work_read_before_its_op_still_joins_and_a_lost_item_skips_only_its_op() {
+        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut recs = prelude(TimingPath::DeviceHook);
+        recs.push(s(9, "AllReduce_Sum_f32_RING_LL"));
+        recs.push(Record::FuncName {
+            func_id: 42,
+            name: StrId(9),
+        });
+        recs.push(s(10, "Broadcast_RING_LL"));
+        recs.push(Record::FuncName {
+            func_id: 43,
+            name: StrId(10),
+        });
+        recs.push(s(11, "Broadcast"));
+        let dev = |f, t| Record::DevWork {
+            comm: 0,
+            channel: 0,
+            func_id: f,
+            work_counter: 0,
+            gpu_start: t,
+            gpu_stop: t + 10,
+        };
+        // The drain forwarded op 1's work item before the host event of op 1.
+        recs.push(dev(42, 100));
+        recs.push(coll(1, 0, 1));
+        recs.push(Record::OpStop {
+            comm: 0,
+            id: 1,
+            host_ns: 0,
+        });
+        // Op 2 (AllReduce) lost its item; op 3 is a Broadcast whose item arrives.
+        recs.push(coll(2, 1, 1));
+        let mut bcast = coll(3, 2, 1);
+        if let Record::CollStart { func, .. } = &mut bcast {
+            *func = StrId(11);
+        }
+        recs.push(bcast);
+        recs.push(Record::OpStop {
+            comm: 0,
+            id: 2,
+            host_ns: 0,
+        });
+        recs.push(Record::OpStop {
+            comm: 0,
+            id: 3,
+            host_ns: 0,
+        });
+        recs.push(dev(43, 300));
+        let out = feed(&mut a, &recs);
+        let got: Vec<(u64, u64)> = out
+            .iter()
+            .map(|c| (c.op_id, c.coll.start_unix_ns))
+            .collect();
+        assert_eq!(got, vec![(1, 1_000_100), (3, 1_000_300)]);
+        assert_eq!((a.counters.dev_work, a.counters.dev_joined), (2, 2));
+        assert_eq!(a.pending(), 1, "op 2 waits for the timeout");
     }
 
     #[test]

@@ -155,6 +155,11 @@ impl Engine {
         }
         let deadline = Instant::now() + self.cfg.shutdown_timeout();
         while self.tick() && Instant::now() < deadline {}
+        // Wait for the exporter's acknowledgements, so a clean restart re-sends nothing.
+        while self.segments.iter().any(|s| !s.unacked.is_empty()) && Instant::now() < deadline {
+            std::thread::sleep(min);
+            self.tick();
+        }
         self.commit_all(true);
         self.snapshot(true);
         tracing::info!(segments = self.segments.len(), "ingest stopped");
@@ -374,15 +379,12 @@ impl Engine {
             let mut flags = c.prior;
             if c.prior & done::RECORDED == 0 {
                 self.hub.publish(c.coll.clone());
-                // Judge "slow" against the series before this instance joins it.
+                // "Slow" is judged against the series before this instance joins it.
+                let p50 = self.stats.observe(&c.coll, now, SLOW_MIN_SAMPLES);
                 let slow = self.cfg.otlp.slow_factor > 0.0
-                    && self
-                        .stats
-                        .p50_exec_ns(&c.coll, SLOW_MIN_SAMPLES)
-                        .is_some_and(|p50| {
-                            c.coll.exec_ns as f64 > self.cfg.otlp.slow_factor * p50 as f64
-                        });
-                self.stats.observe(&c.coll, now);
+                    && p50.is_some_and(|p50| {
+                        c.coll.exec_ns as f64 > self.cfg.otlp.slow_factor * p50 as f64
+                    });
                 self.collectives += 1;
                 flags |= done::RECORDED;
                 if c.prior & done::EXPORTED == 0

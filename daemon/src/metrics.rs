@@ -366,7 +366,7 @@ mod tests {
                 timing_source: "kernel_gpu".into(),
                 ..Default::default()
             };
-            stats.observe(&c, 0);
+            stats.observe(&c, 0, 1);
         }
         let health = Health {
             lost: BTreeMap::from([("ring_full".into(), 3)]),

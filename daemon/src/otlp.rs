@@ -70,6 +70,16 @@ pub fn channel(endpoint: &str, timeout: Duration) -> Result<Channel, tonic::tran
         .connect_lazy())
 }
 
+/// Export requests in flight at once. Acknowledgements still go out in queue order: a batch is
+/// acknowledged only after every batch queued before it.
+const MAX_IN_FLIGHT: usize = 4;
+
+/// A batch being sent: its items (acknowledged when it is done) and the task sending it.
+struct InFlight {
+    items: Vec<SpanItem>,
+    task: tokio::task::JoinHandle<bool>,
+}
+
 /// Runs until `spans` and `metrics` are both closed and drained.
 pub async fn run(
     cfg: Otlp,
@@ -79,15 +89,16 @@ pub async fn run(
     mut metrics: mpsc::Receiver<Vec<Metric>>,
     counters: Arc<ExportCounters>,
 ) {
-    let mut traces = TraceServiceClient::new(channel.clone());
+    let traces = TraceServiceClient::new(channel.clone());
     let mut metric_client = MetricsServiceClient::new(channel);
     let batch_timeout = Duration::from_millis(cfg.batch_timeout_ms);
-    let mut batch: Vec<SpanItem> = Vec::with_capacity(cfg.batch_spans);
+    let mut in_flight: std::collections::VecDeque<InFlight> = std::collections::VecDeque::new();
     let (mut spans_open, mut metrics_open) = (true, true);
     while spans_open || metrics_open {
         tokio::select! {
             item = spans.recv(), if spans_open => match item {
                 Some(item) => {
+                    let mut batch = Vec::with_capacity(cfg.batch_spans);
                     batch.push(item);
                     let deadline = tokio::time::Instant::now() + batch_timeout;
                     while batch.len() < cfg.batch_spans {
@@ -97,7 +108,12 @@ pub async fn run(
                             Err(_) => break,
                         }
                     }
-                    send_spans(&cfg, &host, &mut traces, &mut batch, &counters).await;
+                    if in_flight.len() >= MAX_IN_FLIGHT {
+                        finish(in_flight.pop_front().expect("non-empty"), &counters).await;
+                    }
+                    let colls: Vec<Arc<Collective>> = batch.iter().map(|i| i.coll.clone()).collect();
+                    let task = tokio::spawn(send_spans(cfg.clone(), host.clone(), traces.clone(), colls, counters.clone()));
+                    in_flight.push_back(InFlight { items: batch, task });
                 }
                 None => spans_open = false,
             },
@@ -105,49 +121,77 @@ pub async fn run(
                 Some(m) => send_metrics(&cfg, &host, &mut metric_client, m, &counters).await,
                 None => metrics_open = false,
             },
+            ok = front_done(&mut in_flight), if !in_flight.is_empty() => {
+                let f = in_flight.pop_front().expect("non-empty");
+                acknowledge(f.items, ok, &counters);
+            },
         }
+    }
+    while let Some(f) = in_flight.pop_front() {
+        finish(f, &counters).await;
     }
 }
 
-async fn send_spans(
-    cfg: &Otlp,
-    host: &str,
-    client: &mut TraceServiceClient<Channel>,
-    batch: &mut Vec<SpanItem>,
-    counters: &ExportCounters,
-) {
-    let mut otlp_spans = Vec::with_capacity(batch.len() * 2);
-    for item in batch.iter() {
-        spans::spans_of(&item.coll, cfg.channel_spans, &mut otlp_spans);
+/// Waits for a batch and acknowledges its items.
+async fn finish(f: InFlight, counters: &ExportCounters) {
+    let ok = f.task.await.unwrap_or(false);
+    acknowledge(f.items, ok, counters);
+}
+
+/// Whether the oldest batch in flight was exported (resolves when it is done).
+async fn front_done(q: &mut std::collections::VecDeque<InFlight>) -> bool {
+    match q.front_mut() {
+        Some(f) => (&mut f.task).await.unwrap_or(false),
+        None => std::future::pending().await,
     }
-    let n = otlp_spans.len() as u64;
-    let request = ExportTraceServiceRequest {
-        resource_spans: vec![ResourceSpans {
-            resource: Some(resource(host)),
-            scope_spans: vec![ScopeSpans {
-                scope: Some(scope()),
-                spans: otlp_spans,
+}
+
+/// Acknowledges items whose attempt ended: exported, or given up and counted as dropped.
+fn acknowledge(items: Vec<SpanItem>, ok: bool, counters: &ExportCounters) {
+    if !ok {
+        counters
+            .spans_dropped
+            .fetch_add(items.len() as u64, Ordering::Relaxed);
+    }
+    for item in items {
+        item.acked.fetch_max(item.emit_no, Ordering::Release);
+    }
+}
+
+/// Sends one batch with retries; the request is rebuilt for each attempt rather than kept as a copy.
+async fn send_spans(
+    cfg: Otlp,
+    host: String,
+    client: TraceServiceClient<Channel>,
+    colls: Vec<Arc<Collective>>,
+    counters: Arc<ExportCounters>,
+) -> bool {
+    let mut n = 0;
+    let ok = with_retry(&cfg, &counters, || {
+        let mut otlp_spans = Vec::with_capacity(colls.len() * 2);
+        for c in &colls {
+            spans::spans_of(c, cfg.channel_spans, &mut otlp_spans);
+        }
+        n = otlp_spans.len() as u64;
+        let request = ExportTraceServiceRequest {
+            resource_spans: vec![ResourceSpans {
+                resource: Some(resource(&host)),
+                scope_spans: vec![ScopeSpans {
+                    scope: Some(scope()),
+                    spans: otlp_spans,
+                    ..Default::default()
+                }],
                 ..Default::default()
             }],
-            ..Default::default()
-        }],
-    };
-    let ok = with_retry(cfg, counters, || {
+        };
         let mut c = client.clone();
-        let r = request.clone();
-        async move { c.export(r).await.map(|_| ()) }
+        async move { c.export(request).await.map(|_| ()) }
     })
     .await;
     if ok {
         counters.spans_exported.fetch_add(n, Ordering::Relaxed);
-    } else {
-        counters
-            .spans_dropped
-            .fetch_add(batch.len() as u64, Ordering::Relaxed);
     }
-    for item in batch.drain(..) {
-        item.acked.fetch_max(item.emit_no, Ordering::Release);
-    }
+    ok
 }
 
 async fn send_metrics(

@@ -131,8 +131,12 @@ pub fn spans_of(c: &Collective, channel_spans: bool, out: &mut Vec<Span>) {
         i("nccl.calibration_error_ns", c.calibration_error_ns as i64),
         i("nccl.enqueue_unix_ns", c.enqueue_unix_ns as i64),
         i("process.pid", c.pid as i64),
-        s("nccl.comm_name", &c.comm_name),
     ]);
+    // Empty strings (p2p has no algorithm/protocol; unnamed communicators) carry no information.
+    attributes.retain(|kv| !matches!(&kv.value, Some(AnyValue { value: Some(any_value::Value::StringValue(v)) }) if v.is_empty()));
+    if !c.comm_name.is_empty() {
+        attributes.push(s("nccl.comm_name", &c.comm_name));
+    }
     if c.is_p2p {
         attributes.push(i("nccl.peer", c.peer as i64));
     } else if c.root >= 0 {

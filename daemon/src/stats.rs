@@ -15,6 +15,10 @@ use crate::histogram::{BUSBW_GBS_BOUNDS, Buckets, EXEC_US_BOUNDS, Rolling, SKEW_
 pub const OVERFLOW_BUCKET: &str = "other";
 /// Collectives awaited at once for the skew computation.
 const MAX_RENDEZVOUS: usize = 65_536;
+/// Samples between recomputations of a series' cached p50.
+const P50_EVERY: u32 = 256;
+
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeriesKey {
@@ -31,6 +35,8 @@ pub struct Series {
     pub busbw_gbs: Buckets,
     rolling_exec_ns: Rolling,
     rolling_busbw_mbs: Rolling,
+    p50_exec_ns: u64,
+    p50_age: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -68,14 +74,15 @@ pub struct Stats {
     window_ns: u64,
     skew_window_ns: u64,
     max_series: usize,
-    pub series: HashMap<SeriesKey, Series>,
-    pub ranks: HashMap<RankKey, RankSeries>,
-    rendezvous: HashMap<(u64, u64), Rendezvous>,
+    pub series: Map<SeriesKey, Series>,
+    pub ranks: Map<RankKey, RankSeries>,
+    rendezvous: Map<(u64, u64), Rendezvous>,
     rendezvous_order: VecDeque<(u64, u64)>,
     /// Ranks of each communicator attached on this node (how many arrivals a rendezvous awaits).
     local_ranks: HashMap<u64, usize>,
     /// Collectives per job, with first and last end times.
-    pub jobs: HashMap<Arc<str>, (u64, u64, u64)>,
+    pub jobs: Map<Arc<str>, (u64, u64, u64)>,
+    names: std::collections::HashSet<Arc<str>, foldhash::fast::RandomState>,
     pub folded: u64,
     pub skew_evaluated: u64,
 }
@@ -86,12 +93,13 @@ impl Stats {
             window_ns,
             skew_window_ns,
             max_series,
-            series: HashMap::new(),
-            ranks: HashMap::new(),
-            rendezvous: HashMap::new(),
+            series: Map::default(),
+            ranks: Map::default(),
+            rendezvous: Map::default(),
             rendezvous_order: VecDeque::new(),
             local_ranks: HashMap::new(),
-            jobs: HashMap::new(),
+            jobs: Map::default(),
+            names: Default::default(),
             folded: 0,
             skew_evaluated: 0,
         }
@@ -101,81 +109,93 @@ impl Stats {
         self.local_ranks = local_ranks;
     }
 
-    /// The rolling p50 exec time of `c`'s series, if it has enough samples to judge an outlier.
-    pub fn p50_exec_ns(&self, c: &Collective, min_samples: u64) -> Option<u64> {
-        let key = self.key_of(c);
-        let s = self.series.get(&key)?;
-        (s.rolling_exec_ns.count() >= min_samples).then(|| s.rolling_exec_ns.quantile(0.5))
-    }
-
-    fn key_of(&self, c: &Collective) -> SeriesKey {
-        SeriesKey {
-            job: Arc::from(c.job_id.as_str()),
-            comm_hash: c.comm_hash,
-            func: Arc::from(c.func.as_str()),
-            size_bucket: bandwidth::size_bucket(c.bytes),
+    /// One shared copy of each job id and collective name, so keys cost no allocation.
+    fn intern(&mut self, text: &str) -> Arc<str> {
+        if let Some(a) = self.names.get(text) {
+            return a.clone();
         }
+        let a: Arc<str> = Arc::from(text);
+        self.names.insert(a.clone());
+        a
     }
 
-    pub fn observe(&mut self, c: &Collective, now_ns: u64) {
-        let mut key = self.key_of(c);
+    /// Records `c`. Returns its series' rolling p50 exec time before `c`, once the series has
+    /// `min_samples` (for the slow-outlier sampling decision).
+    pub fn observe(&mut self, c: &Collective, now_ns: u64, min_samples: u64) -> Option<u64> {
+        let job = self.intern(&c.job_id);
+        let mut key = SeriesKey {
+            job: job.clone(),
+            comm_hash: c.comm_hash,
+            func: self.intern(&c.func),
+            size_bucket: bandwidth::size_bucket(c.bytes),
+        };
         if !self.series.contains_key(&key) && self.series.len() >= self.max_series {
             self.folded += 1;
+            let none = self.intern("");
             key = SeriesKey {
-                job: Arc::from(""),
+                job: none.clone(),
                 comm_hash: 0,
-                func: Arc::from(""),
+                func: none,
                 size_bucket: OVERFLOW_BUCKET,
             };
         }
+        let window = self.window_ns;
         let s = self.series.entry(key).or_insert_with(|| Series {
             nnodes: c.nnodes,
             exec_us: Buckets::new(EXEC_US_BOUNDS),
             busbw_gbs: Buckets::new(BUSBW_GBS_BOUNDS),
             rolling_exec_ns: Rolling::default(),
             rolling_busbw_mbs: Rolling::default(),
+            p50_exec_ns: 0,
+            p50_age: u32::MAX,
         });
+        // The p50 moves slowly: recompute it every P50_EVERY samples, not on every instance.
+        if s.p50_age >= P50_EVERY {
+            s.p50_exec_ns = s.rolling_exec_ns.quantile(0.5);
+            s.p50_age = 0;
+        }
+        s.p50_age += 1;
+        let p50 = (s.rolling_exec_ns.count() >= min_samples).then_some(s.p50_exec_ns);
         s.exec_us.record(c.exec_ns as f64 / 1000.0);
-        s.rolling_exec_ns.record(c.exec_ns, now_ns, self.window_ns);
+        s.rolling_exec_ns.record(c.exec_ns, now_ns, window);
         if c.exec_ns > 0 {
             s.busbw_gbs.record(c.busbw_gbs);
             s.rolling_busbw_mbs
-                .record((c.busbw_gbs * 1000.0) as u64, now_ns, self.window_ns);
+                .record((c.busbw_gbs * 1000.0) as u64, now_ns, window);
         }
-        let j = self.jobs.entry(Arc::from(c.job_id.as_str())).or_insert((
-            0,
-            c.end_unix_ns,
-            c.end_unix_ns,
-        ));
+        let j = self
+            .jobs
+            .entry(job.clone())
+            .or_insert((0, c.end_unix_ns, c.end_unix_ns));
         j.0 += 1;
         j.1 = j.1.min(c.end_unix_ns);
         j.2 = j.2.max(c.end_unix_ns);
-        let window = self.window_ns;
-        let r = self.rank_mut(c);
+        let r = self
+            .ranks
+            .entry(RankKey {
+                job: job.clone(),
+                comm_hash: c.comm_hash,
+                rank: c.rank,
+            })
+            .or_insert_with(|| RankSeries {
+                collectives: 0,
+                skew_us: Buckets::new(SKEW_US_BOUNDS),
+                last_to_start: 0,
+                last_to_end: 0,
+                rolling_exec_ns: Rolling::default(),
+                rolling_skew_ns: Rolling::default(),
+            });
         r.collectives += 1;
         r.rolling_exec_ns.record(c.exec_ns, now_ns, window);
-        if !c.is_p2p && c.timing_source != "host" {
-            self.arrive(c, now_ns);
+        // Skew needs at least two of the collective's ranks on this node.
+        let local = self.local_ranks.get(&c.comm_hash).copied().unwrap_or(0);
+        if !c.is_p2p && c.timing_source != "host" && local >= 2 {
+            self.arrive(c, job, local, now_ns);
         }
+        p50
     }
 
-    fn rank_mut(&mut self, c: &Collective) -> &mut RankSeries {
-        let key = RankKey {
-            job: Arc::from(c.job_id.as_str()),
-            comm_hash: c.comm_hash,
-            rank: c.rank,
-        };
-        self.ranks.entry(key).or_insert_with(|| RankSeries {
-            collectives: 0,
-            skew_us: Buckets::new(SKEW_US_BOUNDS),
-            last_to_start: 0,
-            last_to_end: 0,
-            rolling_exec_ns: Rolling::default(),
-            rolling_skew_ns: Rolling::default(),
-        })
-    }
-
-    fn arrive(&mut self, c: &Collective, now_ns: u64) {
+    fn arrive(&mut self, c: &Collective, job: Arc<str>, expected: usize, now_ns: u64) {
         let key = (c.comm_hash, c.seq);
         if !self.rendezvous.contains_key(&key) {
             if self.rendezvous.len() >= MAX_RENDEZVOUS {
@@ -192,19 +212,13 @@ impl Stats {
         }
         let rv = self.rendezvous.get_mut(&key).expect("inserted above");
         rv.arrivals.push(Arrival {
-            job: Arc::from(c.job_id.as_str()),
+            job,
             comm_hash: c.comm_hash,
             rank: c.rank,
             start: c.start_unix_ns,
             end: c.end_unix_ns,
         });
         // With every local rank in, evaluate now; otherwise the skew window decides.
-        let expected = self
-            .local_ranks
-            .get(&c.comm_hash)
-            .copied()
-            .unwrap_or(1)
-            .max(2);
         if rv.arrivals.len() >= expected {
             let rv = self.rendezvous.remove(&key).expect("present");
             self.evaluate(rv, now_ns);
@@ -347,9 +361,9 @@ mod tests {
         s.set_local_ranks(HashMap::from([(9, 3)]));
         for seq in 0..10 {
             // Rank 2 always starts 5 us late; rank 0 ends last.
-            s.observe(&coll(0, seq, 1_000_000, 20_000), 0);
-            s.observe(&coll(1, seq, 1_000_000, 1_000), 0);
-            s.observe(&coll(2, seq, 1_005_000, 1_000), 0);
+            s.observe(&coll(0, seq, 1_000_000, 20_000), 0, 1);
+            s.observe(&coll(1, seq, 1_000_000, 1_000), 0, 1);
+            s.observe(&coll(2, seq, 1_005_000, 1_000), 0, 1);
         }
         assert_eq!(s.skew_evaluated, 10);
         let ranks = s.rank_stats(&HashMap::new());
@@ -381,8 +395,8 @@ mod tests {
     fn a_missing_rank_is_evaluated_after_the_window_and_series_are_capped() {
         let mut s = Stats::new(60_000_000_000, 1000, 1);
         s.set_local_ranks(HashMap::from([(9, 3)]));
-        s.observe(&coll(0, 1, 100, 10), 0);
-        s.observe(&coll(1, 1, 300, 10), 0);
+        s.observe(&coll(0, 1, 100, 10), 0, 1);
+        s.observe(&coll(1, 1, 300, 10), 0, 1);
         assert_eq!(s.skew_evaluated, 0);
         s.expire(500, usize::MAX);
         assert_eq!(s.skew_evaluated, 0, "window not over");
@@ -390,7 +404,7 @@ mod tests {
         assert_eq!(s.skew_evaluated, 1);
         let mut other = coll(0, 2, 0, 10);
         other.func = "Broadcast".into();
-        s.observe(&other, 0);
+        s.observe(&other, 0, 1);
         assert_eq!(s.folded, 1);
         assert!(s.series.keys().any(|k| k.size_bucket == OVERFLOW_BUCKET));
     }
