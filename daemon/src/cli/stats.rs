@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use ncclscope_proto::api::{
-    ListJobsRequest, ListJobsResponse, RankStats, StatsRequest, StatsResponse,
+    Job, ListJobsRequest, ListJobsResponse, RankStats, StatsRequest, StatsResponse,
 };
 use serde_json::{Value, json};
 
@@ -105,14 +105,9 @@ pub fn render(jobs: &ListJobsResponse, stats: &StatsResponse) -> String {
     for id in job_ids {
         let job = jobs.jobs.iter().find(|j| j.job_id == id);
         let (n, live) = job.map_or((0, false), |j| (j.collectives, j.live));
-        let comms = job.map_or(0, |j| j.communicators.len());
-        let ranks: usize = job.map_or(0, |j| {
-            j.communicators
-                .iter()
-                .map(|c| c.ranks.len())
-                .max()
-                .unwrap_or(0)
-        });
+        // The job listing names the communicators of attached processes; after they exit the
+        // statistics still hold their ranks.
+        let (comms, ranks) = shape(job, &stats.ranks, id);
         let _ = writeln!(
             out,
             "job {id}  ({}, {ranks} ranks, {comms} communicators, {n} collectives)",
@@ -200,6 +195,28 @@ pub fn render(jobs: &ListJobsResponse, stats: &StatsResponse) -> String {
         );
     }
     out
+}
+
+/// (communicators, ranks of the largest one) of a job, from its listing or else its rank statistics.
+pub fn shape(job: Option<&Job>, ranks: &[RankStats], id: &str) -> (usize, usize) {
+    let listed = job.map_or((0, 0), |j| {
+        let ranks = j
+            .communicators
+            .iter()
+            .map(|c| c.ranks.len())
+            .max()
+            .unwrap_or(0);
+        (j.communicators.len(), ranks)
+    });
+    let mut per_comm: std::collections::BTreeMap<u64, usize> = Default::default();
+    for r in ranks.iter().filter(|r| r.job_id == id) {
+        *per_comm.entry(r.comm_hash).or_default() += 1;
+    }
+    let seen = (
+        per_comm.len(),
+        per_comm.values().copied().max().unwrap_or(0),
+    );
+    (listed.0.max(seen.0), listed.1.max(seen.1))
 }
 
 /// One line naming a communicator's straggler and why.
@@ -316,7 +333,7 @@ mod tests {
         let (jobs, stats) = sample();
         let t = render(&jobs, &stats);
         assert!(
-            t.contains("job train  (live, 0 ranks, 0 communicators, 40 collectives)"),
+            t.contains("job train  (live, 4 ranks, 1 communicators, 40 collectives)"),
             "{t}"
         );
         assert!(

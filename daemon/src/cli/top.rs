@@ -18,7 +18,7 @@ use ratatui::text::Line;
 use ratatui::widgets::{Block, Paragraph, Row, Table};
 
 use crate::api;
-use crate::cli::stats::{fetch, us};
+use crate::cli::stats::{fetch, shape, us};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -315,12 +315,7 @@ impl View {
             Row::new(cells.to_vec()).style(Style::new().add_modifier(Modifier::BOLD))
         };
         let job_rows = self.jobs.jobs.iter().map(|j| {
-            let ranks = j
-                .communicators
-                .iter()
-                .map(|c| c.ranks.len())
-                .max()
-                .unwrap_or(0);
+            let (comms, ranks) = shape(Some(j), &self.stats.ranks, &j.job_id);
             Row::new(vec![
                 j.job_id.clone(),
                 if j.live {
@@ -329,7 +324,7 @@ impl View {
                     "ended".into()
                 },
                 ranks.to_string(),
-                j.communicators.len().to_string(),
+                comms.to_string(),
                 j.collectives.to_string(),
             ])
         });
