@@ -9,7 +9,7 @@
 mod devhook_support;
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use devhook_support::{Plugin, cpu_time, forwarding_thread_cpu, forwarding_thread_switches};
@@ -39,23 +39,24 @@ fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Writes work items on every channel (one writer thread: one writer per ring), at `rate` events/s
-/// (0: as fast as possible) for `duration`. Continues each channel's work counter from `*next_wc`.
+/// Writes work items on `channels` (each channel has one writer, as each ring has on the GPU), at `rate`
+/// events/s (0: as fast as possible) for `duration`, continuing from work counter `wc`. Returns the
+/// next work counter.
 fn write(
     hook: Hook,
     ctx: *mut c_void,
+    channels: std::ops::Range<u8>,
     rate: u64,
     duration: Duration,
-    next_wc: &mut u64,
+    mut wc: u64,
     written: &AtomicU64,
-) {
+) -> u64 {
     let t0 = Instant::now();
     let base = monotonic_ns();
     let mut n = 0u64;
     while t0.elapsed() < duration {
         for _ in 0..1024 {
-            let wc = *next_wc;
-            for channel in 0..CHANNELS {
+            for channel in channels.clone() {
                 for phase in 0..2 {
                     // A synthetic timestamp: the clock read is not what is measured here.
                     let timestamp = base + wc * 2 + phase as u64;
@@ -71,10 +72,11 @@ fn write(
                     unsafe { hook(&ev, ctx) };
                 }
             }
-            *next_wc += 1;
-            n += 2 * CHANNELS as u64;
+            wc += 1;
         }
-        written.store(n, Relaxed);
+        let batch = 1024 * 2 * channels.len() as u64;
+        n += batch;
+        written.fetch_add(batch, Relaxed);
         if rate > 0 {
             // Sleep (not spin) when ahead: on a small machine a spinning writer would starve the drain.
             let due = Duration::from_secs_f64(n as f64 / rate as f64);
@@ -83,6 +85,7 @@ fn write(
             }
         }
     }
+    wc
 }
 
 fn main() {
@@ -105,12 +108,20 @@ fn main() {
     // SAFETY: in cpu mode getDeviceHook returns a host function with the hook's signature.
     let hook: Hook = unsafe { std::mem::transmute::<*mut c_void, Hook>(comm.hook) };
     let mut reader = plugin.segment();
-    let mut next_wc = 1u64;
+    // Writer threads, each owning CHANNELS / writers channels (DEVHOOK_WRITERS, default 2).
+    let writers: u8 = std::env::var("DEVHOOK_WRITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2)
+        .clamp(1, CHANNELS);
+    let per = CHANNELS / writers;
+    let mut next_wc = vec![1u64; writers as usize];
     let mut total_written = 0u64;
+    println!("writers: {writers}");
 
     for (label, rate, secs) in [("paced_20M", 20_000_000u64, 5u64), ("unpaced", 0, 3)] {
         let written = AtomicU64::new(0);
-        let done = AtomicBool::new(false);
+        let running = AtomicU64::new(writers as u64);
         let before = reader.check.works * 2
             + reader.counter(Counter::DevLost)
             + reader.counter(Counter::DevUnpaired);
@@ -120,30 +131,33 @@ fn main() {
         let t0 = Instant::now();
         let ctx = comm.dev_ctx as usize;
         std::thread::scope(|s| {
-            let (written, done, next_wc) = (&written, &done, &mut next_wc);
-            s.spawn(move || {
-                write(
-                    hook,
-                    ctx as *mut c_void,
-                    rate,
-                    Duration::from_secs(secs),
-                    next_wc,
-                    written,
-                );
-                done.store(true, Relaxed);
-            });
-            // Read until the writer is done and every written event is accounted for (delivered or counted).
+            for (i, wc) in next_wc.iter_mut().enumerate() {
+                let (written, running) = (&written, &running);
+                let channels = i as u8 * per..(i as u8 + 1) * per;
+                s.spawn(move || {
+                    *wc = write(
+                        hook,
+                        ctx as *mut c_void,
+                        channels,
+                        rate / writers as u64,
+                        Duration::from_secs(secs),
+                        *wc,
+                        written,
+                    );
+                    running.fetch_sub(1, Relaxed);
+                });
+            }
+            // Read until the writers are done and every written event is accounted for (delivered or counted).
             let deadline = Instant::now() + Duration::from_secs(secs + 30);
             loop {
-                // As the daemon does: read in batches, sleep briefly when there is nothing.
-                if reader.poll(&func_of) == 0 {
-                    std::thread::sleep(Duration::from_micros(200));
-                }
+                // As the daemon does: read on a ticker, in batches.
+                reader.poll(&func_of);
+                std::thread::sleep(Duration::from_millis(1));
                 let accounted = reader.check.works * 2
                     + reader.counter(Counter::DevLost)
                     + reader.counter(Counter::DevUnpaired)
                     - before;
-                if done.load(Relaxed) && accounted >= written.load(Relaxed)
+                if running.load(Relaxed) == 0 && accounted >= written.load(Relaxed)
                     || Instant::now() > deadline
                 {
                     break;
