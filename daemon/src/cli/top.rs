@@ -441,6 +441,9 @@ impl View {
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
         lost.sort();
+        if lost.is_empty() {
+            lost.push("nothing".into());
+        }
         let straggler = match self.stragglers.first() {
             Some(s) => format!(
                 "STRAGGLER: rank {} (job {}, comm {:016x}): last to start in {} of the last {} collectives, skew p50 {}",
@@ -458,7 +461,7 @@ impl View {
                 Line::from(straggler)
                     .style(Style::new().fg(Color::Red).add_modifier(Modifier::BOLD)),
                 Line::from(format!(
-                    "lost: [{}]  export errors {}",
+                    "lost: {}  export errors {}",
                     lost.join(" "),
                     health.export_errors
                 )),
