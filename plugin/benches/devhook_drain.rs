@@ -209,5 +209,10 @@ fn main() {
         + reader.counter(Counter::DevUnpaired);
     println!("events_written_total: {total_written}");
     println!("events_accounted_total: {accounted}");
+    // Records the segment had no room for (this benchmark's reader fell behind); each DevWork is 2 events.
+    println!(
+        "segment_ring_full_records: {}",
+        reader.counter(Counter::RingFull)
+    );
     reader.unlink();
 }
