@@ -119,6 +119,14 @@ fn load(ctx: cu::CUcontext) -> Result<Device, String> {
     let rc = unsafe { cu::cuModuleLoadData(&mut module, image) };
     check(rc, "cuModuleLoadData")?;
     let hook = read_pointer(module, c"ncclscope_hook_ptr")?;
+    // Device-linked code holds a real address. A GPU with no linked image in the fatbin gets the PTX
+    // compiled as a whole program, whose function-pointer globals hold small descriptors that fault when
+    // called from another module (CUDA_ERROR_INVALID_PC on the H200): refuse instead.
+    if hook < 1 << 16 {
+        return Err(format!(
+            "no device-linked hook image for this GPU (pointer {hook:#x}); rebuild with its architecture"
+        ));
+    }
     let mut calibrate: cu::CUfunction = std::ptr::null_mut();
     let mut stream: cu::CUstream = std::ptr::null_mut();
     let (ping, ping_dev) = pinned_mapped((MAX_PINGS + 2) * 8)?;
