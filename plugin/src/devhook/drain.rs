@@ -44,6 +44,10 @@ const MIN_WINDOW: usize = 8;
 const BUDGET: usize = 4096;
 /// Most copy rounds of a staged block per drain call.
 const ROUNDS: usize = 4;
+/// A staged ring with no progress for this many drain calls in a row is copied only every
+/// `IDLE_PROBE`-th call until it moves again (its ring absorbs the wait).
+const IDLE_AFTER: u32 = 4;
+const IDLE_PROBE: u32 = 8;
 
 /// One communicator's block of rings and the drain's position in each.
 pub struct CommRings {
@@ -52,7 +56,10 @@ pub struct CommRings {
     shift: u32,
     mem: Memory,
     cursors: Vec<Cursor>,
+    /// Staged placement: slots copied per ring, passes without progress, calls left to skip.
     windows: Vec<usize>,
+    idle: Vec<u32>,
+    skip: Vec<u32>,
 }
 
 impl CommRings {
@@ -64,6 +71,8 @@ impl CommRings {
             mem,
             cursors: vec![Cursor::default(); MAX_CHANNELS],
             windows: vec![MIN_WINDOW; MAX_CHANNELS],
+            idle: vec![0; MAX_CHANNELS],
+            skip: vec![0; MAX_CHANNELS],
         }
     }
 
@@ -89,11 +98,23 @@ impl CommRings {
                 }
             }
             Memory::Staged { copy, max_window } => {
-                // Copy rounds until no ring filled its window (bounded): a ring that did is probably
-                // behind, and its window grows fourfold for the next round.
+                // Which rings to copy this call: idle rings only every IDLE_PROBE-th call (most of the 64
+                // channels are often unused; each copy is a driver call).
+                let mut active = [false; MAX_CHANNELS];
+                for (ch, a) in active.iter_mut().enumerate() {
+                    *a = self.skip[ch] == 0;
+                    self.skip[ch] = self.skip[ch].saturating_sub(1);
+                }
+                // Copy rounds while some ring filled its window (bounded): such a ring is probably
+                // behind, its window grows fourfold, and only such rings are copied again.
                 let max_window = (*max_window).min(slots as usize);
                 for _ in 0..ROUNDS {
-                    for (ch, cursor) in self.cursors.iter().enumerate() {
+                    for (ch, cursor) in self
+                        .cursors
+                        .iter()
+                        .enumerate()
+                        .filter(|(ch, _)| active[*ch])
+                    {
                         let len = self.windows[ch].min(max_window);
                         let dst = ch * max_window * SLOT_WORDS;
                         let first = (cursor.next & (slots - 1)) as usize;
@@ -110,6 +131,9 @@ impl CommRings {
                     };
                     let mut behind = false;
                     for (ch, cursor) in self.cursors.iter_mut().enumerate() {
+                        if !active[ch] {
+                            continue;
+                        }
                         let len = self.windows[ch].min(max_window);
                         let start = cursor.next;
                         let base = ch * max_window * SLOT_WORDS;
@@ -120,9 +144,14 @@ impl CommRings {
                         };
                         let moved = cursor.advance(ch as u8, slots, len, load, out, &mut tally);
                         let full = moved >= len;
+                        active[ch] = full;
                         behind |= full;
                         self.windows[ch] =
                             if full { len * 4 } else { moved * 2 }.clamp(MIN_WINDOW, max_window);
+                        self.idle[ch] = if moved == 0 { self.idle[ch] + 1 } else { 0 };
+                        if self.idle[ch] >= IDLE_AFTER {
+                            self.skip[ch] = IDLE_PROBE - 1;
+                        }
                         total += moved;
                     }
                     if !behind {
@@ -136,6 +165,17 @@ impl CommRings {
     }
 
     /// The communicator is gone: nothing more will be written, so a START still waiting is unpaired.
+    /// Drains until nothing more is complete (bounded: a kernel may still be writing), idle rings
+    /// included; for finalize.
+    pub fn drain_all(&mut self, out: &mut Emitter<'_>) {
+        for _ in 0..1024 {
+            self.skip.fill(0);
+            if self.drain(out) == 0 {
+                break;
+            }
+        }
+    }
+
     pub fn close(&mut self, out: &mut Emitter<'_>) {
         let mut tally = Tally::default();
         for cursor in &mut self.cursors {

@@ -345,12 +345,7 @@ impl DrainState {
         };
         let mut rings = self.comms.swap_remove(i);
         let mut out = Self::emitter(sink, &mut self.funcs_seen);
-        // Everything complete is delivered; a bounded number of passes, since a kernel may still write.
-        for _ in 0..1024 {
-            if rings.drain(&mut out) == 0 {
-                break;
-            }
-        }
+        rings.drain_all(&mut out);
         rings.close(&mut out);
         finish(out);
         drop(rings.into_memory());

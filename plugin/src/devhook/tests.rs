@@ -139,13 +139,9 @@ fn pass(r: &mut CommRings, sink: &mut TestSink) -> usize {
 }
 
 fn close(r: &mut CommRings, sink: &mut TestSink) {
-    for _ in 0..10_000 {
-        if pass(r, sink) == 0 {
-            break;
-        }
-    }
     let mut seen = vec![0u64; FUNC_BITMAP_WORDS];
     let mut out = Emitter::new(sink, &mut seen);
+    r.drain_all(&mut out);
     r.close(&mut out);
     out.flush_counts();
 }
@@ -603,4 +599,30 @@ fn each_new_func_id_is_named_once_when_the_host_can_name_it() {
         ]
     );
     assert_eq!(sink.works().count(), 9);
+}
+
+#[test]
+fn idle_staged_rings_are_probed_and_deliver_once_active() {
+    // 63 channels stay idle for many passes (copied only every few passes); then channel 5 starts.
+    let (block, mut r) = rings(10, 8, true);
+    let mut sink = TestSink::default();
+    for _ in 0..20 {
+        assert_eq!(pass(&mut r, &mut sink), 0);
+    }
+    for wc in 1..=100 {
+        write(block.ctx(), &event(5, wc, 0));
+        write(block.ctx(), &event(5, wc, 1));
+    }
+    let mut passes = 0;
+    while sink.works().count() < 100 {
+        pass(&mut r, &mut sink);
+        passes += 1;
+        assert!(
+            passes <= 16,
+            "an idle ring is probed at least every 8 passes"
+        );
+    }
+    close(&mut r, &mut sink);
+    verify(&sink);
+    assert_eq!(sink.accounted(), 200);
 }
