@@ -9,6 +9,8 @@ use ncclscope_proto::Record;
 
 /// How often a device is recalibrated.
 pub const PERIOD: Duration = Duration::from_secs(5);
+/// How soon a calibration that could not run is tried again.
+pub const RETRY: Duration = Duration::from_millis(250);
 /// Samples per calibration.
 pub const SAMPLES: usize = 32;
 
@@ -81,9 +83,14 @@ impl Tracker {
         now >= self.due
     }
 
-    /// Schedules the next calibration (also after a failed one).
+    /// Schedules the next calibration.
     pub fn reschedule(&mut self, now: Instant) {
         self.due = now + PERIOD;
+    }
+
+    /// A calibration could not run (the GPU was too busy to start its kernel): try again soon.
+    pub fn retry(&mut self, now: Instant) {
+        self.due = now + RETRY;
     }
 
     /// The record for a new estimate taken at `host_ns`, with the drift since the previous one.

@@ -56,8 +56,10 @@ pub struct Device {
     /// The device address of `ncclscope_hook`.
     pub hook: u64,
     calibrate: cu::CUfunction,
-    /// The drain's own stream: copies out of device rings and the calibration kernel.
+    /// The drain's own stream for copies out of device rings.
     stream: cu::CUstream,
+    /// The calibration kernel's stream (a kernel queued behind other work must not hold up copies).
+    calib_stream: cu::CUstream,
     /// Pinned, mapped: [0] the host's "go" word, [1] the tick, [2..] one GPU clock read per sample.
     ping: *mut AtomicU64,
     ping_dev: u64,
@@ -128,7 +130,8 @@ fn load(ctx: cu::CUcontext) -> Result<Device, String> {
         ));
     }
     let mut calibrate: cu::CUfunction = std::ptr::null_mut();
-    let mut stream: cu::CUstream = std::ptr::null_mut();
+    let (mut stream, mut calib_stream): (cu::CUstream, cu::CUstream) =
+        (std::ptr::null_mut(), std::ptr::null_mut());
     let (ping, ping_dev) = pinned_mapped((MAX_PINGS + 2) * 8)?;
     // SAFETY: valid out pointers; names are NUL-terminated.
     unsafe {
@@ -136,19 +139,19 @@ fn load(ctx: cu::CUcontext) -> Result<Device, String> {
             cu::cuModuleGetFunction(&mut calibrate, module, c"ncclscope_calibrate".as_ptr()),
             "cuModuleGetFunction",
         )?;
-        check(
-            cu::cuStreamCreate(
-                &mut stream,
-                cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-            ),
-            "cuStreamCreate",
-        )?;
+        for s in [&mut stream, &mut calib_stream] {
+            check(
+                cu::cuStreamCreate(s, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
+                "cuStreamCreate",
+            )?;
+        }
     }
     Ok(Device {
         ctx,
         hook,
         calibrate,
         stream,
+        calib_stream,
         ping: ping as *mut AtomicU64,
         ping_dev,
     })
@@ -288,6 +291,11 @@ impl Device {
     pub fn clock_samples(&self, n: usize) -> Result<(Vec<Sample>, u64), String> {
         let n = n.min(MAX_PINGS);
         self.enter_drain_thread()?;
+        // A kernel of an earlier attempt that never started still owns the ping words.
+        // SAFETY: our own stream; a query does not block.
+        if unsafe { cu::cuStreamQuery(self.calib_stream) } != cu::CUresult::CUDA_SUCCESS {
+            return Err("an earlier calibration kernel has not run yet".into());
+        }
         // SAFETY: `ping` holds MAX_PINGS + 2 words, pinned for the life of the process.
         let words = unsafe { std::slice::from_raw_parts(self.ping, MAX_PINGS + 2) };
         for w in words {
@@ -311,7 +319,7 @@ impl Device {
                     1,
                     1,
                     0,
-                    self.stream,
+                    self.calib_stream,
                     params.as_mut_ptr(),
                     std::ptr::null_mut(),
                 ),
@@ -333,8 +341,9 @@ impl Device {
             }
         };
         let mut samples = Vec::with_capacity(n);
-        let result = match wait(&words[1], Duration::from_millis(20)) {
-            None => Err("the calibration kernel did not start within 20 ms".to_string()),
+        // The drain thread waits here, so not long: a GPU full of other work is simply tried again later.
+        let result = match wait(&words[1], Duration::from_millis(2)) {
+            None => Err("the calibration kernel did not start within 2 ms".to_string()),
             Some(tick) => {
                 for i in 0..n {
                     let before = ncclscope_proto::now_ns();
@@ -351,10 +360,14 @@ impl Device {
                 Ok((samples, tick))
             }
         };
+        // Ends the kernel: at once if it is waiting for a ping, on start if it has not started. Only a
+        // kernel that ran is waited for (it is finishing); one still queued is left to exit on its own.
         words[0].store(PING_ABORT, Ordering::Release);
-        // SAFETY: our own stream.
-        let rc = unsafe { cu::cuStreamSynchronize(self.stream) };
-        check(rc, "cuStreamSynchronize")?;
+        if result.is_ok() {
+            // SAFETY: our own stream.
+            let rc = unsafe { cu::cuStreamSynchronize(self.calib_stream) };
+            check(rc, "cuStreamSynchronize")?;
+        }
         result
     }
 }

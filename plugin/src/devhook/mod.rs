@@ -369,7 +369,13 @@ impl DrainState {
                         n += 1;
                     }
                 }
-                Err(why) => log_once(true, format!("GPU clock calibration failed: {why}")),
+                Err(why) => {
+                    tracker.retry(now);
+                    log_once(
+                        true,
+                        format!("GPU clock calibration failed (will retry): {why}"),
+                    );
+                }
             }
         }
         n
