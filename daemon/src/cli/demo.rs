@@ -111,6 +111,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join(format!("ncclscope-{job}.perfetto.json")));
 
+    // The in-process daemon logs to a file (the terminal belongs to the live view).
+    let log_path = trace.with_extension("daemon.log");
+    let log_file = std::fs::File::create(&log_path)
+        .with_context(|| format!("creating {}", log_path.display()))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("NCCLSCOPE_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_ansi(false)
+        .with_writer(std::sync::Mutex::new(log_file))
+        .init();
+
     let defaults = Config::default();
     let config = Config {
         socket: tmp.path().join("ncclscope.sock"),
@@ -273,6 +286,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             c.export_errors.load(Ordering::Relaxed)
         );
     }
+    println!("daemon log: {}", log_path.display());
     verdict(&stats.ranks, straggler)
 }
 

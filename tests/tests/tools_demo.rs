@@ -1,0 +1,99 @@
+//! `ncclscope demo`, the README's main job, end to end as a user runs it: it must name the injected
+//! straggler, write a Perfetto trace holding every instance the ranks produced, and export spans to the
+//! OTLP endpoint it was given (a real OTLP/gRPC receiver here).
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use fake_opentelemetry_collector::FakeCollectorServer;
+use serde_json::Value;
+
+fn ncclscope_bin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe.parent().unwrap().parent().unwrap().join("ncclscope");
+    assert!(
+        bin.is_file(),
+        "{} is missing: run `cargo build --workspace` first",
+        bin.display()
+    );
+    bin
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_names_the_injected_straggler_writes_the_trace_and_exports_otlp() {
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("demo.perfetto.json");
+    let mut cmd = Command::new(ncclscope_bin());
+    cmd.args([
+        "demo",
+        "--ranks",
+        "3",
+        "--seconds",
+        "3",
+        "--straggler",
+        "2",
+        "--plain",
+    ])
+    .args(["--otlp-endpoint", &collector.endpoint()])
+    .arg("--trace")
+    .arg(&trace);
+    let demo = tokio::task::spawn_blocking(move || cmd.output());
+    // The receiver hands spans over through a bounded queue: drain it while the demo runs.
+    let mut spans = Vec::new();
+    while !demo.is_finished() {
+        spans.extend(
+            collector
+                .exported_spans(1, Duration::from_millis(200))
+                .await,
+        );
+    }
+    let out = demo.await.unwrap().unwrap();
+    spans.extend(
+        collector
+            .exported_spans(usize::MAX, Duration::from_secs(1))
+            .await,
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "demo failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("straggler found: rank 2 (injected: rank 2)"),
+        "{stdout}"
+    );
+
+    // 3 s of 5 training steps per second of 8 collectives, on each of 3 ranks.
+    let instances = 3 * 5 * 8 * 3;
+    assert!(
+        stdout.contains(&format!(
+            "instances: {instances} produced by the ranks, {instances} assembled"
+        )),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&trace.display().to_string()),
+        "the trace path is printed: {stdout}"
+    );
+    let doc: Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let slices = doc["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["cat"] == "collective")
+        .count();
+    assert_eq!(slices, instances);
+
+    // Every rank's span of every instance reached the receiver (sampling defaults to everything).
+    let rank_spans = spans.iter().filter(|s| s.name.ends_with(" rank")).count();
+    let log = std::fs::read_to_string(trace.with_extension("daemon.log")).unwrap_or_default();
+    assert_eq!(
+        rank_spans,
+        instances,
+        "{} spans in all; demo said:\n{stdout}\ndaemon log:\n{log}",
+        spans.len()
+    );
+}
