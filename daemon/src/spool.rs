@@ -729,6 +729,29 @@ mod tests {
     }
 
     #[test]
+    fn a_full_disk_is_an_error_that_keeps_the_spool_consistent() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
+        spool.append(&[coll("j", 0, 1)]).unwrap();
+        let before = spool.stats();
+        // The job's file now sits on a full device: every write fails with ENOSPC.
+        let full = OpenOptions::new().append(true).open("/dev/full").unwrap();
+        spool.open.insert("j".into(), full);
+        let err = spool
+            .append(&[coll("j", 0, 2), coll("j", 0, 3)])
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::StorageFull, "{err}");
+        assert_eq!(spool.stats(), before, "nothing unacknowledged is accounted");
+        // The disk has room again: the next append goes to the job's real file, after what was kept.
+        spool.append(&[coll("j", 0, 4)]).unwrap();
+        let seqs: Vec<_> = read_all(&spool.reader(), "j")
+            .iter()
+            .map(|c| c.seq)
+            .collect();
+        assert_eq!(seqs, [1, 4]);
+    }
+
+    #[test]
     fn job_ids_round_trip_through_directory_names() {
         for job in ["", "a", ".hidden", "x/../y", "pod-1_2.3", "ünï %41"] {
             let name = escape_job(job);
