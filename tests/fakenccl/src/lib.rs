@@ -785,10 +785,10 @@ impl Comm {
         Ok(())
     }
 
-    /// Calls NCCL makes that the plugin must decline or ignore cheaply: event types it does not handle
-    /// (ProxyOp, GroupApi, a type from the future), GroupApi states with NULL args, stop/record on NULL,
-    /// on the Group handle and on a garbage pointer. Returns how many of them the plugin should count
-    /// as ignored (declined starts, records that match no event, stops of unknown handles).
+    /// Calls the plugin must decline or ignore cheaply: event types it does not handle (ProxyOp,
+    /// GroupApi, a type from the future), GroupApi states with NULL args, stop/record on NULL, on the
+    /// Group handle and on a garbage pointer, a Coll on a garbage context. Returns how many of them the
+    /// plugin should count as ignored (declined starts, records matching no event, unknown handles).
     pub fn noise(&mut self) -> u64 {
         let ctx = self.ctx;
         let mut c = self.caller();
@@ -806,6 +806,15 @@ impl Comm {
         c.stop(group);
         c.stop(SendPtr(std::ptr::null_mut()));
         let garbage = SendPtr(0xdead_bee8usize as *mut c_void);
+        // A context that is not one the plugin handed out.
+        let h = c.start(garbage, event::COLL, SendPtr(std::ptr::null_mut()), |d| {
+            d.u8(off::COLL_NCHANNELS, 1);
+        });
+        assert!(
+            h.0.is_null(),
+            "an event on an unknown context should be declined"
+        );
+        ignored += 1;
         c.stop(garbage);
         c.record(garbage, state::KERNEL_CH_STOP, Some(1));
         ignored += 2;
