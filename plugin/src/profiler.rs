@@ -2,8 +2,8 @@
 //! (`entry.rs`) has read it out of NCCL's descriptor.
 //!
 //! Hot path (startEvent / stopEvent / recordEventState): validate the handle, take or return a pool slot,
-//! push one [`Event`] into the bounded queue. No lock, no allocation, no syscall beyond the vDSO clock;
-//! a full pool or queue drops the event and counts it.
+//! push one [`Event`] into the bounded queue. No lock, no allocation, no syscall (timestamps are TSC
+//! reads, see `clock`); a full pool or queue drops the event and counts it.
 
 use std::cell::Cell;
 use std::ffi::{c_int, c_void};
