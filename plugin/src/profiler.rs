@@ -168,13 +168,8 @@ pub unsafe fn init(
     logfn: Option<Logger>,
 ) -> *mut c_void {
     host::set_logger(logfn);
-    if FORKED.load(Ordering::Relaxed) {
-        host::log_once(
-            "forked",
-            false,
-            "not profiling in a process forked after the plugin started",
-        );
-    }
+    // A child forked after the plugin started is not profiled, and says nothing: a lock that another
+    // thread held at fork time (NCCL's logger, stderr, our log-once set) would never be released in it.
     let launched = (!FORKED.load(Ordering::Relaxed))
         .then(|| *PLUGIN.get_or_init(|| Plugin::launch(abi, logfn)));
     let Some(plugin) = launched.flatten() else {
