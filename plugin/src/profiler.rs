@@ -383,7 +383,11 @@ impl Plugin {
         LAST_INIT.set(Some(index as u32));
         // On an RFC host the timing path is known once `getDeviceHook` has run; announce then.
         if !self.host.is_rfc() {
-            self.announce(slot, TimingPath::KernelCh, -1);
+            self.announce(
+                slot,
+                TimingPath::KernelCh,
+                devhook::calibrate_current_device(),
+            );
         }
         slot as *const CommSlot as *mut c_void
     }

@@ -79,6 +79,21 @@ const PING_ABORT: u64 = u64::MAX;
 
 static DEVICES: Mutex<Vec<Arc<Device>>> = Mutex::new(Vec::new());
 
+/// The device of the calling thread's current context (NCCL's, on its init thread).
+pub fn current_device() -> Result<i32, String> {
+    driver()?;
+    let mut ctx: cu::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out pointer.
+    check(unsafe { cu::cuCtxGetCurrent(&mut ctx) }, "cuCtxGetCurrent")?;
+    if ctx.is_null() {
+        return Err("no current CUDA context on NCCL's init thread".into());
+    }
+    let mut dev: cu::CUdevice = 0;
+    // SAFETY: valid out pointer; a context is current.
+    check(unsafe { cu::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
+    Ok(dev)
+}
+
 /// The hook module for the calling thread's current context (NCCL's, for `cuda_dev`), loaded once.
 pub fn device(cuda_dev: i32) -> Result<Arc<Device>, String> {
     driver()?;

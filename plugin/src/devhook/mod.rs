@@ -97,6 +97,8 @@ impl RingConfig {
 
 /// Rings handed out but not yet seen by the drain (the init thread only appends here).
 static NEW: Mutex<Vec<(CommRings, Clock)>> = Mutex::new(Vec::new());
+/// Devices to calibrate for the stock KernelCh path (no rings), adopted by the drain.
+static NEW_CLOCKS: Mutex<Vec<(i32, Clock)>> = Mutex::new(Vec::new());
 /// Whether any rings were ever handed out: the drain's fast path when the hook is unused.
 static ACTIVE: AtomicBool = AtomicBool::new(false);
 /// Latched on the first panic: no more hooks are offered and nothing more is drained.
@@ -225,6 +227,42 @@ pub unsafe fn get_device_hook(
     }
 }
 
+/// The stock KernelCh path on a real GPU: NCCL's `pTimer` values are raw %globaltimer of the device of
+/// the calling thread's context (NCCL's init thread), so that device is calibrated like a hooked one.
+/// Returns its ordinal, or -1 in simulation (the host side calibrates the simulated clock), without a
+/// driver, or on failure (logged once; the daemon then counts the kernel times as uncalibrated).
+pub fn calibrate_current_device() -> i32 {
+    let placement = RingConfig::from_lookup(|name| std::env::var(name).ok()).placement;
+    if DISABLED.load(Ordering::Relaxed) || matches!(placement, Placement::Cpu) {
+        return -1;
+    }
+    let watched = catch_unwind(|| -> Result<i32, String> {
+        let ordinal = cuda::current_device()?;
+        let dev = cuda::device(ordinal)?;
+        NEW_CLOCKS
+            .lock()
+            .map_err(|_| "poisoned".to_string())?
+            .push((ordinal, Clock::Gpu(dev)));
+        ACTIVE.store(true, Ordering::Release);
+        Ok(ordinal)
+    });
+    match watched {
+        Ok(Ok(ordinal)) => ordinal,
+        Ok(Err(why)) => {
+            log_once(
+                false,
+                format!("no GPU clock calibration for NCCL's kernel timings: {why}"),
+            );
+            -1
+        }
+        Err(_) => {
+            DISABLED.store(true, Ordering::Relaxed);
+            log_once(true, "device hook disabled after an internal error".into());
+            -1
+        }
+    }
+}
+
 /// Allocates `comm`'s rings and returns (hook, devCtx).
 fn offer(cuda_dev: i32, comm: u32) -> Result<(*mut c_void, *mut c_void), String> {
     let config = RingConfig::from_lookup(|name| std::env::var(name).ok());
@@ -310,17 +348,23 @@ fn guarded(f: impl FnOnce() -> usize) -> usize {
 
 impl DrainState {
     fn adopt_new(&mut self) {
-        let Ok(mut new) = NEW.lock() else { return };
-        for (rings, clock) in new.drain(..) {
-            if !self
-                .clocks
-                .iter()
-                .any(|(t, _)| t.cuda_dev == rings.cuda_dev)
-            {
-                self.clocks
-                    .push((calib::Tracker::new(rings.cuda_dev), clock));
+        if let Ok(mut new) = NEW.lock() {
+            for (rings, clock) in new.drain(..) {
+                self.watch(rings.cuda_dev, clock);
+                self.comms.push(rings);
             }
-            self.comms.push(rings);
+        }
+        if let Ok(mut new) = NEW_CLOCKS.lock() {
+            for (cuda_dev, clock) in new.drain(..) {
+                self.watch(cuda_dev, clock);
+            }
+        }
+    }
+
+    /// Calibrates `cuda_dev` from now on (once per device).
+    fn watch(&mut self, cuda_dev: i32, clock: Clock) {
+        if !self.clocks.iter().any(|(t, _)| t.cuda_dev == cuda_dev) {
+            self.clocks.push((calib::Tracker::new(cuda_dev), clock));
         }
     }
 
