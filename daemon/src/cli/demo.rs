@@ -79,14 +79,89 @@ pub fn find_plugin(path: TimingPath) -> anyhow::Result<PathBuf> {
     )
 }
 
-/// The simulated ranks; killed on drop so that no process outlives a failed demo.
-struct Ranks(Vec<Child>);
+/// The simulated ranks, waited for on a thread while the view runs. Stopping it (or dropping it, on any
+/// early return) kills the ranks still running, so that no process outlives the demo.
+struct Ranks {
+    stop: Arc<AtomicBool>,
+    waiter: Option<std::thread::JoinHandle<RanksOutcome>>,
+}
+
+#[derive(Default)]
+struct RanksOutcome {
+    produced: u64,
+    failures: Vec<String>,
+}
+
+impl Ranks {
+    /// Waits for `children` on a thread; `done` is set once none runs any more.
+    fn watch(mut children: Vec<Child>, done: Arc<AtomicBool>) -> Ranks {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop_flag = stop.clone();
+        let waiter = std::thread::spawn(move || {
+            let mut outcome = RanksOutcome::default();
+            let mut running: Vec<(usize, Child)> = children.drain(..).enumerate().collect();
+            while !running.is_empty() {
+                if stop_flag.load(Ordering::Acquire) {
+                    for (_, c) in &mut running {
+                        let _ = c.kill();
+                    }
+                }
+                let mut still = Vec::new();
+                for (rank, mut c) in running {
+                    match c.try_wait() {
+                        Ok(None) => still.push((rank, c)),
+                        Ok(Some(st)) if st.success() => {
+                            let mut out = String::new();
+                            if let Some(mut s) = c.stdout.take() {
+                                let _ = std::io::Read::read_to_string(&mut s, &mut out);
+                            }
+                            outcome.produced += sim_rank::parse_produced(&out).unwrap_or(0);
+                        }
+                        Ok(Some(st)) => outcome.failures.push(format!("rank {rank}: {st}")),
+                        Err(e) => outcome.failures.push(format!("rank {rank}: {e}")),
+                    }
+                }
+                running = still;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            done.store(true, Ordering::Release);
+            outcome
+        });
+        Ranks {
+            stop,
+            waiter: Some(waiter),
+        }
+    }
+
+    /// Waits for the ranks; with `kill`, stops the ones still running first.
+    fn finish(mut self, kill: bool) -> RanksOutcome {
+        if kill {
+            self.stop.store(true, Ordering::Release);
+        }
+        self.waiter
+            .take()
+            .and_then(|w| w.join().ok())
+            .unwrap_or_default()
+    }
+}
 
 impl Drop for Ranks {
     fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
+        self.stop.store(true, Ordering::Release);
+        if let Some(w) = self.waiter.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// Unlinks the demo's shared-memory segments when it ends, however it ends (short of a kill): the
+/// daemon removes drained segments of exited processes, but not once it has been stopped.
+struct SegmentCleanup(String);
+
+impl Drop for SegmentCleanup {
+    fn drop(&mut self) {
+        for name in ncclscope_proto::segment::list(&self.0).unwrap_or_default() {
+            let _ = ncclscope_proto::Segment::unlink(&name);
         }
     }
 }
@@ -162,11 +237,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
 
     let epoch_ns = sim_rank::monotonic_ns() + 1_000_000_000; // one second for the ranks to start
-    let log = tmp.path().join("ranks.log");
-    let mut ranks = Ranks(Vec::new());
+    // The ranks' stderr (the plugin logs through the fake NCCL's logger): kept next to the trace.
+    let log = trace.with_extension("ranks.log");
+    let _segments = SegmentCleanup(config.shm_prefix.clone());
+    let log_file = std::fs::File::create(&log)?;
+    let exe = std::env::current_exe()?;
+    let mut children = Vec::new();
     for rank in 0..args.ranks {
-        let child = Command::new(std::env::current_exe()?)
-            .arg("sim-rank")
+        let mut cmd = Command::new(&exe);
+        cmd.arg("sim-rank")
             .args(["--plugin".as_ref(), plugin.as_os_str()])
             .args([
                 "--rank",
@@ -193,43 +272,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .env("NCCLSCOPE_JOB_ID", &job)
             .env_remove("NCCLSCOPE_DISABLE")
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&log)?,
-            )
-            .spawn()
-            .context("starting a simulated rank")?;
-        ranks.0.push(child);
+            .stdout(Stdio::piped());
+        let child = log_file.try_clone().and_then(|log| cmd.stderr(log).spawn());
+        match child {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                for mut c in children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(anyhow::Error::from(e).context("starting a simulated rank"));
+            }
+        }
     }
 
-    // The view runs until every rank has exited.
+    // The view runs until every rank has exited (or the user quits it: then the ranks are stopped).
     let done = Arc::new(AtomicBool::new(false));
-    let waiter = {
-        let done = done.clone();
-        let children = std::mem::take(&mut ranks.0);
-        std::thread::spawn(move || {
-            let mut produced = 0u64;
-            let mut failures = Vec::new();
-            for (rank, mut c) in children.into_iter().enumerate() {
-                let mut out = String::new();
-                if let Some(mut s) = c.stdout.take() {
-                    let _ = std::io::Read::read_to_string(&mut s, &mut out);
-                }
-                match c.wait() {
-                    Ok(st) if st.success() => {
-                        produced += sim_rank::parse_produced(&out).unwrap_or(0)
-                    }
-                    Ok(st) => failures.push(format!("rank {rank}: {st}")),
-                    Err(e) => failures.push(format!("rank {rank}: {e}")),
-                }
-            }
-            done.store(true, Ordering::Release);
-            (produced, failures)
-        })
-    };
+    let ranks = Ranks::watch(children, done.clone());
     let opts = ViewOptions {
         job: job.clone(),
         interval: Duration::from_secs(if tty { 1 } else { 5 }),
@@ -237,11 +296,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         iterations: None,
     };
     let view = show(rt.handle(), &config.api_socket, &opts, &done);
-    let (produced, failures) = waiter
-        .join()
-        .map_err(|_| anyhow::anyhow!("rank waiter panicked"))?;
+    let quit_early = !done.load(Ordering::Acquire);
+    let RanksOutcome { produced, failures } = ranks.finish(quit_early);
     view?;
-    if !failures.is_empty() {
+    if quit_early {
+        println!(
+            "stopped before the ranks were done: the summary covers what they produced so far"
+        );
+    }
+    if !failures.is_empty() && !quit_early {
         anyhow::bail!(
             "simulated ranks failed ({}); their log: {}",
             failures.join(", "),
@@ -263,7 +326,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })?;
     let seen: u64 = jobs.jobs.iter().map(|j| j.collectives).sum();
     println!("\n{}", render(&jobs, &stats));
-    println!("instances: {produced} produced by the ranks, {seen} assembled by the daemon");
+    if !quit_early {
+        println!("instances: {produced} produced by the ranks, {seen} assembled by the daemon");
+    }
 
     let n = rt.block_on(export_via_api(
         &config.api_socket,
@@ -286,7 +351,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             c.export_errors.load(Ordering::Relaxed)
         );
     }
-    println!("daemon log: {}", log_path.display());
+    println!(
+        "logs: {} (daemon), {} (ranks)",
+        log_path.display(),
+        log.display()
+    );
     verdict(&stats.ranks, straggler)
 }
 

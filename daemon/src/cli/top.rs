@@ -299,7 +299,7 @@ impl View {
         .areas(f.area());
         f.render_widget(
             Line::from(format!(
-                "ncclscope top — {}  segments {}  records {}  decode errors {}  lost {}  spans exported {}   (q quits)",
+                "ncclscope top — {}  segments {}  records {}  decode errors {}  lost {}  spans exported {}",
                 socket.display(),
                 health.segments,
                 health.records_in,
@@ -461,7 +461,7 @@ impl View {
                 Line::from(straggler)
                     .style(Style::new().fg(Color::Red).add_modifier(Modifier::BOLD)),
                 Line::from(format!(
-                    "lost: {}  export errors {}",
+                    "lost: {}  export errors {}    (q quits)",
                     lost.join(" "),
                     health.export_errors
                 )),
