@@ -101,8 +101,8 @@ impl Spool {
         for files in index.jobs.values_mut() {
             if let Some(last) = files.last_mut() {
                 let valid = repair_tail(&last.path)?;
-                index.stats.truncated_bytes += last.len - valid;
-                index.stats.bytes -= last.len - valid;
+                index.stats.truncated_bytes += last.len.saturating_sub(valid);
+                index.stats.bytes = index.stats.bytes - last.len + valid;
                 last.len = valid;
             }
         }
@@ -213,7 +213,11 @@ impl Spool {
     /// Starts a new file for `job` (its first, or after the current one reached `file_bytes`).
     fn start_file(&mut self, job: &str) -> io::Result<()> {
         let job_dir = self.dir.join(escape_job(job));
-        fs::create_dir_all(&job_dir)?;
+        if !job_dir.is_dir() {
+            fs::create_dir_all(&job_dir)?;
+            // The job's directory entry must survive a crash too.
+            File::open(&self.dir)?.sync_all()?;
+        }
         let seq = self.next_seq;
         let path = job_dir.join(format!("{seq:016x}.{EXT}"));
         let mut file = OpenOptions::new()
@@ -450,24 +454,23 @@ fn repair_tail(path: &Path) -> io::Result<u64> {
     let mut file = OpenOptions::new().read(true).write(true).open(path)?;
     let size = file.metadata()?.len();
     let mut magic = [0; 8];
-    let valid = if size < MAGIC.len() as u64 || {
+    let has_magic = size >= MAGIC.len() as u64 && {
         file.read_exact(&mut magic)?;
-        &magic != MAGIC
-    } {
-        // A file whose creation was torn: make it an empty, valid file.
+        &magic == MAGIC
+    };
+    if !has_magic {
+        // Its creation was torn (the daemon died before the magic was synced): make it empty and valid.
         file.set_len(0)?;
         file.seek(SeekFrom::Start(0))?;
         file.write_all(MAGIC)?;
         file.sync_data()?;
         return Ok(MAGIC.len() as u64);
-    } else {
-        let mut reader = BufReader::new(&mut file);
-        let mut pos = MAGIC.len() as u64;
-        while let Ok(Some((_, used))) = read_record(&mut reader, size - pos) {
-            pos += used;
-        }
-        pos
-    };
+    }
+    let mut reader = BufReader::new(&mut file);
+    let mut valid = MAGIC.len() as u64;
+    while let Ok(Some((_, used))) = read_record(&mut reader, size - valid) {
+        valid += used;
+    }
     if valid < size {
         file.set_len(valid)?;
         file.sync_data()?;
@@ -627,6 +630,30 @@ mod tests {
             .map(|c| c.seq)
             .collect();
         assert_eq!(seqs, [1, 2, 3]);
+    }
+
+    #[test]
+    fn a_file_whose_creation_was_torn_is_made_valid_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
+        spool.append(&[coll("j", 0, 1)]).unwrap();
+        drop(spool);
+        // A crash right after creating the job's next file: it exists, empty.
+        let torn = dir.path().join("j").join(format!("{:016x}.{EXT}", 99));
+        File::create(&torn).unwrap();
+        let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
+        assert_eq!(fs::metadata(&torn).unwrap().len(), MAGIC.len() as u64);
+        spool.append(&[coll("j", 0, 2)]).unwrap();
+        let seqs: Vec<_> = read_all(&spool.reader(), "j")
+            .iter()
+            .map(|c| c.seq)
+            .collect();
+        assert_eq!(seqs, [1, 2]);
+        let on_disk: u64 = walk(dir.path())
+            .iter()
+            .map(|p| fs::metadata(p).unwrap().len())
+            .sum();
+        assert_eq!(on_disk, spool.stats().bytes);
     }
 
     #[test]
