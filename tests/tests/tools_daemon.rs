@@ -153,7 +153,7 @@ fn run_ranks(d: &Daemon, job: &str, nranks: u32, seconds: u64, straggler: u32) -
                     "--straggler",
                     &straggler.to_string(),
                     "--straggler-delay-us",
-                    "1500",
+                    "3000",
                 ])
                 .env("NCCLSCOPE_SOCKET", d.socket())
                 .env("NCCLSCOPE_SHM_PREFIX", &d.prefix)
