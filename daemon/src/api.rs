@@ -130,7 +130,12 @@ impl Query for QueryService {
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tokio::spawn(async move {
             loop {
-                let c = match live.recv().await {
+                let received = tokio::select! {
+                    // The client went away while its job was quiet: stop now, not at the next instance.
+                    () = tx.closed() => return,
+                    r = live.recv() => r,
+                };
+                let c = match received {
                     Ok(c) => c,
                     // This watcher fell behind: it misses some instances, the daemon does not wait for it.
                     Err(broadcast::error::RecvError::Lagged(_)) => continue,
