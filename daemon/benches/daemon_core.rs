@@ -67,7 +67,8 @@ fn fill(p: &mut Producer, seq0: u64, n: u64) -> u64 {
     records
 }
 
-fn ingest() -> f64 {
+/// (records/s of wall time, records/s of the engine thread's CPU time).
+fn ingest() -> (f64, f64) {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = Config {
         state_dir: dir.path().join("state"),
@@ -138,13 +139,14 @@ fn ingest() -> f64 {
         .attach(name.clone(), Segment::open(&name).unwrap(), false)
         .unwrap();
     let per_round = 150_000; // 900 k records, within the 1 Mi ring
-    let (mut records, mut busy) = (0u64, Duration::ZERO);
+    let (mut records, mut wall, mut cpu) = (0u64, Duration::ZERO, Duration::ZERO);
     for round in 0..6 {
         records += fill(&mut p, round * per_round, per_round);
-        let t = Instant::now();
+        let (t, c) = (Instant::now(), thread_cpu());
         while engine.tick() {}
         engine.tick();
-        busy += t.elapsed();
+        wall += t.elapsed();
+        cpu += thread_cpu() - c;
     }
     let health = engine.health();
     assert_eq!(
@@ -153,7 +155,16 @@ fn ingest() -> f64 {
         "every collective assembled"
     );
     Segment::unlink(&name).unwrap();
-    records as f64 / busy.as_secs_f64()
+    (
+        records as f64 / wall.as_secs_f64(),
+        records as f64 / cpu.as_secs_f64(),
+    )
+}
+
+/// CPU time of this thread: "per core" figures that do not depend on what else the machine runs.
+fn thread_cpu() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
 struct Counting(Arc<AtomicU64>);
@@ -330,12 +341,14 @@ fn rank_child(spec: &str) {
     p.segment().close();
 }
 
-fn vm_hwm_kib(pid: u32) -> u64 {
+/// A field of /proc/PID/status in KiB (VmHWM, VmRSS, RssAnon, RssShmem).
+fn status_kib(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
         .lines()
         .find_map(|l| {
-            l.strip_prefix("VmHWM:")?
+            l.strip_prefix(field)?
+                .strip_prefix(':')?
                 .trim()
                 .strip_suffix("kB")?
                 .trim()
@@ -375,7 +388,7 @@ fn rss() {
         &config,
         format!(
             "socket = \"{d}/s.sock\"\napi_socket = \"{d}/api.sock\"\nshm_prefix = \"{prefix}\"\nstate_dir = \"{d}/state\"\n\
-             [spool]\ndir = \"\"\n[otlp]\nendpoint = \"http://{addr}\"\nsample_ratio = 0.01\n[prometheus]\nlisten = \"127.0.0.1:{port}\"\n"
+             [spool]\ndir = \"\"\n[otlp]\nendpoint = \"http://{addr}\"\nsample_ratio = 0.01\nmetrics_interval_ms = 3600000\n[prometheus]\nlisten = \"127.0.0.1:{port}\"\n"
         ),
     )
     .unwrap();
@@ -389,6 +402,22 @@ fn rss() {
     while std::os::unix::net::UnixStream::connect(&socket).is_err() {
         std::thread::sleep(Duration::from_millis(20));
     }
+    // Peak private (anonymous) memory, sampled: VmHWM also counts the segments' shared pages, which
+    // belong to the ranks' rings (64 x 4 MiB here) rather than to the daemon.
+    let daemon_pid = daemon.id();
+    let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let sampling = sampling.clone();
+        std::thread::spawn(move || {
+            let (mut anon, mut shmem) = (0, 0);
+            while sampling.load(Ordering::Relaxed) {
+                anon = status_kib(daemon_pid, "RssAnon").max(anon);
+                shmem = status_kib(daemon_pid, "RssShmem").max(shmem);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            (anon, shmem)
+        })
+    };
     let ranks: Vec<_> = (0..RANKS)
         .map(|r| {
             std::process::Command::new(std::env::current_exe().unwrap())
@@ -410,7 +439,9 @@ fn rss() {
         s.read_to_string(&mut t).unwrap();
         t
     };
-    let hwm = vm_hwm_kib(daemon.id());
+    let hwm = status_kib(daemon_pid, "VmHWM");
+    sampling.store(false, Ordering::Relaxed);
+    let (anon, shmem) = sampler.join().unwrap();
     let _ = rustix::process::kill_process(
         rustix::process::Pid::from_raw(daemon.id() as i32).unwrap(),
         rustix::process::Signal::TERM,
@@ -426,8 +457,11 @@ fn rss() {
             .unwrap_or(0.0)
     };
     println!(
-        "rss: daemon peak RSS {:.1} MiB with {RANKS} ranks at {:.2} M records/s offered for {:?}; ingested {:.0} records, {:.0} collectives, {} spans received",
+        "rss: daemon peak private (anon) RSS {:.1} MiB; VmHWM {:.1} MiB incl. up to {:.1} MiB of mapped segment pages; \
+         {RANKS} ranks at {:.2} M records/s offered for {:?}; ingested {:.0} records, {:.0} collectives, {} spans received",
+        anon as f64 / 1024.0,
         hwm as f64 / 1024.0,
+        shmem as f64 / 1024.0,
         RECORDS_PER_SEC as f64 / 1e6,
         RUN,
         value("ncclscope_records_total"),
@@ -455,10 +489,12 @@ fn main() {
         .any(|p| args.iter().any(|a| a == p));
     let want = |part: &str| all || args.iter().any(|a| a == part);
     if want("ingest") {
-        let ingest = ingest();
+        let (wall, cpu) = ingest();
         println!(
-            "ingest: {:.2} M records/s on one thread (engine tick: drain + decode + assemble + stats)",
-            ingest / 1e6
+            "ingest: {:.2} M records per CPU-second of the engine thread ({:.2} M/s of wall time) \
+             (engine tick: drain + decode + assemble + stats + hub)",
+            cpu / 1e6,
+            wall / 1e6
         );
     }
     if want("export") {

@@ -149,8 +149,9 @@ impl Stats {
             p50_exec_ns: 0,
             p50_age: u32::MAX,
         });
-        // The p50 moves slowly: recompute it every P50_EVERY samples, not on every instance.
-        if s.p50_age >= P50_EVERY {
+        // A settled p50 moves slowly: once the series has a few windows' worth of samples, recompute
+        // it every P50_EVERY samples rather than on every instance.
+        if s.p50_age >= P50_EVERY || s.rolling_exec_ns.count() < 4 * P50_EVERY as u64 {
             s.p50_exec_ns = s.rolling_exec_ns.quantile(0.5);
             s.p50_age = 0;
         }
@@ -389,6 +390,20 @@ mod tests {
         assert_eq!(colls.len(), 1);
         assert_eq!(colls[0].count, 30);
         assert_eq!(colls[0].size_bucket, "<=1MiB");
+    }
+
+    #[test]
+    fn the_p50_for_outliers_is_current_from_the_first_samples_on() {
+        let mut s = Stats::new(60_000_000_000, 1000, 100);
+        let mut p50 = None;
+        for seq in 0..300 {
+            p50 = s.observe(&coll(0, seq, 0, 10_000 + seq % 7), 0, 100);
+            if seq < 100 {
+                assert_eq!(p50, None, "not enough samples yet");
+            }
+        }
+        let p50 = p50.unwrap();
+        assert!((8_750..=10_007).contains(&p50), "{p50}");
     }
 
     #[test]
