@@ -27,7 +27,7 @@ pub struct Args {
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(2..=64))]
     pub ranks: u32,
     /// How long the ranks run.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub seconds: u64,
     /// The rank made late (default: chosen at random).
     #[arg(long)]
