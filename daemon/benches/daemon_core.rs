@@ -75,7 +75,6 @@ fn ingest() -> (f64, f64) {
         shm_prefix: format!("ncclscope-bench-{}", std::process::id()),
         ..Config::default()
     };
-    cfg.drain.batch_records = 1 << 16;
     std::fs::create_dir_all(&cfg.state_dir).unwrap();
     let (prom, _rx) = tokio::sync::watch::channel(Arc::new(String::new()));
     let outputs = Outputs {

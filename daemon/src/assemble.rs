@@ -603,19 +603,21 @@ impl Assembler {
     }
 
     fn finish(&mut self, id: u64, out: &mut Vec<Completed>) {
-        let Some(op) = self.ops.remove(&id) else {
+        let Some(mut op) = self.ops.remove(&id) else {
             return;
         };
         self.by_pos.remove(&(op.first_pos, id));
         if op.stop_ns.is_none() || op.seen.count_ones() < op.n_channels as u32 {
             self.counters.incomplete += 1;
         }
-        for ch in 0..op.n_channels.min(64) {
-            if let Some(lane) = self.waiting.get_mut(&(op.comm, ch)) {
-                lane.ops.retain(|&x| x != id);
+        if self.comms.get(&op.comm).is_some_and(|c| c.device_hook) {
+            for ch in 0..op.n_channels.min(64) {
+                if let Some(lane) = self.waiting.get_mut(&(op.comm, ch)) {
+                    lane.ops.retain(|&x| x != id);
+                }
             }
         }
-        let coll = self.build(&op);
+        let coll = self.build(&mut op);
         out.push(Completed {
             coll: Arc::new(coll),
             op_id: id,
@@ -630,7 +632,8 @@ impl Assembler {
             .map_or_else(String::new, |s| s.to_string())
     }
 
-    fn build(&self, op: &Op) -> Collective {
+    /// The instance's message; takes the op's channel work rather than copying it.
+    fn build(&self, op: &mut Op) -> Collective {
         let info = self.comms.get(&op.comm);
         let nranks = info.map_or(1, |c| c.nranks);
         let func = self.text(op.func);
@@ -639,7 +642,7 @@ impl Assembler {
             .unwrap_or(0)
             .saturating_mul(op.count);
         let bytes = bandwidth::inspector_bytes(&func, msg, nranks);
-        let mut channels = op.channels.clone();
+        let mut channels = std::mem::take(&mut op.channels);
         channels.sort_unstable_by_key(|c| c.channel);
         let (timing_source, start, end, exec) = if channels.is_empty() {
             let end = op.stop_ns.unwrap_or(op.enqueue_ns);

@@ -62,7 +62,7 @@ struct Attached {
     /// Completed operations queued for export, oldest first: (emit number, first record, op id).
     unacked: VecDeque<(u64, u64, u64)>,
     /// Operations this daemon delivered whose records are not yet committed: id -> (pos, sinks).
-    delivered: HashMap<u64, (u64, u8)>,
+    delivered: HashMap<u64, (u64, u8), foldhash::fast::RandomState>,
     last_commit: Instant,
     /// `delivered` changed since the state was last saved.
     dirty: bool,
@@ -216,7 +216,7 @@ impl Engine {
             acked: Arc::new(AtomicU64::new(0)),
             next_emit: 1,
             unacked: VecDeque::new(),
-            delivered: HashMap::new(),
+            delivered: HashMap::default(),
             last_commit: Instant::now(),
             dirty: false,
             exited: false,
@@ -362,17 +362,18 @@ impl Engine {
             return;
         }
         let completed = std::mem::take(&mut self.completed);
-        let fresh: Vec<Arc<Collective>> = completed
-            .iter()
-            .filter(|(_, c)| c.prior & done::RECORDED == 0)
-            .map(|(_, c)| c.coll.clone())
-            .collect();
-        if let Some(spool) = self.spool.as_mut()
-            && !fresh.is_empty()
-            && let Err(e) = spool.append(&fresh)
-        {
-            tracing::error!(error = %e, n = fresh.len(), "spool append failed; instances not spooled");
-            *self.daemon_lost.entry("spool_failed").or_default() += fresh.len() as u64;
+        if let Some(spool) = self.spool.as_mut() {
+            let fresh: Vec<Arc<Collective>> = completed
+                .iter()
+                .filter(|(_, c)| c.prior & done::RECORDED == 0)
+                .map(|(_, c)| c.coll.clone())
+                .collect();
+            if !fresh.is_empty()
+                && let Err(e) = spool.append(&fresh)
+            {
+                tracing::error!(error = %e, n = fresh.len(), "spool append failed; instances not spooled");
+                *self.daemon_lost.entry("spool_failed").or_default() += fresh.len() as u64;
+            }
         }
         for (i, c) in completed {
             let seg = &mut self.segments[i];
