@@ -236,11 +236,72 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.straggler_delay_us
     );
 
-    let epoch_ns = sim_rank::monotonic_ns() + 1_000_000_000; // one second for the ranks to start
     // The ranks' stderr (the plugin logs through the fake NCCL's logger): kept next to the trace.
     let log = trace.with_extension("ranks.log");
+    let counters = daemon.export_counters.clone();
+    let run = Run {
+        args: &args,
+        rt: &rt,
+        config: &config,
+        job: &job,
+        straggler,
+        plugin: &plugin,
+        trace: &trace,
+        log: &log,
+        tty,
+    };
+    let driven = drive(&run);
+    // Stop the daemon (drain, commit, flush) whatever happened, before its temporary directory goes.
+    let stopped = rt.block_on(daemon.stop());
+    let ranks = driven?;
+    stopped?;
+    if let Some(ep) = &args.otlp_endpoint {
+        let c = &counters;
+        println!(
+            "OTLP export to {ep}: {} spans exported, {} dropped, {} export errors",
+            c.spans_exported.load(Ordering::Relaxed),
+            c.spans_dropped.load(Ordering::Relaxed),
+            c.export_errors.load(Ordering::Relaxed)
+        );
+    }
+    println!(
+        "logs: {} (daemon), {} (ranks)",
+        log_path.display(),
+        log.display()
+    );
+    verdict(&ranks, straggler)
+}
+
+/// What one demo run works with.
+struct Run<'a> {
+    args: &'a Args,
+    rt: &'a tokio::runtime::Runtime,
+    config: &'a Config,
+    job: &'a str,
+    straggler: u32,
+    plugin: &'a std::path::Path,
+    trace: &'a std::path::Path,
+    log: &'a std::path::Path,
+    tty: bool,
+}
+
+/// Runs the ranks against the started daemon, shows the view and the summary, writes the trace; returns
+/// the rank statistics the verdict is drawn from.
+fn drive(run: &Run<'_>) -> anyhow::Result<Vec<ncclscope_proto::api::RankStats>> {
+    let Run {
+        args,
+        rt,
+        config,
+        job,
+        straggler,
+        plugin,
+        trace,
+        log,
+        tty,
+    } = *run;
+    let epoch_ns = sim_rank::monotonic_ns() + 1_000_000_000; // one second for the ranks to start
     let _segments = SegmentCleanup(config.shm_prefix.clone());
-    let log_file = std::fs::File::create(&log)?;
+    let log_file = std::fs::File::create(log)?;
     let exe = std::env::current_exe()?;
     let mut children = Vec::new();
     for rank in 0..args.ranks {
@@ -269,7 +330,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .env("NCCLSCOPE_SOCKET", &config.socket)
             .env("NCCLSCOPE_SHM_PREFIX", &config.shm_prefix)
             .env("NCCLSCOPE_RING_MEMORY", "cpu") // simulation: no GPU; CPU rings, simulated GPU clock
-            .env("NCCLSCOPE_JOB_ID", &job)
+            .env("NCCLSCOPE_JOB_ID", job)
             .env_remove("NCCLSCOPE_DISABLE")
             .stdin(Stdio::null())
             .stdout(Stdio::piped());
@@ -290,7 +351,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let done = Arc::new(AtomicBool::new(false));
     let ranks = Ranks::watch(children, done.clone());
     let opts = ViewOptions {
-        job: job.clone(),
+        job: job.to_string(),
         interval: Duration::from_secs(if tty { 1 } else { 5 }),
         plain: !tty,
         iterations: None,
@@ -316,7 +377,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let (jobs, stats) = rt.block_on(async {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let (jobs, stats) = fetch(&config.api_socket, &job, false).await?;
+            let (jobs, stats) = fetch(&config.api_socket, job, false).await?;
             let seen: u64 = jobs.jobs.iter().map(|j| j.collectives).sum();
             if seen >= produced || Instant::now() > deadline {
                 return anyhow::Ok((jobs, stats));
@@ -332,31 +393,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     let n = rt.block_on(export_via_api(
         &config.api_socket,
-        &job,
-        &trace,
+        job,
+        trace,
         Format::Perfetto,
     ))?;
     println!(
         "Perfetto trace ({n} collective instances): {}  (open it in https://ui.perfetto.dev)",
         trace.display()
     );
-    let counters = daemon.export_counters.clone();
-    rt.block_on(daemon.stop())?;
-    if let Some(ep) = &args.otlp_endpoint {
-        let c = &counters;
-        println!(
-            "OTLP export to {ep}: {} spans exported, {} dropped, {} export errors",
-            c.spans_exported.load(Ordering::Relaxed),
-            c.spans_dropped.load(Ordering::Relaxed),
-            c.export_errors.load(Ordering::Relaxed)
-        );
-    }
-    println!(
-        "logs: {} (daemon), {} (ranks)",
-        log_path.display(),
-        log.display()
-    );
-    verdict(&stats.ranks, straggler)
+    Ok(stats.ranks)
 }
 
 /// Names the straggler the daemon found and checks it against the injected one.
