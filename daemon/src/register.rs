@@ -149,3 +149,104 @@ async fn register(
     rx.await
         .map_err(|_| "daemon is shutting down".to_string())?
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ncclscope_proto::segment::{Owner, process_start_ticks};
+
+    async fn request(path: &Path, line: &str) -> String {
+        let mut s = UnixStream::connect(path).await.unwrap();
+        s.write_all(line.as_bytes()).await.unwrap();
+        let mut reply = String::new();
+        BufReader::new(s).read_line(&mut reply).await.unwrap();
+        reply
+    }
+
+    #[tokio::test]
+    async fn refuses_what_the_peer_does_not_own_and_hands_over_what_it_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("reg.sock");
+        let prefix = format!("ncclscope-regtest-{}", std::process::id());
+        let (tx, rx) = std_mpsc::channel::<Attach>();
+        let engine = std::thread::spawn(move || {
+            let a = rx.recv().unwrap();
+            let name = a.name.clone();
+            a.reply.send(Ok(())).unwrap();
+            name
+        });
+        tokio::spawn(serve(bind(&path).unwrap(), prefix.clone(), tx));
+        let pid = std::process::id();
+        let uid = rustix::process::getuid().as_raw();
+        let start_ticks = process_start_ticks(pid).unwrap();
+        let owner = |pid| Owner {
+            pid,
+            uid,
+            start_ticks,
+            hostname: "h".into(),
+            job_id: "j".into(),
+        };
+        // Another process's segment (by name and header): refused, whatever the caller claims.
+        let theirs = SegmentName {
+            prefix: prefix.clone(),
+            uid,
+            pid: pid + 1,
+            start_ticks,
+        };
+        Segment::create(&theirs, &owner(pid + 1), 8).unwrap();
+        let reply = request(&path, &format!("REGISTER {theirs}\n")).await;
+        assert!(
+            reply.starts_with("ERR ") && reply.contains(&format!("peer is pid {pid}")),
+            "{reply}"
+        );
+        // Our name but a header that names someone else.
+        let lying = SegmentName {
+            prefix: prefix.clone(),
+            uid,
+            pid,
+            start_ticks: start_ticks + 1,
+        };
+        Segment::create(&lying, &owner(pid + 1), 8).unwrap();
+        let reply = request(&path, &format!("REGISTER {lying}\n")).await;
+        assert!(reply.starts_with("ERR segment header says"), "{reply}");
+        // Another daemon's prefix, garbage, a missing segment.
+        let other = SegmentName {
+            prefix: "someone-else".into(),
+            uid,
+            pid,
+            start_ticks,
+        };
+        assert!(
+            request(&path, &format!("REGISTER {other}\n"))
+                .await
+                .starts_with("ERR prefix")
+        );
+        assert!(request(&path, "HELLO\n").await.starts_with("ERR expected"));
+        let missing = SegmentName {
+            prefix: prefix.clone(),
+            uid,
+            pid,
+            start_ticks: start_ticks + 2,
+        };
+        assert!(
+            request(&path, &format!("REGISTER {missing}\n"))
+                .await
+                .starts_with("ERR ")
+        );
+        // Ours: handed to the engine, then OK.
+        let ours = SegmentName {
+            prefix: prefix.clone(),
+            uid,
+            pid,
+            start_ticks,
+        };
+        Segment::create(&ours, &owner(pid), 8).unwrap();
+        assert_eq!(request(&path, &format!("REGISTER {ours}\n")).await, "OK\n");
+        assert_eq!(engine.join().unwrap(), ours);
+        for n in [theirs, lying, ours] {
+            Segment::unlink(&n).unwrap();
+        }
+        // A live daemon's socket is not taken over.
+        assert!(bind(&path).is_err());
+    }
+}
