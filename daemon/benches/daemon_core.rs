@@ -70,7 +70,7 @@ fn fill(p: &mut Producer, seq0: u64, n: u64) -> u64 {
 /// (records/s of wall time, records/s of the engine thread's CPU time).
 fn ingest() -> (f64, f64) {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = Config {
+    let cfg = Config {
         state_dir: dir.path().join("state"),
         shm_prefix: format!("ncclscope-bench-{}", std::process::id()),
         ..Config::default()
