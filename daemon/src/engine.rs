@@ -82,6 +82,8 @@ pub struct Engine {
     reaped_asm: AssembleCounters,
     daemon_lost: HashMap<&'static str, u64>,
     collectives: u64,
+    /// Segments detached as corrupt; skipped by rescans while they exist.
+    broken: std::collections::HashSet<SegmentName>,
     reads: Vec<Read>,
     completed: Vec<(usize, Completed)>,
     last_sweep: Instant,
@@ -127,6 +129,7 @@ impl Engine {
             reaped_asm: AssembleCounters::default(),
             daemon_lost: HashMap::new(),
             collectives: 0,
+            broken: Default::default(),
             reads: Vec::new(),
             completed: Vec::new(),
             last_sweep: now,
@@ -236,8 +239,8 @@ impl Engine {
                 return;
             }
         };
-        for name in names {
-            if self.segments.iter().any(|s| s.name == name) {
+        for name in names.iter().cloned() {
+            if self.segments.iter().any(|s| s.name == name) || self.broken.contains(&name) {
                 continue;
             }
             match Segment::open(&name) {
@@ -256,14 +259,28 @@ impl Engine {
                 Err(e) => tracing::warn!(error = %e, "segment ignored"),
             }
         }
-        // Resume state of segments that are gone (their process exited while no daemon ran).
-        let live: Vec<String> = self.segments.iter().map(|s| s.label.clone()).collect();
+        // Resume state of segments that no longer exist (removed while no daemon ran). A segment that
+        // exists but is not attached (not ready, refused) keeps its state for a later attach.
+        let existing: Vec<String> = names.iter().map(SegmentName::to_string).collect();
         for stale in state::list(&self.cfg.state_dir) {
-            if !live.contains(&stale)
+            if !existing.contains(&stale)
                 && SegmentName::parse(&stale).is_some_and(|n| n.prefix == self.cfg.shm_prefix)
             {
                 state::remove(&self.cfg.state_dir, &stale);
             }
+        }
+        self.broken.retain(|n| names.contains(n));
+        // A corrupt segment whose process is gone will never be read again: remove it.
+        let dead: Vec<SegmentName> = self
+            .broken
+            .iter()
+            .filter(|n| !segment::owner_alive(n))
+            .cloned()
+            .collect();
+        for n in dead {
+            let _ = Segment::unlink(&n);
+            state::remove(&self.cfg.state_dir, &n.to_string());
+            self.broken.remove(&n);
         }
     }
 
@@ -315,6 +332,8 @@ impl Engine {
         for i in broken.into_iter().rev() {
             let seg = self.segments.remove(i);
             *self.daemon_lost.entry("corrupt_segment").or_default() += 1;
+            // Not re-attached by the next scan: its cursors cannot be trusted.
+            self.broken.insert(seg.name.clone());
             self.retire(seg);
         }
         if self.last_sweep.elapsed() >= SWEEP_EVERY {
@@ -680,4 +699,167 @@ fn commit(
     seg.consumer.commit(target);
     seg.last_commit = Instant::now();
     seg.dirty = false;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ncclscope_proto::segment::{Owner, Producer, process_start_ticks};
+    use ncclscope_proto::{Record, StrId, TimingPath};
+
+    fn engine(
+        dir: &std::path::Path,
+        prefix: &str,
+    ) -> (Engine, watch::Receiver<Arc<String>>, Arc<Hub>) {
+        let cfg = Config {
+            state_dir: dir.to_path_buf(),
+            shm_prefix: prefix.into(),
+            ..Config::default()
+        };
+        let (prom, rx) = watch::channel(Arc::new(String::new()));
+        let hub = Arc::new(Hub::default());
+        let out = Outputs {
+            spans: None,
+            metrics: None,
+            export_counters: Arc::default(),
+            prometheus: prom,
+        };
+        (Engine::new(Arc::new(cfg), hub.clone(), None, out), rx, hub)
+    }
+
+    fn producer(prefix: &str) -> (SegmentName, Producer) {
+        let pid = std::process::id();
+        let uid = rustix::process::getuid().as_raw();
+        let start_ticks = process_start_ticks(pid).unwrap();
+        let name = SegmentName {
+            prefix: prefix.into(),
+            uid,
+            pid,
+            start_ticks,
+        };
+        let owner = Owner {
+            pid,
+            uid,
+            start_ticks,
+            hostname: "h".into(),
+            job_id: "j".into(),
+        };
+        (
+            name.clone(),
+            Producer::new(Segment::create(&name, &owner, 64).unwrap()),
+        )
+    }
+
+    fn write_colls(p: &mut Producer, seqs: std::ops::Range<u64>) {
+        for seq in seqs {
+            p.push(&Record::CollStart {
+                comm: 0,
+                id: seq + 1,
+                seq,
+                func: StrId(1),
+                datatype: StrId(2),
+                algo: StrId(0),
+                proto: StrId(0),
+                count: 1,
+                root: -1,
+                n_channels: 0,
+                n_warps: 0,
+                host_ns: 10,
+            });
+            p.push(&Record::OpStop {
+                comm: 0,
+                id: seq + 1,
+                host_ns: 20,
+            });
+        }
+    }
+
+    #[test]
+    fn a_restarted_engine_resumes_from_the_saved_state_without_duplicates() {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = format!("ncclscope-enginetest-{}", std::process::id());
+        let (name, mut p) = producer(&prefix);
+        p.push(&Record::str(StrId(1), b"AllReduce"));
+        p.push(&Record::str(StrId(2), b"ncclFloat32"));
+        p.push(&Record::Comm {
+            comm: 0,
+            comm_hash: 5,
+            rank: 0,
+            nranks: 1,
+            nnodes: 1,
+            cuda_dev: 0,
+            name: StrId(0),
+            nccl_version: 0,
+            path: TimingPath::KernelCh,
+            host_ns: 0,
+        });
+        write_colls(&mut p, 0..10);
+        let (mut e1, _rx1, hub1) = engine(dir.path(), &prefix);
+        let mut live = hub1.subscribe();
+        e1.rescan();
+        e1.tick();
+        e1.commit_all(true);
+        let mut seen = Vec::new();
+        while let Ok(c) = live.try_recv() {
+            seen.push(c.seq);
+        }
+        assert_eq!(seen, (0..10).collect::<Vec<_>>());
+        // The first engine goes away (state saved, tail committed): the dictionary records lie before
+        // the tail and are not read again; only the saved state still knows them.
+        drop(e1);
+        write_colls(&mut p, 10..30);
+        let (mut e2, _rx2, hub2) = engine(dir.path(), &prefix);
+        let mut live = hub2.subscribe();
+        e2.rescan();
+        e2.tick();
+        let mut seen = Vec::new();
+        while let Ok(c) = live.try_recv() {
+            assert_eq!(
+                (c.func.as_str(), c.comm_hash, c.bytes),
+                ("AllReduce", 5, 4),
+                "dictionary restored"
+            );
+            seen.push(c.seq);
+        }
+        assert_eq!(
+            seen,
+            (10..30).collect::<Vec<_>>(),
+            "nothing twice, nothing missing"
+        );
+        Segment::unlink(&name).unwrap();
+    }
+
+    #[test]
+    fn a_corrupt_segment_is_detached_counted_and_not_reattached() {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = format!("ncclscope-enginecorrupt-{}", std::process::id());
+        let (name, mut p) = producer(&prefix);
+        let (mut e, _rx, _hub) = engine(dir.path(), &prefix);
+        e.rescan();
+        assert_eq!(e.health().segments, 1);
+        // Someone else consumes and commits behind the engine's back, so the producer's cursor runs
+        // more than a ring ahead of the engine's read cursor: corrupt.
+        for _ in 0..64 {
+            p.push(&Record::CommEnd {
+                comm: 0,
+                host_ns: 0,
+            });
+        }
+        let raw = Segment::open(&name).unwrap();
+        let mut c = Consumer::new(raw);
+        c.read(64, &mut Vec::new()).unwrap();
+        c.commit(64);
+        for _ in 0..64 {
+            p.push(&Record::CommEnd {
+                comm: 0,
+                host_ns: 0,
+            });
+        }
+        e.tick();
+        assert_eq!(e.health().segments, 0);
+        assert_eq!(e.health().lost.get("corrupt_segment"), Some(&1));
+        e.rescan();
+        assert_eq!(e.health().segments, 0, "not re-attached");
+        Segment::unlink(&name).unwrap();
+    }
 }
