@@ -48,6 +48,8 @@ const SLOW_MIN_SAMPLES: u64 = 100;
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
 const LIVENESS_EVERY: Duration = Duration::from_millis(500);
 const SNAPSHOT_EVERY: Duration = Duration::from_secs(1);
+/// A series (job, communicator, collective, size) without an instance this long is dropped.
+const SERIES_IDLE: Duration = Duration::from_secs(3600);
 /// Longest a segment's tail may lag the engine's progress before it is committed.
 const COMMIT_EVERY: Duration = Duration::from_millis(10);
 
@@ -553,6 +555,8 @@ impl Engine {
     /// Refreshes the hub's stats/jobs snapshots and the metrics (Prometheus text, OTLP when due).
     fn snapshot(&mut self, final_export: bool) {
         self.last_snapshot = Instant::now();
+        self.stats
+            .evict_idle(now_ns(), SERIES_IDLE.as_nanos() as u64);
         let health = self.health();
         let mut lost_by_rank = HashMap::new();
         let mut jobs: HashMap<String, Job> = HashMap::new();

@@ -37,6 +37,8 @@ pub struct Series {
     rolling_busbw_mbs: Rolling,
     p50_exec_ns: u64,
     p50_age: u32,
+    /// Daemon time of the latest instance, for evicting series of finished jobs.
+    last_ns: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -55,6 +57,7 @@ pub struct RankSeries {
     pub last_to_end: u64,
     rolling_exec_ns: Rolling,
     rolling_skew_ns: Rolling,
+    last_ns: u64,
 }
 
 struct Arrival {
@@ -148,6 +151,7 @@ impl Stats {
             rolling_busbw_mbs: Rolling::default(),
             p50_exec_ns: 0,
             p50_age: u32::MAX,
+            last_ns: now_ns,
         });
         // A settled p50 moves slowly: once the series has a few windows' worth of samples, recompute
         // it every P50_EVERY samples rather than on every instance.
@@ -156,6 +160,7 @@ impl Stats {
             s.p50_age = 0;
         }
         s.p50_age += 1;
+        s.last_ns = now_ns;
         let p50 = (s.rolling_exec_ns.count() >= min_samples).then_some(s.p50_exec_ns);
         s.exec_us.record(c.exec_ns as f64 / 1000.0);
         s.rolling_exec_ns.record(c.exec_ns, now_ns, window);
@@ -185,8 +190,10 @@ impl Stats {
                 last_to_end: 0,
                 rolling_exec_ns: Rolling::default(),
                 rolling_skew_ns: Rolling::default(),
+                last_ns: now_ns,
             });
         r.collectives += 1;
+        r.last_ns = now_ns;
         r.rolling_exec_ns.record(c.exec_ns, now_ns, window);
         // Skew needs at least two of the collective's ranks on this node.
         let local = self.local_ranks.get(&c.comm_hash).copied().unwrap_or(0);
@@ -281,6 +288,19 @@ impl Stats {
                 r.last_to_end += 1;
             }
         }
+    }
+
+    /// Forgets series, ranks and jobs without an instance for `idle_ns` (finished jobs), so the
+    /// series cap bounds what is live rather than everything ever seen.
+    pub fn evict_idle(&mut self, now_ns: u64, idle_ns: u64) {
+        let live = |last: u64| now_ns.saturating_sub(last) < idle_ns;
+        self.series.retain(|_, s| live(s.last_ns));
+        self.ranks.retain(|_, r| live(r.last_ns));
+        let jobs: std::collections::HashSet<Arc<str>> =
+            self.ranks.keys().map(|k| k.job.clone()).collect();
+        self.jobs.retain(|j, _| jobs.contains(j));
+        self.names
+            .retain(|n| jobs.contains(n) || self.series.keys().any(|k| &k.func == n));
     }
 
     /// The stats API's view (rolling percentiles).
@@ -390,6 +410,25 @@ mod tests {
         assert_eq!(colls.len(), 1);
         assert_eq!(colls[0].count, 30);
         assert_eq!(colls[0].size_bucket, "<=1MiB");
+    }
+
+    #[test]
+    fn finished_jobs_are_evicted_after_the_idle_time() {
+        let mut s = Stats::new(60_000_000_000, 1000, 100);
+        s.observe(&coll(0, 0, 0, 10), 1_000, 1);
+        let mut other = coll(0, 0, 0, 10);
+        other.job_id = "k".into();
+        s.observe(&other, 5_000, 1);
+        s.evict_idle(6_000, 2_000);
+        assert_eq!(
+            s.series
+                .keys()
+                .map(|k| k.job.to_string())
+                .collect::<Vec<_>>(),
+            vec!["k"]
+        );
+        assert_eq!(s.ranks.len(), 1);
+        assert_eq!(s.jobs.len(), 1);
     }
 
     #[test]
