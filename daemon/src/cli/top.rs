@@ -230,7 +230,7 @@ impl View {
 
     /// One line per communicator: what `top` prints when not on a terminal.
     pub fn plain_lines(&self) -> Vec<String> {
-        let now = chrono_like_now();
+        let now = utc_hms();
         let mut lines = Vec::new();
         let mut comms: Vec<(&str, u64)> = self
             .stats
@@ -472,7 +472,7 @@ impl View {
 }
 
 /// UTC wall-clock time as HH:MM:SS for the plain lines.
-fn chrono_like_now() -> String {
+fn utc_hms() -> String {
     let secs = ncclscope_proto::now_ns() / 1_000_000_000;
     format!(
         "{:02}:{:02}:{:02}",
