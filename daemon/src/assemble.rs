@@ -278,14 +278,29 @@ impl Assembler {
                 error_ns,
                 ..
             } => {
-                self.calibrations.insert(
-                    cuda_dev,
-                    Calibration {
-                        offset_ns,
-                        error_ns,
-                    },
-                );
+                let first = self
+                    .calibrations
+                    .insert(
+                        cuda_dev,
+                        Calibration {
+                            offset_ns,
+                            error_ns,
+                        },
+                    )
+                    .is_none();
                 self.dictionary_changed = true;
+                if first {
+                    // Operations that were only waiting for their device's first calibration.
+                    let mut ready: Vec<(u64, u64)> = self
+                        .ops
+                        .iter()
+                        .map(|(id, op)| (op.first_pos, *id))
+                        .collect();
+                    ready.sort_unstable();
+                    for (_, id) in ready {
+                        self.try_finish(id, out);
+                    }
+                }
             }
             Record::Comm {
                 comm,
@@ -549,46 +564,51 @@ impl Assembler {
         items: u32,
         now_ns: u64,
     ) {
-        let cuda_dev = self
-            .ops
-            .get(&id)
-            .and_then(|op| self.comms.get(&op.comm))
-            .map_or(-1, |c| c.cuda_dev);
-        let offset = match self.calibrations.get(&cuda_dev) {
-            Some(c) => c.offset_ns,
-            None => {
-                self.counters.uncalibrated += 1;
-                0
-            }
-        };
-        let to_host = |gpu: u64| gpu.saturating_add_signed(offset);
         let op = self.ops.get_mut(&id).expect("caller checked");
         op.seen |= 1 << (channel & 63);
         op.last_progress_ns = now_ns;
+        // GPU clock for now: mapped to host time when the op is built, with the calibration of then.
         op.channels.push(ChannelWork {
             channel: channel as u32,
-            start_unix_ns: to_host(gpu_start),
-            end_unix_ns: to_host(gpu_stop.max(gpu_start)),
+            start_unix_ns: gpu_start,
+            end_unix_ns: gpu_stop.max(gpu_start),
             work_items: items,
         });
     }
 
+    /// The calibration that maps `op`'s GPU times, if its device has one yet.
+    fn calibration_of(&self, op: &Op) -> Option<Calibration> {
+        let dev = self.comms.get(&op.comm)?.cuda_dev;
+        self.calibrations.get(&dev).copied()
+    }
+
+    /// Finishes `id` if it has its stop and every channel's work, and (with kernel times) its device
+    /// has a calibration: the plugin may forward kernel records before its first calibration.
     fn try_finish(&mut self, id: u64, out: &mut Vec<Completed>) {
         let Some(op) = self.ops.get(&id) else { return };
-        if op.stop_ns.is_some() && op.seen.count_ones() >= op.n_channels as u32 {
+        let complete = op.stop_ns.is_some() && op.seen.count_ones() >= op.n_channels as u32;
+        if complete && (op.channels.is_empty() || self.calibration_of(op).is_some()) {
             self.finish(id, out);
         }
     }
 
-    /// Closes operations without progress for `timeout_ns`.
+    /// Complete operations wait this long for their device's first calibration, at most.
+    const CALIBRATION_WAIT_NS: u64 = 1_000_000_000;
+
+    /// Closes operations without progress for `timeout_ns`, and complete ones that waited
+    /// [`Self::CALIBRATION_WAIT_NS`] for a calibration that did not come (flagged uncalibrated).
     pub fn sweep(&mut self, now_ns: u64, timeout_ns: u64, out: &mut Vec<Completed>) {
-        let stale: Vec<(u64, u64)> = self
+        let wait = timeout_ns.min(Self::CALIBRATION_WAIT_NS);
+        let mut stale: Vec<(u64, u64)> = self
             .ops
             .iter()
-            .filter(|(_, op)| now_ns.saturating_sub(op.last_progress_ns) >= timeout_ns)
+            .filter(|(_, op)| {
+                let idle = now_ns.saturating_sub(op.last_progress_ns);
+                let complete = op.stop_ns.is_some() && op.seen.count_ones() >= op.n_channels as u32;
+                idle >= timeout_ns || (complete && idle >= wait)
+            })
             .map(|(id, op)| (op.first_pos, *id))
             .collect();
-        let mut stale = stale;
         stale.sort_unstable();
         for (_, id) in stale {
             self.finish(id, out);
@@ -617,6 +637,9 @@ impl Assembler {
                 }
             }
         }
+        if !op.channels.is_empty() && self.calibration_of(&op).is_none() {
+            self.counters.uncalibrated += 1;
+        }
         let coll = self.build(&mut op);
         out.push(Completed {
             coll: Arc::new(coll),
@@ -642,8 +665,14 @@ impl Assembler {
             .unwrap_or(0)
             .saturating_mul(op.count);
         let bytes = bandwidth::inspector_bytes(&func, msg, nranks);
+        let calibration = self.calibration_of(op);
         let mut channels = std::mem::take(&mut op.channels);
         channels.sort_unstable_by_key(|c| c.channel);
+        let offset = calibration.map_or(0, |c| c.offset_ns);
+        for c in &mut channels {
+            c.start_unix_ns = c.start_unix_ns.saturating_add_signed(offset);
+            c.end_unix_ns = c.end_unix_ns.saturating_add_signed(offset);
+        }
         let (timing_source, start, end, exec) = if channels.is_empty() {
             let end = op.stop_ns.unwrap_or(op.enqueue_ns);
             (
@@ -668,11 +697,12 @@ impl Assembler {
             (source, start, end, exec)
         };
         let (algbw, busbw) = bandwidth::bandwidths(&func, bytes, nranks, exec);
-        let calibration_error_ns = info
-            .and_then(|c| self.calibrations.get(&c.cuda_dev))
-            .map_or(if channels.is_empty() { 0 } else { u32::MAX }, |c| {
-                c.error_ns
-            });
+        // No calibration (closed by a timeout before the first one arrived): GPU clock, flagged.
+        let calibration_error_ns = match calibration {
+            Some(c) => c.error_ns,
+            None if channels.is_empty() => 0,
+            None => u32::MAX,
+        };
         Collective {
             job_id: self.job_id.clone(),
             host: self.host.clone(),
@@ -833,6 +863,61 @@ mod tests {
         );
         assert_eq!(a.counters.incomplete, 0);
         assert_eq!(a.oldest_pending_pos(), None);
+    }
+
+    #[test]
+    fn kernel_times_read_before_the_first_calibration_wait_for_it() {
+        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
+            .into_iter()
+            .filter(|r| !matches!(r, Record::Calibration { .. }))
+            .collect();
+        recs.push(coll(10, 5, 1));
+        recs.push(Record::OpStop {
+            comm: 0,
+            id: 10,
+            host_ns: 1500,
+        });
+        recs.push(Record::KernelCh {
+            comm: 0,
+            parent: 10,
+            channel: 0,
+            gpu_start: 100,
+            gpu_stop: 900,
+            host_ns: 0,
+        });
+        assert!(
+            feed(&mut a, &recs).is_empty(),
+            "waits for its device's calibration"
+        );
+        let mut out = Vec::new();
+        a.apply(
+            50,
+            Record::Calibration {
+                cuda_dev: 0,
+                offset_ns: 7_000,
+                error_ns: 9,
+                drift_ppb: 0,
+                host_ns: 0,
+            },
+            0,
+            &mut out,
+        );
+        assert_eq!(out.len(), 1);
+        assert_eq!(
+            (out[0].coll.start_unix_ns, out[0].coll.end_unix_ns),
+            (7_100, 7_900)
+        );
+        assert_eq!(out[0].coll.calibration_error_ns, 9);
+        assert_eq!(a.counters.uncalibrated, 0);
+        // Without any calibration, the timeout closes it flagged as uncalibrated.
+        let mut b = Assembler::new(7, "job".into(), "node".into(), 100);
+        let recs: Vec<Record> = recs.into_iter().collect();
+        feed(&mut b, &recs);
+        let mut out = Vec::new();
+        b.sweep(100, 10, &mut out);
+        assert_eq!(out[0].coll.calibration_error_ns, u32::MAX);
+        assert_eq!(b.counters.uncalibrated, 1);
     }
 
     #[test]

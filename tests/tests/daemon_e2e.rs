@@ -247,7 +247,7 @@ impl Harness {
             .args(["daemon", "--config"])
             .arg(&self.config)
             .args(["--otlp-endpoint", &self.otlp_endpoint])
-            .env("NCCLSCOPE_LOG", "info")
+            .env("NCCLSCOPE_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
@@ -825,6 +825,7 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
         "incomplete",
         "kernel_unjoined",
         "dev_unjoined",
+        "uncalibrated",
     ] {
         assert!(
             matches!(
