@@ -39,8 +39,10 @@ pub struct AssembleCounters {
     pub incomplete: u64,
     /// Operations closed early because too many were in flight.
     pub pending_overflow: u64,
-    /// Kernel work mapped to host time without any calibration of its device.
+    /// Kernel work left on the GPU clock: no calibration of its device and no host stamp.
     pub uncalibrated: u64,
+    /// Operations mapped to host time by their KernelCh host stamps (no calibration of the device).
+    pub host_anchored: u64,
     /// Records for a communicator index that was never announced.
     pub unknown_comm: u64,
 }
@@ -111,6 +113,8 @@ struct Op {
     stop_ns: Option<u64>,
     channels: Vec<ChannelWork>,
     seen: u64,
+    /// Offset estimate from KernelCh host stamps, for a device without calibration.
+    host_anchor: Option<i64>,
     last_progress_ns: u64,
     prior: u8,
 }
@@ -381,6 +385,7 @@ impl Assembler {
                     seen: 0,
                     last_progress_ns: now_ns,
                     prior: 0,
+                    host_anchor: None,
                 };
                 self.start(id, op, out);
             }
@@ -414,6 +419,7 @@ impl Assembler {
                     seen: 0,
                     last_progress_ns: now_ns,
                     prior: 0,
+                    host_anchor: None,
                 };
                 self.start(id, op, out);
             }
@@ -429,9 +435,16 @@ impl Assembler {
                 channel,
                 gpu_start,
                 gpu_stop,
+                host_ns,
                 ..
             } => {
-                if self.ops.contains_key(&parent) {
+                if let Some(op) = self.ops.get_mut(&parent) {
+                    // The plugin stamped the stop on the host after the GPU wrote it: host - gpu is an
+                    // upper bound of the clock offset (tightest over the op's channels).
+                    if host_ns > 0 && gpu_stop > 0 {
+                        let anchor = host_ns as i64 - gpu_stop as i64;
+                        op.host_anchor = Some(op.host_anchor.map_or(anchor, |a| a.min(anchor)));
+                    }
                     self.add_work(parent, channel, gpu_start, gpu_stop, 1, now_ns);
                     self.try_finish(parent, out);
                 } else {
@@ -587,7 +600,11 @@ impl Assembler {
     fn try_finish(&mut self, id: u64, out: &mut Vec<Completed>) {
         let Some(op) = self.ops.get(&id) else { return };
         let complete = op.stop_ns.is_some() && op.seen.count_ones() >= op.n_channels as u32;
-        if complete && (op.channels.is_empty() || self.calibration_of(op).is_some()) {
+        // No device (cuda_dev < 0, e.g. NCCL's KernelCh without a CUDA context) means no calibration
+        // will come: the host anchor is all there is.
+        let deviceless =
+            self.comms.get(&op.comm).is_none_or(|c| c.cuda_dev < 0) && op.host_anchor.is_some();
+        if complete && (op.channels.is_empty() || deviceless || self.calibration_of(op).is_some()) {
             self.finish(id, out);
         }
     }
@@ -638,7 +655,10 @@ impl Assembler {
             }
         }
         if !op.channels.is_empty() && self.calibration_of(&op).is_none() {
-            self.counters.uncalibrated += 1;
+            match op.host_anchor {
+                Some(_) => self.counters.host_anchored += 1,
+                None => self.counters.uncalibrated += 1,
+            }
         }
         let coll = self.build(&mut op);
         out.push(Completed {
@@ -668,7 +688,10 @@ impl Assembler {
         let calibration = self.calibration_of(op);
         let mut channels = std::mem::take(&mut op.channels);
         channels.sort_unstable_by_key(|c| c.channel);
-        let offset = calibration.map_or(0, |c| c.offset_ns);
+        let offset = calibration
+            .map(|c| c.offset_ns)
+            .or(op.host_anchor)
+            .unwrap_or(0);
         for c in &mut channels {
             c.start_unix_ns = c.start_unix_ns.saturating_add_signed(offset);
             c.end_unix_ns = c.end_unix_ns.saturating_add_signed(offset);
@@ -918,6 +941,77 @@ mod tests {
         b.sweep(100, 10, &mut out);
         assert_eq!(out[0].coll.calibration_error_ns, u32::MAX);
         assert_eq!(b.counters.uncalibrated, 1);
+    }
+
+    #[test]
+    fn a_deviceless_kernel_ch_is_anchored_to_its_host_stamps() {
+        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
+            .into_iter()
+            .filter(|r| !matches!(r, Record::Calibration { .. }))
+            .map(|r| match r {
+                Record::Comm {
+                    comm,
+                    comm_hash,
+                    rank,
+                    nranks,
+                    nnodes,
+                    name,
+                    nccl_version,
+                    path,
+                    host_ns,
+                    ..
+                } => Record::Comm {
+                    comm,
+                    comm_hash,
+                    rank,
+                    nranks,
+                    nnodes,
+                    cuda_dev: -1,
+                    name,
+                    nccl_version,
+                    path,
+                    host_ns,
+                },
+                r => r,
+            })
+            .collect();
+        recs.push(coll(10, 5, 2));
+        recs.push(Record::OpStop {
+            comm: 0,
+            id: 10,
+            host_ns: 1500,
+        });
+        recs.push(Record::KernelCh {
+            comm: 0,
+            parent: 10,
+            channel: 0,
+            gpu_start: 100,
+            gpu_stop: 900,
+            host_ns: 5_950,
+        });
+        recs.push(Record::KernelCh {
+            comm: 0,
+            parent: 10,
+            channel: 1,
+            gpu_start: 200,
+            gpu_stop: 950,
+            host_ns: 5_960,
+        });
+        let out = feed(&mut a, &recs);
+        assert_eq!(out.len(), 1, "no calibration to wait for");
+        // Offset = min(5950 - 900, 5960 - 950) = 5010.
+        assert_eq!(
+            (out[0].coll.start_unix_ns, out[0].coll.end_unix_ns),
+            (5_110, 5_960)
+        );
+        assert_eq!(out[0].coll.exec_ns, 800);
+        assert_eq!(
+            out[0].coll.calibration_error_ns,
+            u32::MAX,
+            "not a calibration"
+        );
+        assert_eq!((a.counters.host_anchored, a.counters.uncalibrated), (1, 0));
     }
 
     #[test]

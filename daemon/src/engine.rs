@@ -104,6 +104,7 @@ fn add(a: &mut AssembleCounters, b: &AssembleCounters) {
     a.incomplete += b.incomplete;
     a.pending_overflow += b.pending_overflow;
     a.uncalibrated += b.uncalibrated;
+    a.host_anchored += b.host_anchored;
     a.unknown_comm += b.unknown_comm;
 }
 

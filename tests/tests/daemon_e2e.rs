@@ -785,6 +785,13 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
                 "kernel_gpu"
             };
             assert_eq!(attr(s, "nccl.timing_source"), source);
+            // On the host clock (calibrated, or anchored to the plugin's host stamps), not the GPU's.
+            let age_s =
+                (ncclscope_proto::now_ns() as i64 - s.start_time_unix_nano as i64) / 1_000_000_000;
+            assert!(
+                (0..600).contains(&age_s),
+                "{kind} span starts {age_s} s ago"
+            );
             assert_eq!(attr(s, "nccl.datatype"), op.datatype);
             assert_eq!(attr(s, "nccl.count"), op.count.to_string());
             assert_eq!(attr(s, "job.id"), "fake-job");
