@@ -29,9 +29,6 @@ pub struct Config {
     pub job_id: String,
     /// `NCCLSCOPE_SEGMENT_RECORDS`: ring capacity of the segment, a power of two.
     pub segment_records: u64,
-    /// `NCCLSCOPE_RING_MEMORY=cpu`: simulation without a GPU (fake NCCL), the GPU clock is CLOCK_MONOTONIC.
-    /// (The device hook reads and validates this variable itself; here it only selects simulation.)
-    pub simulation: bool,
     /// Problems found while reading the environment, for the log.
     pub warnings: Vec<String>,
 }
@@ -110,7 +107,6 @@ impl Config {
                 ),
             }
         }
-        let simulation = var("NCCLSCOPE_RING_MEMORY").is_some_and(|v| v.trim() == "cpu");
         Config {
             disabled,
             event_mask,
@@ -119,7 +115,6 @@ impl Config {
             shm_prefix,
             job_id,
             segment_records,
-            simulation,
             warnings,
         }
     }
@@ -159,7 +154,6 @@ mod tests {
         assert_eq!(c.shm_prefix, "ncclscope");
         assert_eq!(c.job_id, "unknown");
         assert_eq!(c.segment_records, DEFAULT_CAPACITY);
-        assert!(!c.simulation);
         assert!(c.warnings.is_empty());
     }
 
@@ -180,7 +174,6 @@ mod tests {
         assert_eq!(c.shm_prefix, "test-x");
         assert_eq!(c.job_id, "42", "SLURM_JOB_ID wins over the pod name");
         assert_eq!(c.segment_records, 1024);
-        assert!(config(&[("NCCLSCOPE_RING_MEMORY", "cpu")]).simulation);
         assert_eq!(config(&[("NCCLSCOPE_EVENT_MASK", "6")]).event_mask, 6);
         assert_eq!(config(&[("KUBERNETES_POD_NAME", "p1")]).job_id, "p1");
     }

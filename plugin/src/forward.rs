@@ -10,7 +10,7 @@ use std::ffi::{CStr, c_char};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use ncclscope_proto::{Counter, Producer, Record, StrId, TimingPath, now_ns};
+use ncclscope_proto::{Counter, Producer, Record, StrId, TimingPath};
 
 use crate::clock::Converter;
 use crate::devhook;
@@ -22,8 +22,6 @@ use crate::sink::Sink;
 const CLOCK_BASELINE: Duration = Duration::from_millis(20);
 /// How often the handle pool is swept for operations whose KernelCh children never came.
 const SWEEP_PERIOD: Duration = Duration::from_secs(1);
-/// How often the simulated GPU clock is re-measured (simulation only).
-const SIM_CLOCK_PERIOD: Duration = Duration::from_secs(1);
 const MIN_IDLE: Duration = Duration::from_millis(1);
 const MAX_IDLE: Duration = Duration::from_millis(20);
 /// Events handled per batch before the thread looks at the device rings and the heartbeat again.
@@ -141,40 +139,9 @@ pub struct Forwarder {
     producer: Producer,
     strings: Interner,
     registration: Registration,
-    /// Simulation: when the next calibration of the simulated GPU clock is due.
-    sim_clock_due: Option<Instant>,
     sweep_due: Instant,
     /// NCCL threads' stamps -> CLOCK_REALTIME; refreshed with the sweep.
     clock: Converter,
-}
-
-/// Simulation: stock-path communicators (no CUDA device known, `cuda_dev` -1) carry KernelCh `pTimer`s
-/// from the fake NCCL's simulated GPU clock, CLOCK_MONOTONIC; this maps it to CLOCK_REALTIME like a
-/// device calibration does. The tightest of a few (monotonic, realtime, monotonic) brackets wins.
-fn sim_clock_calibration() -> Record {
-    let mono = || {
-        let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-        t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
-    };
-    let (mut best_offset, mut best_error, mut at) = (0i64, u64::MAX, 0);
-    for _ in 0..5 {
-        let m0 = mono();
-        let real = now_ns();
-        let m1 = mono();
-        let error = (m1 - m0) / 2 + 1;
-        if error < best_error {
-            best_offset = real as i64 - (m0 + (m1 - m0) / 2) as i64;
-            best_error = error;
-            at = real;
-        }
-    }
-    Record::Calibration {
-        cuda_dev: -1,
-        offset_ns: best_offset,
-        error_ns: best_error as u32,
-        drift_ppb: 0,
-        host_ns: at,
-    }
 }
 
 impl Sink for Forwarder {
@@ -195,13 +162,11 @@ impl Forwarder {
     pub fn new(plugin: &'static Plugin, producer: Producer) -> Forwarder {
         let registration =
             Registration::new(plugin.config.socket.clone(), producer.segment().name());
-        let sim_clock_due = plugin.config.simulation.then(Instant::now);
         Forwarder {
             plugin,
             producer,
             strings: Interner::default(),
             registration,
-            sim_clock_due,
             sweep_due: Instant::now() + SWEEP_PERIOD,
             clock: Converter::start(),
         }
@@ -230,10 +195,6 @@ impl Forwarder {
                 self.clock.refresh();
                 self.plugin.sweep(self.clock.stamp_ago(ORPHAN_AGE));
                 self.sweep_due = now + SWEEP_PERIOD;
-            }
-            if self.sim_clock_due.is_some_and(|due| now >= due) {
-                self.producer.push(&sim_clock_calibration());
-                self.sim_clock_due = Some(now + SIM_CLOCK_PERIOD);
             }
             if work > 0 {
                 idle = MIN_IDLE;

@@ -227,14 +227,22 @@ pub unsafe fn get_device_hook(
     }
 }
 
-/// The stock KernelCh path on a real GPU: NCCL's `pTimer` values are raw %globaltimer of the device of
-/// the calling thread's context (NCCL's init thread), so that device is calibrated like a hooked one.
-/// Returns its ordinal, or -1 in simulation (the host side calibrates the simulated clock), without a
-/// driver, or on failure (logged once; the daemon then counts the kernel times as uncalibrated).
+/// The stock KernelCh path: NCCL's `pTimer` values are raw %globaltimer of the device of the calling
+/// thread's context (NCCL's init thread), so that device is calibrated like a hooked one. Returns its
+/// ordinal, or -1: in simulation (`cpu` placement) the fake NCCL's simulated clock, CLOCK_MONOTONIC, is
+/// calibrated as device -1; without a driver or on failure nothing is (logged once; the daemon then counts
+/// the kernel times as uncalibrated).
 pub fn calibrate_current_device() -> i32 {
-    let placement = RingConfig::from_lookup(|name| std::env::var(name).ok()).placement;
-    if DISABLED.load(Ordering::Relaxed) || matches!(placement, Placement::Cpu) {
-        return -1;
+    const NO_DEVICE: i32 = -1;
+    if DISABLED.load(Ordering::Relaxed) {
+        return NO_DEVICE;
+    }
+    if RingConfig::from_lookup(|name| std::env::var(name).ok()).placement == Placement::Cpu {
+        if let Ok(mut new) = NEW_CLOCKS.lock() {
+            new.push((NO_DEVICE, Clock::Cpu));
+            ACTIVE.store(true, Ordering::Release);
+        }
+        return NO_DEVICE;
     }
     let watched = catch_unwind(|| -> Result<i32, String> {
         let ordinal = cuda::current_device()?;
