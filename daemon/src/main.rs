@@ -4,7 +4,11 @@ use clap::{Parser, Subcommand};
 use ncclscope::cli;
 
 #[derive(Parser)]
-#[command(name = "ncclscope", version, about = "NCCL kernel telemetry: node daemon and operator tools")]
+#[command(
+    name = "ncclscope",
+    version,
+    about = "NCCL kernel telemetry: node daemon and operator tools"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

@@ -45,7 +45,11 @@ pub enum Record {
     /// The communicator was finalized; nothing more will come for it.
     CommEnd { comm: u32, host_ns: u64 },
     /// Defines `id` as `text` (at most [`STR_BYTES`] bytes of UTF-8, lossily decoded by the reader).
-    Str { id: StrId, len: u8, bytes: [u8; STR_BYTES] },
+    Str {
+        id: StrId,
+        len: u8,
+        bytes: [u8; STR_BYTES],
+    },
     /// A collective was enqueued (`startEvent(Coll)`). `id` is unique within the process and joins the
     /// collective's kernel records through their `parent`.
     CollStart {
@@ -76,14 +80,41 @@ pub enum Record {
     /// `stopEvent` of a Coll or P2p (host-side; the kernel work is in the kernel records).
     OpStop { comm: u32, id: u64, host_ns: u64 },
     /// One channel's kernel work for one Coll/P2p on stock NCCL (KernelCh start, KernelChStop).
-    KernelCh { comm: u32, parent: u64, channel: u8, gpu_start: u64, gpu_stop: u64, host_ns: u64 },
+    KernelCh {
+        comm: u32,
+        parent: u64,
+        channel: u8,
+        gpu_start: u64,
+        gpu_stop: u64,
+        host_ns: u64,
+    },
     /// A KernelPhase child of a KernelCh (NCCL >= 2.31, symmetric kernels).
-    KernelPhase { comm: u32, parent: u64, channel: u8, phase: u8, gpu_start: u64, gpu_stop: u64 },
+    KernelPhase {
+        comm: u32,
+        parent: u64,
+        channel: u8,
+        phase: u8,
+        gpu_start: u64,
+        gpu_stop: u64,
+    },
     /// One work item seen by the device hook, START and STOP paired by the plugin's drain thread.
-    DevWork { comm: u32, channel: u8, func_id: u32, work_counter: u64, gpu_start: u64, gpu_stop: u64 },
+    DevWork {
+        comm: u32,
+        channel: u8,
+        func_id: u32,
+        work_counter: u64,
+        gpu_start: u64,
+        gpu_stop: u64,
+    },
     /// GPU clock -> host clock for `cuda_dev`: `host = gpu + offset_ns`, good to `error_ns`, measured at
     /// `host_ns`. `drift_ppb` is the offset's drift since the previous calibration.
-    Calibration { cuda_dev: i32, offset_ns: i64, error_ns: u32, drift_ppb: i32, host_ns: u64 },
+    Calibration {
+        cuda_dev: i32,
+        offset_ns: i64,
+        error_ns: u32,
+        drift_ppb: i32,
+        host_ns: u64,
+    },
     /// Names a device-hook `func_id` (from `ncclProfilerDevFuncName` on an RFC host).
     FuncName { func_id: u32, name: StrId },
 }
@@ -149,7 +180,11 @@ impl Record {
         }
         let mut bytes = [0u8; STR_BYTES];
         bytes[..len].copy_from_slice(&text[..len]);
-        Record::Str { id, len: len as u8, bytes }
+        Record::Str {
+            id,
+            len: len as u8,
+            bytes,
+        }
     }
 
     pub fn encode(&self) -> [u64; RECORD_WORDS] {
@@ -206,7 +241,16 @@ impl Record {
                 w[5] = root as u32 as u64 | (n_channels as u64) << 32 | (n_warps as u64) << 40;
                 w[6] = host_ns;
             }
-            Record::P2pStart { comm, id, func, datatype, count, peer, n_channels, host_ns } => {
+            Record::P2pStart {
+                comm,
+                id,
+                func,
+                datatype,
+                count,
+                peer,
+                n_channels,
+                host_ns,
+            } => {
                 w[0] = head(kind::P2P_START, comm);
                 w[1] = id;
                 w[3] = count;
@@ -219,27 +263,55 @@ impl Record {
                 w[1] = id;
                 w[6] = host_ns;
             }
-            Record::KernelCh { comm, parent, channel, gpu_start, gpu_stop, host_ns } => {
+            Record::KernelCh {
+                comm,
+                parent,
+                channel,
+                gpu_start,
+                gpu_stop,
+                host_ns,
+            } => {
                 w[0] = head(kind::KERNEL_CH, comm) | (channel as u64) << 8;
                 w[1] = parent;
                 w[2] = gpu_start;
                 w[3] = gpu_stop;
                 w[6] = host_ns;
             }
-            Record::KernelPhase { comm, parent, channel, phase, gpu_start, gpu_stop } => {
-                w[0] = head(kind::KERNEL_PHASE, comm) | (channel as u64) << 8 | (phase as u64) << 16;
+            Record::KernelPhase {
+                comm,
+                parent,
+                channel,
+                phase,
+                gpu_start,
+                gpu_stop,
+            } => {
+                w[0] =
+                    head(kind::KERNEL_PHASE, comm) | (channel as u64) << 8 | (phase as u64) << 16;
                 w[1] = parent;
                 w[2] = gpu_start;
                 w[3] = gpu_stop;
             }
-            Record::DevWork { comm, channel, func_id, work_counter, gpu_start, gpu_stop } => {
+            Record::DevWork {
+                comm,
+                channel,
+                func_id,
+                work_counter,
+                gpu_start,
+                gpu_stop,
+            } => {
                 w[0] = head(kind::DEV_WORK, comm) | (channel as u64) << 8;
                 w[1] = work_counter;
                 w[2] = gpu_start;
                 w[3] = gpu_stop;
                 w[4] = func_id as u64;
             }
-            Record::Calibration { cuda_dev, offset_ns, error_ns, drift_ppb, host_ns } => {
+            Record::Calibration {
+                cuda_dev,
+                offset_ns,
+                error_ns,
+                drift_ppb,
+                host_ns,
+            } => {
                 w[0] = head(kind::CALIBRATION, 0);
                 w[1] = cuda_dev as u32 as u64 | (error_ns as u64) << 32;
                 w[2] = offset_ns as u64;
@@ -260,7 +332,11 @@ impl Record {
         let byte1 = (w[0] >> 8) as u8;
         let channel = |field| {
             // NCCL has at most 64 channels (MAXCHANNELS).
-            if byte1 < 64 { Ok(byte1) } else { Err(DecodeError::BadField { kind: k, field }) }
+            if byte1 < 64 {
+                Ok(byte1)
+            } else {
+                Err(DecodeError::BadField { kind: k, field })
+            }
         };
         Ok(match k {
             kind::COMM => Record::Comm {
@@ -275,20 +351,35 @@ impl Record {
                 path: match byte1 {
                     0 => TimingPath::KernelCh,
                     1 => TimingPath::DeviceHook,
-                    _ => return Err(DecodeError::BadField { kind: k, field: "path" }),
+                    _ => {
+                        return Err(DecodeError::BadField {
+                            kind: k,
+                            field: "path",
+                        });
+                    }
                 },
                 host_ns: w[5],
             },
-            kind::COMM_END => Record::CommEnd { comm, host_ns: w[1] },
+            kind::COMM_END => Record::CommEnd {
+                comm,
+                host_ns: w[1],
+            },
             kind::STR => {
                 if byte1 as usize > STR_BYTES {
-                    return Err(DecodeError::BadField { kind: k, field: "len" });
+                    return Err(DecodeError::BadField {
+                        kind: k,
+                        field: "len",
+                    });
                 }
                 let mut bytes = [0u8; STR_BYTES];
                 for (i, chunk) in bytes.chunks_exact_mut(8).enumerate() {
                     chunk.copy_from_slice(&w[2 + i].to_le_bytes());
                 }
-                Record::Str { id: StrId((w[0] >> 16) as u16), len: byte1, bytes }
+                Record::Str {
+                    id: StrId((w[0] >> 16) as u16),
+                    len: byte1,
+                    bytes,
+                }
             }
             kind::COLL_START => Record::CollStart {
                 comm,
@@ -314,7 +405,11 @@ impl Record {
                 n_channels: (w[5] >> 32) as u8,
                 host_ns: w[6],
             },
-            kind::OP_STOP => Record::OpStop { comm, id: w[1], host_ns: w[6] },
+            kind::OP_STOP => Record::OpStop {
+                comm,
+                id: w[1],
+                host_ns: w[6],
+            },
             kind::KERNEL_CH => Record::KernelCh {
                 comm,
                 channel: channel("channel")?,
@@ -346,7 +441,10 @@ impl Record {
                 drift_ppb: w[3] as u32 as i32,
                 host_ns: w[6],
             },
-            kind::FUNC_NAME => Record::FuncName { func_id: w[1] as u32, name: StrId((w[0] >> 16) as u16) },
+            kind::FUNC_NAME => Record::FuncName {
+                func_id: w[1] as u32,
+                name: StrId((w[0] >> 16) as u16),
+            },
             other => return Err(DecodeError::UnknownKind(other)),
         })
     }
@@ -370,7 +468,10 @@ mod tests {
                 path: TimingPath::DeviceHook,
                 host_ns: 1_700_000_000_000_000_000,
             },
-            Record::CommEnd { comm: u32::MAX, host_ns: 7 },
+            Record::CommEnd {
+                comm: u32::MAX,
+                host_ns: 7,
+            },
             Record::str(StrId(65535), b"AllReduce"),
             Record::CollStart {
                 comm: 1,
@@ -396,9 +497,27 @@ mod tests {
                 n_channels: 2,
                 host_ns: 12,
             },
-            Record::OpStop { comm: 0, id: 8, host_ns: 13 },
-            Record::KernelCh { comm: 0, parent: 8, channel: 63, gpu_start: 100, gpu_stop: 200, host_ns: 14 },
-            Record::KernelPhase { comm: 0, parent: 9, channel: 1, phase: 2, gpu_start: 1, gpu_stop: 2 },
+            Record::OpStop {
+                comm: 0,
+                id: 8,
+                host_ns: 13,
+            },
+            Record::KernelCh {
+                comm: 0,
+                parent: 8,
+                channel: 63,
+                gpu_start: 100,
+                gpu_stop: 200,
+                host_ns: 14,
+            },
+            Record::KernelPhase {
+                comm: 0,
+                parent: 9,
+                channel: 1,
+                phase: 2,
+                gpu_start: 1,
+                gpu_stop: 2,
+            },
             Record::DevWork {
                 comm: 4,
                 channel: 17,
@@ -407,8 +526,17 @@ mod tests {
                 gpu_start: 5,
                 gpu_stop: 6,
             },
-            Record::Calibration { cuda_dev: 3, offset_ns: -123456789, error_ns: 900, drift_ppb: -12, host_ns: 15 },
-            Record::FuncName { func_id: 672, name: StrId(3) },
+            Record::Calibration {
+                cuda_dev: 3,
+                offset_ns: -123456789,
+                error_ns: 900,
+                drift_ppb: -12,
+                host_ns: 15,
+            },
+            Record::FuncName {
+                func_id: 672,
+                name: StrId(3),
+            },
         ]
     }
 
@@ -422,23 +550,47 @@ mod tests {
     #[test]
     fn str_truncates_at_a_char_boundary() {
         let text = "é".repeat(30); // 60 bytes, 2 per char
-        let Record::Str { len, bytes, .. } = Record::str(StrId(1), text.as_bytes()) else { unreachable!() };
+        let Record::Str { len, bytes, .. } = Record::str(StrId(1), text.as_bytes()) else {
+            unreachable!()
+        };
         assert_eq!(len as usize, STR_BYTES);
         assert!(std::str::from_utf8(&bytes[..len as usize]).is_ok());
         let odd = "a".to_string() + &"é".repeat(30);
-        let Record::Str { len, .. } = Record::str(StrId(1), odd.as_bytes()) else { unreachable!() };
+        let Record::Str { len, .. } = Record::str(StrId(1), odd.as_bytes()) else {
+            unreachable!()
+        };
         assert_eq!(len as usize, STR_BYTES - 1);
     }
 
     #[test]
     fn garbage_is_an_error_not_a_panic() {
-        assert_eq!(Record::decode(&[0xff; RECORD_WORDS]), Err(DecodeError::UnknownKind(0xff)));
-        let mut w = Record::KernelCh { comm: 0, parent: 0, channel: 0, gpu_start: 0, gpu_stop: 0, host_ns: 0 }.encode();
+        assert_eq!(
+            Record::decode(&[0xff; RECORD_WORDS]),
+            Err(DecodeError::UnknownKind(0xff))
+        );
+        let mut w = Record::KernelCh {
+            comm: 0,
+            parent: 0,
+            channel: 0,
+            gpu_start: 0,
+            gpu_stop: 0,
+            host_ns: 0,
+        }
+        .encode();
         w[0] |= 200 << 8;
-        assert!(matches!(Record::decode(&w), Err(DecodeError::BadField { field: "channel", .. })));
+        assert!(matches!(
+            Record::decode(&w),
+            Err(DecodeError::BadField {
+                field: "channel",
+                ..
+            })
+        ));
         let mut w = Record::str(StrId(1), b"x").encode();
         w[0] |= 0xff << 8;
-        assert!(matches!(Record::decode(&w), Err(DecodeError::BadField { field: "len", .. })));
+        assert!(matches!(
+            Record::decode(&w),
+            Err(DecodeError::BadField { field: "len", .. })
+        ));
         // Every single-word corruption of every kind decodes or errors; none panics.
         for r in samples() {
             for i in 0..RECORD_WORDS {

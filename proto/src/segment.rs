@@ -180,13 +180,22 @@ impl SegmentName {
         if prefix.is_empty() || prefix.contains('/') {
             return None;
         }
-        Some(SegmentName { prefix, uid, pid, start_ticks })
+        Some(SegmentName {
+            prefix,
+            uid,
+            pid,
+            start_ticks,
+        })
     }
 }
 
 impl std::fmt::Display for SegmentName {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}.{}.{}.{}", self.prefix, self.uid, self.pid, self.start_ticks)
+        write!(
+            f,
+            "{}.{}.{}.{}",
+            self.prefix, self.uid, self.pid, self.start_ticks
+        )
     }
 }
 
@@ -195,10 +204,10 @@ pub fn list(prefix: &str) -> io::Result<Vec<SegmentName>> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(SHM_DIR)? {
         let name = entry?.file_name();
-        if let Some(n) = name.to_str().and_then(SegmentName::parse) {
-            if n.prefix == prefix {
-                out.push(n);
-            }
+        if let Some(n) = name.to_str().and_then(SegmentName::parse)
+            && n.prefix == prefix
+        {
+            out.push(n);
         }
     }
     Ok(out)
@@ -242,12 +251,17 @@ fn put_text(words: &[AtomicU64], at: usize, text: &str) {
     }
     bytes[..n].copy_from_slice(&text.as_bytes()[..n]);
     for (i, chunk) in bytes.chunks_exact(8).enumerate() {
-        words[at + i].store(u64::from_le_bytes(chunk.try_into().expect("8-byte chunk")), Ordering::Relaxed);
+        words[at + i].store(
+            u64::from_le_bytes(chunk.try_into().expect("8-byte chunk")),
+            Ordering::Relaxed,
+        );
     }
 }
 
 fn get_text(words: &[AtomicU64], at: usize) -> String {
-    let bytes: Vec<u8> = (0..TEXT_WORDS).flat_map(|i| words[at + i].load(Ordering::Relaxed).to_le_bytes()).collect();
+    let bytes: Vec<u8> = (0..TEXT_WORDS)
+        .flat_map(|i| words[at + i].load(Ordering::Relaxed).to_le_bytes())
+        .collect();
     let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
     String::from_utf8_lossy(&bytes[..end]).into_owned()
 }
@@ -255,11 +269,21 @@ fn get_text(words: &[AtomicU64], at: usize) -> String {
 impl Segment {
     /// Creates `name` (mode 0600, O_EXCL: never reuses an existing object) with room for `capacity`
     /// records, a power of two.
-    pub fn create(name: &SegmentName, owner: &Owner, capacity: u64) -> Result<Segment, SegmentError> {
+    pub fn create(
+        name: &SegmentName,
+        owner: &Owner,
+        capacity: u64,
+    ) -> Result<Segment, SegmentError> {
         let name_s = name.to_string();
-        let io_err = |source| SegmentError::Io { name: name_s.clone(), source };
+        let io_err = |source| SegmentError::Io {
+            name: name_s.clone(),
+            source,
+        };
         if !capacity.is_power_of_two() || capacity > MAX_CAPACITY {
-            return Err(SegmentError::Invalid { name: name_s, reason: format!("capacity {capacity}") });
+            return Err(SegmentError::Invalid {
+                name: name_s,
+                reason: format!("capacity {capacity}"),
+            });
         }
         let fd = shm::open(
             shm_path(&name_s).as_str(),
@@ -287,12 +311,23 @@ impl Segment {
                 return Err(io_err(e));
             }
         };
-        let seg = Segment { map, name: name_s, capacity, file_uid: owner.uid };
+        let seg = Segment {
+            map,
+            name: name_s,
+            capacity,
+            file_uid: owner.uid,
+        };
         let w = seg.words();
-        w[W_VERSION].store(LAYOUT_VERSION as u64 | ((RECORD_WORDS as u64 * 8) << 32), Ordering::Relaxed);
+        w[W_VERSION].store(
+            LAYOUT_VERSION as u64 | ((RECORD_WORDS as u64 * 8) << 32),
+            Ordering::Relaxed,
+        );
         w[W_CAPACITY].store(capacity, Ordering::Relaxed);
         w[W_LAYOUT_HASH].store(layout_hash(), Ordering::Relaxed);
-        w[W_PID_UID].store(owner.pid as u64 | (owner.uid as u64) << 32, Ordering::Relaxed);
+        w[W_PID_UID].store(
+            owner.pid as u64 | (owner.uid as u64) << 32,
+            Ordering::Relaxed,
+        );
         w[W_PROC_START].store(owner.start_ticks, Ordering::Relaxed);
         w[W_CREATED_NS].store(crate::now_ns(), Ordering::Relaxed);
         put_text(w, W_HOSTNAME, &owner.hostname);
@@ -305,14 +340,20 @@ impl Segment {
     /// Maps an existing segment and validates its header. The contents are untrusted.
     pub fn open(name: &SegmentName) -> Result<Segment, SegmentError> {
         let name_s = name.to_string();
-        let io_err = |source| SegmentError::Io { name: name_s.clone(), source };
-        let invalid = |reason: String| SegmentError::Invalid { name: name_s.clone(), reason };
+        let io_err = |source| SegmentError::Io {
+            name: name_s.clone(),
+            source,
+        };
+        let invalid = |reason: String| SegmentError::Invalid {
+            name: name_s.clone(),
+            reason,
+        };
         let fd: OwnedFd = shm::open(shm_path(&name_s).as_str(), shm::OFlags::RDWR, Mode::empty())
             .map_err(|e| io_err(e.into()))?;
         let stat = rustix::fs::fstat(&fd).map_err(|e| io_err(e.into()))?;
         let file = File::from(fd);
         let len = stat.st_size as u64;
-        if len < segment_bytes(1) || len > segment_bytes(MAX_CAPACITY) || len % 8 != 0 {
+        if len < segment_bytes(1) || len > segment_bytes(MAX_CAPACITY) || !len.is_multiple_of(8) {
             return Err(invalid(format!("size {len}")));
         }
         // SAFETY: the mapping's length is the object's current size; all access goes through atomics
@@ -320,7 +361,12 @@ impl Segment {
         // A peer that shrinks the object under us could make accesses fault (SIGBUS); the daemon only
         // maps objects whose owner registered with it or that it found at start-up.
         let map = unsafe { MmapOptions::new().len(len as usize).map_mut(&file) }.map_err(io_err)?;
-        let mut seg = Segment { map, name: name_s.clone(), capacity: 0, file_uid: stat.st_uid };
+        let mut seg = Segment {
+            map,
+            name: name_s.clone(),
+            capacity: 0,
+            file_uid: stat.st_uid,
+        };
         let w = seg.words();
         if w[W_MAGIC].load(Ordering::Acquire) != MAGIC {
             return Err(SegmentError::NotReady { name: name_s });
@@ -333,7 +379,8 @@ impl Segment {
             return Err(invalid("layout hash mismatch".into()));
         }
         let capacity = w[W_CAPACITY].load(Ordering::Relaxed);
-        if !capacity.is_power_of_two() || capacity > MAX_CAPACITY || segment_bytes(capacity) != len {
+        if !capacity.is_power_of_two() || capacity > MAX_CAPACITY || segment_bytes(capacity) != len
+        {
             return Err(invalid(format!("capacity {capacity} for {len} bytes")));
         }
         seg.capacity = capacity;
@@ -435,7 +482,11 @@ pub struct Producer {
 impl Producer {
     pub fn new(seg: Segment) -> Producer {
         let head = seg.head();
-        Producer { tail_cache: seg.tail(), head, seg }
+        Producer {
+            tail_cache: seg.tail(),
+            head,
+            seg,
+        }
     }
 
     pub fn segment(&self) -> &Segment {
@@ -472,7 +523,10 @@ pub type Read = (u64, Result<Record, DecodeError>);
 
 impl Consumer {
     pub fn new(seg: Segment) -> Consumer {
-        Consumer { read: seg.tail(), seg }
+        Consumer {
+            read: seg.tail(),
+            seg,
+        }
     }
 
     pub fn segment(&self) -> &Segment {
@@ -523,7 +577,10 @@ mod tests {
     fn unique(tag: &str) -> SegmentName {
         static N: AtomicU64 = AtomicU64::new(0);
         SegmentName {
-            prefix: format!("ncclscope-unittest-{tag}-{}", N.fetch_add(1, Ordering::Relaxed)),
+            prefix: format!(
+                "ncclscope-unittest-{tag}-{}",
+                N.fetch_add(1, Ordering::Relaxed)
+            ),
             uid: rustix::process::getuid().as_raw(),
             pid: std::process::id(),
             start_ticks: process_start_ticks(std::process::id()).unwrap(),
@@ -541,12 +598,21 @@ mod tests {
     }
 
     fn rec(i: u64) -> Record {
-        Record::OpStop { comm: 1, id: i, host_ns: i * 10 }
+        Record::OpStop {
+            comm: 1,
+            id: i,
+            host_ns: i * 10,
+        }
     }
 
     #[test]
     fn names_round_trip_and_reject_garbage() {
-        let n = SegmentName { prefix: "ncclscope.x".into(), uid: 1000, pid: 42, start_ticks: 9 };
+        let n = SegmentName {
+            prefix: "ncclscope.x".into(),
+            uid: 1000,
+            pid: 42,
+            start_ticks: 9,
+        };
         assert_eq!(SegmentName::parse(&n.to_string()), Some(n));
         for bad in ["ncclscope", "ncclscope.1.2", ".1.2.3", "a.b.2.3", "a.1.2.x"] {
             assert_eq!(SegmentName::parse(bad), None, "{bad}");
@@ -559,7 +625,10 @@ mod tests {
         let seg = Segment::create(&name, &owner(), 8).unwrap();
         assert!(Segment::create(&name, &owner(), 8).is_err(), "O_EXCL");
         let mode = std::fs::metadata(format!("{SHM_DIR}/{name}")).unwrap();
-        assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777, 0o600);
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777,
+            0o600
+        );
         let other = Segment::open(&name).unwrap();
         assert_eq!(other.owner(), owner());
         assert_eq!(other.capacity(), 8);
@@ -584,7 +653,13 @@ mod tests {
         let mut c2 = Consumer::new(Segment::open(&name).unwrap());
         out.clear();
         assert_eq!(c2.read(100, &mut out).unwrap(), 5);
-        let ids: Vec<u64> = out.iter().map(|(_, r)| match r { Ok(Record::OpStop { id, .. }) => *id, _ => 99 }).collect();
+        let ids: Vec<u64> = out
+            .iter()
+            .map(|(_, r)| match r {
+                Ok(Record::OpStop { id, .. }) => *id,
+                _ => 99,
+            })
+            .collect();
         assert_eq!(ids, vec![3, 4, 5, 6, 7]);
         c2.commit(8);
         for i in 10..20 {
@@ -606,7 +681,10 @@ mod tests {
         // A head beyond a ring's worth of records.
         seg.words()[W_HEAD].store(100, Ordering::Release);
         let mut c = Consumer::new(Segment::open(&name).unwrap());
-        assert!(matches!(c.read(10, &mut Vec::new()), Err(SegmentError::Invalid { .. })));
+        assert!(matches!(
+            c.read(10, &mut Vec::new()),
+            Err(SegmentError::Invalid { .. })
+        ));
         // A garbage record decodes to an error in its slot, not a panic.
         seg.words()[W_HEAD].store(1, Ordering::Release);
         seg.words()[W_RECORDS].store(0xff, Ordering::Relaxed);
@@ -617,17 +695,31 @@ mod tests {
         // Bad headers.
         for (word, value) in [(W_CAPACITY, 16), (W_VERSION, 99), (W_LAYOUT_HASH, 1)] {
             let saved = seg.words()[word].swap(value, Ordering::Relaxed);
-            assert!(matches!(Segment::open(&name), Err(SegmentError::Invalid { .. })), "word {word}");
+            assert!(
+                matches!(Segment::open(&name), Err(SegmentError::Invalid { .. })),
+                "word {word}"
+            );
             seg.words()[word].store(saved, Ordering::Relaxed);
         }
         seg.words()[W_MAGIC].store(0, Ordering::Relaxed);
-        assert!(matches!(Segment::open(&name), Err(SegmentError::NotReady { .. })));
+        assert!(matches!(
+            Segment::open(&name),
+            Err(SegmentError::NotReady { .. })
+        ));
         Segment::unlink(&name).unwrap();
         // A foreign object of the wrong size.
         let name = unique("foreign");
-        let fd = shm::open(shm_path(&name.to_string()).as_str(), shm::OFlags::CREATE | shm::OFlags::RDWR, Mode::from_raw_mode(0o600)).unwrap();
+        let fd = shm::open(
+            shm_path(&name.to_string()).as_str(),
+            shm::OFlags::CREATE | shm::OFlags::RDWR,
+            Mode::from_raw_mode(0o600),
+        )
+        .unwrap();
         File::from(fd).set_len(100).unwrap();
-        assert!(matches!(Segment::open(&name), Err(SegmentError::Invalid { .. })));
+        assert!(matches!(
+            Segment::open(&name),
+            Err(SegmentError::Invalid { .. })
+        ));
         Segment::unlink(&name).unwrap();
     }
 }
