@@ -13,20 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use devhook_support::{Plugin, cpu_time, forwarding_thread_cpu, forwarding_thread_switches};
+use ncclscope_fakenccl::nccl::{DevEvent, HookFn as Hook};
 use ncclscope_proto::Counter;
-
-/// The RFC event, as the kernel passes it.
-#[repr(C)]
-struct DevEvent {
-    timestamp: u64,
-    work_counter: u64,
-    func_id: u32,
-    channel: u8,
-    phase: u8,
-    rsvd: u16,
-}
-
-type Hook = unsafe extern "C" fn(*const DevEvent, *mut c_void);
 
 const CHANNELS: u8 = 16;
 
@@ -64,7 +52,7 @@ fn write(
                         timestamp,
                         work_counter: wc,
                         func_id: func_of(wc),
-                        channel,
+                        channel_id: channel,
                         phase,
                         rsvd: 0,
                     };

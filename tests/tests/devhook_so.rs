@@ -5,46 +5,13 @@
 //!
 //! One test function: it sets process environment variables the plugin reads.
 
-use std::ffi::{CString, c_char, c_int, c_void};
+use std::ffi::{CString, c_void};
 use std::time::{Duration, Instant};
 
+use ncclscope_fakenccl::nccl::{DevEvent, HookFn, RfcVtable};
 use ncclscope_fakenccl::process::{Cleanup, unique_prefix};
 use ncclscope_proto::Record;
 use ncclscope_proto::segment::{self, Consumer, Counter, Segment};
-
-/// `ncclProfiler_v7` as an RFC host reads it: six methods, then `getDeviceHook` at offset 48.
-#[repr(C)]
-struct ProfilerV7 {
-    name: *const c_char,
-    init: unsafe extern "C" fn(
-        *mut *mut c_void,
-        u64,
-        *mut c_int,
-        *const c_char,
-        c_int,
-        c_int,
-        c_int,
-        *const c_void,
-    ) -> c_int,
-    start_event: *const c_void,
-    stop_event: *const c_void,
-    record_event_state: *const c_void,
-    finalize: unsafe extern "C" fn(*mut c_void) -> c_int,
-    get_device_hook: unsafe extern "C" fn(c_int, *mut *mut c_void, *mut *mut c_void) -> c_int,
-}
-
-/// The RFC's event.
-#[repr(C)]
-struct DevEvent {
-    timestamp: u64,
-    work_counter: u64,
-    func_id: u32,
-    channel: u8,
-    phase: u8,
-    rsvd: u16,
-}
-
-type Hook = unsafe extern "C" fn(*const DevEvent, *mut c_void);
 
 fn set(k: &str, v: &str) {
     // SAFETY: this test is the only thread of its process touching the environment; the plugin reads it
@@ -63,23 +30,14 @@ struct Comm {
     dev_ctx: *mut c_void,
 }
 
-fn comm(v7: &ProfilerV7, hash: u64) -> Comm {
+fn comm(v7: &RfcVtable, hash: u64) -> Comm {
     let (mut ctx, mut mask) = (std::ptr::null_mut(), 0);
     let name = CString::new("devhook-so").unwrap();
     let (mut hook, mut dev_ctx) = (std::ptr::null_mut(), std::ptr::null_mut());
     // SAFETY: as NCCL calls them: init, then getDeviceHook on the same thread.
     unsafe {
         assert_eq!(
-            (v7.init)(
-                &mut ctx,
-                hash,
-                &mut mask,
-                name.as_ptr(),
-                1,
-                1,
-                0,
-                std::ptr::null()
-            ),
+            (v7.base.init)(&mut ctx, hash, &mut mask, name.as_ptr(), 1, 1, 0, None),
             0
         );
         assert_eq!((v7.get_device_hook)(0, &mut hook, &mut dev_ctx), 0);
@@ -98,7 +56,7 @@ fn simulation_hook_is_explicit_and_its_events_are_accounted_exactly() {
     // SAFETY: loading the plugin runs nothing that needs us.
     let lib = unsafe { libloading::Library::new(&path) }.unwrap();
     // SAFETY: the plugin exports `ncclProfiler_v7` with the RFC's layout; `lib` outlives its use.
-    let v7: &ProfilerV7 = unsafe { &**lib.get::<*const ProfilerV7>(b"ncclProfiler_v7\0").unwrap() };
+    let v7: &RfcVtable = unsafe { &**lib.get::<*const RfcVtable>(b"ncclProfiler_v7\0").unwrap() };
 
     // Without NCCLSCOPE_RING_MEMORY=cpu no host function is ever handed out: on a machine without a GPU
     // (or a build without nvcc) there is no hook at all, and an invalid value falls back to `host`.
@@ -120,7 +78,7 @@ fn simulation_hook_is_explicit_and_its_events_are_accounted_exactly() {
     let c = comm(v7, 3);
     assert!(!c.hook.is_null(), "cpu placement offered no hook");
     // SAFETY: in cpu mode the hook is a host function with the RFC hook's signature.
-    let hook: Hook = unsafe { std::mem::transmute::<*mut c_void, Hook>(c.hook) };
+    let hook: HookFn = unsafe { std::mem::transmute::<*mut c_void, HookFn>(c.hook) };
 
     // Four writers (one per channel, as one block per channel writes on the GPU), 64-slot rings lapped
     // many times while the plugin's forwarding thread drains them.
@@ -137,7 +95,7 @@ fn simulation_hook_is_explicit_and_its_events_are_accounted_exactly() {
                             timestamp: monotonic_ns(),
                             work_counter: wc,
                             func_id: 7,
-                            channel,
+                            channel_id: channel,
                             phase,
                             rsvd: 0,
                         };
@@ -149,7 +107,7 @@ fn simulation_hook_is_explicit_and_its_events_are_accounted_exactly() {
         }
     });
     // SAFETY: the context init returned; nothing calls the hook any more.
-    unsafe { (v7.finalize)(c.ctx) };
+    unsafe { (v7.base.finalize)(c.ctx) };
 
     // Read the segment until the communicator's end record (finalize drains its rings first).
     let name = segment::list(&prefix)

@@ -4,37 +4,17 @@
 
 #![allow(dead_code)]
 
-use std::ffi::{CString, c_char, c_int, c_void};
+use std::ffi::{CString, c_int, c_void};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use ncclscope_fakenccl::nccl::RfcVtable;
 use ncclscope_proto::segment::{Consumer, Counter, Segment};
 use ncclscope_proto::{Record, segment};
 
-/// `ncclProfiler_v7` as an RFC host reads it: the six methods, then `getDeviceHook`.
-#[repr(C)]
-struct ProfilerV7 {
-    name: *const c_char,
-    init: unsafe extern "C" fn(
-        *mut *mut c_void,
-        u64,
-        *mut c_int,
-        *const c_char,
-        c_int,
-        c_int,
-        c_int,
-        *const c_void,
-    ) -> c_int,
-    start_event: *const c_void,
-    stop_event: *const c_void,
-    record_event_state: *const c_void,
-    finalize: unsafe extern "C" fn(*mut c_void) -> c_int,
-    get_device_hook: unsafe extern "C" fn(c_int, *mut *mut c_void, *mut *mut c_void) -> c_int,
-}
-
 pub struct Plugin {
     _lib: libloading::Library,
-    v7: &'static ProfilerV7,
+    v7: &'static RfcVtable,
     pub prefix: String,
 }
 
@@ -72,7 +52,7 @@ impl Plugin {
         // SAFETY: the plugin exports `ncclProfiler_v7` with the RFC layout; the library stays loaded.
         let v7 = unsafe {
             let sym = lib
-                .get::<*const ProfilerV7>(b"ncclProfiler_v7\0")
+                .get::<*const RfcVtable>(b"ncclProfiler_v7\0")
                 .expect("ncclProfiler_v7");
             &**sym
         };
@@ -91,16 +71,7 @@ impl Plugin {
         let (mut hook, mut dev_ctx) = (std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: arguments as NCCL passes them; no logger.
         unsafe {
-            (self.v7.init)(
-                &mut ctx,
-                hash,
-                &mut mask,
-                name.as_ptr(),
-                1,
-                1,
-                0,
-                std::ptr::null(),
-            );
+            (self.v7.base.init)(&mut ctx, hash, &mut mask, name.as_ptr(), 1, 1, 0, None);
             (self.v7.get_device_hook)(cuda_dev, &mut hook, &mut dev_ctx);
         }
         Comm {
@@ -113,7 +84,7 @@ impl Plugin {
 
     pub fn finalize(&self, comm: &Comm) {
         // SAFETY: a context returned by init, finalized once.
-        unsafe { (self.v7.finalize)(comm.ctx) };
+        unsafe { (self.v7.base.finalize)(comm.ctx) };
     }
 
     /// The segment the plugin created (it appears at the first init).

@@ -41,8 +41,8 @@ use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
 
 use guard::GuardedPage;
 use nccl::{
-    DESCR_V6_BYTES, DESCR_V7_BYTES, Descr, DevEvent, GetDeviceHookFn, HookFn, Logger, Vtable,
-    event, off, state,
+    DESCR_V6_BYTES, DESCR_V7_BYTES, Descr, DevEvent, GetDeviceHookFn, HookFn, Logger, RfcVtable,
+    Vtable, event, off, state,
 };
 pub use report::{HookItem, KernelReport, OpKind, OpReport, PhaseReport};
 
@@ -274,7 +274,7 @@ impl Host {
             let get_device_hook =
                 (kind == HostKind::Rfc && sym == &c"ncclProfiler_v7").then(|| {
                     // SAFETY: an RFC host reads `getDeviceHook` at offset 48 of `ncclProfiler_v7`.
-                    unsafe { *(p.cast::<u8>().add(48) as *const GetDeviceHookFn) }
+                    unsafe { (*p.cast::<RfcVtable>()).get_device_hook }
                 });
             let mask: &'static AtomicI32 = Box::leak(Box::new(AtomicI32::new(0)));
             return Ok(Arc::new(Host {

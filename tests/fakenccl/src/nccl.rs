@@ -38,6 +38,16 @@ pub struct Vtable {
 }
 const _: () = assert!(size_of::<Vtable>() == 48);
 
+/// `ncclProfiler_v7` as an RFC host reads it: the six methods, then `getDeviceHook` at offset 48.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct RfcVtable {
+    pub base: Vtable,
+    pub get_device_hook: GetDeviceHookFn,
+}
+const _: () =
+    assert!(size_of::<RfcVtable>() == 56 && std::mem::offset_of!(RfcVtable, get_device_hook) == 48);
+
 /// The RFC device event (24 bytes).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
