@@ -1014,20 +1014,26 @@ mod tests {
         assert_eq!((a.counters.host_anchored, a.counters.uncalibrated), (1, 0));
     }
 
+    /// A hook-path communicator whose device functions 42 and 43 are an all-reduce and a broadcast.
+    fn hook_prelude() -> Vec<Record> {
+        let mut recs = prelude(TimingPath::DeviceHook);
+        for (func_id, id, name) in [
+            (42, 9, "AllReduce_Sum_f32_RING_LL"),
+            (43, 10, "Broadcast_RING_LL"),
+        ] {
+            recs.push(s(id, name));
+            recs.push(Record::FuncName {
+                func_id,
+                name: StrId(id),
+            });
+        }
+        recs
+    }
+
     #[test]
     fn hook_path_joins_by_channel_order_and_checks_the_func_name() {
         let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
-        let mut recs = prelude(TimingPath::DeviceHook);
-        recs.push(s(9, "AllReduce_Sum_f32_RING_LL"));
-        recs.push(Record::FuncName {
-            func_id: 42,
-            name: StrId(9),
-        });
-        recs.push(s(10, "Broadcast_RING_LL"));
-        recs.push(Record::FuncName {
-            func_id: 43,
-            name: StrId(10),
-        });
+        let mut recs = hook_prelude();
         recs.push(coll(1, 0, 1));
         recs.push(coll(2, 1, 1));
         recs.push(Record::OpStop {
@@ -1064,17 +1070,7 @@ mod tests {
     #[test]
     fn hook_work_read_before_its_op_still_joins_and_a_lost_item_skips_only_its_op() {
         let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
-        let mut recs = prelude(TimingPath::DeviceHook);
-        recs.push(s(9, "AllReduce_Sum_f32_RING_LL"));
-        recs.push(Record::FuncName {
-            func_id: 42,
-            name: StrId(9),
-        });
-        recs.push(s(10, "Broadcast_RING_LL"));
-        recs.push(Record::FuncName {
-            func_id: 43,
-            name: StrId(10),
-        });
+        let mut recs = hook_prelude();
         recs.push(s(11, "Broadcast"));
         let dev = |f, t| Record::DevWork {
             comm: 0,
