@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use ncclscope::config::Config;
 use ncclscope::engine::{Engine, Outputs};
 use ncclscope::hub::Hub;
+use ncclscope::instance::Instance;
 use ncclscope::otlp::{self, ExportCounters, SpanItem};
 use ncclscope_proto::api::{ChannelWork, Collective};
 use ncclscope_proto::segment::{self, Owner, Producer, Segment, SegmentName};
@@ -220,26 +221,30 @@ fn export() -> f64 {
         ));
         let acked = Arc::new(AtomicU64::new(0));
         let n = 200_000u64;
+        // As from the assembler: every instance shares its process's strings.
+        let template = Instance::from(&Collective {
+            job_id: "bench".into(),
+            comm_hash: 7,
+            nranks: 8,
+            func: "AllReduce".into(),
+            datatype: "ncclBfloat16".into(),
+            algo: "RING".into(),
+            proto: "LL128".into(),
+            timing_source: "kernel_gpu".into(),
+            channels: (0..4)
+                .map(|c| ChannelWork {
+                    channel: c,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        });
         let t = Instant::now();
         for seq in 0..n {
-            let coll = Arc::new(Collective {
-                job_id: "bench".into(),
-                comm_hash: 7,
+            let coll = Arc::new(Instance {
                 rank: 1 + (seq % 7) as u32, // not rank 0: one span per instance
-                nranks: 8,
                 seq,
-                func: "AllReduce".into(),
-                datatype: "ncclBfloat16".into(),
-                algo: "RING".into(),
-                proto: "LL128".into(),
-                timing_source: "kernel_gpu".into(),
-                channels: (0..4)
-                    .map(|c| ChannelWork {
-                        channel: c,
-                        ..Default::default()
-                    })
-                    .collect(),
-                ..Default::default()
+                ..template.clone()
             });
             tx.send(SpanItem {
                 coll,

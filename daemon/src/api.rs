@@ -141,8 +141,8 @@ impl Query for QueryService {
                     Err(broadcast::error::RecvError::Lagged(_)) => continue,
                     Err(broadcast::error::RecvError::Closed) => return,
                 };
-                if (job.is_empty() || c.job_id == job)
-                    && tx.send(Ok(Collective::clone(&c))).await.is_err()
+                if (job.is_empty() || c.job_id() == job)
+                    && tx.send(Ok(c.to_message())).await.is_err()
                 {
                     return; // the client went away
                 }
@@ -262,13 +262,13 @@ mod tests {
     use crate::spool::{Spool, SpoolLimits};
     use ncclscope_proto::api::{CollStats, Job, RankStats};
 
-    fn coll(job: &str, seq: u64) -> Arc<Collective> {
-        Arc::new(Collective {
+    fn coll(job: &str, seq: u64) -> Collective {
+        Collective {
             job_id: job.into(),
             seq,
             func: "AllGather".into(),
             ..Default::default()
-        })
+        }
     }
 
     struct Running {
@@ -384,7 +384,9 @@ mod tests {
             .into_inner();
         // The subscription exists once the call returned; publish after it, filtered to job y.
         for s in 0..5 {
-            d.hub.publish(coll(if s % 2 == 0 { "y" } else { "z" }, s));
+            let c = coll(if s % 2 == 0 { "y" } else { "z" }, s);
+            d.hub
+                .publish(&Arc::new(crate::instance::Instance::from(&c)));
         }
         for want in [0, 2, 4] {
             let c = watch.message().await.unwrap().unwrap();

@@ -11,11 +11,12 @@ use std::collections::{BTreeSet, HashMap};
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
 
-use ncclscope_proto::api::{ChannelWork, Collective};
+use ncclscope_proto::api::ChannelWork;
 use ncclscope_proto::{Record, StrId, TimingPath};
 use serde::{Deserialize, Serialize};
 
 use crate::bandwidth;
+use crate::instance::{Instance, Names};
 
 /// Sinks a previous daemon already delivered an operation to (persisted in the segment state).
 pub mod done {
@@ -119,10 +120,45 @@ struct Op {
     prior: u8,
 }
 
+impl Op {
+    fn add_work(&mut self, channel: u8, gpu_start: u64, gpu_stop: u64, now_ns: u64) {
+        self.seen |= 1 << (channel & 63);
+        self.last_progress_ns = now_ns;
+        // GPU clock for now: mapped to host time when the op is built, with the calibration of then.
+        self.channels.push(ChannelWork {
+            channel: channel as u32,
+            start_unix_ns: gpu_start,
+            end_unix_ns: gpu_stop.max(gpu_start),
+            work_items: 1,
+        });
+    }
+
+    fn complete(&self) -> bool {
+        self.stop_ns.is_some() && self.seen.count_ones() >= self.n_channels as u32
+    }
+
+    /// Whether the op has its stop and every channel's work, and (with kernel times) its device
+    /// has a calibration: the plugin may forward kernel records before its first calibration.
+    fn ready(&self, comms: &Map<u32, CommInfo>, calibrations: &Map<i32, Calibration>) -> bool {
+        if !self.complete() {
+            return false;
+        }
+        if self.channels.is_empty() {
+            return true;
+        }
+        match comms.get(&self.comm) {
+            Some(c) if c.cuda_dev >= 0 => calibrations.contains_key(&c.cuda_dev),
+            // No device (e.g. NCCL's KernelCh without a CUDA context) means no calibration will
+            // come: the host anchor is all there is.
+            _ => self.host_anchor.is_some(),
+        }
+    }
+}
+
 /// One finished operation, with where its records start in the segment (for the commit point).
 #[derive(Debug)]
 pub struct Completed {
-    pub coll: Arc<Collective>,
+    pub coll: Arc<Instance>,
     pub op_id: u64,
     pub first_pos: u64,
     /// Sinks that already have it (from a daemon that ran before a restart).
@@ -132,9 +168,8 @@ pub struct Completed {
 /// Per-process assembly state.
 pub struct Assembler {
     pid: u32,
-    job_id: String,
-    host: String,
-    strings: Map<u16, Arc<str>>,
+    /// Job, host and the strings defined so far; shared with the instances built from them.
+    names: Arc<Names>,
     func_names: Map<u32, u16>,
     calibrations: Map<i32, Calibration>,
     comms: Map<u32, CommInfo>,
@@ -153,9 +188,7 @@ impl Assembler {
     pub fn new(pid: u32, job_id: String, host: String, max_pending: usize) -> Assembler {
         Assembler {
             pid,
-            job_id,
-            host,
-            strings: Map::default(),
+            names: Arc::new(Names::new(job_id, host)),
             func_names: Map::default(),
             calibrations: Map::default(),
             comms: Map::default(),
@@ -175,11 +208,10 @@ impl Assembler {
         dict: Dictionary,
         delivered: impl IntoIterator<Item = (u64, u64, u8)>,
     ) {
-        self.strings = dict
-            .strings
-            .into_iter()
-            .map(|(k, v)| (k, Arc::from(v)))
-            .collect();
+        let names = Arc::make_mut(&mut self.names);
+        for (id, text) in dict.strings {
+            names.set(StrId(id), text);
+        }
         self.func_names = dict.func_names.into_iter().collect();
         self.calibrations = dict.calibrations.into_iter().collect();
         self.comms = dict.comms.into_iter().map(|c| (c.comm, c)).collect();
@@ -192,9 +224,9 @@ impl Assembler {
     pub fn dictionary(&self) -> Dictionary {
         let mut d = Dictionary {
             strings: self
-                .strings
+                .names
                 .iter()
-                .map(|(k, v)| (*k, v.to_string()))
+                .map(|(id, text)| (id.0, text.to_string()))
                 .collect(),
             func_names: self.func_names.iter().map(|(k, v)| (*k, *v)).collect(),
             calibrations: self.calibrations.iter().map(|(k, v)| (*k, *v)).collect(),
@@ -224,7 +256,7 @@ impl Assembler {
 
     /// An interned string ("" if unknown).
     pub fn string(&self, id: u16) -> String {
-        self.text(StrId(id))
+        self.names.get(StrId(id)).to_string()
     }
 
     /// Largest calibration error bound among this process's devices.
@@ -242,7 +274,7 @@ impl Assembler {
     }
 
     pub fn job_id(&self) -> &str {
-        &self.job_id
+        &self.names.job_id
     }
 
     pub fn pid(&self) -> u32 {
@@ -269,7 +301,7 @@ impl Assembler {
         match record {
             Record::Str { id, len, bytes } => {
                 let text = String::from_utf8_lossy(&bytes[..len as usize]);
-                self.strings.insert(id.0, Arc::from(text.as_ref()));
+                Arc::make_mut(&mut self.names).set(id, text.into_owned());
                 self.dictionary_changed = true;
             }
             Record::FuncName { func_id, name } => {
@@ -427,7 +459,9 @@ impl Assembler {
                 if let Some(op) = self.ops.get_mut(&id) {
                     op.stop_ns = Some(host_ns);
                     op.last_progress_ns = now_ns;
-                    self.try_finish(id, out);
+                    if op.ready(&self.comms, &self.calibrations) {
+                        self.finish(id, out);
+                    }
                 }
             }
             Record::KernelCh {
@@ -445,8 +479,10 @@ impl Assembler {
                         let anchor = host_ns as i64 - gpu_stop as i64;
                         op.host_anchor = Some(op.host_anchor.map_or(anchor, |a| a.min(anchor)));
                     }
-                    self.add_work(parent, channel, gpu_start, gpu_stop, 1, now_ns);
-                    self.try_finish(parent, out);
+                    op.add_work(channel, gpu_start, gpu_stop, now_ns);
+                    if op.ready(&self.comms, &self.calibrations) {
+                        self.finish(parent, out);
+                    }
                 } else {
                     self.counters.kernel_unjoined += 1;
                 }
@@ -481,7 +517,9 @@ impl Assembler {
             self.counters.unknown_comm += 1;
             return;
         };
-        if let Some(&(_, flags)) = self.prior.get(&id) {
+        if !self.prior.is_empty()
+            && let Some(&(_, flags)) = self.prior.get(&id)
+        {
             op.prior = flags;
         }
         let hook_lanes = if info.device_hook {
@@ -496,13 +534,13 @@ impl Assembler {
                 .ops
                 .push_back(id);
         }
+        let (first_pos, comm, now_ns) = (op.first_pos, op.comm, op.last_progress_ns);
         if let Some(old) = self.ops.insert(id, op) {
             // A reused id: close the old one as it is rather than mixing the two.
             self.by_pos.remove(&(old.first_pos, id));
             self.counters.incomplete += 1;
         }
-        self.by_pos.insert((self.ops[&id].first_pos, id));
-        let (comm, now_ns) = (self.ops[&id].comm, self.ops[&id].last_progress_ns);
+        self.by_pos.insert((first_pos, id));
         for ch in 0..hook_lanes {
             self.match_lane((comm, ch), now_ns, out);
         }
@@ -515,18 +553,17 @@ impl Assembler {
 
     /// Whether a device function (by funcId) can be `func`'s kernel; unknown names match anything.
     fn work_matches(&self, func_id: u32, func: StrId) -> bool {
-        let Some(name) = self
-            .func_names
-            .get(&func_id)
-            .and_then(|s| self.strings.get(s))
-        else {
+        let Some(&name) = self.func_names.get(&func_id) else {
             return true;
         };
-        let func = self.strings.get(&func.0).map_or("", |s| s);
+        let (name, func) = (
+            self.names.get(StrId(name)).as_bytes(),
+            self.names.get(func).as_bytes(),
+        );
         func.is_empty()
             || name
-                .to_ascii_lowercase()
-                .contains(&func.to_ascii_lowercase())
+                .windows(func.len())
+                .any(|w| w.eq_ignore_ascii_case(func))
     }
 
     /// Joins a lane's waiting operations and early work items in order. A work item whose function
@@ -545,7 +582,9 @@ impl Assembler {
                 lane.ops.pop_front();
                 lane.works.pop_front();
                 self.counters.dev_joined += 1;
-                self.add_work(id, key.1, work.gpu_start, work.gpu_stop, 1, now_ns);
+                if let Some(op) = self.ops.get_mut(&id) {
+                    op.add_work(key.1, work.gpu_start, work.gpu_stop, now_ns);
+                }
                 // Finishing the op edits the lanes: put this one back while it does.
                 self.waiting.insert(key, lane);
                 self.try_finish(id, out);
@@ -568,43 +607,13 @@ impl Assembler {
         }
     }
 
-    fn add_work(
-        &mut self,
-        id: u64,
-        channel: u8,
-        gpu_start: u64,
-        gpu_stop: u64,
-        items: u32,
-        now_ns: u64,
-    ) {
-        let op = self.ops.get_mut(&id).expect("caller checked");
-        op.seen |= 1 << (channel & 63);
-        op.last_progress_ns = now_ns;
-        // GPU clock for now: mapped to host time when the op is built, with the calibration of then.
-        op.channels.push(ChannelWork {
-            channel: channel as u32,
-            start_unix_ns: gpu_start,
-            end_unix_ns: gpu_stop.max(gpu_start),
-            work_items: items,
-        });
-    }
-
-    /// The calibration that maps `op`'s GPU times, if its device has one yet.
-    fn calibration_of(&self, op: &Op) -> Option<Calibration> {
-        let dev = self.comms.get(&op.comm)?.cuda_dev;
-        self.calibrations.get(&dev).copied()
-    }
-
-    /// Finishes `id` if it has its stop and every channel's work, and (with kernel times) its device
-    /// has a calibration: the plugin may forward kernel records before its first calibration.
+    /// Finishes `id` if it is [`Op::ready`].
     fn try_finish(&mut self, id: u64, out: &mut Vec<Completed>) {
-        let Some(op) = self.ops.get(&id) else { return };
-        let complete = op.stop_ns.is_some() && op.seen.count_ones() >= op.n_channels as u32;
-        // No device (cuda_dev < 0, e.g. NCCL's KernelCh without a CUDA context) means no calibration
-        // will come: the host anchor is all there is.
-        let deviceless =
-            self.comms.get(&op.comm).is_none_or(|c| c.cuda_dev < 0) && op.host_anchor.is_some();
-        if complete && (op.channels.is_empty() || deviceless || self.calibration_of(op).is_some()) {
+        if self
+            .ops
+            .get(&id)
+            .is_some_and(|op| op.ready(&self.comms, &self.calibrations))
+        {
             self.finish(id, out);
         }
     }
@@ -621,8 +630,7 @@ impl Assembler {
             .iter()
             .filter(|(_, op)| {
                 let idle = now_ns.saturating_sub(op.last_progress_ns);
-                let complete = op.stop_ns.is_some() && op.seen.count_ones() >= op.n_channels as u32;
-                idle >= timeout_ns || (complete && idle >= wait)
+                idle >= timeout_ns || (op.complete() && idle >= wait)
             })
             .map(|(id, op)| (op.first_pos, *id))
             .collect();
@@ -640,53 +648,50 @@ impl Assembler {
     }
 
     fn finish(&mut self, id: u64, out: &mut Vec<Completed>) {
-        let Some(mut op) = self.ops.remove(&id) else {
+        let Some(op) = self.ops.remove(&id) else {
             return;
         };
         self.by_pos.remove(&(op.first_pos, id));
-        if op.stop_ns.is_none() || op.seen.count_ones() < op.n_channels as u32 {
+        if !op.complete() {
             self.counters.incomplete += 1;
         }
-        if self.comms.get(&op.comm).is_some_and(|c| c.device_hook) {
+        let info = self.comms.get(&op.comm);
+        let calibration = info
+            .and_then(|c| self.calibrations.get(&c.cuda_dev))
+            .copied();
+        if info.is_some_and(|c| c.device_hook) {
             for ch in 0..op.n_channels.min(64) {
                 if let Some(lane) = self.waiting.get_mut(&(op.comm, ch)) {
                     lane.ops.retain(|&x| x != id);
                 }
             }
         }
-        if !op.channels.is_empty() && self.calibration_of(&op).is_none() {
+        if !op.channels.is_empty() && calibration.is_none() {
             match op.host_anchor {
                 Some(_) => self.counters.host_anchored += 1,
                 None => self.counters.uncalibrated += 1,
             }
         }
-        let coll = self.build(&mut op);
+        let (first_pos, prior) = (op.first_pos, op.prior);
+        let info = self.comms.get(&op.comm);
+        let coll = self.build(op, info, calibration);
         out.push(Completed {
             coll: Arc::new(coll),
             op_id: id,
-            first_pos: op.first_pos,
-            prior: op.prior,
+            first_pos,
+            prior,
         });
     }
 
-    fn text(&self, id: StrId) -> String {
-        self.strings
-            .get(&id.0)
-            .map_or_else(String::new, |s| s.to_string())
-    }
-
-    /// The instance's message; takes the op's channel work rather than copying it.
-    fn build(&self, op: &mut Op) -> Collective {
-        let info = self.comms.get(&op.comm);
+    /// The instance; takes the op's channel work rather than copying it.
+    fn build(&self, op: Op, info: Option<&CommInfo>, calibration: Option<Calibration>) -> Instance {
         let nranks = info.map_or(1, |c| c.nranks);
-        let func = self.text(op.func);
-        let datatype = self.text(op.datatype);
-        let msg = bandwidth::datatype_size(&datatype)
+        let func = self.names.get(op.func);
+        let msg = bandwidth::datatype_size(self.names.get(op.datatype))
             .unwrap_or(0)
             .saturating_mul(op.count);
-        let bytes = bandwidth::inspector_bytes(&func, msg, nranks);
-        let calibration = self.calibration_of(op);
-        let mut channels = std::mem::take(&mut op.channels);
+        let bytes = bandwidth::inspector_bytes(func, msg, nranks);
+        let mut channels = op.channels;
         channels.sort_unstable_by_key(|c| c.channel);
         let offset = calibration
             .map(|c| c.offset_ns)
@@ -719,27 +724,26 @@ impl Assembler {
             };
             (source, start, end, exec)
         };
-        let (algbw, busbw) = bandwidth::bandwidths(&func, bytes, nranks, exec);
+        let (algbw, busbw) = bandwidth::bandwidths(func, bytes, nranks, exec);
         // No calibration (closed by a timeout before the first one arrived): GPU clock, flagged.
         let calibration_error_ns = match calibration {
             Some(c) => c.error_ns,
             None if channels.is_empty() => 0,
             None => u32::MAX,
         };
-        Collective {
-            job_id: self.job_id.clone(),
-            host: self.host.clone(),
+        Instance {
+            names: self.names.clone(),
             pid: self.pid,
             comm_hash: info.map_or(0, |c| c.comm_hash),
-            comm_name: info.map_or_else(String::new, |c| self.text(StrId(c.name))),
+            comm_name: StrId(info.map_or(0, |c| c.name)),
             rank: info.map_or(0, |c| c.rank),
             nranks,
             nnodes: info.map_or(1, |c| c.nnodes),
             seq: op.seq,
-            func,
-            datatype,
-            algo: self.text(op.algo),
-            proto: self.text(op.proto),
+            func: op.func,
+            datatype: op.datatype,
+            algo: op.algo,
+            proto: op.proto,
             count: op.count,
             bytes,
             root: op.root,
@@ -749,7 +753,7 @@ impl Assembler {
             start_unix_ns: start,
             end_unix_ns: end,
             exec_ns: exec,
-            timing_source: timing_source.into(),
+            timing_source,
             algbw_gbs: algbw,
             busbw_gbs: busbw,
             calibration_error_ns,
@@ -863,12 +867,7 @@ mod tests {
         assert_eq!(out[0].first_pos, 6);
         assert_eq!((c.comm_hash, c.rank, c.nranks, c.seq), (0xabc, 1, 4, 5));
         assert_eq!(
-            (
-                c.func.as_str(),
-                c.datatype.as_str(),
-                c.algo.as_str(),
-                c.proto.as_str()
-            ),
+            (c.func(), c.datatype(), c.algo(), c.proto()),
             ("AllReduce", "ncclFloat32", "RING", "LL128")
         );
         assert_eq!(c.timing_source, "kernel_gpu");
@@ -1184,7 +1183,7 @@ mod tests {
         );
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].prior, done::RECORDED);
-        assert_eq!(out[0].coll.func, "AllReduce");
+        assert_eq!(out[0].coll.func(), "AllReduce");
         b.prune_prior(7);
         assert!(b.prior.is_empty());
     }

@@ -13,7 +13,7 @@ use std::sync::{Arc, mpsc as std_mpsc};
 use std::time::{Duration, Instant};
 
 use ncclscope_proto::api::{
-    Collective, Communicator, Health as ApiHealth, Job, ListJobsResponse, RankInfo, StatsResponse,
+    Communicator, Health as ApiHealth, Job, ListJobsResponse, RankInfo, StatsResponse,
 };
 use ncclscope_proto::now_ns;
 use ncclscope_proto::segment::{self, Consumer, Counter, Read, Segment, SegmentName};
@@ -23,6 +23,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::assemble::{AssembleCounters, Assembler, Completed, done};
 use crate::config::Config;
 use crate::hub::{Durable, Hub};
+use crate::instance::Instance;
 use crate::metrics::{self, Health};
 use crate::otlp::{ExportCounters, SpanItem};
 use crate::state::{self, SegmentState};
@@ -86,7 +87,9 @@ pub struct Engine {
     collectives: u64,
     /// Segments detached as corrupt; skipped by rescans while they exist.
     broken: std::collections::HashSet<SegmentName>,
+    /// Buffers reused by every tick (their capacity would otherwise be reallocated each time).
     reads: Vec<Read>,
+    finished: Vec<Completed>,
     completed: Vec<(usize, Completed)>,
     last_sweep: Instant,
     last_liveness: Instant,
@@ -134,6 +137,7 @@ impl Engine {
             collectives: 0,
             broken: Default::default(),
             reads: Vec::new(),
+            finished: Vec::new(),
             completed: Vec::new(),
             last_sweep: now,
             last_liveness: now,
@@ -315,7 +319,6 @@ impl Engine {
                     continue;
                 }
             }
-            let mut out = Vec::new();
             for (pos, r) in self.reads.drain(..) {
                 seg.read_upto = pos + 1;
                 match r {
@@ -325,12 +328,13 @@ impl Engine {
                             ncclscope_proto::Record::Comm { .. }
                                 | ncclscope_proto::Record::CommEnd { .. }
                         );
-                        seg.asm.apply(pos, rec, now, &mut out);
+                        seg.asm.apply(pos, rec, now, &mut self.finished);
                     }
                     Err(_) => seg.asm.counters.decode_errors += 1,
                 }
             }
-            self.completed.extend(out.into_iter().map(|c| (i, c)));
+            self.completed
+                .extend(self.finished.drain(..).map(|c| (i, c)));
         }
         for i in broken.into_iter().rev() {
             let seg = self.segments.remove(i);
@@ -383,9 +387,9 @@ impl Engine {
         if self.completed.is_empty() {
             return;
         }
-        let completed = std::mem::take(&mut self.completed);
+        let mut completed = std::mem::take(&mut self.completed);
         if let Some(spool) = self.spool.as_mut() {
-            let fresh: Vec<Arc<Collective>> = completed
+            let fresh: Vec<Arc<Instance>> = completed
                 .iter()
                 .filter(|(_, c)| c.prior & done::RECORDED == 0)
                 .map(|(_, c)| c.coll.clone())
@@ -397,11 +401,11 @@ impl Engine {
                 *self.daemon_lost.entry("spool_failed").or_default() += fresh.len() as u64;
             }
         }
-        for (i, c) in completed {
+        for (i, c) in completed.drain(..) {
             let seg = &mut self.segments[i];
             let mut flags = c.prior;
             if c.prior & done::RECORDED == 0 {
-                self.hub.publish(c.coll.clone());
+                self.hub.publish(&c.coll);
                 // "Slow" is judged against the series before this instance joins it.
                 let p50 = self.stats.observe(&c.coll, now, SLOW_MIN_SAMPLES);
                 let slow = self.cfg.otlp.slow_factor > 0.0
@@ -451,6 +455,7 @@ impl Engine {
             seg.delivered.insert(c.op_id, (c.first_pos, flags));
             seg.dirty = true;
         }
+        self.completed = completed;
     }
 
     fn collect_acks(&mut self) {
@@ -820,7 +825,7 @@ mod tests {
         let mut seen = Vec::new();
         while let Ok(c) = live.try_recv() {
             assert_eq!(
-                (c.func.as_str(), c.comm_hash, c.bytes),
+                (c.func(), c.comm_hash, c.bytes),
                 ("AllReduce", 5, 4),
                 "dictionary restored"
             );

@@ -6,18 +6,21 @@
 
 use std::sync::{Arc, Mutex};
 
-use ncclscope_proto::api::{Collective, ListJobsResponse, StatsResponse};
+use ncclscope_proto::api::{ListJobsResponse, StatsResponse};
 use tokio::sync::broadcast;
+
+use crate::instance::Instance;
 
 /// Where completed instances become durable before they are published: the spool. The engine calls
 /// it with each batch in completion order; `Ok` means the batch survives a crash.
 pub trait Durable: Send {
-    fn append(&mut self, batch: &[Arc<Collective>]) -> std::io::Result<()>;
+    fn append(&mut self, batch: &[Arc<Instance>]) -> std::io::Result<()>;
 }
 
 impl Durable for crate::spool::Spool {
-    fn append(&mut self, batch: &[Arc<Collective>]) -> std::io::Result<()> {
-        crate::spool::Spool::append(self, batch)
+    fn append(&mut self, batch: &[Arc<Instance>]) -> std::io::Result<()> {
+        let messages: Vec<_> = batch.iter().map(|i| i.to_message()).collect();
+        crate::spool::Spool::append(self, &messages)
     }
 }
 
@@ -25,7 +28,7 @@ impl Durable for crate::spool::Spool {
 pub const LIVE_BACKLOG: usize = 4096;
 
 pub struct Hub {
-    live: broadcast::Sender<Arc<Collective>>,
+    live: broadcast::Sender<Arc<Instance>>,
     stats: Mutex<StatsResponse>,
     jobs: Mutex<ListJobsResponse>,
 }
@@ -41,12 +44,14 @@ impl Default for Hub {
 }
 
 impl Hub {
-    pub fn publish(&self, c: Arc<Collective>) {
-        // No receivers is fine: nobody is watching.
-        let _ = self.live.send(c);
+    pub fn publish(&self, c: &Arc<Instance>) {
+        // Nobody watching is the common case: skip the channel's lock.
+        if self.live.receiver_count() > 0 {
+            let _ = self.live.send(c.clone());
+        }
     }
 
-    pub fn subscribe(&self) -> broadcast::Receiver<Arc<Collective>> {
+    pub fn subscribe(&self) -> broadcast::Receiver<Arc<Instance>> {
         self.live.subscribe()
     }
 

@@ -8,6 +8,7 @@ pub mod config;
 pub mod engine;
 pub mod histogram;
 pub mod hub;
+pub mod instance;
 pub mod metrics;
 pub mod notify;
 pub mod otlp;
@@ -21,7 +22,7 @@ pub mod spool;
 pub mod state;
 pub mod stats;
 
-/// Every collective instance becomes a short-lived message shared by the spool, the hub and the
+/// Every collective instance is a short-lived allocation shared by the spool, the hub and the
 /// exporter; with glibc's allocator, malloc/free were about a fifth of the ingest thread's time.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;

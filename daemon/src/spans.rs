@@ -9,7 +9,7 @@
 //! Sampling is a function of (commHash, seq) too, so every rank keeps the same collectives.
 //! The daemon builds OTLP protobuf spans itself (opentelemetry-proto) because the SDK generates ids.
 
-use ncclscope_proto::api::Collective;
+use crate::instance::Instance;
 use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
 use opentelemetry_proto::tonic::trace::v1::{Span, span::SpanKind};
 
@@ -81,19 +81,19 @@ fn f(key: &str, v: f64) -> KeyValue {
 }
 
 /// Attributes every span of an instance carries.
-fn common(c: &Collective) -> Vec<KeyValue> {
+fn common(c: &Instance) -> Vec<KeyValue> {
     vec![
-        s("nccl.collective", &c.func),
+        s("nccl.collective", c.func()),
         i("nccl.nranks", c.nranks as i64),
         s("nccl.comm_hash", &format!("{:016x}", c.comm_hash)),
         i("nccl.seq", c.seq as i64),
-        s("job.id", &c.job_id),
+        s("job.id", c.job_id()),
     ]
 }
 
 /// Appends the spans this node emits for `c`: the rank's span, its root when `c` is rank 0 of a
 /// collective, and one span per channel if asked.
-pub fn spans_of(c: &Collective, channel_spans: bool, out: &mut Vec<Span>) {
+pub fn spans_of(c: &Instance, channel_spans: bool, out: &mut Vec<Span>) {
     let trace_id = trace_id(c.comm_hash, c.seq).to_vec();
     let root_id = root_span_id(c.comm_hash, c.seq).to_vec();
     let rank_id = rank_span_id(c.comm_hash, c.seq, c.rank);
@@ -102,7 +102,7 @@ pub fn spans_of(c: &Collective, channel_spans: bool, out: &mut Vec<Span>) {
         out.push(Span {
             trace_id: trace_id.clone(),
             span_id: root_id.clone(),
-            name: c.func.clone(),
+            name: c.func().to_string(),
             kind: SpanKind::Internal as i32,
             start_time_unix_nano: c.enqueue_unix_ns.min(c.start_unix_ns),
             end_time_unix_nano: c.end_unix_ns,
@@ -117,9 +117,9 @@ pub fn spans_of(c: &Collective, channel_spans: bool, out: &mut Vec<Span>) {
     let mut attributes = common(c);
     attributes.extend([
         i("nccl.rank", c.rank as i64),
-        s("nccl.algo", &c.algo),
-        s("nccl.proto", &c.proto),
-        s("nccl.datatype", &c.datatype),
+        s("nccl.algo", c.algo()),
+        s("nccl.proto", c.proto()),
+        s("nccl.datatype", c.datatype()),
         i("nccl.bytes", c.bytes as i64),
         i("nccl.count", c.count as i64),
         i("nccl.channels", c.n_channels as i64),
@@ -134,8 +134,8 @@ pub fn spans_of(c: &Collective, channel_spans: bool, out: &mut Vec<Span>) {
     ]);
     // Empty strings (p2p has no algorithm/protocol; unnamed communicators) carry no information.
     attributes.retain(|kv| !matches!(&kv.value, Some(AnyValue { value: Some(any_value::Value::StringValue(v)) }) if v.is_empty()));
-    if !c.comm_name.is_empty() {
-        attributes.push(s("nccl.comm_name", &c.comm_name));
+    if !c.comm_name().is_empty() {
+        attributes.push(s("nccl.comm_name", c.comm_name()));
     }
     if c.is_p2p {
         attributes.push(i("nccl.peer", c.peer as i64));
@@ -146,7 +146,7 @@ pub fn spans_of(c: &Collective, channel_spans: bool, out: &mut Vec<Span>) {
         trace_id: trace_id.clone(),
         span_id: rank_id.to_vec(),
         parent_span_id: if is_collective { root_id } else { Vec::new() },
-        name: format!("{} rank", c.func),
+        name: format!("{} rank", c.func()),
         kind: SpanKind::Internal as i32,
         start_time_unix_nano: c.start_unix_ns,
         end_time_unix_nano: c.end_unix_ns,
@@ -159,7 +159,7 @@ pub fn spans_of(c: &Collective, channel_spans: bool, out: &mut Vec<Span>) {
                 trace_id: trace_id.clone(),
                 span_id: channel_span_id(c.comm_hash, c.seq, c.rank, w.channel).to_vec(),
                 parent_span_id: rank_id.to_vec(),
-                name: format!("{} channel", c.func),
+                name: format!("{} channel", c.func()),
                 kind: SpanKind::Internal as i32,
                 start_time_unix_nano: w.start_unix_ns,
                 end_time_unix_nano: w.end_unix_ns,
@@ -201,7 +201,7 @@ mod tests {
 
     #[test]
     fn rank_zero_emits_the_root_and_channels_hang_under_the_rank() {
-        let c = Collective {
+        let c = Instance::from(&ncclscope_proto::api::Collective {
             func: "AllReduce".into(),
             comm_hash: 5,
             seq: 9,
@@ -217,7 +217,7 @@ mod tests {
                 work_items: 1,
             }],
             ..Default::default()
-        };
+        });
         let mut out = Vec::new();
         spans_of(&c, true, &mut out);
         assert_eq!(out.len(), 3);
@@ -231,7 +231,7 @@ mod tests {
             (100, 200)
         );
         let mut out = Vec::new();
-        spans_of(&Collective { rank: 1, ..c }, false, &mut out);
+        spans_of(&Instance { rank: 1, ..c }, false, &mut out);
         assert_eq!(out.len(), 1, "only rank 0 emits the root");
         assert_eq!(out[0].parent_span_id, root_span_id(5, 9).to_vec());
     }

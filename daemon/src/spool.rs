@@ -141,7 +141,7 @@ impl Spool {
     /// Appends `batch` to the files of the jobs it belongs to; durable (fdatasync) when it returns `Ok`.
     /// On an error (full disk, I/O error) nothing of the failing job's part of the batch is kept: the
     /// file is cut back to its last acknowledged length, so the spool stays readable.
-    pub fn append(&mut self, batch: &[Arc<Collective>]) -> io::Result<()> {
+    pub fn append(&mut self, batch: &[Collective]) -> io::Result<()> {
         let mut by_job: BTreeMap<&str, Vec<u8>> = BTreeMap::new();
         for c in batch {
             let buf = by_job.entry(c.job_id.as_str()).or_default();
@@ -564,8 +564,8 @@ fn lock(index: &Mutex<Index>) -> std::sync::MutexGuard<'_, Index> {
 mod tests {
     use super::*;
 
-    fn coll(job: &str, rank: u32, seq: u64) -> Arc<Collective> {
-        Arc::new(Collective {
+    fn coll(job: &str, rank: u32, seq: u64) -> Collective {
+        Collective {
             job_id: job.into(),
             rank,
             seq,
@@ -573,7 +573,7 @@ mod tests {
             bytes: 1 << 20,
             channels: vec![Default::default(); 4],
             ..Default::default()
-        })
+        }
     }
 
     fn read_all(r: &SpoolReader, job: &str) -> Vec<Collective> {

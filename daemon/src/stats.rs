@@ -6,10 +6,11 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use ncclscope_proto::api::{CollStats, Collective, RankStats};
+use ncclscope_proto::api::{CollStats, RankStats};
 
 use crate::bandwidth;
 use crate::histogram::{BUSBW_GBS_BOUNDS, Buckets, EXEC_US_BOUNDS, Rolling, SKEW_US_BOUNDS};
+use crate::instance::Instance;
 
 /// Label of the series that absorbs everything beyond `max_series`.
 pub const OVERFLOW_BUCKET: &str = "other";
@@ -18,7 +19,9 @@ const MAX_RENDEZVOUS: usize = 65_536;
 /// Samples between recomputations of a series' cached p50.
 const P50_EVERY: u32 = 256;
 
-type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+/// hashbrown rather than std: its maps are looked up by the instance's borrowed strings
+/// ([`SeriesRef`], [`RankRef`]), so a known series costs no allocation or reference count.
+type Map<K, V> = hashbrown::HashMap<K, V, foldhash::fast::RandomState>;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeriesKey {
@@ -26,6 +29,22 @@ pub struct SeriesKey {
     pub comm_hash: u64,
     pub func: Arc<str>,
     pub size_bucket: &'static str,
+}
+
+/// A [`SeriesKey`] borrowed from an instance; same fields in the same order, so the same hash.
+#[derive(Hash)]
+struct SeriesRef<'a> {
+    job: &'a str,
+    comm_hash: u64,
+    func: &'a str,
+    size_bucket: &'static str,
+}
+
+impl hashbrown::Equivalent<SeriesKey> for SeriesRef<'_> {
+    fn equivalent(&self, k: &SeriesKey) -> bool {
+        (self.comm_hash, self.size_bucket, self.func, self.job)
+            == (k.comm_hash, k.size_bucket, &*k.func, &*k.job)
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -46,6 +65,20 @@ pub struct RankKey {
     pub job: Arc<str>,
     pub comm_hash: u64,
     pub rank: u32,
+}
+
+/// A [`RankKey`] borrowed from an instance (same hash).
+#[derive(Hash)]
+struct RankRef<'a> {
+    job: &'a str,
+    comm_hash: u64,
+    rank: u32,
+}
+
+impl hashbrown::Equivalent<RankKey> for RankRef<'_> {
+    fn equivalent(&self, k: &RankKey) -> bool {
+        (self.comm_hash, self.rank, self.job) == (k.comm_hash, k.rank, &*k.job)
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -85,7 +118,8 @@ pub struct Stats {
     local_ranks: HashMap<u64, usize>,
     /// Collectives per job, with first and last end times.
     pub jobs: Map<Arc<str>, (u64, u64, u64)>,
-    names: std::collections::HashSet<Arc<str>, foldhash::fast::RandomState>,
+    /// Job and collective name of the overflow series.
+    none: Arc<str>,
     pub folded: u64,
     pub skew_evaluated: u64,
 }
@@ -102,7 +136,7 @@ impl Stats {
             rendezvous_order: VecDeque::new(),
             local_ranks: HashMap::new(),
             jobs: Map::default(),
-            names: Default::default(),
+            none: "".into(),
             folded: 0,
             skew_evaluated: 0,
         }
@@ -112,47 +146,11 @@ impl Stats {
         self.local_ranks = local_ranks;
     }
 
-    /// One shared copy of each job id and collective name, so keys cost no allocation.
-    fn intern(&mut self, text: &str) -> Arc<str> {
-        if let Some(a) = self.names.get(text) {
-            return a.clone();
-        }
-        let a: Arc<str> = Arc::from(text);
-        self.names.insert(a.clone());
-        a
-    }
-
     /// Records `c`. Returns its series' rolling p50 exec time before `c`, once the series has
     /// `min_samples` (for the slow-outlier sampling decision).
-    pub fn observe(&mut self, c: &Collective, now_ns: u64, min_samples: u64) -> Option<u64> {
-        let job = self.intern(&c.job_id);
-        let mut key = SeriesKey {
-            job: job.clone(),
-            comm_hash: c.comm_hash,
-            func: self.intern(&c.func),
-            size_bucket: bandwidth::size_bucket(c.bytes),
-        };
-        if !self.series.contains_key(&key) && self.series.len() >= self.max_series {
-            self.folded += 1;
-            let none = self.intern("");
-            key = SeriesKey {
-                job: none.clone(),
-                comm_hash: 0,
-                func: none,
-                size_bucket: OVERFLOW_BUCKET,
-            };
-        }
+    pub fn observe(&mut self, c: &Instance, now_ns: u64, min_samples: u64) -> Option<u64> {
         let window = self.window_ns;
-        let s = self.series.entry(key).or_insert_with(|| Series {
-            nnodes: c.nnodes,
-            exec_us: Buckets::new(EXEC_US_BOUNDS),
-            busbw_gbs: Buckets::new(BUSBW_GBS_BOUNDS),
-            rolling_exec_ns: Rolling::default(),
-            rolling_busbw_mbs: Rolling::default(),
-            p50_exec_ns: 0,
-            p50_age: u32::MAX,
-            last_ns: now_ns,
-        });
+        let s = self.series_of(c, now_ns);
         // A settled p50 moves slowly: once the series has a few windows' worth of samples, recompute
         // it every P50_EVERY samples rather than on every instance.
         if s.p50_age >= P50_EVERY || s.rolling_exec_ns.count() < 4 * P50_EVERY as u64 {
@@ -169,28 +167,42 @@ impl Stats {
             s.rolling_busbw_mbs
                 .record((c.busbw_gbs * 1000.0) as u64, now_ns, window);
         }
-        let j = self
-            .jobs
-            .entry(job.clone())
-            .or_insert((0, c.end_unix_ns, c.end_unix_ns));
-        j.0 += 1;
-        j.1 = j.1.min(c.end_unix_ns);
-        j.2 = j.2.max(c.end_unix_ns);
-        let r = self
+        match self.jobs.get_mut(c.job_id()) {
+            Some(j) => {
+                j.0 += 1;
+                j.1 = j.1.min(c.end_unix_ns);
+                j.2 = j.2.max(c.end_unix_ns);
+            }
+            None => {
+                self.jobs
+                    .insert(c.job_id().into(), (1, c.end_unix_ns, c.end_unix_ns));
+            }
+        }
+        let rank = RankRef {
+            job: c.job_id(),
+            comm_hash: c.comm_hash,
+            rank: c.rank,
+        };
+        let (key, r) = self
             .ranks
-            .entry(RankKey {
-                job: job.clone(),
-                comm_hash: c.comm_hash,
-                rank: c.rank,
-            })
-            .or_insert_with(|| RankSeries {
-                collectives: 0,
-                skew_us: Buckets::new(SKEW_US_BOUNDS),
-                last_to_start: 0,
-                last_to_end: 0,
-                rolling_exec_ns: Rolling::default(),
-                rolling_skew_ns: Rolling::default(),
-                last_ns: now_ns,
+            .raw_entry_mut()
+            .from_key(&rank)
+            .or_insert_with(|| {
+                let key = RankKey {
+                    job: c.job_id().into(),
+                    comm_hash: c.comm_hash,
+                    rank: c.rank,
+                };
+                let series = RankSeries {
+                    collectives: 0,
+                    skew_us: Buckets::new(SKEW_US_BOUNDS),
+                    last_to_start: 0,
+                    last_to_end: 0,
+                    rolling_exec_ns: Rolling::default(),
+                    rolling_skew_ns: Rolling::default(),
+                    last_ns: now_ns,
+                };
+                (key, series)
             });
         r.collectives += 1;
         r.last_ns = now_ns;
@@ -198,12 +210,57 @@ impl Stats {
         // Skew needs at least two of the collective's ranks on this node.
         let local = self.local_ranks.get(&c.comm_hash).copied().unwrap_or(0);
         if !c.is_p2p && c.timing_source != "host" && local >= 2 {
+            let job = key.job.clone();
             self.arrive(c, job, local, now_ns);
         }
         p50
     }
 
-    fn arrive(&mut self, c: &Collective, job: Arc<str>, expected: usize, now_ns: u64) {
+    /// `c`'s series, created if new; beyond `max_series` new series fold into the overflow series.
+    fn series_of(&mut self, c: &Instance, now_ns: u64) -> &mut Series {
+        let key = SeriesRef {
+            job: c.job_id(),
+            comm_hash: c.comm_hash,
+            func: c.func(),
+            size_bucket: bandwidth::size_bucket(c.bytes),
+        };
+        let new = || Series {
+            nnodes: c.nnodes,
+            exec_us: Buckets::new(EXEC_US_BOUNDS),
+            busbw_gbs: Buckets::new(BUSBW_GBS_BOUNDS),
+            rolling_exec_ns: Rolling::default(),
+            rolling_busbw_mbs: Rolling::default(),
+            p50_exec_ns: 0,
+            p50_age: u32::MAX,
+            last_ns: now_ns,
+        };
+        if self.series.len() >= self.max_series && !self.series.contains_key(&key) {
+            self.folded += 1;
+            let overflow = SeriesKey {
+                job: self.none.clone(),
+                comm_hash: 0,
+                func: self.none.clone(),
+                size_bucket: OVERFLOW_BUCKET,
+            };
+            return self.series.entry(overflow).or_insert_with(new);
+        }
+        let (_, series) = self
+            .series
+            .raw_entry_mut()
+            .from_key(&key)
+            .or_insert_with(|| {
+                let owned = SeriesKey {
+                    job: key.job.into(),
+                    comm_hash: key.comm_hash,
+                    func: key.func.into(),
+                    size_bucket: key.size_bucket,
+                };
+                (owned, new())
+            });
+        series
+    }
+
+    fn arrive(&mut self, c: &Instance, job: Arc<str>, expected: usize, now_ns: u64) {
         let key = (c.comm_hash, c.seq);
         if !self.rendezvous.contains_key(&key) {
             if self.rendezvous.len() >= MAX_RENDEZVOUS {
@@ -299,8 +356,6 @@ impl Stats {
         let jobs: std::collections::HashSet<Arc<str>> =
             self.ranks.keys().map(|k| k.job.clone()).collect();
         self.jobs.retain(|j, _| jobs.contains(j));
-        self.names
-            .retain(|n| jobs.contains(n) || self.series.keys().any(|k| &k.func == n));
     }
 
     /// The stats API's view (rolling percentiles).
@@ -358,8 +413,8 @@ impl Stats {
 mod tests {
     use super::*;
 
-    fn coll(rank: u32, seq: u64, start: u64, exec: u64) -> Collective {
-        Collective {
+    fn coll(rank: u32, seq: u64, start: u64, exec: u64) -> Instance {
+        Instance::from(&ncclscope_proto::api::Collective {
             job_id: "j".into(),
             comm_hash: 9,
             rank,
@@ -373,7 +428,7 @@ mod tests {
             busbw_gbs: 10.0,
             timing_source: "kernel_gpu".into(),
             ..Default::default()
-        }
+        })
     }
 
     #[test]
@@ -417,7 +472,7 @@ mod tests {
         let mut s = Stats::new(60_000_000_000, 1000, 100);
         s.observe(&coll(0, 0, 0, 10), 1_000, 1);
         let mut other = coll(0, 0, 0, 10);
-        other.job_id = "k".into();
+        Arc::make_mut(&mut other.names).job_id = "k".into();
         s.observe(&other, 5_000, 1);
         s.evict_idle(6_000, 2_000);
         assert_eq!(
@@ -457,7 +512,7 @@ mod tests {
         s.expire(1000, usize::MAX);
         assert_eq!(s.skew_evaluated, 1);
         let mut other = coll(0, 2, 0, 10);
-        other.func = "Broadcast".into();
+        Arc::make_mut(&mut other.names).set(other.func, "Broadcast".into());
         s.observe(&other, 0, 1);
         assert_eq!(s.folded, 1);
         assert!(s.series.keys().any(|k| k.size_bucket == OVERFLOW_BUCKET));

@@ -5,7 +5,6 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ncclscope::spool::{Spool, SpoolLimits, SpoolReader};
@@ -13,8 +12,8 @@ use ncclscope_proto::api::{ChannelWork, Collective};
 
 const CHILD_ENV: &str = "NCCLSCOPE_TEST_SPOOL_CHILD";
 
-fn coll(seq: u64) -> Arc<Collective> {
-    Arc::new(Collective {
+fn coll(seq: u64) -> Collective {
+    Collective {
         job_id: "killed-job".into(),
         seq,
         rank: (seq % 8) as u32,
@@ -27,7 +26,7 @@ fn coll(seq: u64) -> Arc<Collective> {
             })
             .collect(),
         ..Default::default()
-    })
+    }
 }
 
 /// The child process (run by the test below, ignored otherwise): appends forever, printing each

@@ -1,0 +1,257 @@
+//! One completed collective (or p2p) instance as the daemon carries it from assembly to statistics,
+//! the spool, live subscribers and export. It holds what the API's [`Collective`] message holds, but
+//! its strings stay in the process's [`Names`], shared by every instance of that process: building,
+//! counting and queueing an instance allocates nothing per string and touches one reference count,
+//! which is most of what ingest would otherwise spend per instance. The message is built only where
+//! an instance leaves the daemon (spool file, Watch stream).
+
+use std::sync::Arc;
+
+use ncclscope_proto::StrId;
+use ncclscope_proto::api::{ChannelWork, Collective};
+
+type Map<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+
+/// The strings of one process: its job and host, and the strings its records define by id. The
+/// assembler replaces its copy when a record (re)defines a string (copy on write), so an instance
+/// keeps the strings that were current when it was built.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Names {
+    pub job_id: String,
+    pub host: String,
+    strings: Map<u16, String>,
+}
+
+impl Names {
+    pub fn new(job_id: String, host: String) -> Names {
+        Names {
+            job_id,
+            host,
+            strings: Map::default(),
+        }
+    }
+
+    /// The string `id` names ("" if it was never defined).
+    pub fn get(&self, id: StrId) -> &str {
+        self.strings.get(&id.0).map_or("", String::as_str)
+    }
+
+    pub fn set(&mut self, id: StrId, text: String) {
+        self.strings.insert(id.0, text);
+    }
+
+    /// Every defined string, by id.
+    pub fn iter(&self) -> impl Iterator<Item = (StrId, &str)> {
+        self.strings.iter().map(|(k, v)| (StrId(*k), v.as_str()))
+    }
+}
+
+/// Field meanings: see `Collective` in proto/ncclscope.proto. String fields are ids into `names`
+/// (read them through the accessors).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Instance {
+    pub names: Arc<Names>,
+    pub pid: u32,
+    pub comm_hash: u64,
+    pub comm_name: StrId,
+    pub rank: u32,
+    pub nranks: u32,
+    pub nnodes: u32,
+    pub seq: u64,
+    pub func: StrId,
+    pub datatype: StrId,
+    pub algo: StrId,
+    pub proto: StrId,
+    pub count: u64,
+    pub bytes: u64,
+    pub root: i32,
+    pub peer: i32,
+    pub n_channels: u32,
+    pub enqueue_unix_ns: u64,
+    pub start_unix_ns: u64,
+    pub end_unix_ns: u64,
+    pub exec_ns: u64,
+    pub timing_source: &'static str,
+    pub algbw_gbs: f64,
+    pub busbw_gbs: f64,
+    pub calibration_error_ns: u32,
+    pub channels: Vec<ChannelWork>,
+    pub is_p2p: bool,
+}
+
+/// The values `timing_source` takes.
+pub const TIMING_SOURCES: [&str; 3] = ["kernel_gpu", "device_hook", "host"];
+
+impl Instance {
+    pub fn job_id(&self) -> &str {
+        &self.names.job_id
+    }
+
+    pub fn host(&self) -> &str {
+        &self.names.host
+    }
+
+    pub fn comm_name(&self) -> &str {
+        self.names.get(self.comm_name)
+    }
+
+    pub fn func(&self) -> &str {
+        self.names.get(self.func)
+    }
+
+    pub fn datatype(&self) -> &str {
+        self.names.get(self.datatype)
+    }
+
+    pub fn algo(&self) -> &str {
+        self.names.get(self.algo)
+    }
+
+    pub fn proto(&self) -> &str {
+        self.names.get(self.proto)
+    }
+
+    pub fn to_message(&self) -> Collective {
+        Collective {
+            job_id: self.job_id().into(),
+            host: self.host().into(),
+            pid: self.pid,
+            comm_hash: self.comm_hash,
+            comm_name: self.comm_name().into(),
+            rank: self.rank,
+            nranks: self.nranks,
+            nnodes: self.nnodes,
+            seq: self.seq,
+            func: self.func().into(),
+            datatype: self.datatype().into(),
+            algo: self.algo().into(),
+            proto: self.proto().into(),
+            count: self.count,
+            bytes: self.bytes,
+            root: self.root,
+            peer: self.peer,
+            n_channels: self.n_channels,
+            enqueue_unix_ns: self.enqueue_unix_ns,
+            start_unix_ns: self.start_unix_ns,
+            end_unix_ns: self.end_unix_ns,
+            exec_ns: self.exec_ns,
+            timing_source: self.timing_source.into(),
+            algbw_gbs: self.algbw_gbs,
+            busbw_gbs: self.busbw_gbs,
+            calibration_error_ns: self.calibration_error_ns,
+            channels: self.channels.clone(),
+            is_p2p: self.is_p2p,
+        }
+    }
+}
+
+/// For instances read back from a spool or the API (an unknown timing source reads as "host").
+impl From<&Collective> for Instance {
+    fn from(c: &Collective) -> Instance {
+        let mut names = Names::new(c.job_id.clone(), c.host.clone());
+        let [comm_name, func, datatype, algo, proto] = [1, 2, 3, 4, 5].map(StrId);
+        for (id, text) in [
+            (comm_name, &c.comm_name),
+            (func, &c.func),
+            (datatype, &c.datatype),
+            (algo, &c.algo),
+            (proto, &c.proto),
+        ] {
+            names.set(id, text.clone());
+        }
+        Instance {
+            names: Arc::new(names),
+            pid: c.pid,
+            comm_hash: c.comm_hash,
+            comm_name,
+            rank: c.rank,
+            nranks: c.nranks,
+            nnodes: c.nnodes,
+            seq: c.seq,
+            func,
+            datatype,
+            algo,
+            proto,
+            count: c.count,
+            bytes: c.bytes,
+            root: c.root,
+            peer: c.peer,
+            n_channels: c.n_channels,
+            enqueue_unix_ns: c.enqueue_unix_ns,
+            start_unix_ns: c.start_unix_ns,
+            end_unix_ns: c.end_unix_ns,
+            exec_ns: c.exec_ns,
+            timing_source: TIMING_SOURCES
+                .into_iter()
+                .find(|s| *s == c.timing_source)
+                .unwrap_or("host"),
+            algbw_gbs: c.algbw_gbs,
+            busbw_gbs: c.busbw_gbs,
+            calibration_error_ns: c.calibration_error_ns,
+            channels: c.channels.clone(),
+            is_p2p: c.is_p2p,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn message_round_trip_keeps_every_field() {
+        let m = Collective {
+            job_id: "j".into(),
+            host: "h".into(),
+            pid: 3,
+            comm_hash: 4,
+            comm_name: "c".into(),
+            rank: 5,
+            nranks: 6,
+            nnodes: 7,
+            seq: 8,
+            func: "AllReduce".into(),
+            datatype: "ncclFloat32".into(),
+            algo: "RING".into(),
+            proto: "LL".into(),
+            count: 9,
+            bytes: 10,
+            root: -1,
+            peer: 11,
+            n_channels: 2,
+            enqueue_unix_ns: 12,
+            start_unix_ns: 13,
+            end_unix_ns: 14,
+            exec_ns: 15,
+            timing_source: "device_hook".into(),
+            algbw_gbs: 1.5,
+            busbw_gbs: 2.5,
+            calibration_error_ns: 16,
+            channels: vec![ChannelWork {
+                channel: 1,
+                start_unix_ns: 13,
+                end_unix_ns: 14,
+                work_items: 1,
+            }],
+            is_p2p: true,
+        };
+        let i = Instance::from(&m);
+        assert_eq!((i.func(), i.comm_name(), i.host()), ("AllReduce", "c", "h"));
+        assert_eq!(i.to_message(), m);
+    }
+
+    #[test]
+    fn instances_keep_the_strings_of_their_time() {
+        let mut names = Arc::new(Names::new("j".into(), "h".into()));
+        Arc::make_mut(&mut names).set(StrId(1), "AllReduce".into());
+        let old = Instance {
+            names: names.clone(),
+            func: StrId(1),
+            ..Default::default()
+        };
+        Arc::make_mut(&mut names).set(StrId(1), "AllGather".into());
+        assert_eq!(old.func(), "AllReduce");
+        assert_eq!(names.get(StrId(1)), "AllGather");
+        assert_eq!(names.get(StrId(2)), "");
+    }
+}
