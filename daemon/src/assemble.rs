@@ -296,9 +296,10 @@ impl Assembler {
     }
 
     /// Applies one record at stream position `pos`; finished operations are appended to `out`.
-    pub fn apply(&mut self, pos: u64, record: Record, now_ns: u64, out: &mut Vec<Completed>) {
+    /// By reference: moving a `Record` by value cost a store-forwarding stall per record.
+    pub fn apply(&mut self, pos: u64, record: &Record, now_ns: u64, out: &mut Vec<Completed>) {
         self.counters.records += 1;
-        match record {
+        match *record {
             Record::Str { id, len, bytes } => {
                 let text = String::from_utf8_lossy(&bytes[..len as usize]);
                 Arc::make_mut(&mut self.names).set(id, text.into_owned());
@@ -413,7 +414,7 @@ impl Assembler {
                     n_channels,
                     enqueue_ns: host_ns,
                     stop_ns: None,
-                    channels: Vec::new(),
+                    channels: Vec::with_capacity(n_channels.min(64) as usize),
                     seen: 0,
                     last_progress_ns: now_ns,
                     prior: 0,
@@ -447,7 +448,7 @@ impl Assembler {
                     n_channels,
                     enqueue_ns: host_ns,
                     stop_ns: None,
-                    channels: Vec::new(),
+                    channels: Vec::with_capacity(n_channels.min(64) as usize),
                     seen: 0,
                     last_progress_ns: now_ns,
                     prior: 0,
@@ -806,7 +807,7 @@ mod tests {
     fn feed(a: &mut Assembler, recs: &[Record]) -> Vec<Completed> {
         let mut out = Vec::new();
         for (i, r) in recs.iter().enumerate() {
-            a.apply(i as u64, *r, 0, &mut out);
+            a.apply(i as u64, r, 0, &mut out);
         }
         out
     }
@@ -851,7 +852,7 @@ mod tests {
         let mut out = Vec::new();
         a.apply(
             99,
-            Record::KernelCh {
+            &Record::KernelCh {
                 comm: 0,
                 parent: 10,
                 channel: 0,
@@ -915,7 +916,7 @@ mod tests {
         let mut out = Vec::new();
         a.apply(
             50,
-            Record::Calibration {
+            &Record::Calibration {
                 cuda_dev: 0,
                 offset_ns: 7_000,
                 error_ns: 9,
@@ -1131,7 +1132,7 @@ mod tests {
         let mut out = Vec::new();
         a.apply(
             20,
-            Record::OpStop {
+            &Record::OpStop {
                 comm: 0,
                 id: 2,
                 host_ns: 2000,
@@ -1148,7 +1149,7 @@ mod tests {
         assert_eq!(out[0].coll.timing_source, "host");
         a.apply(
             21,
-            Record::CommEnd {
+            &Record::CommEnd {
                 comm: 0,
                 host_ns: 0,
             },
@@ -1170,10 +1171,10 @@ mod tests {
         let mut b = Assembler::new(7, "job".into(), "node".into(), 100);
         b.restore(dict, [(10, 6, done::RECORDED)]);
         let mut out = Vec::new();
-        b.apply(6, coll(10, 5, 0), 0, &mut out);
+        b.apply(6, &coll(10, 5, 0), 0, &mut out);
         b.apply(
             7,
-            Record::OpStop {
+            &Record::OpStop {
                 comm: 0,
                 id: 10,
                 host_ns: 1000,
@@ -1192,10 +1193,10 @@ mod tests {
     fn unknown_references_are_counted_not_fatal() {
         let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
         let mut out = Vec::new();
-        a.apply(0, coll(1, 0, 1), 0, &mut out);
+        a.apply(0, &coll(1, 0, 1), 0, &mut out);
         a.apply(
             1,
-            Record::KernelCh {
+            &Record::KernelCh {
                 comm: 0,
                 parent: 1,
                 channel: 0,
@@ -1208,7 +1209,7 @@ mod tests {
         );
         a.apply(
             2,
-            Record::OpStop {
+            &Record::OpStop {
                 comm: 0,
                 id: 1,
                 host_ns: 0,

@@ -53,6 +53,8 @@ const SNAPSHOT_EVERY: Duration = Duration::from_secs(1);
 const SERIES_IDLE: Duration = Duration::from_secs(3600);
 /// Longest a segment's tail may lag the engine's progress before it is committed.
 const COMMIT_EVERY: Duration = Duration::from_millis(10);
+/// Records decoded at once (a few pages: still in cache when they are applied).
+const READ_CHUNK: usize = 256;
 
 struct Attached {
     name: SegmentName,
@@ -310,38 +312,41 @@ impl Engine {
         let mut comms_changed = false;
         let mut broken = Vec::new();
         for (i, seg) in self.segments.iter_mut().enumerate() {
-            self.reads.clear();
-            match seg.consumer.read(batch, &mut self.reads) {
-                Ok(n) => busy |= n == batch,
-                Err(e) => {
-                    tracing::error!(segment = %seg.label, error = %e, "corrupt segment detached");
-                    broken.push(i);
-                    continue;
-                }
-            }
-            for (pos, r) in self.reads.drain(..) {
-                seg.read_upto = pos + 1;
-                match r {
-                    Ok(rec) => {
-                        comms_changed |= matches!(
-                            rec,
-                            ncclscope_proto::Record::Comm { .. }
-                                | ncclscope_proto::Record::CommEnd { .. }
-                        );
-                        seg.asm.apply(pos, rec, now, &mut self.finished);
+            // A batch is read in chunks that stay in cache between decoding and assembly.
+            let mut left = batch;
+            while left > 0 {
+                let want = left.min(READ_CHUNK);
+                self.reads.clear();
+                let n = match seg.consumer.read(want, &mut self.reads) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        tracing::error!(segment = %seg.label, error = %e, "corrupt segment detached");
+                        broken.push(i);
+                        break;
                     }
-                    Err(_) => seg.asm.counters.decode_errors += 1,
+                };
+                left -= n;
+                for &(pos, ref r) in &self.reads {
+                    seg.read_upto = pos + 1;
+                    match r {
+                        Ok(rec) => {
+                            comms_changed |= matches!(
+                                rec,
+                                ncclscope_proto::Record::Comm { .. }
+                                    | ncclscope_proto::Record::CommEnd { .. }
+                            );
+                            seg.asm.apply(pos, rec, now, &mut self.finished);
+                        }
+                        Err(_) => seg.asm.counters.decode_errors += 1,
+                    }
+                }
+                if n < want {
+                    break;
                 }
             }
+            busy |= left == 0;
             self.completed
                 .extend(self.finished.drain(..).map(|c| (i, c)));
-        }
-        for i in broken.into_iter().rev() {
-            let seg = self.segments.remove(i);
-            *self.daemon_lost.entry("corrupt_segment").or_default() += 1;
-            // Not re-attached by the next scan: its cursors cannot be trusted.
-            self.broken.insert(seg.name.clone());
-            self.retire(seg);
         }
         if self.last_sweep.elapsed() >= SWEEP_EVERY {
             self.last_sweep = Instant::now();
@@ -367,6 +372,14 @@ impl Engine {
             self.refresh_local_ranks();
         }
         self.deliver(now);
+        // After delivery: what a segment held before it proved corrupt is still delivered.
+        for i in broken.into_iter().rev() {
+            let seg = self.segments.remove(i);
+            *self.daemon_lost.entry("corrupt_segment").or_default() += 1;
+            // Not re-attached by the next scan: its cursors cannot be trusted.
+            self.broken.insert(seg.name.clone());
+            self.retire(seg);
+        }
         self.collect_acks();
         self.commit_all(false);
         self.reap();
