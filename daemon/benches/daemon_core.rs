@@ -282,11 +282,11 @@ fn export() -> f64 {
         });
         let t = Instant::now();
         for seq in 0..n {
-            let coll = Arc::new(Instance {
+            let coll = Instance {
                 rank: 1 + (seq % 7) as u32, // not rank 0: one span per instance
                 seq,
                 ..template.clone()
-            });
+            };
             tx.send(SpanItem {
                 coll,
                 acked: acked.clone(),

@@ -385,8 +385,7 @@ mod tests {
         // The subscription exists once the call returned; publish after it, filtered to job y.
         for s in 0..5 {
             let c = coll(if s % 2 == 0 { "y" } else { "z" }, s);
-            d.hub
-                .publish(&Arc::new(crate::instance::Instance::from(&c)));
+            d.hub.publish(&crate::instance::Instance::from(&c));
         }
         for want in [0, 2, 4] {
             let c = watch.message().await.unwrap().unwrap();

@@ -158,7 +158,7 @@ impl Op {
 /// One finished operation, with where its records start in the segment (for the commit point).
 #[derive(Debug)]
 pub struct Completed {
-    pub coll: Arc<Instance>,
+    pub coll: Instance,
     pub op_id: u64,
     pub first_pos: u64,
     /// Sinks that already have it (from a daemon that ran before a restart).
@@ -677,7 +677,7 @@ impl Assembler {
         let info = self.comms.get(&op.comm);
         let coll = self.build(op, info, calibration);
         out.push(Completed {
-            coll: Arc::new(coll),
+            coll,
             op_id: id,
             first_pos,
             prior,

@@ -402,10 +402,10 @@ impl Engine {
         }
         let mut completed = std::mem::take(&mut self.completed);
         if let Some(spool) = self.spool.as_mut() {
-            let fresh: Vec<Arc<Instance>> = completed
+            let fresh: Vec<&Instance> = completed
                 .iter()
                 .filter(|(_, c)| c.prior & done::RECORDED == 0)
-                .map(|(_, c)| c.coll.clone())
+                .map(|(_, c)| &c.coll)
                 .collect();
             if !fresh.is_empty()
                 && let Err(e) = spool.append(&fresh)
@@ -448,7 +448,7 @@ impl Engine {
                     Some(tx) => {
                         let emit_no = seg.next_emit;
                         match tx.try_send(SpanItem {
-                            coll: c.coll.clone(),
+                            coll: c.coll,
                             acked: seg.acked.clone(),
                             emit_no,
                         }) {

@@ -14,11 +14,11 @@ use crate::instance::Instance;
 /// Where completed instances become durable before they are published: the spool. The engine calls
 /// it with each batch in completion order; `Ok` means the batch survives a crash.
 pub trait Durable: Send {
-    fn append(&mut self, batch: &[Arc<Instance>]) -> std::io::Result<()>;
+    fn append(&mut self, batch: &[&Instance]) -> std::io::Result<()>;
 }
 
 impl Durable for crate::spool::Spool {
-    fn append(&mut self, batch: &[Arc<Instance>]) -> std::io::Result<()> {
+    fn append(&mut self, batch: &[&Instance]) -> std::io::Result<()> {
         let messages: Vec<_> = batch.iter().map(|i| i.to_message()).collect();
         crate::spool::Spool::append(self, &messages)
     }
@@ -44,10 +44,10 @@ impl Default for Hub {
 }
 
 impl Hub {
-    pub fn publish(&self, c: &Arc<Instance>) {
-        // Nobody watching is the common case: skip the channel's lock.
+    pub fn publish(&self, c: &Instance) {
+        // Nobody watching is the common case: no copy, and no lock taken.
         if self.live.receiver_count() > 0 {
-            let _ = self.live.send(c.clone());
+            let _ = self.live.send(Arc::new(c.clone()));
         }
     }
 

@@ -26,7 +26,7 @@ use crate::spans;
 /// (accepted, or given up and counted) it is raised to `emit_no`. Items of one segment are queued in
 /// `emit_no` order and handled in queue order, so the cursor only moves forward.
 pub struct SpanItem {
-    pub coll: Arc<Instance>,
+    pub coll: Instance,
     pub acked: Arc<AtomicU64>,
     pub emit_no: u64,
 }
@@ -111,7 +111,7 @@ pub async fn run(
                     if in_flight.len() >= MAX_IN_FLIGHT {
                         finish(in_flight.pop_front().expect("non-empty"), &counters).await;
                     }
-                    let colls: Vec<Arc<Instance>> = batch.iter().map(|i| i.coll.clone()).collect();
+                    let colls: Vec<Instance> = batch.iter_mut().map(|i| std::mem::take(&mut i.coll)).collect();
                     let task = tokio::spawn(send_spans(cfg.clone(), host.clone(), traces.clone(), colls, counters.clone()));
                     in_flight.push_back(InFlight { items: batch, task });
                 }
@@ -163,7 +163,7 @@ async fn send_spans(
     cfg: Otlp,
     host: String,
     client: TraceServiceClient<Channel>,
-    colls: Vec<Arc<Instance>>,
+    colls: Vec<Instance>,
     counters: Arc<ExportCounters>,
 ) -> bool {
     let mut n = 0;

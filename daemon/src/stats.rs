@@ -94,14 +94,14 @@ pub struct RankSeries {
 }
 
 struct Arrival {
-    job: Arc<str>,
-    comm_hash: u64,
     rank: u32,
     start: u64,
     end: u64,
 }
 
+/// The local ranks' arrivals for one collective (communicator, seq) of one job.
 struct Rendezvous {
+    job: Arc<str>,
     arrivals: Vec<Arrival>,
     opened_ns: u64,
 }
@@ -115,7 +115,7 @@ pub struct Stats {
     rendezvous: Map<(u64, u64), Rendezvous>,
     rendezvous_order: VecDeque<(u64, u64)>,
     /// Ranks of each communicator attached on this node (how many arrivals a rendezvous awaits).
-    local_ranks: HashMap<u64, usize>,
+    local_ranks: Map<u64, usize>,
     /// Collectives per job, with first and last end times.
     pub jobs: Map<Arc<str>, (u64, u64, u64)>,
     /// Job and collective name of the overflow series.
@@ -134,7 +134,7 @@ impl Stats {
             ranks: Map::default(),
             rendezvous: Map::default(),
             rendezvous_order: VecDeque::new(),
-            local_ranks: HashMap::new(),
+            local_ranks: Map::default(),
             jobs: Map::default(),
             none: "".into(),
             folded: 0,
@@ -143,7 +143,7 @@ impl Stats {
     }
 
     pub fn set_local_ranks(&mut self, local_ranks: HashMap<u64, usize>) {
-        self.local_ranks = local_ranks;
+        self.local_ranks = local_ranks.into_iter().collect();
     }
 
     /// Records `c`. Returns its series' rolling p50 exec time before `c`, once the series has
@@ -211,7 +211,7 @@ impl Stats {
         let local = self.local_ranks.get(&c.comm_hash).copied().unwrap_or(0);
         if !c.is_p2p && c.timing_source != "host" && local >= 2 {
             let job = key.job.clone();
-            self.arrive(c, job, local, now_ns);
+            self.arrive(c, &job, local, now_ns);
         }
         p50
     }
@@ -260,25 +260,25 @@ impl Stats {
         series
     }
 
-    fn arrive(&mut self, c: &Instance, job: Arc<str>, expected: usize, now_ns: u64) {
+    fn arrive(&mut self, c: &Instance, job: &Arc<str>, expected: usize, now_ns: u64) {
         let key = (c.comm_hash, c.seq);
-        if !self.rendezvous.contains_key(&key) {
-            if self.rendezvous.len() >= MAX_RENDEZVOUS {
-                self.expire(u64::MAX, 1);
-            }
-            self.rendezvous.insert(
-                key,
-                Rendezvous {
-                    arrivals: Vec::new(),
-                    opened_ns: now_ns,
-                },
-            );
-            self.rendezvous_order.push_back(key);
+        if self.rendezvous.len() >= MAX_RENDEZVOUS && !self.rendezvous.contains_key(&key) {
+            self.expire(u64::MAX, 1);
         }
-        let rv = self.rendezvous.get_mut(&key).expect("inserted above");
+        let order = &mut self.rendezvous_order;
+        let rv = self.rendezvous.entry(key).or_insert_with(|| {
+            order.push_back(key);
+            Rendezvous {
+                job: job.clone(),
+                arrivals: Vec::with_capacity(expected),
+                opened_ns: now_ns,
+            }
+        });
+        // Another job with the same communicator hash (a 64-bit random id): not comparable.
+        if rv.job != *job {
+            return;
+        }
         rv.arrivals.push(Arrival {
-            job,
-            comm_hash: c.comm_hash,
             rank: c.rank,
             start: c.start_unix_ns,
             end: c.end_unix_ns,
@@ -286,7 +286,7 @@ impl Stats {
         // With every local rank in, evaluate now; otherwise the skew window decides.
         if rv.arrivals.len() >= expected {
             let rv = self.rendezvous.remove(&key).expect("present");
-            self.evaluate(rv, now_ns);
+            self.evaluate(key.0, rv, now_ns);
         }
     }
 
@@ -304,12 +304,12 @@ impl Stats {
             }
             self.rendezvous_order.pop_front();
             let rv = self.rendezvous.remove(&key).expect("present");
-            self.evaluate(rv, now_ns);
+            self.evaluate(key.0, rv, now_ns);
             n += 1;
         }
     }
 
-    fn evaluate(&mut self, rv: Rendezvous, now_ns: u64) {
+    fn evaluate(&mut self, comm_hash: u64, rv: Rendezvous, now_ns: u64) {
         if rv.arrivals.len() < 2 {
             return;
         }
@@ -328,9 +328,9 @@ impl Stats {
         let window = self.window_ns;
         for a in rv.arrivals {
             let skew = a.start - min_start;
-            let key = RankKey {
-                job: a.job,
-                comm_hash: a.comm_hash,
+            let key = RankRef {
+                job: &rv.job,
+                comm_hash,
                 rank: a.rank,
             };
             let Some(r) = self.ranks.get_mut(&key) else {
