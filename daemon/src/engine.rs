@@ -71,6 +71,8 @@ struct Attached {
     last_commit: Instant,
     /// `delivered` changed since the state was last saved.
     dirty: bool,
+    /// A state file for this segment exists (saved by this daemon, or restored from a previous one).
+    state_saved: bool,
     exited: bool,
 }
 
@@ -202,8 +204,12 @@ impl Engine {
             owner.hostname.clone(),
             self.cfg.aggregate.max_pending_ops,
         );
+        let mut state_saved = false;
         match state::load(&self.cfg.state_dir, &label) {
-            Ok(Some(st)) if st.tail <= segment.tail() => asm.restore(st.dictionary, st.delivered),
+            Ok(Some(st)) if st.tail <= segment.tail() => {
+                asm.restore(st.dictionary, st.delivered);
+                state_saved = true;
+            }
             Ok(Some(_)) | Ok(None) => {
                 if segment.tail() > 0 {
                     // Records before the tail defined strings and communicators we no longer know.
@@ -231,6 +237,7 @@ impl Engine {
             delivered: HashMap::default(),
             last_commit: Instant::now(),
             dirty: false,
+            state_saved,
             exited: false,
         });
         self.refresh_local_ranks();
@@ -707,6 +714,14 @@ fn commit(
             .filter(|(id, _, _)| !seg.delivered.contains_key(id)),
     );
     delivered.sort_unstable();
+    // A saved state stays valid for any later tail: with the same dictionary and nothing delivered
+    // past the new tail, there is nothing new to save (the common case of a segment fully drained).
+    if delivered.is_empty() && !dict_changed && seg.state_saved {
+        seg.consumer.commit(target);
+        seg.last_commit = Instant::now();
+        seg.dirty = false;
+        return;
+    }
     let st = SegmentState {
         segment: seg.label.clone(),
         tail: target.max(tail),
@@ -719,6 +734,7 @@ fn commit(
         *lost.entry("state_write_failed").or_default() += 1;
         return;
     }
+    seg.state_saved = true;
     seg.consumer.commit(target);
     seg.last_commit = Instant::now();
     seg.dirty = false;
@@ -827,10 +843,20 @@ mod tests {
             seen.push(c.seq);
         }
         assert_eq!(seen, (0..10).collect::<Vec<_>>());
-        // The first engine goes away (state saved, tail committed): the dictionary records lie before
-        // the tail and are not read again; only the saved state still knows them.
+        let saved = std::fs::read(state::path(dir.path(), &name.to_string())).unwrap();
+        // Drained again with the same dictionary: the tail moves on, the saved state stays as it was.
+        write_colls(&mut p, 10..20);
+        e1.tick();
+        e1.commit_all(true);
+        assert_eq!(live.try_recv().unwrap().seq, 10);
+        assert_eq!(
+            std::fs::read(state::path(dir.path(), &name.to_string())).unwrap(),
+            saved
+        );
+        // The first engine goes away (tail committed): the dictionary records lie before the tail and
+        // are not read again; only the saved state still knows them.
         drop(e1);
-        write_colls(&mut p, 10..30);
+        write_colls(&mut p, 20..40);
         let (mut e2, _rx2, hub2) = engine(dir.path(), &prefix);
         let mut live = hub2.subscribe();
         e2.rescan();
@@ -846,7 +872,7 @@ mod tests {
         }
         assert_eq!(
             seen,
-            (10..30).collect::<Vec<_>>(),
+            (20..40).collect::<Vec<_>>(),
             "nothing twice, nothing missing"
         );
         Segment::unlink(&name).unwrap();
