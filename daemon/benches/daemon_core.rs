@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 
 use ncclscope::config::Config;
 use ncclscope::engine::{Engine, Outputs};
-use ncclscope::hub::Hub;
+use ncclscope::hub::{Durable, Hub};
 use ncclscope::instance::Instance;
 use ncclscope::otlp::{self, ExportCounters, SpanItem};
+use ncclscope::spool::{Spool, SpoolLimits};
 use ncclscope_proto::api::{ChannelWork, Collective};
 use ncclscope_proto::segment::{self, Owner, Producer, Segment, SegmentName};
 use ncclscope_proto::{Record, StrId, TimingPath};
@@ -69,8 +70,9 @@ fn fill(p: &mut Producer, seq0: u64, n: u64) -> u64 {
 }
 
 /// (records/s of wall time, records/s of the engine thread's CPU time) with `ranks` processes' segments,
-/// ranks of one communicator (from 2 on, every collective also goes through the cross-rank skew).
-fn ingest(ranks: u64) -> (f64, f64) {
+/// ranks of one communicator (from 2 on, every collective also goes through the cross-rank skew);
+/// `spool`: every instance also appended to a spool in a temporary directory (fdatasync per tick).
+fn ingest(ranks: u64, spool: bool) -> (f64, f64) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = Config {
         state_dir: dir.path().join("state"),
@@ -85,10 +87,14 @@ fn ingest(ranks: u64) -> (f64, f64) {
         export_counters: Arc::default(),
         prometheus: prom,
     };
+    let spool = spool.then(|| {
+        let s = Spool::open(dir.path().join("spool"), SpoolLimits::default()).unwrap();
+        Box::new(s) as Box<dyn Durable>
+    });
     let mut engine = Engine::new(
         Arc::new(cfg.clone()),
         Arc::new(Hub::default()),
-        None,
+        spool,
         outputs,
     );
     // 150 k collectives (900 k records) per round in all; one warm-up round, then 6 measured.
@@ -534,11 +540,12 @@ fn main() {
         .any(|p| args.iter().any(|a| a == p));
     let want = |part: &str| all || args.iter().any(|a| a == part);
     if want("ingest") {
-        for ranks in [1, 8] {
-            let (wall, cpu) = ingest(ranks);
+        for (ranks, spool) in [(1, false), (8, false), (8, true)] {
+            let (wall, cpu) = ingest(ranks, spool);
+            let sinks = if spool { " + spool" } else { "" };
             println!(
-                "ingest, {ranks} rank(s): {:.2} M records per CPU-second of the engine thread \
-                 ({:.2} M/s of wall time) (engine tick: drain + decode + assemble + stats + hub)",
+                "ingest, {ranks} rank(s){sinks}: {:.2} M records per CPU-second of the engine thread \
+                 ({:.2} M/s of wall time) (engine tick: drain + decode + assemble + stats + hub{sinks})",
                 cpu / 1e6,
                 wall / 1e6
             );

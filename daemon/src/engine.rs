@@ -55,6 +55,8 @@ const SERIES_IDLE: Duration = Duration::from_secs(3600);
 const COMMIT_EVERY: Duration = Duration::from_millis(10);
 /// Records decoded at once (a few pages: still in cache when they are applied).
 const READ_CHUNK: usize = 256;
+/// Completed instances delivered (spooled, counted, queued for export) at once, at most about.
+const DELIVER_AT: usize = 1024;
 
 struct Attached {
     name: SegmentName,
@@ -318,7 +320,8 @@ impl Engine {
         let mut busy = false;
         let mut comms_changed = false;
         let mut broken = Vec::new();
-        for (i, seg) in self.segments.iter_mut().enumerate() {
+        for i in 0..self.segments.len() {
+            let seg = &mut self.segments[i];
             // A batch is read in chunks that stay in cache between decoding and assembly.
             let mut left = batch;
             while left > 0 {
@@ -354,6 +357,13 @@ impl Engine {
             busy |= left == 0;
             self.completed
                 .extend(self.finished.drain(..).map(|c| (i, c)));
+            // With many busy segments, deliver while what was assembled is still in cache.
+            if self.completed.len() >= DELIVER_AT {
+                if std::mem::take(&mut comms_changed) {
+                    self.refresh_local_ranks();
+                }
+                self.deliver(now);
+            }
         }
         if self.last_sweep.elapsed() >= SWEEP_EVERY {
             self.last_sweep = Instant::now();
