@@ -338,6 +338,9 @@ pub fn finalize_comm(comm: u32, out: &mut dyn Sink) {
             return 0;
         };
         state.adopt_new();
+        // A communicator that ends before the loop's next pass still gets its device's first
+        // calibration ahead of its work items and its end (the daemon closes its ops at the end).
+        state.calibrate(out, Instant::now());
         state.finalize(comm, out);
         0
     });
