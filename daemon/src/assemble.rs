@@ -6,7 +6,7 @@
 //! joins the oldest operation of its communicator still waiting for work on that channel (kernels of
 //! one communicator run in order), checked against the funcId's name when the host supplied one.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{HashMap, VecDeque};
 
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
@@ -176,7 +176,12 @@ pub struct Assembler {
     /// Device-hook path: per (comm, channel), the operations awaiting work there, oldest first.
     waiting: Map<(u32, u8), Lane>,
     ops: Map<u64, Op>,
-    by_pos: BTreeSet<(u64, u64)>,
+    /// (first record position, id) of operations in start order, which is position order (records
+    /// are applied in stream order). Entries of finished operations go lazily; the front is always
+    /// an operation in flight.
+    by_pos: VecDeque<(u64, u64)>,
+    /// Element size by datatype string id (cleared when strings change).
+    datatype_bytes: Map<u16, Option<u64>>,
     /// Operations already delivered by a previous daemon: id -> (first record position, sinks).
     prior: Map<u64, (u64, u8)>,
     dictionary_changed: bool,
@@ -194,7 +199,8 @@ impl Assembler {
             comms: Map::default(),
             waiting: Map::default(),
             ops: Map::default(),
-            by_pos: BTreeSet::new(),
+            by_pos: VecDeque::new(),
+            datatype_bytes: Map::default(),
             prior: Map::default(),
             dictionary_changed: false,
             max_pending,
@@ -283,7 +289,7 @@ impl Assembler {
 
     /// Position of the first record of the oldest operation still in flight.
     pub fn oldest_pending_pos(&self) -> Option<u64> {
-        self.by_pos.first().map(|&(pos, _)| pos)
+        self.by_pos.front().map(|&(pos, _)| pos)
     }
 
     pub fn pending(&self) -> usize {
@@ -303,6 +309,7 @@ impl Assembler {
             Record::Str { id, len, bytes } => {
                 let text = String::from_utf8_lossy(&bytes[..len as usize]);
                 Arc::make_mut(&mut self.names).set(id, text.into_owned());
+                self.datatype_bytes.clear();
                 self.dictionary_changed = true;
             }
             Record::FuncName { func_id, name } => {
@@ -536,17 +543,17 @@ impl Assembler {
                 .push_back(id);
         }
         let (first_pos, comm, now_ns) = (op.first_pos, op.comm, op.last_progress_ns);
-        if let Some(old) = self.ops.insert(id, op) {
+        self.by_pos.push_back((first_pos, id));
+        if self.ops.insert(id, op).is_some() {
             // A reused id: close the old one as it is rather than mixing the two.
-            self.by_pos.remove(&(old.first_pos, id));
             self.counters.incomplete += 1;
+            self.prune_by_pos();
         }
-        self.by_pos.insert((first_pos, id));
         for ch in 0..hook_lanes {
             self.match_lane((comm, ch), now_ns, out);
         }
         while self.ops.len() > self.max_pending {
-            let &(_, oldest) = self.by_pos.first().expect("ops and by_pos agree");
+            let &(_, oldest) = self.by_pos.front().expect("ops and by_pos agree");
             self.counters.pending_overflow += 1;
             self.finish(oldest, out);
         }
@@ -643,16 +650,39 @@ impl Assembler {
 
     /// Closes every operation in flight (the process is gone and its segment drained).
     pub fn finish_all(&mut self, out: &mut Vec<Completed>) {
-        while let Some(&(_, id)) = self.by_pos.first() {
+        while let Some(&(_, id)) = self.by_pos.front() {
             self.finish(id, out);
         }
+    }
+
+    /// Drops the entries of finished operations from the front of `by_pos`, and all of them once
+    /// they are the majority (an operation that stays in flight long keeps the front).
+    fn prune_by_pos(&mut self) {
+        let ops = &self.ops;
+        let in_flight = |&(pos, id): &(u64, u64)| ops.get(&id).is_some_and(|o| o.first_pos == pos);
+        while self.by_pos.front().is_some_and(|e| !in_flight(e)) {
+            self.by_pos.pop_front();
+        }
+        if self.by_pos.len() > 2 * ops.len() + 1024 {
+            self.by_pos.retain(in_flight);
+        }
+    }
+
+    /// Bytes per element of the datatype string `id` names.
+    fn datatype_size(&mut self, id: StrId) -> Option<u64> {
+        let names = &self.names;
+        *self
+            .datatype_bytes
+            .entry(id.0)
+            .or_insert_with(|| bandwidth::datatype_size(names.get(id)))
     }
 
     fn finish(&mut self, id: u64, out: &mut Vec<Completed>) {
         let Some(op) = self.ops.remove(&id) else {
             return;
         };
-        self.by_pos.remove(&(op.first_pos, id));
+        self.prune_by_pos();
+        let elem_bytes = self.datatype_size(op.datatype);
         if !op.complete() {
             self.counters.incomplete += 1;
         }
@@ -675,7 +705,7 @@ impl Assembler {
         }
         let (first_pos, prior) = (op.first_pos, op.prior);
         let info = self.comms.get(&op.comm);
-        let coll = self.build(op, info, calibration);
+        let coll = self.build(op, info, calibration, elem_bytes);
         out.push(Completed {
             coll,
             op_id: id,
@@ -685,12 +715,16 @@ impl Assembler {
     }
 
     /// The instance; takes the op's channel work rather than copying it.
-    fn build(&self, op: Op, info: Option<&CommInfo>, calibration: Option<Calibration>) -> Instance {
+    fn build(
+        &self,
+        op: Op,
+        info: Option<&CommInfo>,
+        calibration: Option<Calibration>,
+        elem_bytes: Option<u64>,
+    ) -> Instance {
         let nranks = info.map_or(1, |c| c.nranks);
         let func = self.names.get(op.func);
-        let msg = bandwidth::datatype_size(self.names.get(op.datatype))
-            .unwrap_or(0)
-            .saturating_mul(op.count);
+        let msg = elem_bytes.unwrap_or(0).saturating_mul(op.count);
         let bytes = bandwidth::inspector_bytes(func, msg, nranks);
         let mut channels = op.channels;
         channels.sort_unstable_by_key(|c| c.channel);
@@ -1160,6 +1194,35 @@ mod tests {
         assert_eq!(out[1].coll.exec_ns, 1000, "host timing: enqueue to stop");
         assert_eq!(a.counters.incomplete, 3);
         assert_eq!(a.pending(), 0);
+    }
+
+    #[test]
+    fn the_oldest_op_in_flight_holds_the_commit_point_while_later_ones_finish() {
+        let mut a = Assembler::new(7, "job".into(), "node".into(), 1 << 20);
+        let mut recs = prelude(TimingPath::KernelCh);
+        let first = recs.len() as u64;
+        // Op 1 never stops; ops 2.. start and stop behind it, many times over.
+        recs.push(coll(1, 0, 0));
+        for id in 2..20_000 {
+            recs.push(coll(id, id, 0));
+            recs.push(Record::OpStop {
+                comm: 0,
+                id,
+                host_ns: 2000,
+            });
+        }
+        let out = feed(&mut a, &recs);
+        assert_eq!(out.len(), 19_998);
+        assert_eq!(a.oldest_pending_pos(), Some(first));
+        assert!(
+            a.by_pos.len() <= 2 * a.pending() + 1024,
+            "finished ops' entries are dropped: {}",
+            a.by_pos.len()
+        );
+        let mut out = Vec::new();
+        a.finish_all(&mut out);
+        assert_eq!(out.iter().map(|c| c.op_id).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(a.oldest_pending_pos(), None);
     }
 
     #[test]

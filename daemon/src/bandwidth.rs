@@ -11,17 +11,30 @@
 
 /// Bytes per element of an NCCL datatype, by the name NCCL gives the profiler (`ncclFloat32`, ...).
 pub fn datatype_size(name: &str) -> Option<u64> {
-    let n = name
-        .strip_prefix("nccl")
-        .unwrap_or(name)
-        .to_ascii_lowercase();
-    Some(match n.as_str() {
-        "int8" | "char" | "uint8" | "float8e4m3" | "float8e5m2" => 1,
-        "float16" | "half" | "bfloat16" => 2,
-        "int32" | "int" | "uint32" | "float32" | "float" => 4,
-        "int64" | "uint64" | "float64" | "double" => 8,
-        _ => return None,
-    })
+    const SIZES: [(&str, u64); 17] = [
+        ("int8", 1),
+        ("char", 1),
+        ("uint8", 1),
+        ("float8e4m3", 1),
+        ("float8e5m2", 1),
+        ("float16", 2),
+        ("half", 2),
+        ("bfloat16", 2),
+        ("int32", 4),
+        ("int", 4),
+        ("uint32", 4),
+        ("float32", 4),
+        ("float", 4),
+        ("int64", 8),
+        ("uint64", 8),
+        ("float64", 8),
+        ("double", 8),
+    ];
+    let n = name.strip_prefix("nccl").unwrap_or(name);
+    SIZES
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(n))
+        .map(|&(_, size)| size)
 }
 
 /// The bytes Inspector divides by the execution time for `func` with a message of `msg_bytes`.

@@ -641,7 +641,7 @@ impl Engine {
                 });
             }
         }
-        for (job_id, &(n, first, last)) in &self.stats.jobs {
+        for (job_id, (n, first, last)) in self.stats.jobs() {
             let job = jobs.entry(job_id.to_string()).or_insert_with(|| Job {
                 job_id: job_id.to_string(),
                 ..Default::default()

@@ -91,6 +91,9 @@ pub struct RankSeries {
     rolling_exec_ns: Rolling,
     rolling_skew_ns: Rolling,
     last_ns: u64,
+    /// Earliest and latest end time of this rank's collectives (a job's span, over its ranks).
+    first_end_ns: u64,
+    last_end_ns: u64,
 }
 
 struct Arrival {
@@ -116,8 +119,6 @@ pub struct Stats {
     rendezvous_order: VecDeque<(u64, u64)>,
     /// Ranks of each communicator attached on this node (how many arrivals a rendezvous awaits).
     local_ranks: Map<u64, usize>,
-    /// Collectives per job, with first and last end times.
-    pub jobs: Map<Arc<str>, (u64, u64, u64)>,
     /// Job and collective name of the overflow series.
     none: Arc<str>,
     pub folded: u64,
@@ -135,7 +136,6 @@ impl Stats {
             rendezvous: Map::default(),
             rendezvous_order: VecDeque::new(),
             local_ranks: Map::default(),
-            jobs: Map::default(),
             none: "".into(),
             folded: 0,
             skew_evaluated: 0,
@@ -167,17 +167,6 @@ impl Stats {
             s.rolling_busbw_mbs
                 .record((c.busbw_gbs * 1000.0) as u64, now_ns, window);
         }
-        match self.jobs.get_mut(c.job_id()) {
-            Some(j) => {
-                j.0 += 1;
-                j.1 = j.1.min(c.end_unix_ns);
-                j.2 = j.2.max(c.end_unix_ns);
-            }
-            None => {
-                self.jobs
-                    .insert(c.job_id().into(), (1, c.end_unix_ns, c.end_unix_ns));
-            }
-        }
         let rank = RankRef {
             job: c.job_id(),
             comm_hash: c.comm_hash,
@@ -201,11 +190,15 @@ impl Stats {
                     rolling_exec_ns: Rolling::default(),
                     rolling_skew_ns: Rolling::default(),
                     last_ns: now_ns,
+                    first_end_ns: c.end_unix_ns,
+                    last_end_ns: c.end_unix_ns,
                 };
                 (key, series)
             });
         r.collectives += 1;
         r.last_ns = now_ns;
+        r.first_end_ns = r.first_end_ns.min(c.end_unix_ns);
+        r.last_end_ns = r.last_end_ns.max(c.end_unix_ns);
         r.rolling_exec_ns.record(c.exec_ns, now_ns, window);
         // Skew needs at least two of the collective's ranks on this node.
         let local = self.local_ranks.get(&c.comm_hash).copied().unwrap_or(0);
@@ -353,9 +346,20 @@ impl Stats {
         let live = |last: u64| now_ns.saturating_sub(last) < idle_ns;
         self.series.retain(|_, s| live(s.last_ns));
         self.ranks.retain(|_, r| live(r.last_ns));
-        let jobs: std::collections::HashSet<Arc<str>> =
-            self.ranks.keys().map(|k| k.job.clone()).collect();
-        self.jobs.retain(|j, _| jobs.contains(j));
+    }
+
+    /// Collectives per job, with the first and last end time, over the job's ranks.
+    pub fn jobs(&self) -> HashMap<Arc<str>, (u64, u64, u64)> {
+        let mut jobs: HashMap<Arc<str>, (u64, u64, u64)> = HashMap::new();
+        for (k, r) in &self.ranks {
+            let j = jobs
+                .entry(k.job.clone())
+                .or_insert((0, r.first_end_ns, r.last_end_ns));
+            j.0 += r.collectives;
+            j.1 = j.1.min(r.first_end_ns);
+            j.2 = j.2.max(r.last_end_ns);
+        }
+        jobs
     }
 
     /// The stats API's view (rolling percentiles).
@@ -483,7 +487,7 @@ mod tests {
             vec!["k"]
         );
         assert_eq!(s.ranks.len(), 1);
-        assert_eq!(s.jobs.len(), 1);
+        assert_eq!(s.jobs().len(), 1);
     }
 
     #[test]
