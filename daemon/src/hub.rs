@@ -4,6 +4,7 @@
 //! Contract: the aggregator calls [`Hub::publish`] for every completed instance, in completion order,
 //! after the spool has accepted it; it replaces the snapshots about once a second.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ncclscope_proto::api::{ListJobsResponse, StatsResponse};
@@ -29,6 +30,8 @@ pub const LIVE_BACKLOG: usize = 4096;
 
 pub struct Hub {
     live: broadcast::Sender<Arc<Instance>>,
+    /// Live [`Subscription`]s: publishing checks this rather than the channel (which takes a lock).
+    watchers: Arc<AtomicUsize>,
     stats: Mutex<StatsResponse>,
     jobs: Mutex<ListJobsResponse>,
 }
@@ -37,6 +40,7 @@ impl Default for Hub {
     fn default() -> Self {
         Hub {
             live: broadcast::channel(LIVE_BACKLOG).0,
+            watchers: Arc::default(),
             stats: Mutex::default(),
             jobs: Mutex::default(),
         }
@@ -46,13 +50,17 @@ impl Default for Hub {
 impl Hub {
     pub fn publish(&self, c: &Instance) {
         // Nobody watching is the common case: no copy, and no lock taken.
-        if self.live.receiver_count() > 0 {
+        if self.watchers.load(Ordering::Relaxed) > 0 {
             let _ = self.live.send(Arc::new(c.clone()));
         }
     }
 
-    pub fn subscribe(&self) -> broadcast::Receiver<Arc<Instance>> {
-        self.live.subscribe()
+    pub fn subscribe(&self) -> Subscription {
+        self.watchers.fetch_add(1, Ordering::Relaxed);
+        Subscription {
+            rx: self.live.subscribe(),
+            watchers: self.watchers.clone(),
+        }
     }
 
     pub fn set_stats(&self, s: StatsResponse) {
@@ -69,5 +77,27 @@ impl Hub {
 
     pub fn jobs(&self) -> ListJobsResponse {
         self.jobs.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// Instances published from now on, while it lives.
+pub struct Subscription {
+    rx: broadcast::Receiver<Arc<Instance>>,
+    watchers: Arc<AtomicUsize>,
+}
+
+impl Subscription {
+    pub async fn recv(&mut self) -> Result<Arc<Instance>, broadcast::error::RecvError> {
+        self.rx.recv().await
+    }
+
+    pub fn try_recv(&mut self) -> Result<Arc<Instance>, broadcast::error::TryRecvError> {
+        self.rx.try_recv()
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.watchers.fetch_sub(1, Ordering::Relaxed);
     }
 }

@@ -172,7 +172,7 @@ impl Stats {
             comm_hash: c.comm_hash,
             rank: c.rank,
         };
-        let (key, r) = self
+        let (_, r) = self
             .ranks
             .raw_entry_mut()
             .from_key(&rank)
@@ -203,8 +203,7 @@ impl Stats {
         // Skew needs at least two of the collective's ranks on this node.
         let local = self.local_ranks.get(&c.comm_hash).copied().unwrap_or(0);
         if !c.is_p2p && c.timing_source != "host" && local >= 2 {
-            let job = key.job.clone();
-            self.arrive(c, &job, local, now_ns);
+            self.arrive(c, local, now_ns);
         }
         p50
     }
@@ -253,22 +252,31 @@ impl Stats {
         series
     }
 
-    fn arrive(&mut self, c: &Instance, job: &Arc<str>, expected: usize, now_ns: u64) {
+    fn arrive(&mut self, c: &Instance, expected: usize, now_ns: u64) {
         let key = (c.comm_hash, c.seq);
         if self.rendezvous.len() >= MAX_RENDEZVOUS && !self.rendezvous.contains_key(&key) {
             self.expire(u64::MAX, 1);
         }
-        let order = &mut self.rendezvous_order;
+        let (order, ranks) = (&mut self.rendezvous_order, &self.ranks);
         let rv = self.rendezvous.entry(key).or_insert_with(|| {
             order.push_back(key);
+            // The job as the rank series holds it (observe just made sure it exists).
+            let rank = RankRef {
+                job: c.job_id(),
+                comm_hash: c.comm_hash,
+                rank: c.rank,
+            };
+            let job = ranks
+                .get_key_value(&rank)
+                .map_or_else(|| c.job_id().into(), |(k, _)| k.job.clone());
             Rendezvous {
-                job: job.clone(),
+                job,
                 arrivals: Vec::with_capacity(expected),
                 opened_ns: now_ns,
             }
         });
         // Another job with the same communicator hash (a 64-bit random id): not comparable.
-        if rv.job != *job {
+        if *rv.job != *c.job_id() {
             return;
         }
         rv.arrivals.push(Arrival {
