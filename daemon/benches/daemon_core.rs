@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use ncclscope::config::Config;
 use ncclscope::engine::{Engine, Outputs};
 use ncclscope::hub::{Durable, Hub};
-use ncclscope::instance::Instance;
+use ncclscope::instance::Shared;
 use ncclscope::otlp::{self, ExportCounters, SpanItem};
 use ncclscope::spool::{Spool, SpoolLimits};
 use ncclscope_proto::api::{ChannelWork, Collective};
@@ -269,7 +269,7 @@ fn export() -> f64 {
         let acked = Arc::new(AtomicU64::new(0));
         let n = 200_000u64;
         // As from the assembler: every instance shares its process's strings.
-        let template = Instance::from(&Collective {
+        let template = Shared::from(&Collective {
             job_id: "bench".into(),
             comm_hash: 7,
             nranks: 8,
@@ -288,11 +288,9 @@ fn export() -> f64 {
         });
         let t = Instant::now();
         for seq in 0..n {
-            let coll = Instance {
-                rank: 1 + (seq % 7) as u32, // not rank 0: one span per instance
-                seq,
-                ..template.clone()
-            };
+            let mut coll = template.clone();
+            coll.inst.rank = 1 + (seq % 7) as u32; // not rank 0: one span per instance
+            coll.inst.seq = seq;
             tx.send(SpanItem {
                 coll,
                 acked: acked.clone(),

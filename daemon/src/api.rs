@@ -141,6 +141,7 @@ impl Query for QueryService {
                     Err(broadcast::error::RecvError::Lagged(_)) => continue,
                     Err(broadcast::error::RecvError::Closed) => return,
                 };
+                let c = c.view();
                 if (job.is_empty() || c.job_id() == job)
                     && tx.send(Ok(c.to_message())).await.is_err()
                 {
@@ -385,7 +386,8 @@ mod tests {
         // The subscription exists once the call returned; publish after it, filtered to job y.
         for s in 0..5 {
             let c = coll(if s % 2 == 0 { "y" } else { "z" }, s);
-            d.hub.publish(&crate::instance::Instance::from(&c));
+            let c = crate::instance::Shared::from(&c);
+            d.hub.publish(&c.inst, &c.names);
         }
         for want in [0, 2, 4] {
             let c = watch.message().await.unwrap().unwrap();

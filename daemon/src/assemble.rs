@@ -283,6 +283,11 @@ impl Assembler {
         &self.names.job_id
     }
 
+    /// The strings this process's instances refer to.
+    pub fn names(&self) -> &Arc<Names> {
+        &self.names
+    }
+
     pub fn pid(&self) -> u32 {
         self.pid
     }
@@ -767,7 +772,6 @@ impl Assembler {
             None => u32::MAX,
         };
         Instance {
-            names: self.names.clone(),
             pid: self.pid,
             comm_hash: info.map_or(0, |c| c.comm_hash),
             comm_name: StrId(info.map_or(0, |c| c.name)),
@@ -801,6 +805,7 @@ impl Assembler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::instance::InstanceRef;
 
     fn s(id: u16, t: &str) -> Record {
         Record::str(StrId(id), t.as_bytes())
@@ -898,7 +903,10 @@ mod tests {
             &mut out,
         );
         assert_eq!(out.len(), 1);
-        let c = &out[0].coll;
+        let c = InstanceRef {
+            inst: &out[0].coll,
+            names: a.names(),
+        };
         assert_eq!(out[0].first_pos, 6);
         assert_eq!((c.comm_hash, c.rank, c.nranks, c.seq), (0xabc, 1, 4, 5));
         assert_eq!(
@@ -1247,7 +1255,11 @@ mod tests {
         );
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].prior, done::RECORDED);
-        assert_eq!(out[0].coll.func(), "AllReduce");
+        let c = InstanceRef {
+            inst: &out[0].coll,
+            names: b.names(),
+        };
+        assert_eq!(c.func(), "AllReduce");
         b.prune_prior(7);
         assert!(b.prior.is_empty());
     }

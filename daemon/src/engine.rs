@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::assemble::{AssembleCounters, Assembler, Completed, done};
 use crate::config::Config;
 use crate::hub::{Durable, Hub};
-use crate::instance::Instance;
+use crate::instance::{InstanceRef, Shared};
 use crate::metrics::{self, Health};
 use crate::otlp::{ExportCounters, SpanItem};
 use crate::state::{self, SegmentState};
@@ -419,10 +419,14 @@ impl Engine {
         }
         let mut completed = std::mem::take(&mut self.completed);
         if let Some(spool) = self.spool.as_mut() {
-            let fresh: Vec<&Instance> = completed
+            let segments = &self.segments;
+            let fresh: Vec<InstanceRef> = completed
                 .iter()
                 .filter(|(_, c)| c.prior & done::RECORDED == 0)
-                .map(|(_, c)| &c.coll)
+                .map(|(i, c)| InstanceRef {
+                    inst: &c.coll,
+                    names: segments[*i].asm.names(),
+                })
                 .collect();
             if !fresh.is_empty()
                 && let Err(e) = spool.append(&fresh)
@@ -433,11 +437,16 @@ impl Engine {
         }
         for (i, c) in completed.drain(..) {
             let seg = &mut self.segments[i];
+            let names = seg.asm.names();
             let mut flags = c.prior;
             if c.prior & done::RECORDED == 0 {
-                self.hub.publish(&c.coll);
+                self.hub.publish(&c.coll, names);
                 // "Slow" is judged against the series before this instance joins it.
-                let p50 = self.stats.observe(&c.coll, now, SLOW_MIN_SAMPLES);
+                let inst = InstanceRef {
+                    inst: &c.coll,
+                    names,
+                };
+                let p50 = self.stats.observe(inst, now, SLOW_MIN_SAMPLES);
                 let slow = self.cfg.otlp.slow_factor > 0.0
                     && p50.is_some_and(|p50| {
                         c.coll.exec_ns as f64 > self.cfg.otlp.slow_factor * p50 as f64
@@ -464,8 +473,12 @@ impl Engine {
                 match &self.out.spans {
                     Some(tx) => {
                         let emit_no = seg.next_emit;
+                        let coll = Shared {
+                            inst: c.coll,
+                            names: names.clone(),
+                        };
                         match tx.try_send(SpanItem {
-                            coll: c.coll,
+                            coll,
                             acked: seg.acked.clone(),
                             emit_no,
                         }) {
@@ -850,7 +863,7 @@ mod tests {
         e1.commit_all(true);
         let mut seen = Vec::new();
         while let Ok(c) = live.try_recv() {
-            seen.push(c.seq);
+            seen.push(c.inst.seq);
         }
         assert_eq!(seen, (0..10).collect::<Vec<_>>());
         let saved = std::fs::read(state::path(dir.path(), &name.to_string())).unwrap();
@@ -858,7 +871,7 @@ mod tests {
         write_colls(&mut p, 10..20);
         e1.tick();
         e1.commit_all(true);
-        assert_eq!(live.try_recv().unwrap().seq, 10);
+        assert_eq!(live.try_recv().unwrap().inst.seq, 10);
         assert_eq!(
             std::fs::read(state::path(dir.path(), &name.to_string())).unwrap(),
             saved
@@ -874,11 +887,11 @@ mod tests {
         let mut seen = Vec::new();
         while let Ok(c) = live.try_recv() {
             assert_eq!(
-                (c.func(), c.comm_hash, c.bytes),
+                (c.view().func(), c.inst.comm_hash, c.inst.bytes),
                 ("AllReduce", 5, 4),
                 "dictionary restored"
             );
-            seen.push(c.seq);
+            seen.push(c.inst.seq);
         }
         assert_eq!(
             seen,

@@ -10,16 +10,16 @@ use std::sync::{Arc, Mutex};
 use ncclscope_proto::api::{ListJobsResponse, StatsResponse};
 use tokio::sync::broadcast;
 
-use crate::instance::Instance;
+use crate::instance::{Instance, InstanceRef, Names, Shared};
 
 /// Where completed instances become durable before they are published: the spool. The engine calls
 /// it with each batch in completion order; `Ok` means the batch survives a crash.
 pub trait Durable: Send {
-    fn append(&mut self, batch: &[&Instance]) -> std::io::Result<()>;
+    fn append(&mut self, batch: &[InstanceRef]) -> std::io::Result<()>;
 }
 
 impl Durable for crate::spool::Spool {
-    fn append(&mut self, batch: &[&Instance]) -> std::io::Result<()> {
+    fn append(&mut self, batch: &[InstanceRef]) -> std::io::Result<()> {
         let messages: Vec<_> = batch.iter().map(|i| i.to_message()).collect();
         crate::spool::Spool::append(self, &messages)
     }
@@ -29,7 +29,7 @@ impl Durable for crate::spool::Spool {
 pub const LIVE_BACKLOG: usize = 4096;
 
 pub struct Hub {
-    live: broadcast::Sender<Arc<Instance>>,
+    live: broadcast::Sender<Arc<Shared>>,
     /// Live [`Subscription`]s: publishing checks this rather than the channel (which takes a lock).
     watchers: Arc<AtomicUsize>,
     stats: Mutex<StatsResponse>,
@@ -48,10 +48,13 @@ impl Default for Hub {
 }
 
 impl Hub {
-    pub fn publish(&self, c: &Instance) {
+    pub fn publish(&self, inst: &Instance, names: &Arc<Names>) {
         // Nobody watching is the common case: no copy, and no lock taken.
         if self.watchers.load(Ordering::Relaxed) > 0 {
-            let _ = self.live.send(Arc::new(c.clone()));
+            let _ = self.live.send(Arc::new(Shared {
+                inst: inst.clone(),
+                names: names.clone(),
+            }));
         }
     }
 
@@ -82,16 +85,16 @@ impl Hub {
 
 /// Instances published from now on, while it lives.
 pub struct Subscription {
-    rx: broadcast::Receiver<Arc<Instance>>,
+    rx: broadcast::Receiver<Arc<Shared>>,
     watchers: Arc<AtomicUsize>,
 }
 
 impl Subscription {
-    pub async fn recv(&mut self) -> Result<Arc<Instance>, broadcast::error::RecvError> {
+    pub async fn recv(&mut self) -> Result<Arc<Shared>, broadcast::error::RecvError> {
         self.rx.recv().await
     }
 
-    pub fn try_recv(&mut self) -> Result<Arc<Instance>, broadcast::error::TryRecvError> {
+    pub fn try_recv(&mut self) -> Result<Arc<Shared>, broadcast::error::TryRecvError> {
         self.rx.try_recv()
     }
 }

@@ -1,9 +1,11 @@
 //! One completed collective (or p2p) instance as the daemon carries it from assembly to statistics,
 //! the spool, live subscribers and export. It holds what the API's [`Collective`] message holds, but
 //! its strings stay in the process's [`Names`], shared by every instance of that process: building,
-//! counting and queueing an instance allocates nothing per string and touches one reference count,
-//! which is most of what ingest would otherwise spend per instance. The message is built only where
-//! an instance leaves the daemon (spool file, Watch stream).
+//! counting and queueing an instance allocates nothing per string. Inside the ingest thread an
+//! [`Instance`] is plain values read with its segment's names ([`InstanceRef`]); only one that leaves
+//! it (export queue, live watchers) takes a share of them ([`Shared`]): a reference count per instance
+//! is a locked instruction, which measured as the single most expensive step of ingest. The message
+//! is built only where an instance leaves the daemon (spool file, Watch stream).
 
 use std::sync::Arc;
 
@@ -46,11 +48,10 @@ impl Names {
     }
 }
 
-/// Field meanings: see `Collective` in proto/ncclscope.proto. String fields are ids into `names`
-/// (read them through the accessors).
+/// Field meanings: see `Collective` in proto/ncclscope.proto. String fields are ids into the names
+/// of the instance's process (read them through [`InstanceRef`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Instance {
-    pub names: Arc<Names>,
     pub pid: u32,
     pub comm_hash: u64,
     pub comm_name: StrId,
@@ -82,33 +83,48 @@ pub struct Instance {
 /// The values `timing_source` takes.
 pub const TIMING_SOURCES: [&str; 3] = ["kernel_gpu", "device_hook", "host"];
 
-impl Instance {
-    pub fn job_id(&self) -> &str {
+/// An instance read with its process's names.
+#[derive(Clone, Copy, Debug)]
+pub struct InstanceRef<'a> {
+    pub inst: &'a Instance,
+    pub names: &'a Names,
+}
+
+impl std::ops::Deref for InstanceRef<'_> {
+    type Target = Instance;
+
+    fn deref(&self) -> &Instance {
+        self.inst
+    }
+}
+
+impl<'a> InstanceRef<'a> {
+    pub fn job_id(&self) -> &'a str {
         &self.names.job_id
     }
 
-    pub fn host(&self) -> &str {
+    pub fn host(&self) -> &'a str {
         &self.names.host
     }
 
-    pub fn comm_name(&self) -> &str {
-        self.names.get(self.comm_name)
+    pub fn comm_name(&self) -> &'a str {
+        self.names.get(self.inst.comm_name)
     }
 
-    pub fn func(&self) -> &str {
-        self.names.get(self.func)
+    pub fn func(&self) -> &'a str {
+        self.names.get(self.inst.func)
     }
 
-    pub fn datatype(&self) -> &str {
-        self.names.get(self.datatype)
+    pub fn datatype(&self) -> &'a str {
+        self.names.get(self.inst.datatype)
     }
 
-    pub fn algo(&self) -> &str {
-        self.names.get(self.algo)
+    pub fn algo(&self) -> &'a str {
+        self.names.get(self.inst.algo)
     }
 
-    pub fn proto(&self) -> &str {
-        self.names.get(self.proto)
+    pub fn proto(&self) -> &'a str {
+        self.names.get(self.inst.proto)
     }
 
     pub fn to_message(&self) -> Collective {
@@ -145,9 +161,25 @@ impl Instance {
     }
 }
 
+/// An instance with a share of its process's names: one that leaves the ingest thread.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Shared {
+    pub inst: Instance,
+    pub names: Arc<Names>,
+}
+
+impl Shared {
+    pub fn view(&self) -> InstanceRef<'_> {
+        InstanceRef {
+            inst: &self.inst,
+            names: &self.names,
+        }
+    }
+}
+
 /// For instances read back from a spool or the API (an unknown timing source reads as "host").
-impl From<&Collective> for Instance {
-    fn from(c: &Collective) -> Instance {
+impl From<&Collective> for Shared {
+    fn from(c: &Collective) -> Shared {
         let mut names = Names::new(c.job_id.clone(), c.host.clone());
         let [comm_name, func, datatype, algo, proto] = [1, 2, 3, 4, 5].map(StrId);
         for (id, text) in [
@@ -159,8 +191,7 @@ impl From<&Collective> for Instance {
         ] {
             names.set(id, text.clone());
         }
-        Instance {
-            names: Arc::new(names),
+        let inst = Instance {
             pid: c.pid,
             comm_hash: c.comm_hash,
             comm_name,
@@ -190,6 +221,10 @@ impl From<&Collective> for Instance {
             calibration_error_ns: c.calibration_error_ns,
             channels: c.channels.clone(),
             is_p2p: c.is_p2p,
+        };
+        Shared {
+            inst,
+            names: Arc::new(names),
         }
     }
 }
@@ -235,7 +270,8 @@ mod tests {
             }],
             is_p2p: true,
         };
-        let i = Instance::from(&m);
+        let s = Shared::from(&m);
+        let i = s.view();
         assert_eq!((i.func(), i.comm_name(), i.host()), ("AllReduce", "c", "h"));
         assert_eq!(i.to_message(), m);
     }
@@ -244,13 +280,15 @@ mod tests {
     fn instances_keep_the_strings_of_their_time() {
         let mut names = Arc::new(Names::new("j".into(), "h".into()));
         Arc::make_mut(&mut names).set(StrId(1), "AllReduce".into());
-        let old = Instance {
+        let old = Shared {
+            inst: Instance {
+                func: StrId(1),
+                ..Default::default()
+            },
             names: names.clone(),
-            func: StrId(1),
-            ..Default::default()
         };
         Arc::make_mut(&mut names).set(StrId(1), "AllGather".into());
-        assert_eq!(old.func(), "AllReduce");
+        assert_eq!(old.view().func(), "AllReduce");
         assert_eq!(names.get(StrId(1)), "AllGather");
         assert_eq!(names.get(StrId(2)), "");
     }

@@ -349,13 +349,13 @@ pub fn to_otlp(families: &[Family], start_ns: u64, now_ns: u64) -> Vec<Metric> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::instance::Instance;
+    use crate::instance::Shared;
 
     #[test]
     fn prometheus_text_has_cumulative_buckets_and_escaped_labels() {
         let mut stats = Stats::new(1_000_000_000, 1000, 10);
         for exec in [1_500u64, 3_000, 3_000_000] {
-            let c = Instance::from(&ncclscope_proto::api::Collective {
+            let c = Shared::from(&ncclscope_proto::api::Collective {
                 job_id: "j\"1".into(),
                 comm_hash: 1,
                 func: "AllReduce".into(),
@@ -366,7 +366,7 @@ mod tests {
                 timing_source: "kernel_gpu".into(),
                 ..Default::default()
             });
-            stats.observe(&c, 0, 1);
+            stats.observe(c.view(), 0, 1);
         }
         let health = Health {
             lost: BTreeMap::from([("ring_full".into(), 3)]),

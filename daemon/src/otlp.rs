@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::instance::Instance;
+use crate::instance::Shared;
 use opentelemetry_proto::tonic::collector::metrics::v1::ExportMetricsServiceRequest;
 use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_client::MetricsServiceClient;
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
@@ -26,7 +26,7 @@ use crate::spans;
 /// (accepted, or given up and counted) it is raised to `emit_no`. Items of one segment are queued in
 /// `emit_no` order and handled in queue order, so the cursor only moves forward.
 pub struct SpanItem {
-    pub coll: Instance,
+    pub coll: Shared,
     pub acked: Arc<AtomicU64>,
     pub emit_no: u64,
 }
@@ -74,9 +74,9 @@ pub fn channel(endpoint: &str, timeout: Duration) -> Result<Channel, tonic::tran
 /// acknowledged only after every batch queued before it.
 const MAX_IN_FLIGHT: usize = 4;
 
-/// A batch being sent: its items (acknowledged when it is done) and the task sending it.
+/// A batch being sent: its items' acknowledgement cursors (raised when it is done) and the task.
 struct InFlight {
-    items: Vec<SpanItem>,
+    items: Vec<(Arc<AtomicU64>, u64)>,
     task: tokio::task::JoinHandle<bool>,
 }
 
@@ -111,9 +111,9 @@ pub async fn run(
                     if in_flight.len() >= MAX_IN_FLIGHT {
                         finish(in_flight.pop_front().expect("non-empty"), &counters).await;
                     }
-                    let colls: Vec<Instance> = batch.iter_mut().map(|i| std::mem::take(&mut i.coll)).collect();
+                    let (colls, acks): (Vec<Shared>, Vec<_>) = batch.into_iter().map(|i| (i.coll, (i.acked, i.emit_no))).unzip();
                     let task = tokio::spawn(send_spans(cfg.clone(), host.clone(), traces.clone(), colls, counters.clone()));
-                    in_flight.push_back(InFlight { items: batch, task });
+                    in_flight.push_back(InFlight { items: acks, task });
                 }
                 None => spans_open = false,
             },
@@ -147,14 +147,14 @@ async fn front_done(q: &mut std::collections::VecDeque<InFlight>) -> bool {
 }
 
 /// Acknowledges items whose attempt ended: exported, or given up and counted as dropped.
-fn acknowledge(items: Vec<SpanItem>, ok: bool, counters: &ExportCounters) {
+fn acknowledge(items: Vec<(Arc<AtomicU64>, u64)>, ok: bool, counters: &ExportCounters) {
     if !ok {
         counters
             .spans_dropped
             .fetch_add(items.len() as u64, Ordering::Relaxed);
     }
-    for item in items {
-        item.acked.fetch_max(item.emit_no, Ordering::Release);
+    for (acked, emit_no) in items {
+        acked.fetch_max(emit_no, Ordering::Release);
     }
 }
 
@@ -163,14 +163,14 @@ async fn send_spans(
     cfg: Otlp,
     host: String,
     client: TraceServiceClient<Channel>,
-    colls: Vec<Instance>,
+    colls: Vec<Shared>,
     counters: Arc<ExportCounters>,
 ) -> bool {
     let mut n = 0;
     let ok = with_retry(&cfg, &counters, || {
         let mut otlp_spans = Vec::with_capacity(colls.len() * 2);
         for c in &colls {
-            spans::spans_of(c, cfg.channel_spans, &mut otlp_spans);
+            spans::spans_of(c.view(), cfg.channel_spans, &mut otlp_spans);
         }
         n = otlp_spans.len() as u64;
         let request = ExportTraceServiceRequest {

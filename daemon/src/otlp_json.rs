@@ -15,7 +15,7 @@ use opentelemetry_proto::tonic::common::v1::{AnyValue, InstrumentationScope, Key
 use opentelemetry_proto::tonic::resource::v1::Resource;
 use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span};
 
-use crate::instance::Instance;
+use crate::instance::Shared;
 use crate::spans::spans_of;
 
 /// Spans per JSON line: bounded lines, each a request size a collector accepts.
@@ -46,7 +46,7 @@ impl<W: Write> OtlpJsonWriter<W> {
     pub fn write(&mut self, c: &Collective) -> io::Result<()> {
         let spans = self.pending.entry(c.host.clone()).or_default();
         let before = spans.len();
-        spans_of(&Instance::from(c), true, spans);
+        spans_of(Shared::from(c).view(), true, spans);
         self.pending_spans += spans.len() - before;
         self.collectives += 1;
         if self.pending_spans >= SPANS_PER_LINE {

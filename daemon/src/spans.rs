@@ -9,7 +9,7 @@
 //! Sampling is a function of (commHash, seq) too, so every rank keeps the same collectives.
 //! The daemon builds OTLP protobuf spans itself (opentelemetry-proto) because the SDK generates ids.
 
-use crate::instance::Instance;
+use crate::instance::InstanceRef;
 use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
 use opentelemetry_proto::tonic::trace::v1::{Span, span::SpanKind};
 
@@ -81,7 +81,7 @@ fn f(key: &str, v: f64) -> KeyValue {
 }
 
 /// Attributes every span of an instance carries.
-fn common(c: &Instance) -> Vec<KeyValue> {
+fn common(c: InstanceRef) -> Vec<KeyValue> {
     vec![
         s("nccl.collective", c.func()),
         i("nccl.nranks", c.nranks as i64),
@@ -93,7 +93,7 @@ fn common(c: &Instance) -> Vec<KeyValue> {
 
 /// Appends the spans this node emits for `c`: the rank's span, its root when `c` is rank 0 of a
 /// collective, and one span per channel if asked.
-pub fn spans_of(c: &Instance, channel_spans: bool, out: &mut Vec<Span>) {
+pub fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
     let trace_id = trace_id(c.comm_hash, c.seq).to_vec();
     let root_id = root_span_id(c.comm_hash, c.seq).to_vec();
     let rank_id = rank_span_id(c.comm_hash, c.seq, c.rank);
@@ -177,6 +177,7 @@ pub fn spans_of(c: &Instance, channel_spans: bool, out: &mut Vec<Span>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::instance::Shared;
     use ncclscope_proto::api::ChannelWork;
 
     #[test]
@@ -201,7 +202,7 @@ mod tests {
 
     #[test]
     fn rank_zero_emits_the_root_and_channels_hang_under_the_rank() {
-        let c = Instance::from(&ncclscope_proto::api::Collective {
+        let c = Shared::from(&ncclscope_proto::api::Collective {
             func: "AllReduce".into(),
             comm_hash: 5,
             seq: 9,
@@ -219,7 +220,7 @@ mod tests {
             ..Default::default()
         });
         let mut out = Vec::new();
-        spans_of(&c, true, &mut out);
+        spans_of(c.view(), true, &mut out);
         assert_eq!(out.len(), 3);
         let (root, rank, ch) = (&out[0], &out[1], &out[2]);
         assert!(root.parent_span_id.is_empty());
@@ -231,7 +232,9 @@ mod tests {
             (100, 200)
         );
         let mut out = Vec::new();
-        spans_of(&Instance { rank: 1, ..c }, false, &mut out);
+        let mut rank1 = c.clone();
+        rank1.inst.rank = 1;
+        spans_of(rank1.view(), false, &mut out);
         assert_eq!(out.len(), 1, "only rank 0 emits the root");
         assert_eq!(out[0].parent_span_id, root_span_id(5, 9).to_vec());
     }

@@ -10,7 +10,7 @@ use ncclscope_proto::api::{CollStats, RankStats};
 
 use crate::bandwidth;
 use crate::histogram::{BUSBW_GBS_BOUNDS, Buckets, EXEC_US_BOUNDS, Rolling, SKEW_US_BOUNDS};
-use crate::instance::Instance;
+use crate::instance::InstanceRef;
 
 /// Label of the series that absorbs everything beyond `max_series`.
 pub const OVERFLOW_BUCKET: &str = "other";
@@ -148,7 +148,7 @@ impl Stats {
 
     /// Records `c`. Returns its series' rolling p50 exec time before `c`, once the series has
     /// `min_samples` (for the slow-outlier sampling decision).
-    pub fn observe(&mut self, c: &Instance, now_ns: u64, min_samples: u64) -> Option<u64> {
+    pub fn observe(&mut self, c: InstanceRef, now_ns: u64, min_samples: u64) -> Option<u64> {
         let window = self.window_ns;
         let s = self.series_of(c, now_ns);
         // A settled p50 moves slowly: once the series has a few windows' worth of samples, recompute
@@ -209,7 +209,7 @@ impl Stats {
     }
 
     /// `c`'s series, created if new; beyond `max_series` new series fold into the overflow series.
-    fn series_of(&mut self, c: &Instance, now_ns: u64) -> &mut Series {
+    fn series_of(&mut self, c: InstanceRef, now_ns: u64) -> &mut Series {
         let key = SeriesRef {
             job: c.job_id(),
             comm_hash: c.comm_hash,
@@ -252,7 +252,7 @@ impl Stats {
         series
     }
 
-    fn arrive(&mut self, c: &Instance, expected: usize, now_ns: u64) {
+    fn arrive(&mut self, c: InstanceRef, expected: usize, now_ns: u64) {
         let key = (c.comm_hash, c.seq);
         if self.rendezvous.len() >= MAX_RENDEZVOUS && !self.rendezvous.contains_key(&key) {
             self.expire(u64::MAX, 1);
@@ -424,9 +424,10 @@ impl Stats {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::instance::Shared;
 
-    fn coll(rank: u32, seq: u64, start: u64, exec: u64) -> Instance {
-        Instance::from(&ncclscope_proto::api::Collective {
+    fn coll(rank: u32, seq: u64, start: u64, exec: u64) -> Shared {
+        Shared::from(&ncclscope_proto::api::Collective {
             job_id: "j".into(),
             comm_hash: 9,
             rank,
@@ -449,9 +450,9 @@ mod tests {
         s.set_local_ranks(HashMap::from([(9, 3)]));
         for seq in 0..10 {
             // Rank 2 always starts 5 us late; rank 0 ends last.
-            s.observe(&coll(0, seq, 1_000_000, 20_000), 0, 1);
-            s.observe(&coll(1, seq, 1_000_000, 1_000), 0, 1);
-            s.observe(&coll(2, seq, 1_005_000, 1_000), 0, 1);
+            s.observe(coll(0, seq, 1_000_000, 20_000).view(), 0, 1);
+            s.observe(coll(1, seq, 1_000_000, 1_000).view(), 0, 1);
+            s.observe(coll(2, seq, 1_005_000, 1_000).view(), 0, 1);
         }
         assert_eq!(s.skew_evaluated, 10);
         let ranks = s.rank_stats(&HashMap::new());
@@ -482,10 +483,10 @@ mod tests {
     #[test]
     fn finished_jobs_are_evicted_after_the_idle_time() {
         let mut s = Stats::new(60_000_000_000, 1000, 100);
-        s.observe(&coll(0, 0, 0, 10), 1_000, 1);
+        s.observe(coll(0, 0, 0, 10).view(), 1_000, 1);
         let mut other = coll(0, 0, 0, 10);
         Arc::make_mut(&mut other.names).job_id = "k".into();
-        s.observe(&other, 5_000, 1);
+        s.observe(other.view(), 5_000, 1);
         s.evict_idle(6_000, 2_000);
         assert_eq!(
             s.series
@@ -503,7 +504,7 @@ mod tests {
         let mut s = Stats::new(60_000_000_000, 1000, 100);
         let mut p50 = None;
         for seq in 0..300 {
-            p50 = s.observe(&coll(0, seq, 0, 10_000 + seq % 7), 0, 100);
+            p50 = s.observe(coll(0, seq, 0, 10_000 + seq % 7).view(), 0, 100);
             if seq < 100 {
                 assert_eq!(p50, None, "not enough samples yet");
             }
@@ -516,16 +517,16 @@ mod tests {
     fn a_missing_rank_is_evaluated_after_the_window_and_series_are_capped() {
         let mut s = Stats::new(60_000_000_000, 1000, 1);
         s.set_local_ranks(HashMap::from([(9, 3)]));
-        s.observe(&coll(0, 1, 100, 10), 0, 1);
-        s.observe(&coll(1, 1, 300, 10), 0, 1);
+        s.observe(coll(0, 1, 100, 10).view(), 0, 1);
+        s.observe(coll(1, 1, 300, 10).view(), 0, 1);
         assert_eq!(s.skew_evaluated, 0);
         s.expire(500, usize::MAX);
         assert_eq!(s.skew_evaluated, 0, "window not over");
         s.expire(1000, usize::MAX);
         assert_eq!(s.skew_evaluated, 1);
         let mut other = coll(0, 2, 0, 10);
-        Arc::make_mut(&mut other.names).set(other.func, "Broadcast".into());
-        s.observe(&other, 0, 1);
+        Arc::make_mut(&mut other.names).set(other.inst.func, "Broadcast".into());
+        s.observe(other.view(), 0, 1);
         assert_eq!(s.folded, 1);
         assert!(s.series.keys().any(|k| k.size_bucket == OVERFLOW_BUCKET));
     }
