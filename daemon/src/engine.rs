@@ -16,7 +16,7 @@ use ncclscope_proto::api::{
     Communicator, Health as ApiHealth, Job, ListJobsResponse, RankInfo, StatsResponse,
 };
 use ncclscope_proto::now_ns;
-use ncclscope_proto::segment::{self, Consumer, Counter, Read, Segment, SegmentName};
+use ncclscope_proto::segment::{self, Consumer, Counter, RawRead, Segment, SegmentName};
 use opentelemetry_proto::tonic::metrics::v1::Metric;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -94,9 +94,11 @@ pub struct Engine {
     /// Segments detached as corrupt; skipped by rescans while they exist.
     broken: std::collections::HashSet<SegmentName>,
     /// Buffers reused by every tick (their capacity would otherwise be reallocated each time).
-    reads: Vec<Read>,
-    finished: Vec<Completed>,
-    completed: Vec<(usize, Completed)>,
+    reads: Vec<RawRead>,
+    /// Instances completed and not yet delivered, and which segment's they are: `(segment, end)`
+    /// runs over `completed` (kept in place: moving an instance out costs more than reading it).
+    completed: Vec<Completed>,
+    completed_runs: Vec<(usize, usize)>,
     last_sweep: Instant,
     last_liveness: Instant,
     last_snapshot: Instant,
@@ -143,8 +145,8 @@ impl Engine {
             collectives: 0,
             broken: Default::default(),
             reads: Vec::new(),
-            finished: Vec::new(),
             completed: Vec::new(),
+            completed_runs: Vec::new(),
             last_sweep: now,
             last_liveness: now,
             last_snapshot: now,
@@ -327,7 +329,7 @@ impl Engine {
             while left > 0 {
                 let want = left.min(READ_CHUNK);
                 self.reads.clear();
-                let n = match seg.consumer.read(want, &mut self.reads) {
+                let n = match seg.consumer.read_raw(want, &mut self.reads) {
                     Ok(n) => n,
                     Err(e) => {
                         tracing::error!(segment = %seg.label, error = %e, "corrupt segment detached");
@@ -336,16 +338,16 @@ impl Engine {
                     }
                 };
                 left -= n;
-                for &(pos, ref r) in &self.reads {
+                for &(pos, ref words) in &self.reads {
                     seg.read_upto = pos + 1;
-                    match r {
-                        Ok(rec) => {
+                    match ncclscope_proto::Record::decode(words) {
+                        Ok(ref rec) => {
                             comms_changed |= matches!(
                                 rec,
                                 ncclscope_proto::Record::Comm { .. }
                                     | ncclscope_proto::Record::CommEnd { .. }
                             );
-                            seg.asm.apply(pos, rec, now, &mut self.finished);
+                            seg.asm.apply(pos, rec, now, &mut self.completed);
                         }
                         Err(_) => seg.asm.counters.decode_errors += 1,
                     }
@@ -355,8 +357,7 @@ impl Engine {
                 }
             }
             busy |= left == 0;
-            self.completed
-                .extend(self.finished.drain(..).map(|c| (i, c)));
+            self.end_run(i);
             // With many busy segments, deliver while what was assembled is still in cache.
             if self.completed.len() >= DELIVER_AT {
                 if std::mem::take(&mut comms_changed) {
@@ -372,18 +373,18 @@ impl Engine {
             if check_alive {
                 self.last_liveness = Instant::now();
             }
-            for (i, seg) in self.segments.iter_mut().enumerate() {
-                let mut out = Vec::new();
-                seg.asm.sweep(now, timeout, &mut out);
+            for i in 0..self.segments.len() {
+                let seg = &mut self.segments[i];
+                seg.asm.sweep(now, timeout, &mut self.completed);
                 if check_alive && !seg.exited && !segment::owner_alive(&seg.name) {
                     seg.exited = true;
                 }
                 if seg.exited && seg.consumer.pending() == 0 {
-                    seg.asm.finish_all(&mut out);
+                    seg.asm.finish_all(&mut self.completed);
                 }
-                self.completed.extend(out.into_iter().map(|c| (i, c)));
+                self.end_run(i);
             }
-            self.stats.expire(now, usize::MAX);
+            self.stats.expire(now);
         }
         if comms_changed {
             self.refresh_local_ranks();
@@ -412,20 +413,41 @@ impl Engine {
         busy
     }
 
+    /// Marks the instances completed since the last run as segment `i`'s.
+    fn end_run(&mut self, i: usize) {
+        let start = self.completed_runs.last().map_or(0, |r| r.1);
+        if self.completed.len() > start {
+            self.completed_runs.push((i, self.completed.len()));
+        }
+    }
+
     /// Spool first (durable), then the hub, statistics and the export queue.
     fn deliver(&mut self, now: u64) {
         if self.completed.is_empty() {
             return;
         }
         let mut completed = std::mem::take(&mut self.completed);
+        let mut runs = std::mem::take(&mut self.completed_runs);
+        // (segment, range of `completed`) for each run.
+        let ranges = |runs: &[(usize, usize)]| {
+            let starts = std::iter::once(0).chain(runs.iter().map(|r| r.1));
+            runs.iter()
+                .zip(starts)
+                .map(|(&(i, end), start)| (i, start..end))
+                .collect::<Vec<_>>()
+        };
         if let Some(spool) = self.spool.as_mut() {
-            let segments = &self.segments;
-            let fresh: Vec<InstanceRef> = completed
-                .iter()
-                .filter(|(_, c)| c.prior & done::RECORDED == 0)
-                .map(|(i, c)| InstanceRef {
-                    inst: &c.coll,
-                    names: segments[*i].asm.names(),
+            let fresh: Vec<InstanceRef> = ranges(&runs)
+                .into_iter()
+                .flat_map(|(i, range)| {
+                    let names = self.segments[i].asm.names();
+                    completed[range]
+                        .iter()
+                        .filter(|c| c.prior & done::RECORDED == 0)
+                        .map(move |c| InstanceRef {
+                            inst: &c.coll,
+                            names,
+                        })
                 })
                 .collect();
             if !fresh.is_empty()
@@ -435,70 +457,79 @@ impl Engine {
                 *self.daemon_lost.entry("spool_failed").or_default() += fresh.len() as u64;
             }
         }
-        for (i, c) in completed.drain(..) {
+        for (i, range) in ranges(&runs) {
             let seg = &mut self.segments[i];
             let names = seg.asm.names();
-            let mut flags = c.prior;
-            if c.prior & done::RECORDED == 0 {
-                self.hub.publish(&c.coll, names);
-                // "Slow" is judged against the series before this instance joins it.
-                let inst = InstanceRef {
-                    inst: &c.coll,
-                    names,
-                };
-                let p50 = self.stats.observe(inst, now, SLOW_MIN_SAMPLES);
-                let slow = self.cfg.otlp.slow_factor > 0.0
-                    && p50.is_some_and(|p50| {
-                        c.coll.exec_ns as f64 > self.cfg.otlp.slow_factor * p50 as f64
-                    });
-                self.collectives += 1;
-                flags |= done::RECORDED;
-                if c.prior & done::EXPORTED == 0
-                    && !slow
+            for c in &mut completed[range] {
+                let mut flags = c.prior;
+                if c.prior & done::RECORDED == 0 {
+                    self.hub.publish(&c.coll, names);
+                    // "Slow" is judged against the series before this instance joins it.
+                    let inst = InstanceRef {
+                        inst: &c.coll,
+                        names,
+                    };
+                    let p50 = self.stats.observe(inst, now, SLOW_MIN_SAMPLES);
+                    let slow = self.cfg.otlp.slow_factor > 0.0
+                        && p50.is_some_and(|p50| {
+                            c.coll.exec_ns as f64 > self.cfg.otlp.slow_factor * p50 as f64
+                        });
+                    self.collectives += 1;
+                    flags |= done::RECORDED;
+                    if c.prior & done::EXPORTED == 0
+                        && !slow
+                        && !crate::spans::sampled(
+                            c.coll.comm_hash,
+                            c.coll.seq,
+                            self.cfg.otlp.sample_ratio,
+                        )
+                    {
+                        flags |= done::EXPORTED;
+                    }
+                } else if c.prior & done::EXPORTED == 0
                     && !crate::spans::sampled(
                         c.coll.comm_hash,
                         c.coll.seq,
                         self.cfg.otlp.sample_ratio,
                     )
                 {
+                    // Re-read after a restart: the slow-outlier verdict is gone with the old statistics.
                     flags |= done::EXPORTED;
                 }
-            } else if c.prior & done::EXPORTED == 0
-                && !crate::spans::sampled(c.coll.comm_hash, c.coll.seq, self.cfg.otlp.sample_ratio)
-            {
-                // Re-read after a restart: the slow-outlier verdict is gone with the old statistics.
-                flags |= done::EXPORTED;
-            }
-            if flags & done::EXPORTED == 0 {
-                match &self.out.spans {
-                    Some(tx) => {
-                        let emit_no = seg.next_emit;
-                        let coll = Shared {
-                            inst: c.coll,
-                            names: names.clone(),
-                        };
-                        match tx.try_send(SpanItem {
-                            coll,
-                            acked: seg.acked.clone(),
-                            emit_no,
-                        }) {
-                            Ok(()) => {
-                                seg.next_emit += 1;
-                                seg.unacked.push_back((emit_no, c.first_pos, c.op_id));
-                            }
-                            Err(_) => {
-                                *self.daemon_lost.entry("export_queue_full").or_default() += 1;
-                                flags |= done::EXPORTED;
+                if flags & done::EXPORTED == 0 {
+                    match &self.out.spans {
+                        Some(tx) => {
+                            let emit_no = seg.next_emit;
+                            let coll = Shared {
+                                inst: std::mem::take(&mut c.coll),
+                                names: names.clone(),
+                            };
+                            match tx.try_send(SpanItem {
+                                coll,
+                                acked: seg.acked.clone(),
+                                emit_no,
+                            }) {
+                                Ok(()) => {
+                                    seg.next_emit += 1;
+                                    seg.unacked.push_back((emit_no, c.first_pos, c.op_id));
+                                }
+                                Err(_) => {
+                                    *self.daemon_lost.entry("export_queue_full").or_default() += 1;
+                                    flags |= done::EXPORTED;
+                                }
                             }
                         }
+                        None => flags |= done::EXPORTED,
                     }
-                    None => flags |= done::EXPORTED,
                 }
+                seg.delivered.insert(c.op_id, (c.first_pos, flags));
+                seg.dirty = true;
             }
-            seg.delivered.insert(c.op_id, (c.first_pos, flags));
-            seg.dirty = true;
         }
+        completed.clear();
+        runs.clear();
         self.completed = completed;
+        self.completed_runs = runs;
     }
 
     fn collect_acks(&mut self) {

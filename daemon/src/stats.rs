@@ -14,8 +14,8 @@ use crate::instance::InstanceRef;
 
 /// Label of the series that absorbs everything beyond `max_series`.
 pub const OVERFLOW_BUCKET: &str = "other";
-/// Collectives awaited at once for the skew computation.
-const MAX_RENDEZVOUS: usize = 65_536;
+/// Collectives of one communicator awaited at once for the skew computation.
+const MAX_WINDOW: usize = 65_536;
 /// Samples between recomputations of a series' cached p50.
 const P50_EVERY: u32 = 256;
 
@@ -102,11 +102,19 @@ struct Arrival {
     end: u64,
 }
 
-/// The local ranks' arrivals for one collective (communicator, seq) of one job.
+/// The local ranks' arrivals for one collective.
 struct Rendezvous {
-    job: Arc<str>,
     arrivals: Vec<Arrival>,
     opened_ns: u64,
+}
+
+/// One communicator's collectives awaiting their local ranks, by seq: slot `k` is seq `base + k`
+/// (NCCL numbers a communicator's collectives densely, and each rank reports them in order), so an
+/// arrival finds its collective by index rather than through a hash table.
+struct Window {
+    job: Arc<str>,
+    base: u64,
+    slots: VecDeque<Option<Rendezvous>>,
 }
 
 pub struct Stats {
@@ -115,8 +123,8 @@ pub struct Stats {
     max_series: usize,
     pub series: Map<SeriesKey, Series>,
     pub ranks: Map<RankKey, RankSeries>,
-    rendezvous: Map<(u64, u64), Rendezvous>,
-    rendezvous_order: VecDeque<(u64, u64)>,
+    /// Skew windows by communicator hash.
+    windows: Map<u64, Window>,
     /// Ranks of each communicator attached on this node (how many arrivals a rendezvous awaits).
     local_ranks: Map<u64, usize>,
     /// Job and collective name of the overflow series.
@@ -133,8 +141,7 @@ impl Stats {
             max_series,
             series: Map::default(),
             ranks: Map::default(),
-            rendezvous: Map::default(),
-            rendezvous_order: VecDeque::new(),
+            windows: Map::default(),
             local_ranks: Map::default(),
             none: "".into(),
             folded: 0,
@@ -253,13 +260,8 @@ impl Stats {
     }
 
     fn arrive(&mut self, c: InstanceRef, expected: usize, now_ns: u64) {
-        let key = (c.comm_hash, c.seq);
-        if self.rendezvous.len() >= MAX_RENDEZVOUS && !self.rendezvous.contains_key(&key) {
-            self.expire(u64::MAX, 1);
-        }
-        let (order, ranks) = (&mut self.rendezvous_order, &self.ranks);
-        let rv = self.rendezvous.entry(key).or_insert_with(|| {
-            order.push_back(key);
+        let ranks = &mut self.ranks;
+        let w = self.windows.entry(c.comm_hash).or_insert_with(|| {
             // The job as the rank series holds it (observe just made sure it exists).
             let rank = RankRef {
                 job: c.job_id(),
@@ -269,16 +271,35 @@ impl Stats {
             let job = ranks
                 .get_key_value(&rank)
                 .map_or_else(|| c.job_id().into(), |(k, _)| k.job.clone());
-            Rendezvous {
+            Window {
                 job,
-                arrivals: Vec::with_capacity(expected),
-                opened_ns: now_ns,
+                base: c.seq,
+                slots: VecDeque::new(),
             }
         });
-        // Another job with the same communicator hash (a 64-bit random id): not comparable.
-        if *rv.job != *c.job_id() {
+        // Another job with the same communicator hash (a 64-bit random id), or a collective that
+        // left the window already: not comparable.
+        if *w.job != *c.job_id() || c.seq < w.base {
             return;
         }
+        let (window_ns, mut evaluated) = (self.window_ns, 0);
+        // Far ahead of the oldest awaited: those are evaluated with the ranks that arrived.
+        let ahead = (c.seq - w.base) as usize;
+        if ahead >= MAX_WINDOW {
+            let leave = ahead + 1 - MAX_WINDOW;
+            for rv in w.slots.drain(..leave.min(w.slots.len())).flatten() {
+                evaluated += evaluate(ranks, &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
+            }
+            w.base += leave as u64;
+        }
+        let k = (c.seq - w.base) as usize;
+        if w.slots.len() <= k {
+            w.slots.resize_with(k + 1, || None);
+        }
+        let rv = w.slots[k].get_or_insert_with(|| Rendezvous {
+            arrivals: Vec::with_capacity(expected),
+            opened_ns: now_ns,
+        });
         rv.arrivals.push(Arrival {
             rank: c.rank,
             start: c.start_unix_ns,
@@ -286,66 +307,35 @@ impl Stats {
         });
         // With every local rank in, evaluate now; otherwise the skew window decides.
         if rv.arrivals.len() >= expected {
-            let rv = self.rendezvous.remove(&key).expect("present");
-            self.evaluate(key.0, rv, now_ns);
+            let rv = w.slots[k].take().expect("filled above");
+            evaluated += evaluate(ranks, &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
+            while matches!(w.slots.front(), Some(None)) {
+                w.slots.pop_front();
+                w.base += 1;
+            }
         }
+        self.skew_evaluated += evaluated;
     }
 
-    /// Evaluates rendezvous older than the skew window (ranks that never arrived are left out);
-    /// `at_most` bounds the work.
-    pub fn expire(&mut self, now_ns: u64, at_most: usize) {
-        let mut n = 0;
-        while let Some(&key) = self.rendezvous_order.front() {
-            let Some(rv) = self.rendezvous.get(&key) else {
-                self.rendezvous_order.pop_front();
-                continue;
-            };
-            if n >= at_most || now_ns.saturating_sub(rv.opened_ns) < self.skew_window_ns {
-                break;
-            }
-            self.rendezvous_order.pop_front();
-            let rv = self.rendezvous.remove(&key).expect("present");
-            self.evaluate(key.0, rv, now_ns);
-            n += 1;
-        }
-    }
-
-    fn evaluate(&mut self, comm_hash: u64, rv: Rendezvous, now_ns: u64) {
-        if rv.arrivals.len() < 2 {
-            return;
-        }
-        self.skew_evaluated += 1;
-        let min_start = rv.arrivals.iter().map(|a| a.start).min().unwrap_or(0);
-        let last_start = rv
-            .arrivals
-            .iter()
-            .max_by_key(|a| (a.start, a.rank))
-            .map(|a| a.rank);
-        let last_end = rv
-            .arrivals
-            .iter()
-            .max_by_key(|a| (a.end, a.rank))
-            .map(|a| a.rank);
-        let window = self.window_ns;
-        for a in rv.arrivals {
-            let skew = a.start - min_start;
-            let key = RankRef {
-                job: &rv.job,
-                comm_hash,
-                rank: a.rank,
-            };
-            let Some(r) = self.ranks.get_mut(&key) else {
-                continue;
-            };
-            r.skew_us.record(skew as f64 / 1000.0);
-            r.rolling_skew_ns.record(skew, now_ns, window);
-            if Some(a.rank) == last_start {
-                r.last_to_start += 1;
-            }
-            if Some(a.rank) == last_end {
-                r.last_to_end += 1;
+    /// Evaluates collectives awaited longer than the skew window (ranks that never arrived are left
+    /// out), and forgets windows with nothing awaited.
+    pub fn expire(&mut self, now_ns: u64) {
+        let (skew_window, window_ns) = (self.skew_window_ns, self.window_ns);
+        for (&comm_hash, w) in &mut self.windows {
+            loop {
+                match w.slots.front() {
+                    Some(None) => {}
+                    Some(Some(rv)) if now_ns.saturating_sub(rv.opened_ns) >= skew_window => {}
+                    _ => break,
+                }
+                if let Some(Some(rv)) = w.slots.pop_front() {
+                    self.skew_evaluated +=
+                        evaluate(&mut self.ranks, &w.job, comm_hash, rv, now_ns, window_ns) as u64;
+                }
+                w.base += 1;
             }
         }
+        self.windows.retain(|_, w| !w.slots.is_empty());
     }
 
     /// Forgets series, ranks and jobs without an instance for `idle_ns` (finished jobs), so the
@@ -421,6 +411,52 @@ impl Stats {
     }
 }
 
+/// Skew (start minus the earliest start) and last-to-start / last-to-end of one collective into its
+/// ranks' series. Whether there was anything to compare (two ranks or more).
+fn evaluate(
+    ranks: &mut Map<RankKey, RankSeries>,
+    job: &str,
+    comm_hash: u64,
+    rv: Rendezvous,
+    now_ns: u64,
+    window_ns: u64,
+) -> bool {
+    if rv.arrivals.len() < 2 {
+        return false;
+    }
+    let min_start = rv.arrivals.iter().map(|a| a.start).min().unwrap_or(0);
+    let last_start = rv
+        .arrivals
+        .iter()
+        .max_by_key(|a| (a.start, a.rank))
+        .map(|a| a.rank);
+    let last_end = rv
+        .arrivals
+        .iter()
+        .max_by_key(|a| (a.end, a.rank))
+        .map(|a| a.rank);
+    for a in rv.arrivals {
+        let skew = a.start - min_start;
+        let key = RankRef {
+            job,
+            comm_hash,
+            rank: a.rank,
+        };
+        let Some(r) = ranks.get_mut(&key) else {
+            continue;
+        };
+        r.skew_us.record(skew as f64 / 1000.0);
+        r.rolling_skew_ns.record(skew, now_ns, window_ns);
+        if Some(a.rank) == last_start {
+            r.last_to_start += 1;
+        }
+        if Some(a.rank) == last_end {
+            r.last_to_end += 1;
+        }
+    }
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -481,6 +517,33 @@ mod tests {
     }
 
     #[test]
+    fn ranks_out_of_step_still_meet_and_the_window_stays_bounded() {
+        let mut s = Stats::new(60_000_000_000, 1000, 100);
+        s.set_local_ranks(HashMap::from([(9, 2)]));
+        // Rank 0 runs 50 collectives ahead of rank 1; each collective is evaluated once both are in.
+        for seq in 0..50 {
+            s.observe(coll(0, seq, 1_000, 10).view(), 0, 1);
+        }
+        for seq in 0..50 {
+            s.observe(coll(1, seq, 1_000, 10).view(), 0, 1);
+        }
+        assert_eq!(s.skew_evaluated, 50);
+        assert_eq!(s.windows[&9].slots.len(), 0, "evaluated collectives leave");
+        // A rank far ahead (or a seq jump): the window keeps at most MAX_WINDOW collectives.
+        s.observe(coll(0, 50, 1_000, 10).view(), 0, 1);
+        s.observe(coll(0, 50 + MAX_WINDOW as u64 + 10, 1_000, 10).view(), 0, 1);
+        assert!(s.windows[&9].slots.len() <= MAX_WINDOW);
+        // Late arrivals for collectives that left the window are not compared.
+        s.observe(coll(1, 50, 1_000, 10).view(), 0, 1);
+        assert_eq!(s.skew_evaluated, 50);
+        s.expire(u64::MAX);
+        assert!(
+            s.windows.is_empty(),
+            "nothing awaited after the skew window"
+        );
+    }
+
+    #[test]
     fn finished_jobs_are_evicted_after_the_idle_time() {
         let mut s = Stats::new(60_000_000_000, 1000, 100);
         s.observe(coll(0, 0, 0, 10).view(), 1_000, 1);
@@ -520,9 +583,9 @@ mod tests {
         s.observe(coll(0, 1, 100, 10).view(), 0, 1);
         s.observe(coll(1, 1, 300, 10).view(), 0, 1);
         assert_eq!(s.skew_evaluated, 0);
-        s.expire(500, usize::MAX);
+        s.expire(500);
         assert_eq!(s.skew_evaluated, 0, "window not over");
-        s.expire(1000, usize::MAX);
+        s.expire(1000);
         assert_eq!(s.skew_evaluated, 1);
         let mut other = coll(0, 2, 0, 10);
         Arc::make_mut(&mut other.names).set(other.inst.func, "Broadcast".into());

@@ -520,6 +520,8 @@ pub struct Consumer {
 
 /// One record read from a segment: its position in the stream and its decoding.
 pub type Read = (u64, Result<Record, DecodeError>);
+/// A record's position and its undecoded words.
+pub type RawRead = (u64, [u64; RECORD_WORDS]);
 
 impl Consumer {
     pub fn new(seg: Segment) -> Consumer {
@@ -541,6 +543,15 @@ impl Consumer {
     /// Reads up to `max` records after the last read position into `out`. A cursor that claims more
     /// than a ring's worth, or that went backwards, is a corrupt segment.
     pub fn read(&mut self, max: usize, out: &mut Vec<Read>) -> Result<usize, SegmentError> {
+        let mut raw = Vec::new();
+        let n = self.read_raw(max, &mut raw)?;
+        out.extend(raw.iter().map(|(pos, w)| (*pos, Record::decode(w))));
+        Ok(n)
+    }
+
+    /// [`Consumer::read`] without decoding: each record's words, for a reader that decodes where it
+    /// uses the record (a decoded `Record` copied through a buffer stalls on store forwarding).
+    pub fn read_raw(&mut self, max: usize, out: &mut Vec<RawRead>) -> Result<usize, SegmentError> {
         let head = self.seg.head();
         if head < self.read || head - self.read > self.seg.capacity {
             return Err(SegmentError::Invalid {
@@ -555,7 +566,7 @@ impl Consumer {
             for (dst, word) in w.iter_mut().zip(self.seg.slot(pos)) {
                 *dst = word.load(Ordering::Relaxed);
             }
-            out.push((pos, Record::decode(&w)));
+            out.push((pos, w));
         }
         self.read += n as u64;
         Ok(n)
