@@ -69,6 +69,59 @@ fn fill(p: &mut Producer, seq0: u64, n: u64) -> u64 {
     records
 }
 
+/// A segment of `capacity` records named after (live) process `pid`.
+fn bench_segment(prefix: &str, pid: u32, capacity: u64) -> (SegmentName, Producer) {
+    let uid = rustix::process::getuid().as_raw();
+    let start_ticks = segment::process_start_ticks(pid).unwrap();
+    let name = SegmentName {
+        prefix: prefix.into(),
+        uid,
+        pid,
+        start_ticks,
+    };
+    let owner = Owner {
+        pid,
+        uid,
+        start_ticks,
+        hostname: "bench".into(),
+        job_id: "bench".into(),
+    };
+    let p = Producer::new(Segment::create(&name, &owner, capacity).unwrap());
+    (name, p)
+}
+
+/// What a rank announces before its collectives: the strings `fill` uses, its communicator and a
+/// calibration of its device.
+fn prelude(p: &mut Producer, comm_hash: u64, rank: u32, nranks: u32, cuda_dev: i32) {
+    for (id, t) in [
+        (1, "AllReduce"),
+        (2, "ncclBfloat16"),
+        (3, "RING"),
+        (4, "LL128"),
+    ] {
+        p.push(&Record::str(StrId(id), t.as_bytes()));
+    }
+    p.push(&Record::Comm {
+        comm: 0,
+        comm_hash,
+        rank,
+        nranks,
+        nnodes: 1,
+        cuda_dev,
+        name: StrId(0),
+        nccl_version: 22809,
+        path: TimingPath::KernelCh,
+        host_ns: 0,
+    });
+    p.push(&Record::Calibration {
+        cuda_dev,
+        offset_ns: 1 << 60,
+        error_ns: 100,
+        drift_ppb: 0,
+        host_ns: 0,
+    });
+}
+
 /// (records/s of wall time, records/s of the engine thread's CPU time) with `ranks` processes' segments,
 /// ranks of one communicator (from 2 on, every collective also goes through the cross-rank skew);
 /// `spool`: every instance also appended to a spool in a temporary directory (fdatasync per tick).
@@ -100,7 +153,6 @@ fn ingest(ranks: u64, spool: bool) -> (f64, f64) {
     // 150 k collectives (900 k records) per round in all; one warm-up round, then 6 measured.
     let per_rank = 150_000 / ranks;
     let capacity = (per_rank * (2 + CHANNELS)).next_power_of_two();
-    let uid = rustix::process::getuid().as_raw();
     let mut producers = Vec::new();
     // A segment is named after its (live) process: idle child processes stand in for the other ranks.
     let mut stand_ins = Vec::new();
@@ -115,55 +167,8 @@ fn ingest(ranks: u64, spool: bool) -> (f64, f64) {
             stand_ins.push(child);
             stand_ins.last().unwrap().id()
         };
-        let start_ticks = segment::process_start_ticks(pid).unwrap();
-        let name = SegmentName {
-            prefix: cfg.shm_prefix.clone(),
-            uid,
-            pid,
-            start_ticks,
-        };
-        let owner = Owner {
-            pid,
-            uid,
-            start_ticks,
-            hostname: "bench".into(),
-            job_id: "bench".into(),
-        };
-        let mut p = Producer::new(Segment::create(&name, &owner, capacity).unwrap());
-        for (id, t) in [
-            (1, "AllReduce"),
-            (2, "ncclBfloat16"),
-            (3, "RING"),
-            (4, "LL128"),
-        ] {
-            p.push(&Record::str(StrId(id), t.as_bytes()));
-        }
-        p.push(&Record::Calibration {
-            cuda_dev: 0,
-            offset_ns: 1 << 60,
-            error_ns: 100,
-            drift_ppb: 0,
-            host_ns: 0,
-        });
-        p.push(&Record::Comm {
-            comm: 0,
-            comm_hash: 7,
-            rank: rank as u32,
-            nranks: ranks.max(8) as u32,
-            nnodes: 1,
-            cuda_dev: rank as i32,
-            name: StrId(0),
-            nccl_version: 22809,
-            path: TimingPath::KernelCh,
-            host_ns: 0,
-        });
-        p.push(&Record::Calibration {
-            cuda_dev: rank as i32,
-            offset_ns: 1 << 60,
-            error_ns: 100,
-            drift_ppb: 0,
-            host_ns: 0,
-        });
+        let (name, mut p) = bench_segment(&cfg.shm_prefix, pid, capacity);
+        prelude(&mut p, 7, rank as u32, ranks.max(8) as u32, rank as i32);
         engine
             .attach(name.clone(), Segment::open(&name).unwrap(), false)
             .unwrap();
@@ -322,56 +327,14 @@ const RUN: Duration = Duration::from_secs(10);
 fn rank_child(spec: &str) {
     let f: Vec<&str> = spec.split('|').collect();
     let rank: u64 = f[2].parse().unwrap();
-    let pid = std::process::id();
-    let uid = rustix::process::getuid().as_raw();
-    let start_ticks = segment::process_start_ticks(pid).unwrap();
-    let name = SegmentName {
-        prefix: f[0].into(),
-        uid,
-        pid,
-        start_ticks,
-    };
-    let owner = Owner {
-        pid,
-        uid,
-        start_ticks,
-        hostname: "bench".into(),
-        job_id: "bench".into(),
-    };
-    let mut p = Producer::new(Segment::create(&name, &owner, 1 << 16).unwrap());
+    let (name, mut p) = bench_segment(f[0], std::process::id(), 1 << 16);
     let mut s = std::os::unix::net::UnixStream::connect(f[1]).unwrap();
     use std::io::{BufRead, Write};
     writeln!(s, "REGISTER {name}").unwrap();
     let mut reply = String::new();
     std::io::BufReader::new(s).read_line(&mut reply).unwrap();
     assert_eq!(reply, "OK\n");
-    for (id, t) in [
-        (1, "AllReduce"),
-        (2, "ncclBfloat16"),
-        (3, "RING"),
-        (4, "LL128"),
-    ] {
-        p.push(&Record::str(StrId(id), t.as_bytes()));
-    }
-    p.push(&Record::Calibration {
-        cuda_dev: 0,
-        offset_ns: 1 << 60,
-        error_ns: 100,
-        drift_ppb: 0,
-        host_ns: 0,
-    });
-    p.push(&Record::Comm {
-        comm: 0,
-        comm_hash: 0xbe7c_0000 + rank / 8,
-        rank: (rank % 8) as u32,
-        nranks: 8,
-        nnodes: 1,
-        cuda_dev: 0,
-        name: StrId(0),
-        nccl_version: 22809,
-        path: TimingPath::KernelCh,
-        host_ns: 0,
-    });
+    prelude(&mut p, 0xbe7c_0000 + rank / 8, (rank % 8) as u32, 8, 0);
     let colls_per_sec = RECORDS_PER_SEC as f64 / RANKS as f64 / (2 + CHANNELS) as f64;
     let t0 = Instant::now();
     let mut seq = 0;
