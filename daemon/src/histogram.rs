@@ -15,21 +15,25 @@ pub const SKEW_US_BOUNDS: &[f64] = &[
     0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1e3, 1e4, 1e5, 1e6,
 ];
 
-/// A cumulative histogram over fixed bounds (the last bucket is +Inf).
+/// Buckets of the largest histogram above (+Inf included).
+const MAX_BUCKETS: usize = EXEC_US_BOUNDS.len() + 1;
+
+/// A cumulative histogram over fixed bounds (the last bucket is +Inf). The counts live inline: they
+/// are incremented for every instance, next to the series' other fields.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Buckets {
     pub bounds: &'static [f64],
-    /// Per-bucket (not cumulative) counts; one more than `bounds`.
-    pub counts: Vec<u64>,
+    counts: [u64; MAX_BUCKETS],
     pub sum: f64,
     pub count: u64,
 }
 
 impl Buckets {
     pub fn new(bounds: &'static [f64]) -> Buckets {
+        assert!(bounds.len() < MAX_BUCKETS, "at most {MAX_BUCKETS} buckets");
         Buckets {
             bounds,
-            counts: vec![0; bounds.len() + 1],
+            counts: [0; MAX_BUCKETS],
             sum: 0.0,
             count: 0,
         }
@@ -40,6 +44,11 @@ impl Buckets {
         self.counts[i] += 1;
         self.sum += v;
         self.count += 1;
+    }
+
+    /// Per-bucket (not cumulative) counts; one more than `bounds`.
+    pub fn counts(&self) -> &[u64] {
+        &self.counts[..self.bounds.len() + 1]
     }
 }
 
@@ -179,7 +188,7 @@ mod tests {
         for v in [0.5, 1.0, 5.0, 10.0, 11.0] {
             b.record(v);
         }
-        assert_eq!(b.counts, vec![2, 2, 1]);
+        assert_eq!(b.counts(), [2, 2, 1]);
         assert_eq!(b.count, 5);
     }
 }

@@ -242,7 +242,7 @@ pub fn render_prometheus(families: &[Family]) -> String {
                 }
                 Value::Histogram(b) => {
                     let mut cum = 0;
-                    for (i, c) in b.counts.iter().enumerate() {
+                    for (i, c) in b.counts().iter().enumerate() {
                         cum += c;
                         let le = b
                             .bounds
@@ -326,7 +326,7 @@ pub fn to_otlp(families: &[Family], start_ns: u64, now_ns: u64) -> Vec<Metric> {
                                 time_unix_nano: now_ns,
                                 count: b.count,
                                 sum: Some(b.sum),
-                                bucket_counts: b.counts.clone(),
+                                bucket_counts: b.counts().to_vec(),
                                 explicit_bounds: b.bounds.to_vec(),
                                 ..Default::default()
                             }),
