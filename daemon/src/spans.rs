@@ -127,7 +127,7 @@ pub fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
         i("nccl.exec_ns", c.exec_ns as i64),
         f("nccl.algbw_gbs", c.algbw_gbs),
         f("nccl.busbw_gbs", c.busbw_gbs),
-        s("nccl.timing_source", &c.timing_source),
+        s("nccl.timing_source", c.timing_source),
         i("nccl.calibration_error_ns", c.calibration_error_ns as i64),
         i("nccl.enqueue_unix_ns", c.enqueue_unix_ns as i64),
         i("process.pid", c.pid as i64),
