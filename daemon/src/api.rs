@@ -8,7 +8,6 @@
 
 use std::future::Future;
 use std::io;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -185,36 +184,9 @@ impl Query for QueryService {
     }
 }
 
-/// Binds the API socket: creates its directory, replaces a stale socket file (one nobody listens on),
-/// refuses to take over a live one or to delete anything that is not a socket. Mode 0660: the daemon's
-/// group may query it.
+/// Binds the API socket, mode 0660: the daemon's group may query it.
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_socket() => {
-            if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                anyhow::bail!(
-                    "another daemon already serves the query API at {}",
-                    path.display()
-                );
-            }
-            std::fs::remove_file(path)
-                .with_context(|| format!("removing stale socket {}", path.display()))?;
-        }
-        Ok(_) => anyhow::bail!(
-            "{} exists and is not a socket; refusing to replace it",
-            path.display()
-        ),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e).with_context(|| format!("checking {}", path.display())),
-    }
-    let listener =
-        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-        .with_context(|| format!("setting the mode of {}", path.display()))?;
-    Ok(listener)
+    crate::socket::bind(path, 0o660, "the query API")
 }
 
 /// Serves `service` on `listener` until `shutdown` completes.

@@ -17,6 +17,7 @@ pub mod perfetto;
 pub mod prometheus;
 pub mod register;
 pub mod run;
+pub mod socket;
 pub mod spans;
 pub mod spool;
 pub mod state;

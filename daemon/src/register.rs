@@ -2,12 +2,10 @@
 //! `ERR <reason>\n`. The peer's pid and uid come from SO_PEERCRED, never from what it says: a segment is
 //! accepted only if its name, its shared-memory object's owner and its header all agree with the peer.
 
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::Path;
 use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
 
-use anyhow::Context;
 use ncclscope_proto::segment::{Segment, SegmentError, SegmentName};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
@@ -19,32 +17,9 @@ use crate::engine::Attach;
 const MAX_LINE: usize = 512;
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Binds the registration socket (mode 0666: every user's NCCL processes register), replacing a
-/// stale socket file but never a live one or anything that is not a socket.
+/// Binds the registration socket, mode 0666: every user's NCCL processes register.
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_socket() => {
-            if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                anyhow::bail!("another daemon already listens on {}", path.display());
-            }
-            std::fs::remove_file(path)
-                .with_context(|| format!("removing stale socket {}", path.display()))?;
-        }
-        Ok(_) => anyhow::bail!(
-            "{} exists and is not a socket; refusing to replace it",
-            path.display()
-        ),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e).with_context(|| format!("checking {}", path.display())),
-    }
-    let listener =
-        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
-        .with_context(|| format!("setting the mode of {}", path.display()))?;
-    Ok(listener)
+    crate::socket::bind(path, 0o666, "plugin registration")
 }
 
 /// Accepts registrations until the task is dropped.
