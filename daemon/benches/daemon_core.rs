@@ -71,21 +71,8 @@ fn fill(p: &mut Producer, seq0: u64, n: u64) -> u64 {
 
 /// A segment of `capacity` records named after (live) process `pid`.
 fn bench_segment(prefix: &str, pid: u32, capacity: u64) -> (SegmentName, Producer) {
-    let uid = rustix::process::getuid().as_raw();
-    let start_ticks = segment::process_start_ticks(pid).unwrap();
-    let name = SegmentName {
-        prefix: prefix.into(),
-        uid,
-        pid,
-        start_ticks,
-    };
-    let owner = Owner {
-        pid,
-        uid,
-        start_ticks,
-        hostname: "bench".into(),
-        job_id: "bench".into(),
-    };
+    let owner = Owner::of_process(pid, "bench".into(), "bench".into());
+    let name = owner.segment_name(prefix);
     let p = Producer::new(Segment::create(&name, &owner, capacity).unwrap());
     (name, p)
 }

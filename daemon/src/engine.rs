@@ -95,10 +95,10 @@ pub struct Engine {
     broken: std::collections::HashSet<SegmentName>,
     /// Buffers reused by every tick (their capacity would otherwise be reallocated each time).
     reads: Vec<RawRead>,
-    /// Instances completed and not yet delivered, and which segment's they are: `(segment, end)`
-    /// runs over `completed` (kept in place: moving an instance out costs more than reading it).
+    /// Instances completed and not yet delivered, and which segment's they are: runs of `completed`
+    /// by segment index (kept in place: moving an instance out costs more than reading it).
     completed: Vec<Completed>,
-    completed_runs: Vec<(usize, usize)>,
+    completed_runs: Vec<(usize, std::ops::Range<usize>)>,
     last_sweep: Instant,
     last_liveness: Instant,
     last_snapshot: Instant,
@@ -415,9 +415,9 @@ impl Engine {
 
     /// Marks the instances completed since the last run as segment `i`'s.
     fn end_run(&mut self, i: usize) {
-        let start = self.completed_runs.last().map_or(0, |r| r.1);
+        let start = self.completed_runs.last().map_or(0, |r| r.1.end);
         if self.completed.len() > start {
-            self.completed_runs.push((i, self.completed.len()));
+            self.completed_runs.push((i, start..self.completed.len()));
         }
     }
 
@@ -428,20 +428,12 @@ impl Engine {
         }
         let mut completed = std::mem::take(&mut self.completed);
         let mut runs = std::mem::take(&mut self.completed_runs);
-        // (segment, range of `completed`) for each run.
-        let ranges = |runs: &[(usize, usize)]| {
-            let starts = std::iter::once(0).chain(runs.iter().map(|r| r.1));
-            runs.iter()
-                .zip(starts)
-                .map(|(&(i, end), start)| (i, start..end))
-                .collect::<Vec<_>>()
-        };
         if let Some(spool) = self.spool.as_mut() {
-            let fresh: Vec<InstanceRef> = ranges(&runs)
-                .into_iter()
+            let fresh: Vec<InstanceRef> = runs
+                .iter()
                 .flat_map(|(i, range)| {
-                    let names = self.segments[i].asm.names();
-                    completed[range]
+                    let names = self.segments[*i].asm.names();
+                    completed[range.clone()]
                         .iter()
                         .filter(|c| c.prior & done::RECORDED == 0)
                         .map(move |c| InstanceRef {
@@ -457,7 +449,7 @@ impl Engine {
                 *self.daemon_lost.entry("spool_failed").or_default() += fresh.len() as u64;
             }
         }
-        for (i, range) in ranges(&runs) {
+        for (i, range) in runs.drain(..) {
             let seg = &mut self.segments[i];
             let names = seg.asm.names();
             for c in &mut completed[range] {
@@ -527,7 +519,6 @@ impl Engine {
             }
         }
         completed.clear();
-        runs.clear();
         self.completed = completed;
         self.completed_runs = runs;
     }
@@ -797,7 +788,7 @@ fn commit(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ncclscope_proto::segment::{Owner, Producer, process_start_ticks};
+    use ncclscope_proto::segment::{Owner, Producer};
     use ncclscope_proto::{Record, StrId, TimingPath};
 
     fn engine(
@@ -821,22 +812,8 @@ mod tests {
     }
 
     fn producer(prefix: &str) -> (SegmentName, Producer) {
-        let pid = std::process::id();
-        let uid = rustix::process::getuid().as_raw();
-        let start_ticks = process_start_ticks(pid).unwrap();
-        let name = SegmentName {
-            prefix: prefix.into(),
-            uid,
-            pid,
-            start_ticks,
-        };
-        let owner = Owner {
-            pid,
-            uid,
-            start_ticks,
-            hostname: "h".into(),
-            job_id: "j".into(),
-        };
+        let owner = Owner::of_process(std::process::id(), "h".into(), "j".into());
+        let name = owner.segment_name(prefix);
         (
             name.clone(),
             Producer::new(Segment::create(&name, &owner, 64).unwrap()),

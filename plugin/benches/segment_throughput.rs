@@ -12,9 +12,7 @@ use std::time::Instant;
 
 use ncclscope_proto::Record;
 use ncclscope_proto::record::RECORD_WORDS;
-use ncclscope_proto::segment::{
-    Consumer, Owner, Producer, Segment, SegmentName, process_start_ticks,
-};
+use ncclscope_proto::segment::{Consumer, Owner, Producer, Segment, SegmentName};
 
 const RECORDS: u64 = 2_000_000;
 /// Alternating rounds per transport; the median is reported (the machine is shared and noisy).
@@ -116,21 +114,8 @@ fn finish(
 
 fn shm() -> f64 {
     let pid = std::process::id();
-    let uid = rustix::process::getuid().as_raw();
-    let start_ticks = process_start_ticks(pid).unwrap_or(0);
-    let name = SegmentName {
-        prefix: format!("ncclscope-bench-tput-{pid}"),
-        uid,
-        pid,
-        start_ticks,
-    };
-    let owner = Owner {
-        pid,
-        uid,
-        start_ticks,
-        hostname: "bench".into(),
-        job_id: "bench".into(),
-    };
+    let owner = Owner::of_process(pid, "bench".into(), "bench".into());
+    let name = owner.segment_name(&format!("ncclscope-bench-tput-{pid}"));
     let seg = Segment::create(&name, &owner, 1 << 16).expect("create segment");
     let (child, out) = spawn("shm", &name.to_string());
     let mut p = Producer::new(seg);

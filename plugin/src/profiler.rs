@@ -13,7 +13,7 @@ use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
-use ncclscope_proto::segment::{Owner, Segment, SegmentName, process_start_ticks};
+use ncclscope_proto::segment::{Owner, Segment};
 use ncclscope_proto::{Counter, Producer, Record, TimingPath};
 
 use crate::abi::{Logger, event};
@@ -222,26 +222,12 @@ impl Plugin {
             );
             return None;
         }
-        let pid = std::process::id();
-        let uid = rustix::process::getuid().as_raw();
-        let start_ticks = process_start_ticks(pid).unwrap_or(0);
-        let name = SegmentName {
-            prefix: config.shm_prefix.clone(),
-            uid,
-            pid,
-            start_ticks,
-        };
         let hostname = rustix::system::uname()
             .nodename()
             .to_string_lossy()
             .into_owned();
-        let owner = Owner {
-            pid,
-            uid,
-            start_ticks,
-            hostname,
-            job_id: config.job_id.clone(),
-        };
+        let owner = Owner::of_process(std::process::id(), hostname, config.job_id.clone());
+        let name = owner.segment_name(&config.shm_prefix);
         let segment = match Segment::create(&name, &owner, config.segment_records) {
             Ok(s) => s,
             Err(e) => {

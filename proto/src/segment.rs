@@ -189,6 +189,30 @@ impl SegmentName {
     }
 }
 
+impl Owner {
+    /// Process `pid`, run by this process's user, as the owner of a segment (start time read now;
+    /// 0 if /proc does not have it).
+    pub fn of_process(pid: u32, hostname: String, job_id: String) -> Owner {
+        Owner {
+            pid,
+            uid: rustix::process::getuid().as_raw(),
+            start_ticks: process_start_ticks(pid).unwrap_or(0),
+            hostname,
+            job_id,
+        }
+    }
+
+    /// The name of this owner's segment under `prefix`.
+    pub fn segment_name(&self, prefix: &str) -> SegmentName {
+        SegmentName {
+            prefix: prefix.into(),
+            uid: self.uid,
+            pid: self.pid,
+            start_ticks: self.start_ticks,
+        }
+    }
+}
+
 impl std::fmt::Display for SegmentName {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
@@ -543,15 +567,23 @@ impl Consumer {
     /// Reads up to `max` records after the last read position into `out`. A cursor that claims more
     /// than a ring's worth, or that went backwards, is a corrupt segment.
     pub fn read(&mut self, max: usize, out: &mut Vec<Read>) -> Result<usize, SegmentError> {
-        let mut raw = Vec::new();
-        let n = self.read_raw(max, &mut raw)?;
-        out.extend(raw.iter().map(|(pos, w)| (*pos, Record::decode(w))));
-        Ok(n)
+        let positions = self.take(max)?;
+        let n = positions.end - positions.start;
+        out.extend(positions.map(|pos| (pos, Record::decode(&self.words(pos)))));
+        Ok(n as usize)
     }
 
     /// [`Consumer::read`] without decoding: each record's words, for a reader that decodes where it
     /// uses the record (a decoded `Record` copied through a buffer stalls on store forwarding).
     pub fn read_raw(&mut self, max: usize, out: &mut Vec<RawRead>) -> Result<usize, SegmentError> {
+        let positions = self.take(max)?;
+        let n = positions.end - positions.start;
+        out.extend(positions.map(|pos| (pos, self.words(pos))));
+        Ok(n as usize)
+    }
+
+    /// The positions of up to `max` published records after the read cursor, which moves past them.
+    fn take(&mut self, max: usize) -> Result<std::ops::Range<u64>, SegmentError> {
         let head = self.seg.head();
         if head < self.read || head - self.read > self.seg.capacity {
             return Err(SegmentError::Invalid {
@@ -559,17 +591,17 @@ impl Consumer {
                 reason: format!("head {head} with read cursor {}", self.read),
             });
         }
-        let n = ((head - self.read) as usize).min(max);
-        for i in 0..n as u64 {
-            let pos = self.read + i;
-            let mut w = [0u64; RECORD_WORDS];
-            for (dst, word) in w.iter_mut().zip(self.seg.slot(pos)) {
-                *dst = word.load(Ordering::Relaxed);
-            }
-            out.push((pos, w));
+        let start = self.read;
+        self.read += (head - self.read).min(max as u64);
+        Ok(start..self.read)
+    }
+
+    fn words(&self, pos: u64) -> [u64; RECORD_WORDS] {
+        let mut w = [0u64; RECORD_WORDS];
+        for (dst, word) in w.iter_mut().zip(self.seg.slot(pos)) {
+            *dst = word.load(Ordering::Relaxed);
         }
-        self.read += n as u64;
-        Ok(n)
+        w
     }
 
     /// Frees every slot before `upto` for the producer; persists in the segment across daemon restarts.

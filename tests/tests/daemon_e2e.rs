@@ -49,22 +49,8 @@ fn daemon_rank_child() {
     let nranks: u32 = f[3].parse().unwrap();
     let ncolls: u64 = f[4].parse().unwrap();
     let pace = Duration::from_micros(f[5].parse().unwrap());
-    let pid = std::process::id();
-    let uid = rustix::process::getuid().as_raw();
-    let start_ticks = segment::process_start_ticks(pid).unwrap();
-    let name = SegmentName {
-        prefix: prefix.into(),
-        uid,
-        pid,
-        start_ticks,
-    };
-    let owner = Owner {
-        pid,
-        uid,
-        start_ticks,
-        hostname: "testhost".into(),
-        job_id: JOB.into(),
-    };
+    let owner = Owner::of_process(std::process::id(), "testhost".into(), JOB.into());
+    let name = owner.segment_name(prefix);
     let mut p = Producer::new(Segment::create(&name, &owner, 1 << 14).unwrap());
     register(socket, &name);
     // A loss the plugin would have counted: it must reach the daemon's loss metrics.
