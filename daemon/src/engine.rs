@@ -127,6 +127,10 @@ impl Engine {
         out: Outputs,
     ) -> Engine {
         let now = Instant::now();
+        // A segment's owner may truncate it under our mapping: that must not kill the daemon.
+        if let Err(e) = segment::install_fault_guard() {
+            tracing::error!(error = %e, "cannot install the SIGBUS guard; a truncated segment would crash the daemon");
+        }
         Engine {
             stats: Stats::new(
                 cfg.aggregate.rolling_window_s * 1_000_000_000,
@@ -331,6 +335,11 @@ impl Engine {
                 self.reads.clear();
                 let n = match seg.consumer.read_raw(want, &mut self.reads) {
                     Ok(n) => n,
+                    Err(e @ segment::SegmentError::Truncated { .. }) => {
+                        tracing::error!(segment = %seg.label, pid = seg.name.pid, error = %e, "segment truncated by its owner; detached as corrupt");
+                        broken.push(i);
+                        break;
+                    }
                     Err(e) => {
                         tracing::error!(segment = %seg.label, error = %e, "corrupt segment detached");
                         broken.push(i);

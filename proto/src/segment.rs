@@ -17,7 +17,7 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use memmap2::{MmapMut, MmapOptions};
 use rustix::fs::Mode;
@@ -153,6 +153,9 @@ pub enum SegmentError {
     NotReady { name: String },
     #[error("segment {name} is invalid: {reason}")]
     Invalid { name: String, reason: String },
+    /// Its owner shrank the shared memory object under the mapping; what was read is void.
+    #[error("segment {name} was truncated by its owner while mapped (SIGBUS caught)")]
+    Truncated { name: String },
 }
 
 /// A name under /dev/shm: `<prefix>.<uid>.<pid>.<start_ticks>`.
@@ -257,6 +260,17 @@ pub struct Segment {
     capacity: u64,
     /// Uid that owns the shared memory object (from fstat), to check against the registering peer.
     file_uid: u32,
+    /// This mapping's slot in the SIGBUS guard table (segments opened by a reader).
+    guard: Option<usize>,
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // Before the mapping goes (fields drop after this): the handler must not touch a freed range.
+        if let Some(slot) = self.guard {
+            fault_guard::unwatch(slot);
+        }
+    }
 }
 
 fn shm_path(name: &str) -> String {
@@ -340,6 +354,7 @@ impl Segment {
             name: name_s,
             capacity,
             file_uid: owner.uid,
+            guard: None,
         };
         let w = seg.words();
         w[W_VERSION].store(
@@ -382,15 +397,20 @@ impl Segment {
         }
         // SAFETY: the mapping's length is the object's current size; all access goes through atomics
         // (see `words`), and `len` is re-checked against the header below before any record is read.
-        // A peer that shrinks the object under us could make accesses fault (SIGBUS); the daemon only
-        // maps objects whose owner registered with it or that it found at start-up.
+        // A peer that shrinks the object under us makes accesses fault (SIGBUS): the mapping is
+        // watched below, and a process that installed [`install_fault_guard`] survives that.
         let map = unsafe { MmapOptions::new().len(len as usize).map_mut(&file) }.map_err(io_err)?;
+        let guard = fault_guard::watch(map.as_ptr() as usize, map.len());
         let mut seg = Segment {
             map,
             name: name_s.clone(),
             capacity: 0,
             file_uid: stat.st_uid,
+            guard,
         };
+        if seg.guard.is_none() {
+            return Err(invalid("too many segments mapped to guard them".into()));
+        }
         let w = seg.words();
         if w[W_MAGIC].load(Ordering::Acquire) != MAGIC {
             return Err(SegmentError::NotReady { name: name_s });
@@ -435,6 +455,12 @@ impl Segment {
     /// Uid owning the shared memory object, from fstat (not from the header, which the owner writes).
     pub fn file_uid(&self) -> u32 {
         self.file_uid
+    }
+
+    /// Whether the owner truncated the object under this mapping: a read faulted and the mapping now
+    /// holds zeros (see [`install_fault_guard`]). Anything read from it is void.
+    pub fn truncated(&self) -> bool {
+        self.guard.is_some_and(fault_guard::faulted)
     }
 
     /// The identity the creator wrote into the header.
@@ -568,8 +594,9 @@ impl Consumer {
     /// than a ring's worth, or that went backwards, is a corrupt segment.
     pub fn read(&mut self, max: usize, out: &mut Vec<Read>) -> Result<usize, SegmentError> {
         let positions = self.take(max)?;
-        let n = positions.end - positions.start;
+        let (n, from) = (positions.end - positions.start, out.len());
         out.extend(positions.map(|pos| (pos, Record::decode(&self.words(pos)))));
+        self.check_truncated().inspect_err(|_| out.truncate(from))?;
         Ok(n as usize)
     }
 
@@ -577,14 +604,16 @@ impl Consumer {
     /// uses the record (a decoded `Record` copied through a buffer stalls on store forwarding).
     pub fn read_raw(&mut self, max: usize, out: &mut Vec<RawRead>) -> Result<usize, SegmentError> {
         let positions = self.take(max)?;
-        let n = positions.end - positions.start;
+        let (n, from) = (positions.end - positions.start, out.len());
         out.extend(positions.map(|pos| (pos, self.words(pos))));
+        self.check_truncated().inspect_err(|_| out.truncate(from))?;
         Ok(n as usize)
     }
 
     /// The positions of up to `max` published records after the read cursor, which moves past them.
     fn take(&mut self, max: usize) -> Result<std::ops::Range<u64>, SegmentError> {
         let head = self.seg.head();
+        self.check_truncated()?;
         if head < self.read || head - self.read > self.seg.capacity {
             return Err(SegmentError::Invalid {
                 name: self.seg.name.clone(),
@@ -594,6 +623,16 @@ impl Consumer {
         let start = self.read;
         self.read += (head - self.read).min(max as u64);
         Ok(start..self.read)
+    }
+
+    /// After a copy out of the ring: void if the mapping faulted meanwhile (or before).
+    fn check_truncated(&self) -> Result<(), SegmentError> {
+        if self.seg.truncated() {
+            return Err(SegmentError::Truncated {
+                name: self.seg.name.clone(),
+            });
+        }
+        Ok(())
     }
 
     fn words(&self, pos: u64) -> [u64; RECORD_WORDS] {
@@ -609,6 +648,135 @@ impl Consumer {
         let upto = upto.min(self.read);
         if upto > self.seg.tail() {
             self.seg.words()[W_TAIL].store(upto, Ordering::Release);
+        }
+    }
+}
+
+/// Makes this process survive a segment truncated under its mapping: a SIGBUS whose address lies in
+/// a mapping made by [`Segment::open`] replaces that mapping with zero pages and marks the segment
+/// [`Segment::truncated`], so the faulting read completes (with zeros) and the reader detaches the
+/// segment at its next check. Any other SIGBUS goes to the handler that was installed before. For
+/// the daemon only: a plugin must never install signal handlers in the process it is loaded into.
+/// Costs nothing until a fault: no check or syscall on the read path. Idempotent.
+pub fn install_fault_guard() -> io::Result<()> {
+    fault_guard::install()
+}
+
+/// The SIGBUS handler and the table of watched mappings it reads (fixed, lock-free: a signal handler
+/// may neither allocate nor lock).
+mod fault_guard {
+    use super::*;
+
+    /// Mappings watched at once; opening beyond it fails (the daemon attaches far fewer).
+    const SLOTS: usize = 8192;
+
+    struct Slot {
+        claimed: AtomicBool,
+        /// Start address; 0 while the slot is not published.
+        start: AtomicUsize,
+        len: AtomicUsize,
+        faulted: AtomicBool,
+    }
+
+    static TABLE: [Slot; SLOTS] = [const {
+        Slot {
+            claimed: AtomicBool::new(false),
+            start: AtomicUsize::new(0),
+            len: AtomicUsize::new(0),
+            faulted: AtomicBool::new(false),
+        }
+    }; SLOTS];
+    static INSTALLED: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
+    /// The action before ours, for faults outside any watched mapping. Written once, before the
+    /// handler is installed; read only by the handler.
+    static PREVIOUS: std::sync::OnceLock<libc::sigaction> = std::sync::OnceLock::new();
+
+    pub(super) fn watch(start: usize, len: usize) -> Option<usize> {
+        let i = TABLE.iter().position(|s| {
+            s.claimed
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        })?;
+        let slot = &TABLE[i];
+        slot.faulted.store(false, Ordering::Relaxed);
+        slot.len.store(len, Ordering::Relaxed);
+        slot.start.store(start, Ordering::Release);
+        Some(i)
+    }
+
+    pub(super) fn unwatch(i: usize) {
+        TABLE[i].start.store(0, Ordering::Release);
+        TABLE[i].claimed.store(false, Ordering::Release);
+    }
+
+    pub(super) fn faulted(i: usize) -> bool {
+        TABLE[i].faulted.load(Ordering::Acquire)
+    }
+
+    pub(super) fn install() -> io::Result<()> {
+        let mut installed = INSTALLED.lock().unwrap_or_else(|e| e.into_inner());
+        if *installed {
+            return Ok(());
+        }
+        // SAFETY: zeroed sigaction structs are valid "no action" values; sigaction only reads `new`
+        // and writes `old`, both valid for the call. The handler is async-signal-safe (atomics and
+        // mmap/sigaction system calls only).
+        unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut old) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let _ = PREVIOUS.set(old);
+            let mut new: libc::sigaction = std::mem::zeroed();
+            new.sa_sigaction = on_sigbus as *const () as usize;
+            new.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+            libc::sigemptyset(&mut new.sa_mask);
+            if libc::sigaction(libc::SIGBUS, &new, std::ptr::null_mut()) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        *installed = true;
+        Ok(())
+    }
+
+    extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+        // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler; si_addr is the
+        // faulting address for SIGBUS.
+        let addr = unsafe { (*info).si_addr() } as usize;
+        for slot in &TABLE {
+            let start = slot.start.load(Ordering::Acquire);
+            if start == 0 || addr < start || addr - start >= slot.len.load(Ordering::Relaxed) {
+                continue;
+            }
+            let len = slot.len.load(Ordering::Relaxed);
+            // SAFETY: [start, start + len) is a live mapping of a segment (watched until the Segment
+            // is dropped, before it is unmapped); MAP_FIXED replaces exactly it with private zero
+            // pages, which the later munmap of the Segment releases as before.
+            let p = unsafe {
+                libc::mmap(
+                    start as *mut libc::c_void,
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                    -1,
+                    0,
+                )
+            };
+            if p != libc::MAP_FAILED {
+                slot.faulted.store(true, Ordering::Release);
+                return; // the faulting access is retried, now on a zero page
+            }
+            break;
+        }
+        // Not a segment of ours (or it could not be replaced): the previous action, by re-raising the
+        // fault under it (returning retries the access).
+        let fallback = PREVIOUS.get().copied();
+        // SAFETY: restoring a sigaction captured from this process; a zeroed one means SIG_DFL.
+        unsafe {
+            let mut dfl: libc::sigaction = std::mem::zeroed();
+            dfl.sa_sigaction = libc::SIG_DFL;
+            let act = fallback.unwrap_or(dfl);
+            libc::sigaction(libc::SIGBUS, &act, std::ptr::null_mut());
         }
     }
 }
@@ -765,4 +933,40 @@ mod tests {
         ));
         Segment::unlink(&name).unwrap();
     }
+
+    #[test]
+    fn a_segment_truncated_under_the_reader_is_reported_not_fatal() {
+        install_fault_guard().unwrap();
+        let (name, other) = (unique("truncated"), unique("intact"));
+        let mut p = Producer::new(Segment::create(&name, &owner(), 1024).unwrap());
+        let mut q = Producer::new(Segment::create(&other, &owner(), 8).unwrap());
+        for i in 0..600 {
+            p.push(&rec(i));
+        }
+        q.push(&rec(1));
+        let mut c = Consumer::new(Segment::open(&name).unwrap());
+        let mut d = Consumer::new(Segment::open(&other).unwrap());
+        let mut out = Vec::new();
+        assert_eq!(c.read(10, &mut out).unwrap(), 10);
+        // The owner shrinks its object: the pages behind the reader's mapping vanish.
+        let fd = shm::open(
+            shm_path(&name.to_string()).as_str(),
+            shm::OFlags::RDWR,
+            Mode::empty(),
+        )
+        .unwrap();
+        rustix::fs::ftruncate(&fd, 0).unwrap();
+        out.clear();
+        assert!(matches!(
+            c.read(500, &mut out),
+            Err(SegmentError::Truncated { .. })
+        ));
+        assert!(out.is_empty(), "nothing read from a faulted mapping is handed out");
+        assert!(c.segment().truncated());
+        assert!(!d.segment().truncated());
+        assert_eq!(d.read(10, &mut out).unwrap(), 1, "other segments read on");
+        Segment::unlink(&name).unwrap();
+        Segment::unlink(&other).unwrap();
+    }
+
 }
