@@ -16,6 +16,7 @@ use ncclscope_proto::{Record, StrId, TimingPath};
 use serde::{Deserialize, Serialize};
 
 use crate::bandwidth;
+use crate::config::Limits;
 use crate::instance::{Instance, Names};
 
 /// Sinks a previous daemon already delivered an operation to (persisted in the segment state).
@@ -46,6 +47,15 @@ pub struct AssembleCounters {
     pub host_anchored: u64,
     /// Records for a communicator index that was never announced.
     pub unknown_comm: u64,
+    /// Records refused by a [`Limits`] bound (or redefining what is defined): new communicators,
+    /// strings, device-function names, devices; kernel records beyond an operation's channels;
+    /// device-hook work items beyond what may wait for their operation.
+    pub comm_limit: u64,
+    pub string_limit: u64,
+    pub func_name_limit: u64,
+    pub device_limit: u64,
+    pub channel_limit: u64,
+    pub early_work_limit: u64,
 }
 
 /// A communicator as the process announced it.
@@ -62,6 +72,9 @@ pub struct CommInfo {
     /// Finalized; kept so that re-reading its records after a restart still resolves it.
     #[serde(default)]
     pub ended: bool,
+    /// Stream position of the CommEnd: once committed, no record of it can be read again.
+    #[serde(default)]
+    pub ended_pos: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -118,6 +131,8 @@ struct Op {
     host_anchor: Option<i64>,
     last_progress_ns: u64,
     prior: u8,
+    /// Indexed under its device in `awaiting_calibration`.
+    awaiting_calibration: bool,
 }
 
 impl Op {
@@ -165,6 +180,39 @@ pub struct Completed {
     pub prior: u8,
 }
 
+/// Operations under one key (a communicator, a device), in start order, which is stream order. The
+/// entries of finished operations go lazily: the list is pruned whenever it doubled since the last
+/// pruning, so a push costs constant time on average and the list stays within twice what is live.
+#[derive(Debug, Default)]
+struct OpIndex {
+    entries: Vec<(u64, u64)>,
+    prune_at: usize,
+}
+
+impl OpIndex {
+    fn push(&mut self, first_pos: u64, id: u64, ops: &Map<u64, Op>) {
+        if self.entries.len() >= self.prune_at {
+            self.entries.retain(|e| in_flight(ops, e));
+            self.prune_at = 2 * self.entries.len() + 16;
+        }
+        self.entries.push((first_pos, id));
+    }
+
+    /// The operations still in flight, oldest first.
+    fn live(self, ops: &Map<u64, Op>) -> impl Iterator<Item = u64> {
+        self.entries
+            .into_iter()
+            .filter(|e| in_flight(ops, e))
+            .map(|(_, id)| id)
+    }
+}
+
+/// Whether (first record position, id) is an operation in flight (not a finished one whose id was
+/// reused).
+fn in_flight(ops: &Map<u64, Op>, &(pos, id): &(u64, u64)) -> bool {
+    ops.get(&id).is_some_and(|o| o.first_pos == pos)
+}
+
 /// Per-process assembly state.
 pub struct Assembler {
     pid: u32,
@@ -186,6 +234,15 @@ pub struct Assembler {
     prior: Map<u64, (u64, u8)>,
     dictionary_changed: bool,
     max_pending: usize,
+    limits: Limits,
+    /// Operations in flight per communicator (what a CommEnd closes).
+    comm_ops: Map<u32, OpIndex>,
+    /// Complete operations waiting only for their device's first calibration, per device.
+    awaiting_calibration: Map<i32, OpIndex>,
+    /// Device-hook work items in all lanes.
+    early_works: usize,
+    /// Committed tail: records before it are never read again.
+    committed: u64,
     pub counters: AssembleCounters,
 }
 
@@ -204,8 +261,19 @@ impl Assembler {
             prior: Map::default(),
             dictionary_changed: false,
             max_pending,
+            limits: Limits::default(),
+            comm_ops: Map::default(),
+            awaiting_calibration: Map::default(),
+            early_works: 0,
+            committed: 0,
             counters: AssembleCounters::default(),
         }
+    }
+
+    /// Bounds what this process's records can make it hold (see [`Limits`]).
+    pub fn with_limits(mut self, limits: Limits) -> Assembler {
+        self.limits = limits;
+        self
     }
 
     /// Resumes from a persisted dictionary and the operations a previous daemon delivered.
@@ -304,6 +372,25 @@ impl Assembler {
     /// Forgets prior deliveries whose records are now committed (they can never be read again).
     pub fn prune_prior(&mut self, tail: u64) {
         self.prior.retain(|_, (pos, _)| *pos >= tail);
+        self.committed = self.committed.max(tail);
+    }
+
+    /// Room for one more communicator: forgets finalized ones whose CommEnd is committed (no record
+    /// of theirs can be read again) when at the limit. False if there is still none.
+    fn room_for_comm(&mut self) -> bool {
+        if self.comms.len() < self.limits.max_comms {
+            return true;
+        }
+        let committed = self.committed;
+        let gone: Vec<u32> = (self.comms.values())
+            .filter(|c| c.ended && c.ended_pos < committed)
+            .map(|c| c.comm)
+            .collect();
+        for comm in gone {
+            self.comms.remove(&comm);
+            self.comm_ops.remove(&comm);
+        }
+        self.comms.len() < self.limits.max_comms
     }
 
     /// Applies one record at stream position `pos`; finished operations are appended to `out`.
@@ -313,13 +400,32 @@ impl Assembler {
         match *record {
             Record::Str { id, len, bytes } => {
                 let text = String::from_utf8_lossy(&bytes[..len as usize]);
-                Arc::make_mut(&mut self.names).set(id, text.into_owned());
-                self.datatype_bytes.clear();
-                self.dictionary_changed = true;
+                // The plugin defines each id once; the same definition read again (after a
+                // restart) changes nothing, another one is refused: an instance's strings never
+                // change under it, and a string costs at most one copy of its chunk.
+                match self.names.defined(id) {
+                    Some(t) if *t == *text => {}
+                    Some(_) => self.counters.string_limit += 1,
+                    None if id.0 as usize > self.limits.max_strings => {
+                        self.counters.string_limit += 1
+                    }
+                    None => {
+                        Arc::make_mut(&mut self.names).set(id, text.into_owned());
+                        self.datatype_bytes.clear();
+                        self.dictionary_changed = true;
+                    }
+                }
             }
             Record::FuncName { func_id, name } => {
-                self.func_names.insert(func_id, name.0);
-                self.dictionary_changed = true;
+                if self.func_names.get(&func_id) == Some(&name.0) {
+                } else if self.func_names.len() >= self.limits.max_func_names
+                    && !self.func_names.contains_key(&func_id)
+                {
+                    self.counters.func_name_limit += 1;
+                } else {
+                    self.func_names.insert(func_id, name.0);
+                    self.dictionary_changed = true;
+                }
             }
             Record::Calibration {
                 cuda_dev,
@@ -327,27 +433,30 @@ impl Assembler {
                 error_ns,
                 ..
             } => {
-                let first = self
-                    .calibrations
-                    .insert(
-                        cuda_dev,
-                        Calibration {
-                            offset_ns,
-                            error_ns,
-                        },
-                    )
-                    .is_none();
-                self.dictionary_changed = true;
-                if first {
-                    // Operations that were only waiting for their device's first calibration.
-                    let mut ready: Vec<(u64, u64)> = self
-                        .ops
-                        .iter()
-                        .map(|(id, op)| (op.first_pos, *id))
-                        .collect();
-                    ready.sort_unstable();
-                    for (_, id) in ready {
-                        self.try_finish(id, out);
+                let cal = Calibration {
+                    offset_ns,
+                    error_ns,
+                };
+                let full = self.calibrations.len() >= self.limits.max_devices;
+                match self.calibrations.get_mut(&cuda_dev) {
+                    Some(c) if *c == cal => {}
+                    Some(c) => {
+                        *c = cal;
+                        self.dictionary_changed = true;
+                    }
+                    None if full => {
+                        self.counters.device_limit += 1;
+                    }
+                    None => {
+                        self.calibrations.insert(cuda_dev, cal);
+                        self.dictionary_changed = true;
+                        // Operations that were only waiting for this device's first calibration.
+                        if let Some(waiting) = self.awaiting_calibration.remove(&cuda_dev) {
+                            let ids: Vec<u64> = waiting.live(&self.ops).collect();
+                            for id in ids {
+                                self.try_finish(id, out);
+                            }
+                        }
                     }
                 }
             }
@@ -372,28 +481,35 @@ impl Assembler {
                     name: name.0,
                     device_hook: path == TimingPath::DeviceHook,
                     ended: false,
+                    ended_pos: 0,
                 };
-                self.comms.insert(comm, info);
-                self.dictionary_changed = true;
+                if self.comms.get(&comm) == Some(&info) {
+                } else if !self.comms.contains_key(&comm) && !self.room_for_comm() {
+                    self.counters.comm_limit += 1;
+                } else {
+                    self.comms.insert(comm, info);
+                    self.dictionary_changed = true;
+                }
             }
             Record::CommEnd { comm, .. } => {
-                let ids: Vec<u64> = self
-                    .ops
-                    .iter()
-                    .filter(|(_, op)| op.comm == comm)
-                    .map(|(id, _)| *id)
-                    .collect();
-                let mut ids: Vec<(u64, u64)> = ids
-                    .into_iter()
-                    .map(|id| (self.ops[&id].first_pos, id))
-                    .collect();
-                ids.sort_unstable();
-                for (_, id) in ids {
-                    self.finish(id, out);
+                if let Some(index) = self.comm_ops.remove(&comm) {
+                    let ids: Vec<u64> = index.live(&self.ops).collect();
+                    for id in ids {
+                        self.finish(id, out);
+                    }
                 }
-                self.waiting.retain(|(c, _), _| *c != comm);
-                if let Some(c) = self.comms.get_mut(&comm) {
+                let early = &mut self.early_works;
+                self.waiting.retain(|(c, _), lane| {
+                    if *c == comm {
+                        *early -= lane.works.len();
+                    }
+                    *c != comm
+                });
+                if let Some(c) = self.comms.get_mut(&comm)
+                    && !c.ended
+                {
                     c.ended = true;
+                    c.ended_pos = pos;
                     self.dictionary_changed = true;
                 }
             }
@@ -431,6 +547,7 @@ impl Assembler {
                     last_progress_ns: now_ns,
                     prior: 0,
                     host_anchor: None,
+                    awaiting_calibration: false,
                 };
                 self.start(id, op, out);
             }
@@ -465,6 +582,7 @@ impl Assembler {
                     last_progress_ns: now_ns,
                     prior: 0,
                     host_anchor: None,
+                    awaiting_calibration: false,
                 };
                 self.start(id, op, out);
             }
@@ -474,6 +592,8 @@ impl Assembler {
                     op.last_progress_ns = now_ns;
                     if op.ready(&self.comms, &self.calibrations) {
                         self.finish(id, out);
+                    } else {
+                        self.await_calibration(id);
                     }
                 }
             }
@@ -486,6 +606,16 @@ impl Assembler {
                 ..
             } => {
                 if let Some(op) = self.ops.get_mut(&parent) {
+                    // One record per channel: more would grow the op (and keep it alive) forever.
+                    let channels = if op.n_channels == 0 {
+                        64
+                    } else {
+                        op.n_channels.min(64)
+                    };
+                    if op.channels.len() >= channels as usize {
+                        self.counters.channel_limit += 1;
+                        return;
+                    }
                     // The plugin stamped the stop on the host after the GPU wrote it: host - gpu is an
                     // upper bound of the clock offset (tightest over the op's channels).
                     if host_ns > 0 && gpu_stop > 0 {
@@ -495,6 +625,8 @@ impl Assembler {
                     op.add_work(channel, gpu_start, gpu_stop, now_ns);
                     if op.ready(&self.comms, &self.calibrations) {
                         self.finish(parent, out);
+                    } else if op.complete() {
+                        self.await_calibration(parent);
                     }
                 } else {
                     self.counters.kernel_unjoined += 1;
@@ -510,11 +642,29 @@ impl Assembler {
                 gpu_stop,
                 ..
             } => {
+                // Lanes only for the channels of a live hook-path communicator (any other work item
+                // can never join: counted as dev_work - dev_joined), and work items in all lanes
+                // bounded (each lane's also is).
+                if !self
+                    .comms
+                    .get(&comm)
+                    .is_some_and(|c| c.device_hook && !c.ended)
+                    || channel >= 64
+                {
+                    self.counters.dev_work += 1;
+                    return;
+                }
+                if self.early_works >= self.limits.max_early_works {
+                    self.counters.early_work_limit += 1;
+                    return;
+                }
                 self.counters.dev_work += 1;
                 let lane = self.waiting.entry((comm, channel)).or_default();
                 if lane.works.len() >= MAX_EARLY_WORKS {
                     lane.works.pop_front(); // never joined: counted as dev_work - dev_joined
+                    self.early_works -= 1;
                 }
+                self.early_works += 1;
                 lane.works.push_back(Work {
                     func_id,
                     gpu_start,
@@ -554,6 +704,10 @@ impl Assembler {
             self.counters.incomplete += 1;
             self.prune_by_pos();
         }
+        self.comm_ops
+            .entry(comm)
+            .or_default()
+            .push(first_pos, id, &self.ops);
         for ch in 0..hook_lanes {
             self.match_lane((comm, ch), now_ns, out);
         }
@@ -594,6 +748,7 @@ impl Assembler {
             if self.work_matches(work.func_id, op.func) {
                 lane.ops.pop_front();
                 lane.works.pop_front();
+                self.early_works -= 1;
                 self.counters.dev_joined += 1;
                 if let Some(op) = self.ops.get_mut(&id) {
                     op.add_work(key.1, work.gpu_start, work.gpu_stop, now_ns);
@@ -613,6 +768,7 @@ impl Assembler {
                 lane.ops.pop_front();
             } else {
                 lane.works.pop_front();
+                self.early_works -= 1;
             }
         }
         if !lane.ops.is_empty() || !lane.works.is_empty() {
@@ -628,7 +784,38 @@ impl Assembler {
             .is_some_and(|op| op.ready(&self.comms, &self.calibrations))
         {
             self.finish(id, out);
+        } else {
+            self.await_calibration(id);
         }
+    }
+
+    /// Indexes `id` under its device if it is complete and waits only for the device's first
+    /// calibration, so that calibration finishes it without looking at any other operation.
+    fn await_calibration(&mut self, id: u64) {
+        let Some(op) = self.ops.get_mut(&id) else {
+            return;
+        };
+        if op.awaiting_calibration || !op.complete() || op.channels.is_empty() {
+            return;
+        }
+        let Some(dev) = self.comms.get(&op.comm).map(|c| c.cuda_dev) else {
+            return;
+        };
+        // Devices without calibration are as many as the process's communicators at most; beyond
+        // that an operation waits for the sweep (CALIBRATION_WAIT_NS) instead.
+        let known = self.awaiting_calibration.contains_key(&dev);
+        if dev < 0
+            || self.calibrations.contains_key(&dev)
+            || (!known && self.awaiting_calibration.len() >= self.limits.max_devices)
+        {
+            return;
+        }
+        op.awaiting_calibration = true;
+        let first_pos = op.first_pos;
+        self.awaiting_calibration
+            .entry(dev)
+            .or_default()
+            .push(first_pos, id, &self.ops);
     }
 
     /// Complete operations wait this long for their device's first calibration, at most.
@@ -1297,5 +1484,214 @@ mod tests {
             (a.counters.unknown_comm, a.counters.kernel_unjoined),
             (1, 1)
         );
+    }
+
+    fn limited() -> Assembler {
+        Assembler::new(7, "job".into(), "node".into(), 1000).with_limits(Limits {
+            max_comms: 2,
+            max_strings: 8,
+            max_func_names: 2,
+            max_devices: 2,
+            max_early_works: 4,
+            max_rank_series: 1,
+        })
+    }
+
+    fn comm_at(comm: u32, cuda_dev: i32, path: TimingPath) -> Record {
+        match super::tests::comm(path) {
+            Record::Comm {
+                comm_hash,
+                rank,
+                nranks,
+                nnodes,
+                name,
+                nccl_version,
+                host_ns,
+                ..
+            } => Record::Comm {
+                comm,
+                comm_hash: comm_hash + comm as u64,
+                rank,
+                nranks,
+                nnodes,
+                cuda_dev,
+                name,
+                nccl_version,
+                path,
+                host_ns,
+            },
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn a_hostile_stream_is_refused_at_each_limit_and_counted() {
+        let mut a = limited();
+        let mut recs = prelude(TimingPath::KernelCh);
+        for id in 5..40 {
+            recs.push(s(id, "x"));
+        }
+        recs.push(s(1, "Broadcast")); // redefines "AllReduce"
+        for comm in 1..10 {
+            recs.push(comm_at(comm, 0, TimingPath::KernelCh));
+        }
+        for func_id in 0..10 {
+            recs.push(Record::FuncName {
+                func_id,
+                name: StrId(1),
+            });
+        }
+        for cuda_dev in 0..10 {
+            recs.push(Record::Calibration {
+                cuda_dev,
+                offset_ns: 1_000_000,
+                error_ns: 250,
+                drift_ppb: 0,
+                host_ns: 0,
+            });
+        }
+        recs.push(coll(10, 5, 2));
+        for _ in 0..1000 {
+            recs.push(Record::KernelCh {
+                comm: 0,
+                parent: 10,
+                channel: 0,
+                gpu_start: 100,
+                gpu_stop: 900,
+                host_ns: 0,
+            });
+        }
+        feed(&mut a, &recs);
+        let c = a.counters;
+        assert_eq!(
+            c.string_limit,
+            35 - 4 + 1,
+            "ids above 8, and the redefinition"
+        );
+        assert_eq!(a.string(1), "AllReduce");
+        assert_eq!(c.comm_limit, 8, "comm 0 and 1 fit");
+        assert_eq!(c.func_name_limit, 8);
+        assert_eq!(c.device_limit, 8);
+        assert_eq!(c.channel_limit, 998, "one KernelCh per channel");
+        assert_eq!(a.ops[&10].channels.len(), 2);
+        // The dictionary a restart would need stays as small as the limits.
+        let d = a.dictionary();
+        assert_eq!(
+            (
+                d.strings.len(),
+                d.comms.len(),
+                d.func_names.len(),
+                d.calibrations.len()
+            ),
+            (8, 2, 2, 2)
+        );
+        // Device-hook work items: for a live hook-path communicator only, and bounded in all.
+        let mut b = limited();
+        let mut recs = prelude(TimingPath::DeviceHook);
+        for comm in [0, 5] {
+            for channel in 0..8 {
+                recs.push(Record::DevWork {
+                    comm,
+                    channel,
+                    func_id: 42,
+                    work_counter: 0,
+                    gpu_start: 0,
+                    gpu_stop: 1,
+                });
+            }
+        }
+        feed(&mut b, &recs);
+        assert_eq!(b.early_works, 4);
+        assert_eq!(b.counters.early_work_limit, 4, "comm 0's channels 4..8");
+        assert_eq!(b.waiting.len(), 4, "no lane for the unknown comm 5");
+    }
+
+    #[test]
+    fn finalized_communicators_make_room_once_their_end_is_committed() {
+        let mut a = limited();
+        let mut recs = prelude(TimingPath::KernelCh);
+        recs.push(comm_at(1, 0, TimingPath::KernelCh));
+        recs.push(Record::CommEnd {
+            comm: 1,
+            host_ns: 0,
+        });
+        let end_pos = recs.len() as u64 - 1;
+        recs.push(comm_at(2, 0, TimingPath::KernelCh));
+        feed(&mut a, &recs);
+        assert_eq!(a.counters.comm_limit, 1, "comm 1's end not committed yet");
+        a.prune_prior(end_pos + 1);
+        let mut out = Vec::new();
+        a.apply(100, &comm_at(2, 0, TimingPath::KernelCh), 0, &mut out);
+        assert_eq!(a.counters.comm_limit, 1);
+        let mut comms: Vec<u32> = a.all_comms().map(|c| c.comm).collect();
+        comms.sort_unstable();
+        assert_eq!(comms, vec![0, 2]);
+    }
+
+    #[test]
+    fn comm_end_closes_its_own_ops_in_order_and_a_first_calibration_only_those_awaiting_it() {
+        let mut a = Assembler::new(7, "job".into(), "node".into(), 1000);
+        let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
+            .into_iter()
+            .filter(|r| !matches!(r, Record::Calibration { .. }))
+            .collect();
+        recs.push(comm_at(1, 1, TimingPath::KernelCh));
+        // Comm 0 (device 0): ops 1..=3 complete and waiting for device 0's calibration; comm 1
+        // (device 1): ops 11..=13 in flight.
+        for id in 1..=3u64 {
+            recs.push(coll(id, id, 1));
+            recs.push(Record::KernelCh {
+                comm: 0,
+                parent: id,
+                channel: 0,
+                gpu_start: 10,
+                gpu_stop: 20,
+                host_ns: 0,
+            });
+            recs.push(Record::OpStop {
+                comm: 0,
+                id,
+                host_ns: 0,
+            });
+            let mut other = coll(id + 10, id, 1);
+            if let Record::CollStart { comm, .. } = &mut other {
+                *comm = 1;
+            }
+            recs.push(other);
+        }
+        assert!(feed(&mut a, &recs).is_empty());
+        assert_eq!(a.awaiting_calibration[&0].entries.len(), 3);
+        let mut out = Vec::new();
+        a.apply(
+            100,
+            &Record::Calibration {
+                cuda_dev: 0,
+                offset_ns: 0,
+                error_ns: 1,
+                drift_ppb: 0,
+                host_ns: 0,
+            },
+            0,
+            &mut out,
+        );
+        assert_eq!(
+            out.iter().map(|c| c.op_id).collect::<Vec<_>>(),
+            vec![1, 2, 3]
+        );
+        out.clear();
+        a.apply(
+            101,
+            &Record::CommEnd {
+                comm: 1,
+                host_ns: 0,
+            },
+            0,
+            &mut out,
+        );
+        assert_eq!(
+            out.iter().map(|c| c.op_id).collect::<Vec<_>>(),
+            vec![11, 12, 13]
+        );
+        assert_eq!(a.pending(), 0);
     }
 }

@@ -32,6 +32,41 @@ pub struct Config {
     pub otlp: Otlp,
     pub prometheus: Prometheus,
     pub spool: Spool,
+    pub limits: Limits,
+}
+
+/// What one process's records can make the daemon hold, per segment: a record beyond a limit is
+/// refused and counted (`ncclscope_lost_total{stage="..._limit"}`), so a hostile or broken process
+/// bounds its own telemetry, not the daemon's memory or other processes' ingest. The defaults are far
+/// above what NCCL produces (a few communicators, strings and devices per process).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Communicators known at once (finalized ones are forgotten once committed, to make room).
+    pub max_comms: usize,
+    /// Highest string id accepted (the plugin numbers its strings densely from 1).
+    pub max_strings: usize,
+    /// Device-function names (device-hook path).
+    pub max_func_names: usize,
+    /// Calibrated GPUs.
+    pub max_devices: usize,
+    /// Device-hook work items held while their operation's host event has not been read, in all.
+    pub max_early_works: usize,
+    /// Per-rank statistics series, across all processes (stats API, skew, stragglers).
+    pub max_rank_series: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_comms: 1024,
+            max_strings: 4096,
+            max_func_names: 4096,
+            max_devices: 64,
+            max_early_works: 65_536,
+            max_rank_series: 16_384,
+        }
+    }
 }
 
 /// The per-job spool behind `ncclscope export`.
@@ -126,6 +161,7 @@ impl Default for Config {
             otlp: Otlp::default(),
             prometheus: Prometheus::default(),
             spool: Spool::default(),
+            limits: Limits::default(),
         }
     }
 }
@@ -288,6 +324,12 @@ impl Config {
             ("shutdown_timeout_ms", self.shutdown_timeout_ms),
             ("spool.max_bytes", self.spool.max_bytes),
             ("spool.max_age_hours", self.spool.max_age_hours),
+            ("limits.max_comms", self.limits.max_comms as u64),
+            ("limits.max_strings", self.limits.max_strings as u64),
+            ("limits.max_func_names", self.limits.max_func_names as u64),
+            ("limits.max_devices", self.limits.max_devices as u64),
+            ("limits.max_early_works", self.limits.max_early_works as u64),
+            ("limits.max_rank_series", self.limits.max_rank_series as u64),
         ];
         for (key, v) in positive {
             if v == 0 {
@@ -298,6 +340,12 @@ impl Config {
             return Err(err(
                 "drain.max_interval_ms",
                 "must be >= drain.min_interval_ms",
+            ));
+        }
+        if self.limits.max_strings > u16::MAX as usize {
+            return Err(err(
+                "limits.max_strings",
+                format!("must be <= {} (string ids are 16-bit)", u16::MAX),
             ));
         }
         if self.otlp.batch_spans > self.otlp.queue_spans {

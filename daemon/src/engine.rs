@@ -57,6 +57,10 @@ const COMMIT_EVERY: Duration = Duration::from_millis(10);
 const READ_CHUNK: usize = 256;
 /// Completed instances delivered (spooled, counted, queued for export) at once, at most about.
 const DELIVER_AT: usize = 1024;
+/// A changed dictionary rewrites the segment's whole state file: saved at most every [`COMMIT_EVERY`]
+/// and every this many times the last save's duration, so a process that keeps redefining its
+/// dictionary costs the ingest thread a bounded share of its time (its own tail waits meanwhile).
+const DICT_SAVE_SHARE: u32 = 50;
 
 struct Attached {
     name: SegmentName,
@@ -75,6 +79,11 @@ struct Attached {
     dirty: bool,
     /// A state file for this segment exists (saved by this daemon, or restored from a previous one).
     state_saved: bool,
+    /// The dictionary changed since the state was last saved.
+    dict_changed: bool,
+    /// When a changed dictionary was last saved, and how long that took (see [`DICT_SAVE_SHARE`]).
+    dict_saved_at: Instant,
+    dict_save_cost: Duration,
     exited: bool,
 }
 
@@ -117,6 +126,12 @@ fn add(a: &mut AssembleCounters, b: &AssembleCounters) {
     a.uncalibrated += b.uncalibrated;
     a.host_anchored += b.host_anchored;
     a.unknown_comm += b.unknown_comm;
+    a.comm_limit += b.comm_limit;
+    a.string_limit += b.string_limit;
+    a.func_name_limit += b.func_name_limit;
+    a.device_limit += b.device_limit;
+    a.channel_limit += b.channel_limit;
+    a.early_work_limit += b.early_work_limit;
 }
 
 impl Engine {
@@ -136,7 +151,8 @@ impl Engine {
                 cfg.aggregate.rolling_window_s * 1_000_000_000,
                 cfg.aggregate.skew_window_ms * 1_000_000,
                 cfg.aggregate.max_series,
-            ),
+            )
+            .with_rank_limit(cfg.limits.max_rank_series),
             cfg,
             segments: Vec::new(),
             hub,
@@ -211,7 +227,8 @@ impl Engine {
             owner.job_id.clone(),
             owner.hostname.clone(),
             self.cfg.aggregate.max_pending_ops,
-        );
+        )
+        .with_limits(self.cfg.limits.clone());
         let mut state_saved = false;
         match state::load(&self.cfg.state_dir, &label) {
             Ok(Some(st)) if st.tail <= segment.tail() => {
@@ -246,6 +263,9 @@ impl Engine {
             last_commit: Instant::now(),
             dirty: false,
             state_saved,
+            dict_changed: false,
+            dict_saved_at: Instant::now(),
+            dict_save_cost: Duration::ZERO,
             exited: false,
         });
         self.refresh_local_ranks();
@@ -615,6 +635,17 @@ impl Engine {
         lost.insert("pending_overflow".into(), asm.pending_overflow);
         lost.insert("unknown_comm".into(), asm.unknown_comm);
         lost.insert("uncalibrated".into(), asm.uncalibrated);
+        for (stage, n) in [
+            ("comm_limit", asm.comm_limit),
+            ("string_limit", asm.string_limit),
+            ("func_name_limit", asm.func_name_limit),
+            ("device_limit", asm.device_limit),
+            ("channel_limit", asm.channel_limit),
+            ("early_work_limit", asm.early_work_limit),
+            ("rank_series_limit", self.stats.rank_series_refused),
+        ] {
+            lost.insert(stage.into(), n);
+        }
         for (k, v) in &self.daemon_lost {
             lost.insert(k.to_string(), *v);
         }
@@ -746,13 +777,20 @@ fn commit(
         target = target.min(p);
     }
     let tail = seg.consumer.segment().tail();
-    let dict_changed = seg.asm.take_dictionary_changed();
+    seg.dict_changed |= seg.asm.take_dictionary_changed();
+    let dict_changed = seg.dict_changed;
     if target <= tail && !dict_changed && !seg.dirty {
         return;
     }
     let lag = target.saturating_sub(tail);
     let quarter = seg.consumer.segment().capacity() / 4;
     if !now && !dict_changed && lag < quarter && seg.last_commit.elapsed() < COMMIT_EVERY {
+        return;
+    }
+    if !now
+        && dict_changed
+        && seg.dict_saved_at.elapsed() < COMMIT_EVERY.max(seg.dict_save_cost * DICT_SAVE_SHARE)
+    {
         return;
     }
     seg.delivered.retain(|_, (pos, _)| *pos >= target);
@@ -776,6 +814,7 @@ fn commit(
         seg.dirty = false;
         return;
     }
+    let started = Instant::now();
     let st = SegmentState {
         segment: seg.label.clone(),
         tail: target.max(tail),
@@ -789,6 +828,11 @@ fn commit(
         return;
     }
     seg.state_saved = true;
+    if dict_changed {
+        seg.dict_changed = false;
+        seg.dict_saved_at = Instant::now();
+        seg.dict_save_cost = started.elapsed();
+    }
     seg.consumer.commit(target);
     seg.last_commit = Instant::now();
     seg.dirty = false;

@@ -12,39 +12,60 @@ use std::sync::Arc;
 use ncclscope_proto::StrId;
 use ncclscope_proto::api::{ChannelWork, Collective};
 
-type Map<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
-
 /// The strings of one process: its job and host, and the strings its records define by id. The
-/// assembler replaces its copy when a record (re)defines a string (copy on write), so an instance
-/// keeps the strings that were current when it was built.
+/// assembler replaces its copy when a record defines a string (copy on write), so an instance keeps
+/// the strings that were current when it was built. The strings sit in chunks of [`CHUNK`] ids, each
+/// shared between copies: a new string copies one chunk and the chunk list, not every string (a
+/// process defining strings while its instances wait for export pins one small copy per definition).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Names {
     pub job_id: String,
     pub host: String,
-    strings: Map<u16, String>,
+    chunks: Vec<Option<Arc<Chunk>>>,
 }
+
+/// Ids per chunk of [`Names`].
+const CHUNK: usize = 64;
+type Chunk = [Option<Arc<str>>; CHUNK];
 
 impl Names {
     pub fn new(job_id: String, host: String) -> Names {
         Names {
             job_id,
             host,
-            strings: Map::default(),
+            chunks: Vec::new(),
         }
     }
 
     /// The string `id` names ("" if it was never defined).
     pub fn get(&self, id: StrId) -> &str {
-        self.strings.get(&id.0).map_or("", String::as_str)
+        self.defined(id).unwrap_or("")
+    }
+
+    /// The string `id` names, if it was defined.
+    pub fn defined(&self, id: StrId) -> Option<&str> {
+        let (chunk, at) = (id.0 as usize / CHUNK, id.0 as usize % CHUNK);
+        self.chunks.get(chunk)?.as_ref()?[at].as_deref()
     }
 
     pub fn set(&mut self, id: StrId, text: String) {
-        self.strings.insert(id.0, text);
+        let (chunk, at) = (id.0 as usize / CHUNK, id.0 as usize % CHUNK);
+        if self.chunks.len() <= chunk {
+            self.chunks.resize(chunk + 1, None);
+        }
+        let c = self.chunks[chunk].get_or_insert_with(|| Arc::new(std::array::from_fn(|_| None)));
+        Arc::make_mut(c)[at] = Some(text.into());
     }
 
     /// Every defined string, by id.
     pub fn iter(&self) -> impl Iterator<Item = (StrId, &str)> {
-        self.strings.iter().map(|(k, v)| (StrId(*k), v.as_str()))
+        self.chunks.iter().enumerate().flat_map(|(i, c)| {
+            c.iter().flat_map(move |c| {
+                c.iter().enumerate().filter_map(move |(at, t)| {
+                    t.as_deref().map(|t| (StrId((i * CHUNK + at) as u16), t))
+                })
+            })
+        })
     }
 }
 

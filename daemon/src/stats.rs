@@ -16,6 +16,9 @@ use crate::instance::InstanceRef;
 pub const OVERFLOW_BUCKET: &str = "other";
 /// Collectives of one communicator awaited at once for the skew computation.
 const MAX_WINDOW: usize = 65_536;
+/// Collectives awaited at once over all communicators (a slot is 32 bytes): a window grows past its
+/// share only while the others leave room.
+const MAX_SLOTS: usize = 1 << 20;
 /// Samples between recomputations of a series' cached p50.
 const P50_EVERY: u32 = 256;
 
@@ -131,6 +134,12 @@ pub struct Stats {
     none: Arc<str>,
     pub folded: u64,
     pub skew_evaluated: u64,
+    /// Rank series at most (`limits.max_rank_series`); instances of further ranks are counted here
+    /// and left out of the per-rank statistics and skew.
+    max_ranks: usize,
+    pub rank_series_refused: u64,
+    /// Slots of every window.
+    slots: usize,
 }
 
 impl Stats {
@@ -146,7 +155,16 @@ impl Stats {
             none: "".into(),
             folded: 0,
             skew_evaluated: 0,
+            max_ranks: usize::MAX,
+            rank_series_refused: 0,
+            slots: 0,
         }
+    }
+
+    /// Caps the rank series (see [`Stats::rank_series_refused`]).
+    pub fn with_rank_limit(mut self, max_ranks: usize) -> Stats {
+        self.max_ranks = max_ranks;
+        self
     }
 
     pub fn set_local_ranks(&mut self, local_ranks: HashMap<u64, usize>) {
@@ -179,29 +197,31 @@ impl Stats {
             comm_hash: c.comm_hash,
             rank: c.rank,
         };
-        let (_, r) = self
-            .ranks
-            .raw_entry_mut()
-            .from_key(&rank)
-            .or_insert_with(|| {
-                let key = RankKey {
-                    job: c.job_id().into(),
-                    comm_hash: c.comm_hash,
-                    rank: c.rank,
-                };
-                let series = RankSeries {
-                    collectives: 0,
-                    skew_us: Buckets::new(SKEW_US_BOUNDS),
-                    last_to_start: 0,
-                    last_to_end: 0,
-                    rolling_exec_ns: Rolling::default(),
-                    rolling_skew_ns: Rolling::default(),
-                    last_ns: now_ns,
-                    first_end_ns: c.end_unix_ns,
-                    last_end_ns: c.end_unix_ns,
-                };
-                (key, series)
-            });
+        let at_limit = self.ranks.len() >= self.max_ranks;
+        let entry = self.ranks.raw_entry_mut().from_key(&rank);
+        if at_limit && matches!(entry, hashbrown::hash_map::RawEntryMut::Vacant(_)) {
+            self.rank_series_refused += 1;
+            return p50;
+        }
+        let (_, r) = entry.or_insert_with(|| {
+            let key = RankKey {
+                job: c.job_id().into(),
+                comm_hash: c.comm_hash,
+                rank: c.rank,
+            };
+            let series = RankSeries {
+                collectives: 0,
+                skew_us: Buckets::new(SKEW_US_BOUNDS),
+                last_to_start: 0,
+                last_to_end: 0,
+                rolling_exec_ns: Rolling::default(),
+                rolling_skew_ns: Rolling::default(),
+                last_ns: now_ns,
+                first_end_ns: c.end_unix_ns,
+                last_end_ns: c.end_unix_ns,
+            };
+            (key, series)
+        });
         r.collectives += 1;
         r.last_ns = now_ns;
         r.first_end_ns = r.first_end_ns.min(c.end_unix_ns);
@@ -283,10 +303,14 @@ impl Stats {
             return;
         }
         let (window_ns, mut evaluated) = (self.window_ns, 0);
+        let before = w.slots.len();
+        let room = MAX_WINDOW
+            .min(before + MAX_SLOTS.saturating_sub(self.slots))
+            .max(1);
         // Far ahead of the oldest awaited: those are evaluated with the ranks that arrived.
         let ahead = (c.seq - w.base) as usize;
-        if ahead >= MAX_WINDOW {
-            let leave = ahead + 1 - MAX_WINDOW;
+        if ahead >= room {
+            let leave = ahead + 1 - room;
             for rv in w.slots.drain(..leave.min(w.slots.len())).flatten() {
                 evaluated += evaluate(ranks, &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
             }
@@ -314,6 +338,7 @@ impl Stats {
                 w.base += 1;
             }
         }
+        self.slots = self.slots + w.slots.len() - before;
         self.skew_evaluated += evaluated;
     }
 
@@ -322,6 +347,7 @@ impl Stats {
     pub fn expire(&mut self, now_ns: u64) {
         let (skew_window, window_ns) = (self.skew_window_ns, self.window_ns);
         for (&comm_hash, w) in &mut self.windows {
+            let before = w.slots.len();
             loop {
                 match w.slots.front() {
                     Some(None) => {}
@@ -334,6 +360,7 @@ impl Stats {
                 }
                 w.base += 1;
             }
+            self.slots -= before - w.slots.len();
         }
         self.windows.retain(|_, w| !w.slots.is_empty());
     }
@@ -592,5 +619,25 @@ mod tests {
         s.observe(other.view(), 0, 1);
         assert_eq!(s.folded, 1);
         assert!(s.series.keys().any(|k| k.size_bucket == OVERFLOW_BUCKET));
+    }
+
+    #[test]
+    fn rank_series_beyond_the_limit_are_refused_and_counted() {
+        let mut s = Stats::new(60_000_000_000, 1000, 100).with_rank_limit(2);
+        s.set_local_ranks(HashMap::from([(9, 4)]));
+        for rank in 0..4 {
+            s.observe(coll(rank, 0, 1_000, 10).view(), 0, 1);
+        }
+        assert_eq!((s.ranks.len(), s.rank_series_refused), (2, 2));
+        assert_eq!(
+            s.coll_stats()[0].count,
+            4,
+            "the collective series still counts them"
+        );
+        // A seq far ahead takes at most its window's share of the awaited slots.
+        s.observe(coll(0, 1 << 40, 1_000, 10).view(), 0, 1);
+        assert!(s.slots <= MAX_WINDOW);
+        s.expire(u64::MAX);
+        assert_eq!(s.slots, 0);
     }
 }

@@ -739,7 +739,11 @@ mod fault_guard {
         Ok(())
     }
 
-    extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    extern "C" fn on_sigbus(
+        _sig: libc::c_int,
+        info: *mut libc::siginfo_t,
+        _ctx: *mut libc::c_void,
+    ) {
         // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler; si_addr is the
         // faulting address for SIGBUS.
         let addr = unsafe { (*info).si_addr() } as usize;
@@ -961,12 +965,14 @@ mod tests {
             c.read(500, &mut out),
             Err(SegmentError::Truncated { .. })
         ));
-        assert!(out.is_empty(), "nothing read from a faulted mapping is handed out");
+        assert!(
+            out.is_empty(),
+            "nothing read from a faulted mapping is handed out"
+        );
         assert!(c.segment().truncated());
         assert!(!d.segment().truncated());
         assert_eq!(d.read(10, &mut out).unwrap(), 1, "other segments read on");
         Segment::unlink(&name).unwrap();
         Segment::unlink(&other).unwrap();
     }
-
 }
