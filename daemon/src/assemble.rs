@@ -1493,7 +1493,7 @@ mod tests {
             max_func_names: 2,
             max_devices: 2,
             max_early_works: 4,
-            max_rank_series: 1,
+            ..Limits::default()
         })
     }
 

@@ -54,6 +54,9 @@ pub struct Limits {
     pub max_early_works: usize,
     /// Per-rank statistics series, across all processes (stats API, skew, stragglers).
     pub max_rank_series: usize,
+    /// Statistics series, and rank series, of one job (within `aggregate.max_series` and
+    /// `max_rank_series`): a job that keeps creating series fills its own share only.
+    pub max_job_series: usize,
 }
 
 impl Default for Limits {
@@ -64,7 +67,8 @@ impl Default for Limits {
             max_func_names: 4096,
             max_devices: 64,
             max_early_works: 65_536,
-            max_rank_series: 16_384,
+            max_rank_series: 4096,
+            max_job_series: 1024,
         }
     }
 }
@@ -330,6 +334,7 @@ impl Config {
             ("limits.max_devices", self.limits.max_devices as u64),
             ("limits.max_early_works", self.limits.max_early_works as u64),
             ("limits.max_rank_series", self.limits.max_rank_series as u64),
+            ("limits.max_job_series", self.limits.max_job_series as u64),
         ];
         for (key, v) in positive {
             if v == 0 {

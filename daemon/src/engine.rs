@@ -152,7 +152,8 @@ impl Engine {
                 cfg.aggregate.skew_window_ms * 1_000_000,
                 cfg.aggregate.max_series,
             )
-            .with_rank_limit(cfg.limits.max_rank_series),
+            .with_rank_limit(cfg.limits.max_rank_series)
+            .with_job_limit(cfg.limits.max_job_series),
             cfg,
             segments: Vec::new(),
             hub,

@@ -25,6 +25,7 @@ const P50_EVERY: u32 = 256;
 /// hashbrown rather than std: its maps are looked up by the instance's borrowed strings
 /// ([`SeriesRef`], [`RankRef`]), so a known series costs no allocation or reference count.
 type Map<K, V> = hashbrown::HashMap<K, V, foldhash::fast::RandomState>;
+use hashbrown::hash_map::RawEntryMut;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeriesKey {
@@ -84,6 +85,21 @@ impl hashbrown::Equivalent<RankKey> for RankRef<'_> {
     }
 }
 
+/// How many series and rank series a job has.
+#[derive(Clone, Copy, Debug, Default)]
+struct JobSeries {
+    series: usize,
+    ranks: usize,
+}
+
+fn job_entry<'a>(per_job: &'a mut Map<Arc<str>, JobSeries>, job: &str) -> &'a mut JobSeries {
+    per_job
+        .raw_entry_mut()
+        .from_key(job)
+        .or_insert_with(|| (job.into(), JobSeries::default()))
+        .1
+}
+
 #[derive(Clone, Debug)]
 pub struct RankSeries {
     pub collectives: u64,
@@ -138,6 +154,10 @@ pub struct Stats {
     /// and left out of the per-rank statistics and skew.
     max_ranks: usize,
     pub rank_series_refused: u64,
+    /// Series and rank series one job may have (`limits.max_job_series`): a job that creates
+    /// series without end fills its own share, not the room of every other job.
+    max_job_series: usize,
+    per_job: Map<Arc<str>, JobSeries>,
     /// Slots of every window.
     slots: usize,
 }
@@ -157,6 +177,8 @@ impl Stats {
             skew_evaluated: 0,
             max_ranks: usize::MAX,
             rank_series_refused: 0,
+            max_job_series: usize::MAX,
+            per_job: Map::default(),
             slots: 0,
         }
     }
@@ -164,6 +186,12 @@ impl Stats {
     /// Caps the rank series (see [`Stats::rank_series_refused`]).
     pub fn with_rank_limit(mut self, max_ranks: usize) -> Stats {
         self.max_ranks = max_ranks;
+        self
+    }
+
+    /// Caps the series and the rank series of each job.
+    pub fn with_job_limit(mut self, max_job_series: usize) -> Stats {
+        self.max_job_series = max_job_series;
         self
     }
 
@@ -175,23 +203,25 @@ impl Stats {
     /// `min_samples` (for the slow-outlier sampling decision).
     pub fn observe(&mut self, c: InstanceRef, now_ns: u64, min_samples: u64) -> Option<u64> {
         let window = self.window_ns;
-        let s = self.series_of(c, now_ns);
-        // A settled p50 moves slowly: once the series has a few windows' worth of samples, recompute
-        // it every P50_EVERY samples rather than on every instance.
-        if s.p50_age >= P50_EVERY || s.rolling_exec_ns.count() < 4 * P50_EVERY as u64 {
-            s.p50_exec_ns = s.rolling_exec_ns.quantile(0.5);
-            s.p50_age = 0;
-        }
-        s.p50_age += 1;
-        s.last_ns = now_ns;
-        let p50 = (s.rolling_exec_ns.count() >= min_samples).then_some(s.p50_exec_ns);
-        s.exec_us.record(c.exec_ns as f64 / 1000.0);
-        s.rolling_exec_ns.record(c.exec_ns, now_ns, window);
-        if c.exec_ns > 0 {
-            s.busbw_gbs.record(c.busbw_gbs);
-            s.rolling_busbw_mbs
-                .record((c.busbw_gbs * 1000.0) as u64, now_ns, window);
-        }
+        let p50 = self.with_series(c, now_ns, |s| {
+            // A settled p50 moves slowly: once the series has a few windows' worth of samples,
+            // recompute it every P50_EVERY samples rather than on every instance.
+            if s.p50_age >= P50_EVERY || s.rolling_exec_ns.count() < 4 * P50_EVERY as u64 {
+                s.p50_exec_ns = s.rolling_exec_ns.quantile(0.5);
+                s.p50_age = 0;
+            }
+            s.p50_age += 1;
+            s.last_ns = now_ns;
+            let p50 = (s.rolling_exec_ns.count() >= min_samples).then_some(s.p50_exec_ns);
+            s.exec_us.record(c.exec_ns as f64 / 1000.0);
+            s.rolling_exec_ns.record(c.exec_ns, now_ns, window);
+            if c.exec_ns > 0 {
+                s.busbw_gbs.record(c.busbw_gbs);
+                s.rolling_busbw_mbs
+                    .record((c.busbw_gbs * 1000.0) as u64, now_ns, window);
+            }
+            p50
+        });
         let rank = RankRef {
             job: c.job_id(),
             comm_hash: c.comm_hash,
@@ -199,9 +229,13 @@ impl Stats {
         };
         let at_limit = self.ranks.len() >= self.max_ranks;
         let entry = self.ranks.raw_entry_mut().from_key(&rank);
-        if at_limit && matches!(entry, hashbrown::hash_map::RawEntryMut::Vacant(_)) {
-            self.rank_series_refused += 1;
-            return p50;
+        if let RawEntryMut::Vacant(_) = entry {
+            let job = job_entry(&mut self.per_job, rank.job);
+            if at_limit || job.ranks >= self.max_job_series {
+                self.rank_series_refused += 1;
+                return p50;
+            }
+            job.ranks += 1;
         }
         let (_, r) = entry.or_insert_with(|| {
             let key = RankKey {
@@ -235,8 +269,14 @@ impl Stats {
         p50
     }
 
-    /// `c`'s series, created if new; beyond `max_series` new series fold into the overflow series.
-    fn series_of(&mut self, c: InstanceRef, now_ns: u64) -> &mut Series {
+    /// Applies `f` to `c`'s series, created if new; beyond `max_series` in all, or beyond the job's
+    /// share ([`Stats::with_job_limit`]), new series fold into the overflow series.
+    fn with_series<R>(
+        &mut self,
+        c: InstanceRef,
+        now_ns: u64,
+        f: impl FnOnce(&mut Series) -> R,
+    ) -> R {
         let key = SeriesRef {
             job: c.job_id(),
             comm_hash: c.comm_hash,
@@ -253,30 +293,31 @@ impl Stats {
             p50_age: u32::MAX,
             last_ns: now_ns,
         };
-        if self.series.len() >= self.max_series && !self.series.contains_key(&key) {
-            self.folded += 1;
-            let overflow = SeriesKey {
-                job: self.none.clone(),
-                comm_hash: 0,
-                func: self.none.clone(),
-                size_bucket: OVERFLOW_BUCKET,
-            };
-            return self.series.entry(overflow).or_insert_with(new);
+        let full = self.series.len() >= self.max_series;
+        match self.series.raw_entry_mut().from_key(&key) {
+            RawEntryMut::Occupied(mut e) => return f(e.get_mut()),
+            RawEntryMut::Vacant(v) => {
+                let job = job_entry(&mut self.per_job, key.job);
+                if !full && job.series < self.max_job_series {
+                    job.series += 1;
+                    let owned = SeriesKey {
+                        job: key.job.into(),
+                        comm_hash: key.comm_hash,
+                        func: key.func.into(),
+                        size_bucket: key.size_bucket,
+                    };
+                    return f(v.insert(owned, new()).1);
+                }
+            }
         }
-        let (_, series) = self
-            .series
-            .raw_entry_mut()
-            .from_key(&key)
-            .or_insert_with(|| {
-                let owned = SeriesKey {
-                    job: key.job.into(),
-                    comm_hash: key.comm_hash,
-                    func: key.func.into(),
-                    size_bucket: key.size_bucket,
-                };
-                (owned, new())
-            });
-        series
+        self.folded += 1;
+        let overflow = SeriesKey {
+            job: self.none.clone(),
+            comm_hash: 0,
+            func: self.none.clone(),
+            size_bucket: OVERFLOW_BUCKET,
+        };
+        f(self.series.entry(overflow).or_insert_with(new))
     }
 
     fn arrive(&mut self, c: InstanceRef, expected: usize, now_ns: u64) {
@@ -371,6 +412,13 @@ impl Stats {
         let live = |last: u64| now_ns.saturating_sub(last) < idle_ns;
         self.series.retain(|_, s| live(s.last_ns));
         self.ranks.retain(|_, r| live(r.last_ns));
+        self.per_job.clear();
+        for k in self.series.keys() {
+            job_entry(&mut self.per_job, &k.job).series += 1;
+        }
+        for k in self.ranks.keys() {
+            job_entry(&mut self.per_job, &k.job).ranks += 1;
+        }
     }
 
     /// Collectives per job, with the first and last end time, over the job's ranks.
@@ -639,5 +687,18 @@ mod tests {
         assert!(s.slots <= MAX_WINDOW);
         s.expire(u64::MAX);
         assert_eq!(s.slots, 0);
+        // A job at its share of series: its new series fold, another job's do not.
+        let mut s = Stats::new(60_000_000_000, 1000, 100).with_job_limit(1);
+        s.observe(coll(0, 0, 1_000, 10).view(), 0, 1);
+        let mut other = coll(1, 0, 1_000, 10);
+        Arc::make_mut(&mut other.names).set(other.inst.func, "Broadcast".into());
+        s.observe(other.view(), 0, 1);
+        assert_eq!((s.folded, s.rank_series_refused), (1, 1));
+        let mut job = coll(0, 0, 1_000, 10);
+        Arc::make_mut(&mut job.names).job_id = "k".into();
+        s.observe(job.view(), 0, 1);
+        assert_eq!((s.folded, s.rank_series_refused, s.ranks.len()), (1, 1, 2));
+        s.evict_idle(10, 5);
+        assert!(s.per_job.is_empty(), "shares follow eviction");
     }
 }
