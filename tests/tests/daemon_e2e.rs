@@ -834,3 +834,320 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
         "segments reaped after their processes exited"
     );
 }
+
+const FAULT_ENV: &str = "NCCLSCOPE_TEST_FAULT";
+
+/// A misbehaving process, run by the tests below through `FAULT_ENV` = "mode|prefix|socket|seconds".
+/// `truncate`: registers, writes a communicator and 100 complete collectives, then shrinks its segment
+/// to nothing under the daemon's mapping and lives on for `seconds`. `hostile`: registers and, for
+/// `seconds`, writes valid records as fast as its ring takes them, each made to grow the daemon's
+/// state: new communicators, strings, re-definitions, device-function names and devices, kernel records
+/// for one operation without end, operations that never stop, work items of unknown communicators.
+#[test]
+#[ignore = "child process of the daemon fault tests"]
+fn daemon_fault_child() {
+    let spec = std::env::var(FAULT_ENV).expect("run by the daemon fault tests");
+    let f: Vec<&str> = spec.split('|').collect();
+    let (mode, prefix, socket) = (f[0], f[1], Path::new(f[2]));
+    let run = Duration::from_secs(f[3].parse().unwrap());
+    let owner = Owner::of_process(std::process::id(), "testhost".into(), format!("{mode}-job"));
+    let name = owner.segment_name(prefix);
+    let mut p = Producer::new(Segment::create(&name, &owner, 1 << 16).unwrap());
+    register(socket, &name);
+    let comm = |comm: u32, comm_hash: u64, cuda_dev: i32, path| Record::Comm {
+        comm,
+        comm_hash,
+        rank: comm % 64,
+        nranks: 64,
+        nnodes: 1,
+        cuda_dev,
+        name: StrId(0),
+        nccl_version: 22809,
+        path,
+        host_ns: 0,
+    };
+    let coll = |comm: u32, id: u64, seq: u64, n_channels: u8| Record::CollStart {
+        comm,
+        id,
+        seq,
+        func: StrId(1),
+        datatype: StrId(2),
+        algo: StrId(0),
+        proto: StrId(0),
+        count: 1 << 10,
+        root: -1,
+        n_channels,
+        n_warps: 8,
+        host_ns: 0,
+    };
+    p.push(&Record::str(StrId(1), b"AllReduce"));
+    p.push(&Record::str(StrId(2), b"ncclFloat32"));
+    p.push(&Record::Calibration {
+        cuda_dev: 0,
+        offset_ns: 0,
+        error_ns: 1,
+        drift_ppb: 0,
+        host_ns: 0,
+    });
+    p.push(&comm(0, 0xbad, 0, TimingPath::KernelCh));
+    let t0 = Instant::now();
+    if mode == "truncate" {
+        for id in 1..=100 {
+            p.push(&coll(0, id, id, 1));
+            p.push(&Record::KernelCh {
+                comm: 0,
+                parent: id,
+                channel: 0,
+                gpu_start: 10,
+                gpu_stop: 20,
+                host_ns: 0,
+            });
+            p.push(&Record::OpStop {
+                comm: 0,
+                id,
+                host_ns: 0,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let shm = rustix::shm::open(
+            format!("/{name}").as_str(),
+            rustix::shm::OFlags::RDWR,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap();
+        rustix::fs::ftruncate(&shm, 0).unwrap();
+        // The producer's own mapping is gone too: touching it now would fault this process.
+        std::mem::forget(p);
+        std::thread::sleep(run);
+        return;
+    }
+    // The operation whose kernel records never end.
+    p.push(&coll(0, 1, 0, 2));
+    let mut i: u64 = 0;
+    while t0.elapsed() < run {
+        for _ in 0..4096 {
+            i += 1;
+            let n = (i / 8) as u32 + 1;
+            let rec = match i % 8 {
+                0 => comm(n, n as u64, n as i32, TimingPath::DeviceHook),
+                1 => Record::str(StrId((i % 65_535) as u16 + 1), format!("s{i}").as_bytes()),
+                2 => Record::FuncName {
+                    func_id: i as u32,
+                    name: StrId(1),
+                },
+                3 => Record::Calibration {
+                    cuda_dev: i as i32,
+                    offset_ns: i as i64,
+                    error_ns: 1,
+                    drift_ppb: 0,
+                    host_ns: 0,
+                },
+                4 => Record::KernelCh {
+                    comm: 0,
+                    parent: 1,
+                    channel: (i % 64) as u8,
+                    gpu_start: i,
+                    gpu_stop: i + 1,
+                    host_ns: 0,
+                },
+                5 => Record::CommEnd {
+                    comm: n.saturating_sub(3).max(1),
+                    host_ns: 0,
+                },
+                6 => coll(n, 1 + i, i << 16, 64),
+                _ => Record::DevWork {
+                    comm: n,
+                    channel: (i % 256) as u8,
+                    func_id: i as u32,
+                    work_counter: i,
+                    gpu_start: i,
+                    gpu_stop: i + 1,
+                },
+            };
+            p.push(&rec);
+        }
+        std::thread::yield_now();
+    }
+}
+
+impl Harness {
+    fn start_fault(&mut self, mode: &str, seconds: u64) {
+        let spec = format!(
+            "{mode}|{}|{}|{seconds}",
+            self.prefix,
+            self.socket().display()
+        );
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "daemon_fault_child",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(FAULT_ENV, spec)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.ranks.push(child);
+    }
+
+    fn daemon_alive(&mut self) -> bool {
+        self.daemon
+            .as_mut()
+            .is_some_and(|d| d.try_wait().unwrap().is_none())
+    }
+
+    /// The daemon's resident memory in MiB (VmRSS).
+    fn daemon_rss_mib(&self) -> f64 {
+        let pid = self.daemon.as_ref().expect("daemon running").id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().strip_suffix("kB"))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / 1024.0
+    }
+
+    /// The e2e ranks' collectives the daemon counted, over their rank series.
+    fn job_collectives(&self) -> f64 {
+        self.metrics()
+            .lines()
+            .filter(|l| {
+                l.starts_with(&format!(
+                    "ncclscope_rank_collectives_total{{job_id=\"{JOB}\""
+                ))
+            })
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum()
+    }
+}
+
+/// Waits until the e2e ranks' `total` collectives are counted; returns how long that took.
+fn wait_job(h: &Harness, total: u64, timeout: Duration) -> Duration {
+    let t = Instant::now();
+    while h.job_collectives() < total as f64 && t.elapsed() < timeout {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        h.job_collectives(),
+        total as f64,
+        "every collective of the well-behaved ranks counted"
+    );
+    t.elapsed()
+}
+
+/// Issue 11, item 3: a process that truncates its registered segment under the daemon's mapping.
+#[test]
+fn a_segment_truncated_by_its_owner_is_detached_and_the_daemon_ingests_on() {
+    const NCOLLS: u64 = 2000;
+    let mut h = Harness::new("truncate", "");
+    h.start_daemon();
+    h.start_fault("truncate", 3);
+    h.start_ranks(2, NCOLLS, 1000);
+    let metric = |h: &Harness, stage: &str| {
+        sample(
+            &h.metrics(),
+            &format!("ncclscope_lost_total{{stage=\"{stage}\"}}"),
+        )
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(&h, "corrupt_segment") != Some(1.0) && Instant::now() < deadline {
+        assert!(h.daemon_alive(), "the daemon died (SIGBUS)");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(metric(&h, "corrupt_segment"), Some(1.0), "{}", h.metrics());
+    assert!(h.daemon_alive(), "the daemon survives the truncation");
+    // What the truncating process wrote before it truncated was delivered.
+    let text = h.metrics();
+    let truncated: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("ncclscope_rank_collectives_total{job_id=\"truncate-job\""))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum();
+    assert_eq!(truncated, 100.0, "{text}");
+    h.wait_ranks();
+    let took = wait_job(&h, 2 * NCOLLS, Duration::from_secs(30));
+    eprintln!("truncate: well-behaved ranks complete {took:?} after they exited");
+    assert!(h.daemon_alive());
+    // The truncated segment is removed once its process is gone.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while h.segments_left() > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(h.segments_left(), 0);
+}
+
+/// Issue 11, item 4: a process writing an adversarial stream beside two well-behaved ranks. The
+/// daemon's memory stays bounded, the refusals are counted, and the ranks are ingested completely
+/// and promptly.
+#[test]
+fn a_hostile_segment_is_bounded_and_does_not_starve_the_others() {
+    const NCOLLS: u64 = 4000;
+    const HOSTILE_SECS: u64 = 12;
+    let mut h = Harness::new("hostile", "");
+    h.start_daemon();
+    std::thread::sleep(Duration::from_millis(300));
+    let rss_start = h.daemon_rss_mib();
+    h.start_fault("hostile", HOSTILE_SECS);
+    let t0 = Instant::now();
+    let mut samples = Vec::new();
+    // The well-behaved ranks start once the hostile stream is in full flow.
+    let mut ranks_started = false;
+    while t0.elapsed() < Duration::from_secs(HOSTILE_SECS) {
+        assert!(h.daemon_alive(), "the daemon died");
+        samples.push((t0.elapsed().as_secs_f64(), h.daemon_rss_mib()));
+        if !ranks_started && t0.elapsed() > Duration::from_secs(4) {
+            h.start_ranks(2, NCOLLS, 500);
+            ranks_started = true;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let text = h.metrics();
+    let rss_max = samples.iter().map(|s| s.1).fold(0.0, f64::max);
+    let half: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.0 >= HOSTILE_SECS as f64 / 2.0)
+        .map(|s| s.1)
+        .collect();
+    let late_growth = half.last().unwrap() - half.first().unwrap();
+    let stage = |s: &str| {
+        sample(&text, &format!("ncclscope_lost_total{{stage=\"{s}\"}}")).unwrap_or(0.0)
+    };
+    eprintln!(
+        "hostile: daemon RSS {rss_start:.1} MiB before, max {rss_max:.1} MiB, growth over the last \
+         half {late_growth:.1} MiB; records {:?}; refused: comm {} string {} func_name {} device {} \
+         channel {} early_work {} rank_series {}; pending_overflow {} ring_full {}",
+        sample(&text, "ncclscope_records_total"),
+        stage("comm_limit"),
+        stage("string_limit"),
+        stage("func_name_limit"),
+        stage("device_limit"),
+        stage("channel_limit"),
+        stage("early_work_limit"),
+        stage("rank_series_limit"),
+        stage("pending_overflow"),
+        stage("ring_full"),
+    );
+    for s in [
+        "comm_limit",
+        "string_limit",
+        "func_name_limit",
+        "device_limit",
+        "channel_limit",
+    ] {
+        assert!(stage(s) > 0.0, "{s} counted");
+    }
+    assert!(rss_max < 200.0, "daemon RSS {rss_max:.1} MiB: {samples:?}");
+    assert!(
+        late_growth < 16.0,
+        "daemon RSS still growing by {late_growth:.1} MiB: {samples:?}"
+    );
+    // The well-behaved ranks ran beside it (paced: about 2 s) and are complete within seconds.
+    h.wait_ranks();
+    let took = wait_job(&h, 2 * NCOLLS, Duration::from_secs(10));
+    eprintln!("hostile: well-behaved ranks complete {took:?} after they exited");
+    assert!(h.daemon_alive());
+}
