@@ -243,6 +243,8 @@ pub struct Assembler {
     early_works: usize,
     /// Committed tail: records before it are never read again.
     committed: u64,
+    /// The set of communicators changed since [`Assembler::take_comms_changed`].
+    comms_changed: bool,
     pub counters: AssembleCounters,
 }
 
@@ -266,6 +268,7 @@ impl Assembler {
             awaiting_calibration: Map::default(),
             early_works: 0,
             committed: 0,
+            comms_changed: false,
             counters: AssembleCounters::default(),
         }
     }
@@ -311,6 +314,11 @@ impl Assembler {
         d.calibrations.sort_unstable_by_key(|e| e.0);
         d.comms.sort_unstable_by_key(|c| c.comm);
         d
+    }
+
+    /// Whether a communicator was announced, finalized or forgotten since the last call.
+    pub fn take_comms_changed(&mut self) -> bool {
+        std::mem::take(&mut self.comms_changed)
     }
 
     /// Whether the dictionary changed since the last call.
@@ -389,6 +397,7 @@ impl Assembler {
         for comm in gone {
             self.comms.remove(&comm);
             self.comm_ops.remove(&comm);
+            self.comms_changed = true;
         }
         self.comms.len() < self.limits.max_comms
     }
@@ -489,6 +498,7 @@ impl Assembler {
                 } else {
                     self.comms.insert(comm, info);
                     self.dictionary_changed = true;
+                    self.comms_changed = true;
                 }
             }
             Record::CommEnd { comm, .. } => {
@@ -498,19 +508,19 @@ impl Assembler {
                         self.finish(id, out);
                     }
                 }
-                let early = &mut self.early_works;
-                self.waiting.retain(|(c, _), lane| {
-                    if *c == comm {
-                        *early -= lane.works.len();
+                // Its lanes by key (lanes exist for channels < 64 only): not a pass over all lanes.
+                for ch in 0..64 {
+                    if let Some(lane) = self.waiting.remove(&(comm, ch)) {
+                        self.early_works -= lane.works.len();
                     }
-                    *c != comm
-                });
+                }
                 if let Some(c) = self.comms.get_mut(&comm)
                     && !c.ended
                 {
                     c.ended = true;
                     c.ended_pos = pos;
                     self.dictionary_changed = true;
+                    self.comms_changed = true;
                 }
             }
             Record::CollStart {

@@ -371,14 +371,7 @@ impl Engine {
                 for &(pos, ref words) in &self.reads {
                     seg.read_upto = pos + 1;
                     match ncclscope_proto::Record::decode(words) {
-                        Ok(ref rec) => {
-                            comms_changed |= matches!(
-                                rec,
-                                ncclscope_proto::Record::Comm { .. }
-                                    | ncclscope_proto::Record::CommEnd { .. }
-                            );
-                            seg.asm.apply(pos, rec, now, &mut self.completed);
-                        }
+                        Ok(ref rec) => seg.asm.apply(pos, rec, now, &mut self.completed),
                         Err(_) => seg.asm.counters.decode_errors += 1,
                     }
                 }
@@ -387,6 +380,7 @@ impl Engine {
                 }
             }
             busy |= left == 0;
+            comms_changed |= seg.asm.take_comms_changed();
             self.end_run(i);
             // With many busy segments, deliver while what was assembled is still in cache.
             if self.completed.len() >= DELIVER_AT {
