@@ -7,6 +7,7 @@
 //! one communicator run in order), checked against the funcId's name when the host supplied one.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
@@ -56,6 +57,8 @@ pub struct AssembleCounters {
     pub device_limit: u64,
     pub channel_limit: u64,
     pub early_work_limit: u64,
+    /// Dictionary entries refused because the uid's segments together hold `uid_max_dictionary`.
+    pub uid_limit: u64,
 }
 
 /// A communicator as the process announced it.
@@ -213,6 +216,44 @@ fn in_flight(ops: &Map<u64, Op>, &(pos, id): &(u64, u64)) -> bool {
     ops.get(&id).is_some_and(|o| o.first_pos == pos)
 }
 
+/// Dictionary entries (communicators, strings, device-function names, devices) held by every
+/// segment of one uid together, shared by their assemblers: one user's processes cannot together
+/// hold more than `limits.uid_max_dictionary`, however many segments they attach. Taken and given
+/// back only where an entry is added or forgotten, never per operation.
+#[derive(Debug)]
+pub struct UidBudget {
+    used: AtomicUsize,
+    max: usize,
+}
+
+impl UidBudget {
+    pub fn new(max: usize) -> Arc<UidBudget> {
+        Arc::new(UidBudget {
+            used: AtomicUsize::new(0),
+            max,
+        })
+    }
+
+    /// Entries held now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    fn take(&self) -> bool {
+        (self.used)
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+                (u < self.max).then_some(u + 1)
+            })
+            .is_ok()
+    }
+}
+
+impl Drop for Assembler {
+    fn drop(&mut self) {
+        self.uid.used.fetch_sub(self.uid_held, Ordering::Relaxed);
+    }
+}
+
 /// Per-process assembly state.
 pub struct Assembler {
     pid: u32,
@@ -245,6 +286,9 @@ pub struct Assembler {
     committed: u64,
     /// The set of communicators changed since [`Assembler::take_comms_changed`].
     comms_changed: bool,
+    /// The uid's budget and what this process holds of it (given back on drop).
+    uid: Arc<UidBudget>,
+    uid_held: usize,
     pub counters: AssembleCounters,
 }
 
@@ -269,6 +313,8 @@ impl Assembler {
             early_works: 0,
             committed: 0,
             comms_changed: false,
+            uid: UidBudget::new(usize::MAX),
+            uid_held: 0,
             counters: AssembleCounters::default(),
         }
     }
@@ -277,6 +323,27 @@ impl Assembler {
     pub fn with_limits(mut self, limits: Limits) -> Assembler {
         self.limits = limits;
         self
+    }
+
+    /// Counts this process's dictionary against its uid's budget, shared with the uid's other segments.
+    pub fn with_uid_budget(mut self, uid: Arc<UidBudget>) -> Assembler {
+        self.uid = uid;
+        self
+    }
+
+    /// One more dictionary entry from the uid's budget; counted `uid_limit` when there is none left.
+    fn take_uid(&mut self) -> bool {
+        if self.uid.take() {
+            self.uid_held += 1;
+            return true;
+        }
+        self.counters.uid_limit += 1;
+        false
+    }
+
+    fn give_uid(&mut self, n: usize) {
+        self.uid.used.fetch_sub(n, Ordering::Relaxed);
+        self.uid_held -= n;
     }
 
     /// Resumes from a persisted dictionary and the operations a previous daemon delivered.
@@ -296,6 +363,13 @@ impl Assembler {
             .into_iter()
             .map(|(id, pos, flags)| (id, (pos, flags)))
             .collect();
+        // What a previous daemon accepted is restored whole, even beyond the uid's budget now.
+        let n = self.names.iter().count()
+            + self.func_names.len()
+            + self.calibrations.len()
+            + self.comms.len();
+        self.uid.used.fetch_add(n, Ordering::Relaxed);
+        self.uid_held += n;
     }
 
     pub fn dictionary(&self) -> Dictionary {
@@ -398,6 +472,7 @@ impl Assembler {
             self.comms.remove(&comm);
             self.comm_ops.remove(&comm);
             self.comms_changed = true;
+            self.give_uid(1);
         }
         self.comms.len() < self.limits.max_comms
     }
@@ -412,12 +487,13 @@ impl Assembler {
                 // The plugin defines each id once; the same definition read again (after a
                 // restart) changes nothing, another one is refused: an instance's strings never
                 // change under it, and a string costs at most one copy of its chunk.
-                match self.names.defined(id) {
-                    Some(t) if *t == *text => {}
-                    Some(_) => self.counters.string_limit += 1,
+                match self.names.defined(id).map(|t| *t == *text) {
+                    Some(true) => {}
+                    Some(false) => self.counters.string_limit += 1,
                     None if id.0 as usize > self.limits.max_strings => {
                         self.counters.string_limit += 1
                     }
+                    None if !self.take_uid() => {}
                     None => {
                         Arc::make_mut(&mut self.names).set(id, text.into_owned());
                         self.datatype_bytes.clear();
@@ -426,12 +502,11 @@ impl Assembler {
                 }
             }
             Record::FuncName { func_id, name } => {
+                let known = self.func_names.contains_key(&func_id);
                 if self.func_names.get(&func_id) == Some(&name.0) {
-                } else if self.func_names.len() >= self.limits.max_func_names
-                    && !self.func_names.contains_key(&func_id)
-                {
+                } else if !known && self.func_names.len() >= self.limits.max_func_names {
                     self.counters.func_name_limit += 1;
-                } else {
+                } else if known || self.take_uid() {
                     self.func_names.insert(func_id, name.0);
                     self.dictionary_changed = true;
                 }
@@ -456,7 +531,9 @@ impl Assembler {
                     None if full => {
                         self.counters.device_limit += 1;
                     }
+                    None if !self.uid.take() => self.counters.uid_limit += 1,
                     None => {
+                        self.uid_held += 1;
                         self.calibrations.insert(cuda_dev, cal);
                         self.dictionary_changed = true;
                         // Operations that were only waiting for this device's first calibration.
@@ -492,10 +569,11 @@ impl Assembler {
                     ended: false,
                     ended_pos: 0,
                 };
+                let known = self.comms.contains_key(&comm);
                 if self.comms.get(&comm) == Some(&info) {
-                } else if !self.comms.contains_key(&comm) && !self.room_for_comm() {
+                } else if !known && !self.room_for_comm() {
                     self.counters.comm_limit += 1;
-                } else {
+                } else if known || self.take_uid() {
                     self.comms.insert(comm, info);
                     self.dictionary_changed = true;
                     self.comms_changed = true;
@@ -1703,5 +1781,38 @@ mod tests {
             vec![11, 12, 13]
         );
         assert_eq!(a.pending(), 0);
+    }
+
+    #[test]
+    fn one_uids_processes_share_its_dictionary_budget() {
+        let budget = UidBudget::new(6);
+        let asm =
+            || Assembler::new(7, "job".into(), "node".into(), 100).with_uid_budget(budget.clone());
+        let mut a = asm();
+        feed(&mut a, &prelude(TimingPath::KernelCh));
+        assert_eq!((budget.used(), a.counters.uid_limit), (6, 0));
+        let mut b = asm();
+        feed(&mut b, &prelude(TimingPath::KernelCh));
+        assert_eq!(
+            b.counters.uid_limit, 6,
+            "4 strings, a device, a communicator"
+        );
+        assert_eq!(b.dictionary(), Dictionary::default());
+        // The same entries read again take nothing more.
+        feed(&mut a, &prelude(TimingPath::KernelCh));
+        assert_eq!(budget.used(), 6);
+        // A process's entries go back when its segment is reaped.
+        drop(a);
+        assert_eq!(budget.used(), 0);
+        feed(&mut b, &prelude(TimingPath::KernelCh));
+        assert_eq!(budget.used(), 6);
+        let dict = b.dictionary();
+        drop(b);
+        // A restored dictionary counts, even beyond the budget.
+        let mut c = asm();
+        c.restore(dict.clone(), []);
+        let mut d = asm();
+        d.restore(dict, []);
+        assert_eq!(budget.used(), 12);
     }
 }

@@ -57,6 +57,9 @@ pub struct Limits {
     /// Statistics series, and rank series, of one job (within `aggregate.max_series` and
     /// `max_rank_series`): a job that keeps creating series fills its own share only.
     pub max_job_series: usize,
+    /// Dictionary entries (communicators, strings, device-function names, devices) held by all the
+    /// segments of one uid together.
+    pub uid_max_dictionary: usize,
 }
 
 impl Default for Limits {
@@ -69,6 +72,7 @@ impl Default for Limits {
             max_early_works: 65_536,
             max_rank_series: 4096,
             max_job_series: 1024,
+            uid_max_dictionary: 65_536,
         }
     }
 }
@@ -335,6 +339,10 @@ impl Config {
             ("limits.max_early_works", self.limits.max_early_works as u64),
             ("limits.max_rank_series", self.limits.max_rank_series as u64),
             ("limits.max_job_series", self.limits.max_job_series as u64),
+            (
+                "limits.uid_max_dictionary",
+                self.limits.uid_max_dictionary as u64,
+            ),
         ];
         for (key, v) in positive {
             if v == 0 {

@@ -20,7 +20,7 @@ use ncclscope_proto::segment::{self, Consumer, Counter, RawRead, Segment, Segmen
 use opentelemetry_proto::tonic::metrics::v1::Metric;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::assemble::{AssembleCounters, Assembler, Completed, done};
+use crate::assemble::{AssembleCounters, Assembler, Completed, UidBudget, done};
 use crate::config::Config;
 use crate::hub::{Durable, Hub};
 use crate::instance::{InstanceRef, Shared};
@@ -100,6 +100,8 @@ pub struct Engine {
     reaped_asm: AssembleCounters,
     daemon_lost: HashMap<&'static str, u64>,
     collectives: u64,
+    /// Dictionary budget of each uid with segments attached (shared by its assemblers).
+    uid_budgets: HashMap<u32, Arc<UidBudget>>,
     /// Segments detached as corrupt; skipped by rescans while they exist.
     broken: std::collections::HashSet<SegmentName>,
     /// Buffers reused by every tick (their capacity would otherwise be reallocated each time).
@@ -132,6 +134,7 @@ fn add(a: &mut AssembleCounters, b: &AssembleCounters) {
     a.device_limit += b.device_limit;
     a.channel_limit += b.channel_limit;
     a.early_work_limit += b.early_work_limit;
+    a.uid_limit += b.uid_limit;
 }
 
 impl Engine {
@@ -164,6 +167,7 @@ impl Engine {
             reaped_asm: AssembleCounters::default(),
             daemon_lost: HashMap::new(),
             collectives: 0,
+            uid_budgets: HashMap::new(),
             broken: Default::default(),
             reads: Vec::new(),
             completed: Vec::new(),
@@ -223,13 +227,18 @@ impl Engine {
             ));
         }
         let owner = segment.owner();
+        self.uid_budgets.retain(|_, b| Arc::strong_count(b) > 1);
+        let budget = (self.uid_budgets.entry(name.uid))
+            .or_insert_with(|| UidBudget::new(self.cfg.limits.uid_max_dictionary))
+            .clone();
         let mut asm = Assembler::new(
             owner.pid,
             owner.job_id.clone(),
             owner.hostname.clone(),
             self.cfg.aggregate.max_pending_ops,
         )
-        .with_limits(self.cfg.limits.clone());
+        .with_limits(self.cfg.limits.clone())
+        .with_uid_budget(budget);
         let mut state_saved = false;
         match state::load(&self.cfg.state_dir, &label) {
             Ok(Some(st)) if st.tail <= segment.tail() => {
@@ -637,6 +646,7 @@ impl Engine {
             ("device_limit", asm.device_limit),
             ("channel_limit", asm.channel_limit),
             ("early_work_limit", asm.early_work_limit),
+            ("uid_limit", asm.uid_limit),
             ("rank_series_limit", self.stats.rank_series_refused),
         ] {
             lost.insert(stage.into(), n);
