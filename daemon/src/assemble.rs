@@ -284,6 +284,9 @@ pub struct Assembler {
     early_works: usize,
     /// Committed tail: records before it are never read again.
     committed: u64,
+    /// Earliest CommEnd position among the finalized communicators held (u64::MAX: none), so a
+    /// communicator refused at the limit costs a look at all of them only when one can go.
+    first_end: u64,
     /// The set of communicators changed since [`Assembler::take_comms_changed`].
     comms_changed: bool,
     /// The uid's budget and what this process holds of it (given back on drop).
@@ -312,6 +315,7 @@ impl Assembler {
             awaiting_calibration: Map::default(),
             early_works: 0,
             committed: 0,
+            first_end: u64::MAX,
             comms_changed: false,
             uid: UidBudget::new(usize::MAX),
             uid_held: 0,
@@ -359,6 +363,11 @@ impl Assembler {
         self.func_names = dict.func_names.into_iter().collect();
         self.calibrations = dict.calibrations.into_iter().collect();
         self.comms = dict.comms.into_iter().map(|c| (c.comm, c)).collect();
+        self.first_end = (self.comms.values())
+            .filter(|c| c.ended)
+            .map(|c| c.ended_pos)
+            .min()
+            .unwrap_or(u64::MAX);
         self.prior = delivered
             .into_iter()
             .map(|(id, pos, flags)| (id, (pos, flags)))
@@ -464,10 +473,18 @@ impl Assembler {
             return true;
         }
         let committed = self.committed;
+        if self.first_end >= committed {
+            return false;
+        }
         let gone: Vec<u32> = (self.comms.values())
             .filter(|c| c.ended && c.ended_pos < committed)
             .map(|c| c.comm)
             .collect();
+        self.first_end = (self.comms.values())
+            .filter(|c| c.ended && c.ended_pos >= committed)
+            .map(|c| c.ended_pos)
+            .min()
+            .unwrap_or(u64::MAX);
         for comm in gone {
             self.comms.remove(&comm);
             self.comm_ops.remove(&comm);
@@ -597,6 +614,7 @@ impl Assembler {
                 {
                     c.ended = true;
                     c.ended_pos = pos;
+                    self.first_end = self.first_end.min(pos);
                     self.dictionary_changed = true;
                     self.comms_changed = true;
                 }
