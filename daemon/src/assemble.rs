@@ -188,7 +188,7 @@ pub struct Completed {
 /// pruning, so a push costs constant time on average and the list stays within twice what is live.
 #[derive(Debug, Default)]
 struct OpIndex {
-    entries: Vec<(u64, u64)>,
+    entries: VecDeque<(u64, u64)>,
     prune_at: usize,
 }
 
@@ -198,7 +198,7 @@ impl OpIndex {
             self.entries.retain(|e| in_flight(ops, e));
             self.prune_at = 2 * self.entries.len() + 16;
         }
-        self.entries.push((first_pos, id));
+        self.entries.push_back((first_pos, id));
     }
 
     /// The operations still in flight, oldest first.
@@ -207,6 +207,51 @@ impl OpIndex {
             .into_iter()
             .filter(|e| in_flight(ops, e))
             .map(|(_, id)| id)
+    }
+}
+
+/// Communicators numbered below this (the plugin numbers a process's communicators from 0) have
+/// their [`OpIndex`] in a vector: no hashing per operation.
+const DIRECT_COMMS: usize = 64;
+
+/// The operations in flight of each communicator (what a CommEnd closes).
+#[derive(Debug, Default)]
+struct CommOps {
+    direct: Vec<OpIndex>,
+    other: Map<u32, OpIndex>,
+}
+
+impl CommOps {
+    fn get_mut(&mut self, comm: u32) -> &mut OpIndex {
+        let c = comm as usize;
+        if c >= DIRECT_COMMS {
+            return self.other.entry(comm).or_default();
+        }
+        if self.direct.len() <= c {
+            self.direct.resize_with(c + 1, OpIndex::default);
+        }
+        &mut self.direct[c]
+    }
+
+    fn take(&mut self, comm: u32) -> OpIndex {
+        match self.direct.get_mut(comm as usize) {
+            Some(index) => std::mem::take(index),
+            None => self.other.remove(&comm).unwrap_or_default(),
+        }
+    }
+
+    /// Drops a finished operation's entry if it is its communicator's oldest (operations mostly
+    /// finish in order); others go when the index is pruned.
+    fn finished(&mut self, comm: u32, first_pos: u64, id: u64) {
+        let index = match self.direct.get_mut(comm as usize) {
+            Some(index) => Some(index),
+            None => self.other.get_mut(&comm),
+        };
+        if let Some(index) = index
+            && index.entries.front() == Some(&(first_pos, id))
+        {
+            index.entries.pop_front();
+        }
     }
 }
 
@@ -276,8 +321,7 @@ pub struct Assembler {
     dictionary_changed: bool,
     max_pending: usize,
     limits: Limits,
-    /// Operations in flight per communicator (what a CommEnd closes).
-    comm_ops: Map<u32, OpIndex>,
+    comm_ops: CommOps,
     /// Complete operations waiting only for their device's first calibration, per device.
     awaiting_calibration: Map<i32, OpIndex>,
     /// Device-hook work items in all lanes.
@@ -311,7 +355,7 @@ impl Assembler {
             dictionary_changed: false,
             max_pending,
             limits: Limits::default(),
-            comm_ops: Map::default(),
+            comm_ops: CommOps::default(),
             awaiting_calibration: Map::default(),
             early_works: 0,
             committed: 0,
@@ -487,7 +531,7 @@ impl Assembler {
             .unwrap_or(u64::MAX);
         for comm in gone {
             self.comms.remove(&comm);
-            self.comm_ops.remove(&comm);
+            self.comm_ops.take(comm);
             self.comms_changed = true;
             self.give_uid(1);
         }
@@ -597,11 +641,9 @@ impl Assembler {
                 }
             }
             Record::CommEnd { comm, .. } => {
-                if let Some(index) = self.comm_ops.remove(&comm) {
-                    let ids: Vec<u64> = index.live(&self.ops).collect();
-                    for id in ids {
-                        self.finish(id, out);
-                    }
+                let ids: Vec<u64> = self.comm_ops.take(comm).live(&self.ops).collect();
+                for id in ids {
+                    self.finish(id, out);
                 }
                 // Its lanes by key (lanes exist for channels < 64 only): not a pass over all lanes.
                 for ch in 0..64 {
@@ -810,10 +852,7 @@ impl Assembler {
             self.counters.incomplete += 1;
             self.prune_by_pos();
         }
-        self.comm_ops
-            .entry(comm)
-            .or_default()
-            .push(first_pos, id, &self.ops);
+        self.comm_ops.get_mut(comm).push(first_pos, id, &self.ops);
         for ch in 0..hook_lanes {
             self.match_lane((comm, ch), now_ns, out);
         }
@@ -980,6 +1019,7 @@ impl Assembler {
             return;
         };
         self.prune_by_pos();
+        self.comm_ops.finished(op.comm, op.first_pos, id);
         let elem_bytes = self.datatype_size(op.datatype);
         if !op.complete() {
             self.counters.incomplete += 1;
