@@ -1000,4 +1000,38 @@ mod tests {
         assert_eq!(e.health().segments, 0, "not re-attached");
         Segment::unlink(&name).unwrap();
     }
+
+    #[test]
+    fn a_dictionary_that_keeps_changing_is_saved_at_a_bounded_rate_and_restart_safe() {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = format!("ncclscope-enginedict-{}", std::process::id());
+        let (name, mut p) = producer(&prefix);
+        let (mut e, _rx, _hub) = engine(dir.path(), &prefix);
+        e.rescan();
+        // A new string on every tick, for 200 ms.
+        let (mut saves, mut last) = (0, None);
+        let t0 = Instant::now();
+        let mut id = 1;
+        while t0.elapsed() < Duration::from_millis(200) && id < 4000 {
+            if p.push(&Record::str(StrId(id), b"x")) {
+                id += 1;
+            }
+            e.tick();
+            let saved = std::fs::read(state::path(dir.path(), &name.to_string())).ok();
+            if saved.is_some() && saved != last {
+                saves += 1;
+                last = saved;
+            }
+        }
+        assert!(id > 50, "strings defined: {id}");
+        assert!(
+            saves <= 21,
+            "{saves} state files written in 200 ms for {id} strings"
+        );
+        // The tail moved only with a saved dictionary that covers every record before it.
+        let st = state::load(dir.path(), &name.to_string()).unwrap().unwrap();
+        assert_eq!(st.tail, p.segment().tail());
+        assert!(st.dictionary.strings.len() as u64 >= st.tail);
+        Segment::unlink(&name).unwrap();
+    }
 }
