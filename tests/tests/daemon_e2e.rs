@@ -555,6 +555,12 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
     assert!(before >= 600, "first daemon exported {before} rank spans");
     let mut killed = h.signal_daemon(rustix::process::Signal::KILL);
     killed.wait().unwrap();
+    // What the killed daemon recorded is what its spool holds (a record the kill tore is not).
+    let recorded_by_first = ncclscope::spool::SpoolReader::open_dir(h.dir.path().join("spool"))
+        .unwrap()
+        .read_job(JOB)
+        .filter_map(Result::ok)
+        .count() as u64;
     std::thread::sleep(Duration::from_millis(300));
     // The second daemon finds the segments by scanning /dev/shm (the ranks registered only once).
     h.start_daemon();
@@ -606,7 +612,7 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
         expected.len()
     );
 
-    // The spool (the durable record behind `export`) has every instance.
+    // The spool (the durable record behind `export`) has every instance, once.
     let reader = ncclscope::spool::SpoolReader::open_dir(h.dir.path().join("spool")).unwrap();
     let spooled: Vec<(u32, u64)> = reader
         .read_job(JOB)
@@ -614,17 +620,45 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
         .collect();
     let spooled_set: BTreeSet<(u32, u64)> = spooled.iter().copied().collect();
     assert_eq!(spooled_set, expected, "spool complete across the restart");
-    // Re-recorded only within one state-save interval before the kill.
-    assert!(
-        spooled.len() - expected.len() < before,
-        "{} spool duplicates",
-        spooled.len() - expected.len()
+    assert_eq!(
+        spooled.len(),
+        expected.len(),
+        "spool holds an instance twice"
     );
     eprintln!(
-        "restart: spool holds {} records for {} instances",
+        "restart: spool holds {} records for {} instances, {recorded_by_first} of them recorded by the killed daemon",
         spooled.len(),
         expected.len()
     );
+
+    // Metrics count each instance in the run of the daemon that recorded it: the second daemon counts
+    // exactly what the first had not spooled (its counters start again from zero, a counter reset).
+    let counted_by_second = expected.len() as u64 - recorded_by_first;
+    let sum = |text: &str, prefix: &str| -> f64 {
+        text.lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut text = h.metrics();
+    while sum(&text, "ncclscope_collectives_total ") != counted_by_second as f64
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(200));
+        text = h.metrics();
+    }
+    for family in [
+        "ncclscope_collectives_total ",
+        "ncclscope_rank_collectives_total{",
+        "ncclscope_collective_exec_time_microseconds_count{",
+    ] {
+        assert_eq!(
+            sum(&text, family),
+            counted_by_second as f64,
+            "{family}: the restarted daemon counts exactly the instances not recorded before the kill"
+        );
+    }
 
     let deadline = Instant::now() + Duration::from_secs(30);
     while h.segments_left() > 0 && Instant::now() < deadline {
