@@ -868,3 +868,82 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
         "segments reaped after their processes exited"
     );
 }
+
+/// A panic in the plugin's forwarding thread (forced after N events by the test-only
+/// `NCCLSCOPE_TEST_PANIC=forward:N`, read once at init): the job's NCCL calls keep returning success,
+/// `finalize` returns at once instead of waiting for a thread that is gone, and the daemon reports the
+/// loss as `ncclscope_lost_total{stage="forward_panic"}`, next to what arrived before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_the_plugins_forwarding_thread_latches_it_off_and_is_counted() {
+    const COMMS: u32 = 3;
+    const COLLS: u32 = 400;
+    const PANIC_AFTER: u32 = 300;
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let mut h = Harness::new("fwdpanic", &collector.endpoint());
+    h.start_daemon();
+    let out = Command::new(ncclscope_fakenccl::process::rank_binary().unwrap())
+        .args(["--kind", "v5", "--comms", &COMMS.to_string()])
+        .args(["--colls", &COLLS.to_string(), "--channels", "2"])
+        .args(["--interval-us", "100"])
+        .env("NCCLSCOPE_SHM_PREFIX", &h.prefix)
+        .env("NCCLSCOPE_SOCKET", h.socket())
+        .env("NCCLSCOPE_JOB_ID", "panic-job")
+        .env("NCCLSCOPE_TEST_PANIC", format!("forward:{PANIC_AFTER}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the job survives: {stderr}");
+    let report: ncclscope_fakenccl::report::Report = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        stderr.contains("internal error in the forwarding thread; profiling disabled"),
+        "{stderr}"
+    );
+    assert_eq!(report.failed_calls, 0, "every NCCL call returned success");
+    let slowest = report.comms.iter().map(|c| c.finalize_ns).max().unwrap();
+    assert!(
+        slowest < 200_000_000,
+        "finalize took {} ms, waiting for a dead thread",
+        slowest / 1_000_000
+    );
+    let produced: usize = report
+        .comms
+        .iter()
+        .map(|c| c.ops.iter().filter(|o| o.started).count())
+        .sum();
+    // Latched off, the plugin clears NCCL's activation mask: NCCL stops emitting events.
+    assert!(
+        produced > 0 && produced < (COMMS * COLLS) as usize,
+        "{produced} collectives reached the plugin"
+    );
+
+    // The daemon drains what the thread wrote before it died, and counts the loss.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut text = h.metrics();
+    while (sample(&text, "ncclscope_segments") != Some(0.0)
+        || sample(&text, "ncclscope_lost_total{stage=\"forward_panic\"}").unwrap_or(0.0) == 0.0)
+        && Instant::now() < deadline
+    {
+        // Take the spans, so the exporter's acknowledgements let the segment be reaped.
+        collector
+            .exported_spans(1, Duration::from_millis(200))
+            .await;
+        text = h.metrics();
+    }
+    let lost = sample(&text, "ncclscope_lost_total{stage=\"forward_panic\"}").unwrap_or(0.0);
+    let delivered = sample(&text, "ncclscope_collectives_total").unwrap_or(0.0);
+    eprintln!(
+        "forwarding-thread panic after {PANIC_AFTER} events: {produced} of {} collectives reached the \
+         plugin, {delivered} delivered, forward_panic = {lost} events lost, slowest finalize {} us",
+        COMMS * COLLS,
+        slowest / 1000
+    );
+    assert!(lost >= 1.0, "forward_panic counted: {text}");
+    assert!(
+        delivered > 0.0 && delivered < produced as f64,
+        "what was forwarded before the panic arrives ({delivered} of {produced})"
+    );
+    let mut daemon = h.signal_daemon(rustix::process::Signal::TERM);
+    assert!(wait_timeout(&mut daemon, Duration::from_secs(20)).is_some_and(|s| s.success()));
+}
