@@ -9,3 +9,8 @@ source scripts/install-nvcc.sh
 
 cargo build --workspace --all-targets
 cargo test --workspace --no-fail-fast
+
+# Coverage-guided fuzzing of the untrusted-input parsers, bounded (about a minute; FUZZ_SECONDS=0 skips).
+if [ "${FUZZ_SECONDS:-12}" != 0 ]; then
+    scripts/fuzz.sh
+fi
