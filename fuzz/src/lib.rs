@@ -271,6 +271,7 @@ mod tests {
     #[test]
     fn seeds_and_past_failures_pass_every_target() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("regressions");
+        let mut failed = Vec::new();
         for (name, run) in TARGETS {
             let seeds = seeds(name);
             assert!(!seeds.is_empty(), "{name} has seeds");
@@ -286,9 +287,16 @@ mod tests {
                 }
             }
             for (what, input) in inputs {
-                let r = std::panic::catch_unwind(|| run(&input));
-                assert!(r.is_ok(), "{name}: {what} fails");
+                if let Err(panic) = std::panic::catch_unwind(|| run(&input)) {
+                    let why = panic
+                        .downcast_ref::<String>()
+                        .map(String::as_str)
+                        .or(panic.downcast_ref::<&str>().copied())
+                        .unwrap_or("");
+                    failed.push(format!("{name}: {what}: {why}"));
+                }
             }
         }
+        assert!(failed.is_empty(), "{failed:#?}");
     }
 }
