@@ -913,10 +913,7 @@ async fn a_panic_in_the_plugins_forwarding_thread_latches_it_off_and_is_counted(
         .map(|c| c.ops.iter().filter(|o| o.started).count())
         .sum();
     // Latched off, the plugin clears NCCL's activation mask: NCCL stops emitting events.
-    assert!(
-        produced > 0 && produced < (COMMS * COLLS) as usize,
-        "{produced} collectives reached the plugin"
-    );
+    assert_eq!(report.mask, 0, "NCCL's activation mask cleared");
 
     // The daemon drains what the thread wrote before it died, and counts the loss.
     let deadline = Instant::now() + Duration::from_secs(30);
