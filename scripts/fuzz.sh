@@ -21,8 +21,10 @@ if ! { cargo afl fuzz -h 2>&1 || true; } | grep -q afl-fuzz; then
 fi
 
 # Instrumented builds go to their own target dir: the flags differ from the normal build's.
-# Without debug info: the instrumented build compiles the daemon's whole dependency tree.
+# Without debug info: the instrumented build compiles the daemon's whole dependency tree. Without the
+# CUDA device code too: the plugin is only a build-order dependency of the daemon here.
 export CARGO_TARGET_DIR=target/afl CARGO_PROFILE_DEV_DEBUG=0
+unset NVCC
 cargo afl build -p ncclscope-fuzz --features afl --bin ncclscope-fuzz
 bin=target/afl/debug/ncclscope-fuzz
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): installs what the tests need, builds everything, runs every test.
-# Works on a fresh machine with only the Rust toolchain and Python 3.
+# Works on a fresh machine with only the Rust toolchain, Python 3 and a C compiler with make (AFL++).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
