@@ -7,11 +7,12 @@
 //! read position. Before committing, the segment's resume state (see [`crate::state`]) is saved, so a
 //! daemon killed at any point re-reads what it had not finished and skips what it had delivered.
 //!
-//! Spool and metrics are exactly-once across a kill: every spooled instance carries its origin
-//! (segment, operation), and the saved state holds a spool position (`spool_mark`) that precedes
-//! everything of the segment spooled after that save (saved ahead of a segment's first append, and
-//! again once the spool moved [`MARK_LAG`] past it). A restarted engine reads the origins past the mark
-//! and treats those operations as recorded: not spooled, published or counted again.
+//! The spool is exactly-once across a kill, and metrics count an instance in one daemon run only:
+//! every spooled instance carries its origin (segment, operation), and the saved state holds a spool
+//! position (`spool_mark`) that precedes everything of the segment spooled after that save (saved
+//! ahead of a segment's first append, and again once the spool moved [`MARK_LAG`] past it). A
+//! restarted engine reads the origins past the mark and treats those operations as recorded: not
+//! spooled, published or counted again.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
