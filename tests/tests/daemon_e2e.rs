@@ -884,7 +884,9 @@ async fn a_panic_in_the_plugins_forwarding_thread_latches_it_off_and_is_counted(
     let out = Command::new(ncclscope_fakenccl::process::rank_binary().unwrap())
         .args(["--kind", "v5", "--comms", &COMMS.to_string()])
         .args(["--colls", &COLLS.to_string(), "--channels", "2"])
-        .args(["--interval-us", "100"])
+        // Finalize well after the panic: it must then return at once (while the thread is still
+        // alive, finalize waits for it as it always did).
+        .args(["--interval-us", "100", "--hold-ms", "500"])
         .env("NCCLSCOPE_SHM_PREFIX", &h.prefix)
         .env("NCCLSCOPE_SOCKET", h.socket())
         .env("NCCLSCOPE_JOB_ID", "panic-job")
