@@ -223,15 +223,15 @@ impl Engine {
         );
         let mut state_saved = false;
         let mut spool_mark = None;
+        let mut consumer = Consumer::new(segment);
         match state::load(&self.cfg.state_dir, &label) {
-            Ok(Some(st)) if st.tail <= segment.tail() => {
+            Ok(Some(st)) if finish_commit(&mut consumer, st.tail) => {
+                let tail = consumer.segment().tail();
                 let mut delivered = st.delivered;
                 if let Some(spool) = &self.spool {
                     // Spooled by the previous daemon after it saved this state: recorded already.
                     match spool.recorded_since(&owner.job_id, st.spool_mark) {
-                        Ok(origins) => {
-                            mark_recorded(&mut delivered, &name, segment.tail(), origins)
-                        }
+                        Ok(origins) => mark_recorded(&mut delivered, &name, tail, origins),
                         Err(e) => {
                             tracing::warn!(segment = %label, error = %e, "cannot read the spool back; what it holds past the saved state may be recorded twice");
                             *self.daemon_lost.entry("spool_unreadable").or_default() += 1;
@@ -243,7 +243,7 @@ impl Engine {
                 spool_mark = st.spool_mark;
             }
             Ok(Some(_)) | Ok(None) => {
-                if segment.tail() > 0 {
+                if consumer.segment().tail() > 0 {
                     // Records before the tail defined strings and communicators we no longer know.
                     tracing::warn!(segment = %label, "no resume state for a partly consumed segment");
                     *self.daemon_lost.entry("resume_state_missing").or_default() += 1;
@@ -254,9 +254,9 @@ impl Engine {
                 *self.daemon_lost.entry("resume_state_missing").or_default() += 1;
             }
         }
+        let segment = consumer.segment();
         tracing::info!(segment = %label, pid = owner.pid, job = %owner.job_id, tail = segment.tail(), head = segment.head(), registered, "segment attached");
-        let consumer = Consumer::new(segment);
-        let read_upto = consumer.segment().tail();
+        let read_upto = segment.tail();
         self.segments.push(Attached {
             name,
             label,
@@ -790,6 +790,32 @@ impl Engine {
     }
 }
 
+/// Whether a state saved for a committed tail of `state_tail` applies to the consumer's segment, after
+/// finishing its commit if a kill came between saving the state and committing the tail (the state is
+/// saved first): the records up to `state_tail` were applied and what they completed delivered, so the
+/// consumer skips them. A state past what the segment holds, or a segment that cannot be read to it,
+/// does not apply.
+fn finish_commit(consumer: &mut Consumer, state_tail: u64) -> bool {
+    let tail = consumer.segment().tail();
+    if state_tail <= tail {
+        return true;
+    }
+    if state_tail > consumer.segment().head() {
+        return false;
+    }
+    let mut skipped = Vec::new();
+    let mut left = state_tail - tail;
+    while left > 0 {
+        skipped.clear();
+        match consumer.read_raw((left as usize).min(READ_CHUNK), &mut skipped) {
+            Ok(n) if n > 0 => left -= n as u64,
+            _ => return false,
+        }
+    }
+    consumer.commit(state_tail);
+    true
+}
+
 /// Whether a segment's saved spool mark is missing or far enough behind the spool's `end` that the
 /// state should be saved again (`end`: `None` without a spool).
 fn mark_stale(mark: Option<Position>, end: Option<Position>) -> bool {
@@ -1182,6 +1208,67 @@ mod tests {
             assert_eq!(counted, (20 - before) as f64, "{text}");
             Segment::unlink(&name).unwrap();
         }
+    }
+
+    #[test]
+    fn a_kill_between_saving_state_and_committing_the_tail_loses_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let state_dir = dir.path().join("state");
+        std::fs::create_dir_all(&state_dir).unwrap();
+        let prefix = format!("ncclscope-enginetail-{}", std::process::id());
+        let owner = Owner::of_process(std::process::id(), "h".into(), "j".into());
+        let name = owner.segment_name(&prefix);
+        let mut p = Producer::new(Segment::create(&name, &owner, 1024).unwrap());
+        write_dictionary(&mut p);
+        write_colls(&mut p, 0..10);
+        let spool =
+            || Box::new(Spool::open(dir.path().join("spool"), SpoolLimits::default()).unwrap());
+        let (mut e1, _rx1, _hub1) = engine_with(&state_dir, &prefix, Some(spool()), 8192);
+        e1.rescan();
+        e1.tick();
+        e1.commit_all(true);
+        write_colls(&mut p, 10..20);
+        // No commit inside this tick: the next one is not due.
+        e1.segments[0].last_commit = Instant::now() + Duration::from_secs(60);
+        e1.tick();
+        let committed = e1.segments[0].consumer.segment().tail();
+        // What `commit` does first, without the second step: the state for the new tail is saved...
+        let target = e1.segments[0].read_upto;
+        assert!(target > committed);
+        let end = e1.spool.as_ref().map(|s| s.end("j"));
+        save_state(&state_dir, &mut e1.segments[0], target, end).unwrap();
+        // ... and the daemon is killed before the tail is committed.
+        drop(e1);
+        assert_eq!(Segment::open(&name).unwrap().tail(), committed);
+
+        write_colls(&mut p, 20..30);
+        let (mut e2, _rx2, hub2) = engine_with(&state_dir, &prefix, Some(spool()), 8192);
+        let mut live = hub2.subscribe();
+        e2.rescan();
+        assert_eq!(
+            e2.segments[0].consumer.segment().tail(),
+            target,
+            "commit finished"
+        );
+        while e2.tick() {}
+        let mut seen = Vec::new();
+        while let Ok(c) = live.try_recv() {
+            assert_eq!(c.view().func(), "AllReduce", "dictionary restored");
+            seen.push(c.inst.seq);
+        }
+        assert_eq!(
+            seen,
+            (20..30).collect::<Vec<_>>(),
+            "nothing twice, nothing missing"
+        );
+        assert_eq!(e2.health().lost.get("resume_state_missing"), None);
+        let spooled: Vec<u64> = crate::spool::SpoolReader::open_dir(dir.path().join("spool"))
+            .unwrap()
+            .read_job("j")
+            .map(|c| c.unwrap().seq)
+            .collect();
+        assert_eq!(spooled, (0..30).collect::<Vec<_>>());
+        Segment::unlink(&name).unwrap();
     }
 
     #[test]
