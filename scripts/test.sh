@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): installs what the tests need, builds everything, runs every test.
-# Works on a fresh machine with only the Rust toolchain and Python 3.
+# Works on a fresh machine with only the Rust toolchain, Python 3 and a C compiler with make (AFL++).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,3 +9,8 @@ source scripts/install-nvcc.sh
 
 cargo build --workspace --all-targets
 cargo test --workspace --no-fail-fast
+
+# Coverage-guided fuzzing of the untrusted-input parsers, bounded (about a minute; FUZZ_SECONDS=0 skips).
+if [ "${FUZZ_SECONDS:-12}" != 0 ]; then
+    scripts/fuzz.sh
+fi

@@ -307,6 +307,7 @@ mod tests {
         let batch: Vec<_> = (0..1000)
             .map(|s| coll(if s % 3 == 0 { "x" } else { "y" }, s))
             .collect();
+        let batch: Vec<_> = batch.into_iter().map(|c| (Default::default(), c)).collect();
         d.spool.append(&batch).unwrap();
 
         let mut client = connect(&d.socket).await.unwrap();

@@ -767,7 +767,7 @@ impl Assembler {
                     // The plugin stamped the stop on the host after the GPU wrote it: host - gpu is an
                     // upper bound of the clock offset (tightest over the op's channels).
                     if host_ns > 0 && gpu_stop > 0 {
-                        let anchor = host_ns as i64 - gpu_stop as i64;
+                        let anchor = (host_ns as i64).saturating_sub(gpu_stop as i64);
                         op.host_anchor = Some(op.host_anchor.map_or(anchor, |a| a.min(anchor)));
                     }
                     op.add_work(channel, gpu_start, gpu_stop, now_ns);

@@ -11,17 +11,31 @@ use ncclscope_proto::api::{ListJobsResponse, StatsResponse};
 use tokio::sync::broadcast;
 
 use crate::instance::{Instance, InstanceRef, Names, Shared};
+use crate::spool::{Origin, Position, Spool};
 
 /// Where completed instances become durable before they are published: the spool. The engine calls
-/// it with each batch in completion order; `Ok` means the batch survives a crash.
+/// it with each batch in completion order; `Ok` means the batch survives a crash. Each instance carries
+/// its origin, so a restarted engine can tell which operations its predecessor already recorded.
 pub trait Durable: Send {
-    fn append(&mut self, batch: &[InstanceRef]) -> std::io::Result<()>;
+    fn append(&mut self, batch: &[(Origin, InstanceRef)]) -> std::io::Result<()>;
+    /// See [`Spool::end`].
+    fn end(&self, job: &str) -> Position;
+    /// See [`Spool::recorded_since`].
+    fn recorded_since(&self, job: &str, from: Option<Position>) -> std::io::Result<Vec<Origin>>;
 }
 
-impl Durable for crate::spool::Spool {
-    fn append(&mut self, batch: &[InstanceRef]) -> std::io::Result<()> {
-        let messages: Vec<_> = batch.iter().map(|i| i.to_message()).collect();
-        crate::spool::Spool::append(self, &messages)
+impl Durable for Spool {
+    fn append(&mut self, batch: &[(Origin, InstanceRef)]) -> std::io::Result<()> {
+        let messages: Vec<_> = batch.iter().map(|(o, i)| (*o, i.to_message())).collect();
+        Spool::append(self, &messages)
+    }
+
+    fn end(&self, job: &str) -> Position {
+        Spool::end(self, job)
+    }
+
+    fn recorded_since(&self, job: &str, from: Option<Position>) -> std::io::Result<Vec<Origin>> {
+        Spool::recorded_since(self, job, from)
     }
 }
 

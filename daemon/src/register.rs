@@ -73,13 +73,9 @@ async fn handle(stream: UnixStream, prefix: &str, engine: &std_mpsc::Sender<Atta
     let _ = tokio::time::timeout(IO_TIMEOUT, write.write_all(text.as_bytes())).await;
 }
 
-async fn register(
-    line: &str,
-    pid: u32,
-    uid: u32,
-    prefix: &str,
-    engine: &std_mpsc::Sender<Attach>,
-) -> Result<(), String> {
+/// The segment a request line (`REGISTER <segment-name>`, newline removed) names, if it is one of
+/// this daemon's prefix. Untrusted input: any line gets a clear error.
+pub fn parse_request(line: &str, prefix: &str) -> Result<SegmentName, String> {
     let name = line
         .strip_prefix("REGISTER ")
         .ok_or("expected `REGISTER <segment-name>`")?;
@@ -90,6 +86,17 @@ async fn register(
             name.prefix
         ));
     }
+    Ok(name)
+}
+
+async fn register(
+    line: &str,
+    pid: u32,
+    uid: u32,
+    prefix: &str,
+    engine: &std_mpsc::Sender<Attach>,
+) -> Result<(), String> {
+    let name = parse_request(line, prefix)?;
     if name.pid != pid || name.uid != uid {
         return Err(format!(
             "segment names pid {} uid {}, peer is pid {pid} uid {uid}",

@@ -4,10 +4,16 @@
 //! Layout: `<dir>/<job>/<seq>.spool`, where `<job>` is the job id with every byte outside
 //! `[A-Za-z0-9._-]` written as `%XX`, and `<seq>` is a spool-wide, ever-increasing 16-digit hex number
 //! (so the oldest file of the whole spool is the one with the smallest sequence). A file is an 8-byte
-//! magic followed by records `{u32 len LE, u32 crc32(payload) LE, payload}`, payload a prost-encoded
-//! [`Collective`]. Files are only appended to; [`Spool::append`] returns after `fdatasync`, so what it
-//! acknowledged survives a SIGKILL or power loss. A torn tail (the daemon died mid-append) is truncated
-//! when the spool is opened. Past the configured size or age the oldest files are deleted.
+//! magic followed by records `{u32 len LE, u32 crc32(payload) LE, payload}`, payload the record's
+//! [`Origin`] (32 bytes) then a prost-encoded [`Collective`] (files of the first format, `NCSPOOL1`,
+//! have no origin; they are read, never appended to). Files are only appended to; [`Spool::append`]
+//! returns after `fdatasync`, so what it acknowledged survives a SIGKILL or power loss. A torn tail
+//! (the daemon died mid-append) is truncated when the spool is opened. Past the configured size or age
+//! the oldest files are deleted.
+//!
+//! The origin makes the spool exactly-once across a daemon crash: a restarted daemon reads the origins
+//! appended since a segment's saved [`Position`] ([`Spool::recorded_since`]) and does not record those
+//! operations again.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
@@ -18,12 +24,58 @@ use std::time::{Duration, SystemTime};
 
 use ncclscope_proto::api::Collective;
 use prost::Message;
+use serde::{Deserialize, Serialize};
 
-const MAGIC: &[u8; 8] = b"NCSPOOL1";
+const MAGIC: &[u8; 8] = b"NCSPOOL2";
+/// The first format: records without an [`Origin`].
+const MAGIC_V1: &[u8; 8] = b"NCSPOOL1";
 const RECORD_HEADER: usize = 8;
+const ORIGIN_LEN: usize = 32;
 /// A record larger than this is corruption, not a collective.
 const MAX_RECORD: usize = 16 << 20;
 const EXT: &str = "spool";
+
+/// Where a spooled instance came from: its process's segment and the operation in that segment's
+/// stream. All zero when unknown (records of the first format, instances not read from a segment).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Origin {
+    pub uid: u32,
+    pub pid: u32,
+    pub start_ticks: u64,
+    /// The operation's id and the stream position of its first record.
+    pub op_id: u64,
+    pub first_pos: u64,
+}
+
+impl Origin {
+    fn encode(&self, buf: &mut Vec<u8>) {
+        buf.extend_from_slice(&self.uid.to_le_bytes());
+        buf.extend_from_slice(&self.pid.to_le_bytes());
+        buf.extend_from_slice(&self.start_ticks.to_le_bytes());
+        buf.extend_from_slice(&self.op_id.to_le_bytes());
+        buf.extend_from_slice(&self.first_pos.to_le_bytes());
+    }
+
+    fn decode(b: &[u8; ORIGIN_LEN]) -> Origin {
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        Origin {
+            uid: u32_at(0),
+            pid: u32_at(4),
+            start_ticks: u64_at(8),
+            op_id: u64_at(16),
+            first_pos: u64_at(24),
+        }
+    }
+}
+
+/// A point in a job's spool: file `seq`, byte `offset` in it. Everything the job's spool receives
+/// later lies at or after it (in that file past `offset`, or in a file with a larger `seq`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Position {
+    pub seq: u64,
+    pub offset: u64,
+}
 
 /// How much the spool keeps.
 #[derive(Clone, Debug)]
@@ -64,6 +116,25 @@ struct FileEntry {
     path: PathBuf,
     len: u64,
     modified: SystemTime,
+}
+
+/// A file's format, from its magic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    /// `NCSPOOL1`: payload = the collective.
+    V1,
+    /// `NCSPOOL2`: payload = origin, then the collective.
+    V2,
+}
+
+impl Format {
+    fn of(magic: &[u8; 8]) -> Option<Format> {
+        match magic {
+            MAGIC => Some(Format::V2),
+            MAGIC_V1 => Some(Format::V1),
+            _ => None,
+        }
+    }
 }
 
 /// The committed state, shared between the writer and any number of readers.
@@ -141,16 +212,17 @@ impl Spool {
     /// Appends `batch` to the files of the jobs it belongs to; durable (fdatasync) when it returns `Ok`.
     /// On an error (full disk, I/O error) nothing of the failing job's part of the batch is kept: the
     /// file is cut back to its last acknowledged length, so the spool stays readable.
-    pub fn append(&mut self, batch: &[Collective]) -> io::Result<()> {
+    pub fn append(&mut self, batch: &[(Origin, Collective)]) -> io::Result<()> {
         let mut by_job: BTreeMap<&str, Vec<u8>> = BTreeMap::new();
-        for c in batch {
+        for (origin, c) in batch {
             let buf = by_job.entry(c.job_id.as_str()).or_default();
-            let len = c.encoded_len();
+            let len = ORIGIN_LEN + c.encoded_len();
             buf.reserve(RECORD_HEADER + len);
             buf.extend_from_slice(&(len as u32).to_le_bytes());
             let at = buf.len();
             buf.extend_from_slice(&[0; 4]);
             let start = buf.len();
+            origin.encode(buf);
             c.encode(buf).map_err(io::Error::other)?;
             let crc = crc32fast::hash(&buf[start..]);
             buf[at..start].copy_from_slice(&crc.to_le_bytes());
@@ -165,6 +237,54 @@ impl Spool {
         result
     }
 
+    /// A position at or before where the job's next record will go (its newest file's acknowledged
+    /// end, or the start of the next file the spool will create).
+    pub fn end(&self, job: &str) -> Position {
+        match lock(&self.index).jobs.get(job).and_then(|f| f.last()) {
+            Some(f) => Position {
+                seq: f.seq,
+                offset: f.len,
+            },
+            None => Position {
+                seq: self.next_seq,
+                offset: 0,
+            },
+        }
+    }
+
+    /// Origins of the job's records at or after `from` (all of the job's records if `None`), in
+    /// append order. Reads what lies between: the caller keeps `from` recent.
+    pub fn recorded_since(&self, job: &str, from: Option<Position>) -> io::Result<Vec<Origin>> {
+        let from = from.unwrap_or_default();
+        let files = lock(&self.index).jobs.get(job).cloned().unwrap_or_default();
+        let mut out = Vec::new();
+        for entry in files.iter().filter(|f| f.seq >= from.seq) {
+            let Some(mut cur) = open_cursor(entry)? else {
+                continue;
+            };
+            if cur.format == Format::V1 {
+                continue;
+            }
+            let mut at = MAGIC.len() as u64;
+            if entry.seq == from.seq && from.offset > at {
+                let skip = (from.offset - at).min(cur.remaining);
+                cur.reader.seek_relative(skip as i64)?;
+                cur.remaining -= skip;
+                at += skip;
+            }
+            while let Some((origin, _, used)) =
+                read_record(&mut cur.reader, cur.remaining, cur.format).map_err(|e| {
+                    io::Error::new(e.kind(), format!("{} at {at}: {e}", entry.path.display()))
+                })?
+            {
+                cur.remaining -= used;
+                at += used;
+                out.push(origin);
+            }
+        }
+        Ok(out)
+    }
+
     fn append_job(&mut self, job: &str, bytes: &[u8]) -> io::Result<()> {
         let needs_new = {
             let index = lock(&self.index);
@@ -174,7 +294,7 @@ impl Spool {
                 .and_then(|f| f.last())
                 .is_none_or(|f| f.len >= self.limits.file_bytes)
         };
-        if needs_new {
+        if needs_new || (!self.open.contains_key(job) && !self.newest_is_current(job)?) {
             self.start_file(job)?;
         } else if !self.open.contains_key(job) {
             // The job's newest file from before a restart (or a failed append): continue it.
@@ -208,6 +328,18 @@ impl Spool {
         last.modified = SystemTime::now();
         index.stats.bytes += bytes.len() as u64;
         Ok(())
+    }
+
+    /// Whether the job's newest file has the current format (a file of the first format is not
+    /// continued: its records have no origin).
+    fn newest_is_current(&self, job: &str) -> io::Result<bool> {
+        let path = lock(&self.index).jobs[job]
+            .last()
+            .map(|f| f.path.clone())
+            .expect("job has a file");
+        let mut magic = [0; 8];
+        File::open(path)?.read_exact(&mut magic)?;
+        Ok(&magic == MAGIC)
     }
 
     /// Starts a new file for `job` (its first, or after the current one reached `file_bytes`).
@@ -368,6 +500,7 @@ struct FileCursor {
     reader: BufReader<File>,
     remaining: u64,
     path: PathBuf,
+    format: Format,
 }
 
 impl Iterator for JobRecords {
@@ -385,8 +518,8 @@ impl Iterator for JobRecords {
                 }
             }
             let cur = self.current.as_mut().expect("set above");
-            match read_record(&mut cur.reader, cur.remaining) {
-                Ok(Some((c, used))) => {
+            match read_record(&mut cur.reader, cur.remaining, cur.format) {
+                Ok(Some((_, c, used))) => {
                     cur.remaining -= used;
                     return Some(Ok(c));
                 }
@@ -409,22 +542,28 @@ fn open_cursor(entry: &FileEntry) -> io::Result<Option<FileCursor>> {
     };
     let mut magic = [0; 8];
     file.read_exact(&mut magic)?;
-    if &magic != MAGIC {
+    let Some(format) = Format::of(&magic) else {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!("{}: not a spool file", entry.path.display()),
         ));
-    }
+    };
     Ok(Some(FileCursor {
         reader: BufReader::new(file),
         remaining: entry.len.saturating_sub(MAGIC.len() as u64),
         path: entry.path.clone(),
+        format,
     }))
 }
 
 /// Reads one record within `remaining` bytes: `Ok(None)` at a clean end, an error for a torn or corrupt
-/// record.
-fn read_record(r: &mut impl Read, remaining: u64) -> io::Result<Option<(Collective, u64)>> {
+/// record. The length field is checked against `remaining` and [`MAX_RECORD`] before anything is
+/// allocated.
+fn read_record(
+    r: &mut impl Read,
+    remaining: u64,
+    format: Format,
+) -> io::Result<Option<(Origin, Collective, u64)>> {
     if remaining == 0 {
         return Ok(None);
     }
@@ -444,9 +583,17 @@ fn read_record(r: &mut impl Read, remaining: u64) -> io::Result<Option<(Collecti
     if crc32fast::hash(&payload) != crc {
         return Err(corrupt("record CRC mismatch"));
     }
-    let c =
-        Collective::decode(payload.as_slice()).map_err(|e| corrupt(&format!("bad record: {e}")))?;
-    Ok(Some((c, (RECORD_HEADER + len) as u64)))
+    let (origin, body) = match format {
+        Format::V1 => (Origin::default(), payload.as_slice()),
+        Format::V2 => {
+            let Some((origin, body)) = payload.split_first_chunk::<ORIGIN_LEN>() else {
+                return Err(corrupt("record shorter than its origin"));
+            };
+            (Origin::decode(origin), body)
+        }
+    };
+    let c = Collective::decode(body).map_err(|e| corrupt(&format!("bad record: {e}")))?;
+    Ok(Some((origin, c, (RECORD_HEADER + len) as u64)))
 }
 
 /// Finds the length of the valid prefix of a spool file and truncates it there (fsynced).
@@ -454,21 +601,23 @@ fn repair_tail(path: &Path) -> io::Result<u64> {
     let mut file = OpenOptions::new().read(true).write(true).open(path)?;
     let size = file.metadata()?.len();
     let mut magic = [0; 8];
-    let has_magic = size >= MAGIC.len() as u64 && {
+    let format = if size >= MAGIC.len() as u64 {
         file.read_exact(&mut magic)?;
-        &magic == MAGIC
+        Format::of(&magic)
+    } else {
+        None
     };
-    if !has_magic {
+    let Some(format) = format else {
         // Its creation was torn (the daemon died before the magic was synced): make it empty and valid.
         file.set_len(0)?;
         file.seek(SeekFrom::Start(0))?;
         file.write_all(MAGIC)?;
         file.sync_data()?;
         return Ok(MAGIC.len() as u64);
-    }
+    };
     let mut reader = BufReader::new(&mut file);
     let mut valid = MAGIC.len() as u64;
-    while let Ok(Some((_, used))) = read_record(&mut reader, size - valid) {
+    while let Ok(Some((_, _, used))) = read_record(&mut reader, size - valid, format) {
         valid += used;
     }
     if valid < size {
@@ -576,6 +725,10 @@ mod tests {
         }
     }
 
+    fn rec(job: &str, rank: u32, seq: u64) -> (Origin, Collective) {
+        (Origin::default(), coll(job, rank, seq))
+    }
+
     fn read_all(r: &SpoolReader, job: &str) -> Vec<Collective> {
         r.read_job(job).collect::<io::Result<_>>().unwrap()
     }
@@ -585,10 +738,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
         let batch: Vec<_> = (0..10)
-            .map(|i| coll(if i % 2 == 0 { "a" } else { "b/c d" }, i, i as u64))
+            .map(|i| rec(if i % 2 == 0 { "a" } else { "b/c d" }, i, i as u64))
             .collect();
         spool.append(&batch).unwrap();
-        spool.append(&[coll("a", 0, 100)]).unwrap();
+        spool.append(&[rec("a", 0, 100)]).unwrap();
         let seqs = |v: Vec<Collective>| v.iter().map(|c| c.seq).collect::<Vec<_>>();
         assert_eq!(seqs(read_all(&spool.reader(), "a")), [0, 2, 4, 6, 8, 100]);
         assert_eq!(seqs(read_all(&spool.reader(), "b/c d")), [1, 3, 5, 7, 9]);
@@ -596,7 +749,7 @@ mod tests {
         drop(spool);
 
         let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
-        spool.append(&[coll("a", 0, 101)]).unwrap();
+        spool.append(&[rec("a", 0, 101)]).unwrap();
         assert_eq!(
             seqs(read_all(&spool.reader(), "a")),
             [0, 2, 4, 6, 8, 100, 101]
@@ -612,7 +765,7 @@ mod tests {
     fn torn_tail_is_truncated_on_open_and_appends_continue_after_it() {
         let dir = tempfile::tempdir().unwrap();
         let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
-        spool.append(&[coll("j", 0, 1), coll("j", 0, 2)]).unwrap();
+        spool.append(&[rec("j", 0, 1), rec("j", 0, 2)]).unwrap();
         let path = lock(&spool.index).jobs["j"][0].path.clone();
         drop(spool);
         // A crash mid-append: half a record header and payload after the acknowledged records.
@@ -624,7 +777,7 @@ mod tests {
         let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
         assert_eq!(spool.stats().truncated_bytes, 9);
         assert_eq!(fs::metadata(&path).unwrap().len(), good);
-        spool.append(&[coll("j", 0, 3)]).unwrap();
+        spool.append(&[rec("j", 0, 3)]).unwrap();
         let seqs: Vec<_> = read_all(&spool.reader(), "j")
             .iter()
             .map(|c| c.seq)
@@ -636,14 +789,14 @@ mod tests {
     fn a_file_whose_creation_was_torn_is_made_valid_on_open() {
         let dir = tempfile::tempdir().unwrap();
         let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
-        spool.append(&[coll("j", 0, 1)]).unwrap();
+        spool.append(&[rec("j", 0, 1)]).unwrap();
         drop(spool);
         // A crash right after creating the job's next file: it exists, empty.
         let torn = dir.path().join("j").join(format!("{:016x}.{EXT}", 99));
         File::create(&torn).unwrap();
         let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
         assert_eq!(fs::metadata(&torn).unwrap().len(), MAGIC.len() as u64);
-        spool.append(&[coll("j", 0, 2)]).unwrap();
+        spool.append(&[rec("j", 0, 2)]).unwrap();
         let seqs: Vec<_> = read_all(&spool.reader(), "j")
             .iter()
             .map(|c| c.seq)
@@ -660,7 +813,7 @@ mod tests {
     fn corrupt_record_is_an_error_not_garbage() {
         let dir = tempfile::tempdir().unwrap();
         let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
-        spool.append(&[coll("j", 0, 1), coll("j", 0, 2)]).unwrap();
+        spool.append(&[rec("j", 0, 1), rec("j", 0, 2)]).unwrap();
         let path = lock(&spool.index).jobs["j"][0].path.clone();
         let mut bytes = fs::read(&path).unwrap();
         let last = bytes.len() - 1;
@@ -679,7 +832,7 @@ mod tests {
     #[test]
     fn oldest_files_go_first_past_the_size_bound() {
         let dir = tempfile::tempdir().unwrap();
-        let one = (RECORD_HEADER + coll("j", 0, 0).encoded_len()) as u64;
+        let one = (RECORD_HEADER + ORIGIN_LEN + coll("j", 0, 0).encoded_len()) as u64;
         let limits = SpoolLimits {
             max_bytes: 20 * one,
             max_age: Duration::from_secs(3600),
@@ -687,10 +840,10 @@ mod tests {
         };
         let mut spool = Spool::open(dir.path(), limits.clone()).unwrap();
         for seq in 0..100 {
-            spool.append(&[coll("old", 0, seq)]).unwrap();
+            spool.append(&[rec("old", 0, seq)]).unwrap();
         }
         for seq in 0..10 {
-            spool.append(&[coll("new", 0, seq)]).unwrap();
+            spool.append(&[rec("new", 0, seq)]).unwrap();
         }
         let stats = spool.stats();
         assert!(stats.bytes <= limits.max_bytes, "{stats:?}");
@@ -722,20 +875,20 @@ mod tests {
             ..Default::default()
         };
         let mut spool = Spool::open(dir.path(), limits).unwrap();
-        spool.append(&[coll("j", 0, 1)]).unwrap();
+        spool.append(&[rec("j", 0, 1)]).unwrap();
         std::thread::sleep(Duration::from_millis(120));
         spool.enforce_limits().unwrap();
         assert!(spool.reader().jobs().is_empty());
         assert!(walk(dir.path()).is_empty());
         // The job starts a fresh file afterwards.
-        spool.append(&[coll("j", 0, 2)]).unwrap();
+        spool.append(&[rec("j", 0, 2)]).unwrap();
         assert_eq!(read_all(&spool.reader(), "j").len(), 1);
     }
 
     #[test]
     fn a_reader_snapshot_ignores_later_appends_and_survives_eviction() {
         let dir = tempfile::tempdir().unwrap();
-        let one = (RECORD_HEADER + coll("j", 0, 0).encoded_len()) as u64;
+        let one = (RECORD_HEADER + ORIGIN_LEN + coll("j", 0, 0).encoded_len()) as u64;
         let limits = SpoolLimits {
             max_bytes: 1 << 30,
             max_age: Duration::from_secs(3600),
@@ -743,11 +896,11 @@ mod tests {
         };
         let mut spool = Spool::open(dir.path(), limits).unwrap();
         for seq in 0..6 {
-            spool.append(&[coll("j", 0, seq)]).unwrap();
+            spool.append(&[rec("j", 0, seq)]).unwrap();
         }
         let mut it = spool.reader().read_job("j");
         assert_eq!(it.next().unwrap().unwrap().seq, 0);
-        spool.append(&[coll("j", 0, 6)]).unwrap();
+        spool.append(&[rec("j", 0, 6)]).unwrap();
         spool.limits.max_bytes = 0;
         spool.enforce_limits().unwrap();
         // The open file is read to its end; the deleted ones are skipped; the later append is not seen.
@@ -759,23 +912,95 @@ mod tests {
     fn a_full_disk_is_an_error_that_keeps_the_spool_consistent() {
         let dir = tempfile::tempdir().unwrap();
         let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
-        spool.append(&[coll("j", 0, 1)]).unwrap();
+        spool.append(&[rec("j", 0, 1)]).unwrap();
         let before = spool.stats();
         // The job's file now sits on a full device: every write fails with ENOSPC.
         let full = OpenOptions::new().append(true).open("/dev/full").unwrap();
         spool.open.insert("j".into(), full);
-        let err = spool
-            .append(&[coll("j", 0, 2), coll("j", 0, 3)])
-            .unwrap_err();
+        let err = spool.append(&[rec("j", 0, 2), rec("j", 0, 3)]).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::StorageFull, "{err}");
         assert_eq!(spool.stats(), before, "nothing unacknowledged is accounted");
         // The disk has room again: the next append goes to the job's real file, after what was kept.
-        spool.append(&[coll("j", 0, 4)]).unwrap();
+        spool.append(&[rec("j", 0, 4)]).unwrap();
         let seqs: Vec<_> = read_all(&spool.reader(), "j")
             .iter()
             .map(|c| c.seq)
             .collect();
         assert_eq!(seqs, [1, 4]);
+    }
+
+    #[test]
+    fn origins_are_read_back_from_a_position_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = (RECORD_HEADER + ORIGIN_LEN + coll("j", 0, 0).encoded_len()) as u64;
+        let limits = SpoolLimits {
+            file_bytes: 3 * one,
+            ..Default::default()
+        };
+        let mut spool = Spool::open(dir.path(), limits.clone()).unwrap();
+        let start = spool.end("j");
+        let from = |op_id| Origin {
+            uid: 1,
+            pid: 2,
+            start_ticks: 3,
+            op_id,
+            first_pos: op_id * 10,
+        };
+        let mut mark = None;
+        for op in 0..8 {
+            if op == 4 {
+                mark = Some(spool.end("j"));
+            }
+            spool.append(&[(from(op), coll("j", 0, op))]).unwrap();
+            spool.append(&[(from(op), coll("other", 0, op))]).unwrap();
+        }
+        let ops = |v: Vec<Origin>| v.iter().map(|o| o.op_id).collect::<Vec<_>>();
+        assert_eq!(
+            ops(spool.recorded_since("j", None).unwrap()),
+            (0..8).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            ops(spool.recorded_since("j", Some(start)).unwrap()),
+            (0..8).collect::<Vec<_>>()
+        );
+        // The mark sits in the middle of the job's second file; the rest spans two files.
+        assert_eq!(ops(spool.recorded_since("j", mark).unwrap()), [4, 5, 6, 7]);
+        assert_eq!(spool.recorded_since("j", mark).unwrap()[0], from(4));
+        assert_eq!(spool.recorded_since("j", Some(spool.end("j"))).unwrap(), []);
+        // After a restart (a reopened spool) the same.
+        drop(spool);
+        let spool = Spool::open(dir.path(), limits).unwrap();
+        assert_eq!(ops(spool.recorded_since("j", mark).unwrap()), [4, 5, 6, 7]);
+    }
+
+    #[test]
+    fn files_of_the_first_format_are_read_and_not_continued() {
+        let dir = tempfile::tempdir().unwrap();
+        let job_dir = dir.path().join("j");
+        fs::create_dir_all(&job_dir).unwrap();
+        let mut bytes = MAGIC_V1.to_vec();
+        for seq in [1, 2] {
+            let payload = coll("j", 0, seq).encode_to_vec();
+            bytes.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+            bytes.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+            bytes.extend_from_slice(&payload);
+        }
+        let v1 = job_dir.join(format!("{:016x}.{EXT}", 0));
+        fs::write(&v1, &bytes).unwrap();
+        let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
+        assert_eq!(spool.stats().truncated_bytes, 0);
+        spool.append(&[rec("j", 0, 3)]).unwrap();
+        assert_eq!(fs::read(&v1).unwrap(), bytes, "not appended to");
+        let seqs: Vec<_> = read_all(&spool.reader(), "j")
+            .iter()
+            .map(|c| c.seq)
+            .collect();
+        assert_eq!(seqs, [1, 2, 3]);
+        // Only records with an origin are reported.
+        assert_eq!(
+            spool.recorded_since("j", None).unwrap(),
+            [Origin::default()]
+        );
     }
 
     #[test]

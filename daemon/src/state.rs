@@ -1,7 +1,8 @@
 //! Per-segment resume state, one small JSON file per segment in `state_dir`. The segment's committed
 //! tail survives a daemon restart inside the segment itself; this file carries what the records before
 //! the tail defined (strings, communicators, calibration) and which operations after the tail were
-//! already delivered, so a restarted daemon neither misreads nor double-counts what it re-reads.
+//! already delivered, so a restarted daemon neither misreads nor double-counts what it re-reads
+//! (together with the spool's record of what it holds from the saved position on).
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -9,6 +10,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::assemble::Dictionary;
+use crate::spool::Position;
 
 #[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SegmentState {
@@ -19,6 +21,10 @@ pub struct SegmentState {
     pub dictionary: Dictionary,
     /// (operation id, position of its first record, sinks it was delivered to).
     pub delivered: Vec<(u64, u64, u8)>,
+    /// The spool of the segment's job when this was written: whatever of the segment was spooled later
+    /// lies past it (`None`: written without a spool, or by a daemon that did not record it).
+    #[serde(default)]
+    pub spool_mark: Option<Position>,
 }
 
 pub fn path(dir: &Path, segment: &str) -> PathBuf {

@@ -29,6 +29,9 @@ pub struct Config {
     pub job_id: String,
     /// `NCCLSCOPE_SEGMENT_RECORDS`: ring capacity of the segment, a power of two.
     pub segment_records: u64,
+    /// `NCCLSCOPE_TEST_PANIC=forward:N` (tests only): the forwarding thread panics once it has
+    /// forwarded N events, to exercise what a real panic there does.
+    pub test_panic_forward: Option<u64>,
     /// Problems found while reading the environment, for the log.
     pub warnings: Vec<String>,
 }
@@ -107,6 +110,13 @@ impl Config {
                 ),
             }
         }
+        let mut test_panic_forward = None;
+        if let Some(v) = var("NCCLSCOPE_TEST_PANIC") {
+            match v.strip_prefix("forward:").and_then(parse_int) {
+                Some(n) => test_panic_forward = Some(n),
+                None => invalid("NCCLSCOPE_TEST_PANIC", &v, "expected forward:N"),
+            }
+        }
         Config {
             disabled,
             event_mask,
@@ -115,6 +125,7 @@ impl Config {
             shm_prefix,
             job_id,
             segment_records,
+            test_panic_forward,
             warnings,
         }
     }
@@ -154,6 +165,7 @@ mod tests {
         assert_eq!(c.shm_prefix, "ncclscope");
         assert_eq!(c.job_id, "unknown");
         assert_eq!(c.segment_records, DEFAULT_CAPACITY);
+        assert_eq!(c.test_panic_forward, None);
         assert!(c.warnings.is_empty());
     }
 
@@ -176,6 +188,8 @@ mod tests {
         assert_eq!(c.segment_records, 1024);
         assert_eq!(config(&[("NCCLSCOPE_EVENT_MASK", "6")]).event_mask, 6);
         assert_eq!(config(&[("KUBERNETES_POD_NAME", "p1")]).job_id, "p1");
+        let panic = config(&[("NCCLSCOPE_TEST_PANIC", "forward:300")]);
+        assert_eq!(panic.test_panic_forward, Some(300));
     }
 
     #[test]
@@ -185,12 +199,14 @@ mod tests {
             ("NCCLSCOPE_EVENT_MASK", "-1"),
             ("NCCLSCOPE_SHM_PREFIX", "a/b"),
             ("NCCLSCOPE_SEGMENT_RECORDS", "1000"),
+            ("NCCLSCOPE_TEST_PANIC", "drain"),
         ]);
         assert!(!c.disabled);
         assert_eq!((c.event_mask, c.mask_explicit), (DEFAULT_EVENT_MASK, false));
         assert_eq!(c.shm_prefix, "ncclscope");
         assert_eq!(c.segment_records, DEFAULT_CAPACITY);
-        assert_eq!(c.warnings.len(), 4, "{:?}", c.warnings);
+        assert_eq!(c.test_panic_forward, None);
+        assert_eq!(c.warnings.len(), 5, "{:?}", c.warnings);
         assert!(c.warnings[1].contains("NCCLSCOPE_EVENT_MASK"));
     }
 }

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{CStr, c_char};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -14,7 +15,7 @@ use ncclscope_proto::{Counter, Producer, Record, StrId, TimingPath};
 
 use crate::clock::Converter;
 use crate::devhook;
-use crate::profiler::{ORPHAN_AGE, Plugin};
+use crate::profiler::{self, ORPHAN_AGE, Plugin};
 use crate::register::Registration;
 use crate::sink::Sink;
 
@@ -172,11 +173,29 @@ impl Forwarder {
         }
     }
 
-    /// The thread's body; runs for the life of the process.
+    /// The thread's body; runs for the life of the process. A panic in it latches the plugin off (every
+    /// entry point returns at once, `finalize` included) and is counted in the segment, which is then
+    /// closed: the daemon drains what was written and reports the loss.
     pub fn run(mut self) {
+        if catch_unwind(AssertUnwindSafe(|| self.forward_forever())).is_ok() {
+            return;
+        }
+        profiler::fail("the forwarding thread");
+        let mut lost = 1;
+        while self.plugin.queue.pop().is_some() {
+            lost += 1;
+        }
+        let segment = self.producer.segment();
+        segment.count(Counter::ForwardPanic, lost);
+        self.plugin.flush_counters(segment);
+        segment.close();
+    }
+
+    fn forward_forever(&mut self) {
         std::thread::sleep(CLOCK_BASELINE);
         self.clock.refresh();
         let mut idle = MIN_IDLE;
+        let mut forwarded = 0u64;
         loop {
             let mut work = 0;
             while let Some(event) = self.plugin.queue.pop() {
@@ -186,7 +205,13 @@ impl Forwarder {
                     break;
                 }
             }
-            work += devhook::drain(&mut self);
+            forwarded += work as u64;
+            if let Some(n) = self.plugin.config.test_panic_forward
+                && forwarded >= n
+            {
+                panic!("NCCLSCOPE_TEST_PANIC=forward:{n}: panicking after {forwarded} events");
+            }
+            work += devhook::drain(self);
             self.plugin.flush_counters(self.producer.segment());
             self.producer.segment().beat();
             let now = Instant::now();

@@ -139,6 +139,11 @@ pub fn plugin() -> Option<&'static Plugin> {
     PLUGIN.get().copied().flatten()
 }
 
+/// Whether a panic latched the plugin off.
+fn failed() -> bool {
+    FAILED.load(Ordering::Relaxed)
+}
+
 /// Latches the plugin off after a panic: clears NCCL's mask so the event callbacks stop coming.
 pub fn fail(what: &str) {
     if !FAILED.swap(true, Ordering::SeqCst) {
@@ -635,7 +640,7 @@ impl Plugin {
         });
         while let Some(event) = end.take() {
             if let Err(event) = self.queue.push(event) {
-                if Instant::now() >= deadline {
+                if Instant::now() >= deadline || failed() {
                     self.count(Counter::QueueFull);
                     break;
                 }
@@ -645,10 +650,11 @@ impl Plugin {
             }
         }
         self.wake();
-        while !slot.ended.load(Ordering::Acquire) && Instant::now() < deadline {
+        // The forwarding thread gone (a panic latched the plugin off), nobody will confirm: no wait.
+        while !slot.ended.load(Ordering::Acquire) && Instant::now() < deadline && !failed() {
             std::thread::sleep(Duration::from_micros(200));
         }
-        if !slot.ended.load(Ordering::Acquire) {
+        if !slot.ended.load(Ordering::Acquire) && !failed() {
             host::log_once(
                 "finalize-timeout",
                 true,

@@ -98,10 +98,13 @@ pub enum Counter {
     StrTableFull = 6,
     /// Event types or states the plugin does not handle, declined (not a loss; for visibility).
     Ignored = 7,
+    /// The forwarding thread panicked and the plugin latched itself off for the process: the events it
+    /// was handling (counted as one) and those queued for it, lost; nothing is recorded after it.
+    ForwardPanic = 8,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 8] = [
+    pub const ALL: [Counter; 9] = [
         Counter::RingFull,
         Counter::QueueFull,
         Counter::PoolExhausted,
@@ -110,6 +113,7 @@ impl Counter {
         Counter::Unfinished,
         Counter::StrTableFull,
         Counter::Ignored,
+        Counter::ForwardPanic,
     ];
 
     /// Stable name, used in metrics labels and JSON.
@@ -123,6 +127,7 @@ impl Counter {
             Counter::Unfinished => "unfinished",
             Counter::StrTableFull => "str_table_full",
             Counter::Ignored => "ignored",
+            Counter::ForwardPanic => "forward_panic",
         }
     }
 

@@ -555,6 +555,12 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
     assert!(before >= 600, "first daemon exported {before} rank spans");
     let mut killed = h.signal_daemon(rustix::process::Signal::KILL);
     killed.wait().unwrap();
+    // What the killed daemon recorded is what its spool holds (a record the kill tore is not).
+    let recorded_by_first = ncclscope::spool::SpoolReader::open_dir(h.dir.path().join("spool"))
+        .unwrap()
+        .read_job(JOB)
+        .filter_map(Result::ok)
+        .count() as u64;
     std::thread::sleep(Duration::from_millis(300));
     // The second daemon finds the segments by scanning /dev/shm (the ranks registered only once).
     h.start_daemon();
@@ -606,7 +612,7 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
         expected.len()
     );
 
-    // The spool (the durable record behind `export`) has every instance.
+    // The spool (the durable record behind `export`) has every instance, once.
     let reader = ncclscope::spool::SpoolReader::open_dir(h.dir.path().join("spool")).unwrap();
     let spooled: Vec<(u32, u64)> = reader
         .read_job(JOB)
@@ -614,17 +620,45 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
         .collect();
     let spooled_set: BTreeSet<(u32, u64)> = spooled.iter().copied().collect();
     assert_eq!(spooled_set, expected, "spool complete across the restart");
-    // Re-recorded only within one state-save interval before the kill.
-    assert!(
-        spooled.len() - expected.len() < before,
-        "{} spool duplicates",
-        spooled.len() - expected.len()
+    assert_eq!(
+        spooled.len(),
+        expected.len(),
+        "spool holds an instance twice"
     );
     eprintln!(
-        "restart: spool holds {} records for {} instances",
+        "restart: spool holds {} records for {} instances, {recorded_by_first} of them recorded by the killed daemon",
         spooled.len(),
         expected.len()
     );
+
+    // Metrics count each instance in the run of the daemon that recorded it: the second daemon counts
+    // exactly what the first had not spooled (its counters start again from zero, a counter reset).
+    let counted_by_second = expected.len() as u64 - recorded_by_first;
+    let sum = |text: &str, prefix: &str| -> f64 {
+        text.lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut text = h.metrics();
+    while sum(&text, "ncclscope_collectives_total ") != counted_by_second as f64
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(200));
+        text = h.metrics();
+    }
+    for family in [
+        "ncclscope_collectives_total ",
+        "ncclscope_rank_collectives_total{",
+        "ncclscope_collective_exec_time_microseconds_count{",
+    ] {
+        assert_eq!(
+            sum(&text, family),
+            counted_by_second as f64,
+            "{family}: the restarted daemon counts exactly the instances not recorded before the kill"
+        );
+    }
 
     let deadline = Instant::now() + Duration::from_secs(30);
     while h.segments_left() > 0 && Instant::now() < deadline {
@@ -1195,4 +1229,82 @@ fn a_hostile_segment_is_bounded_and_does_not_starve_the_others() {
     ] {
         assert!(stage(s) > 0.0, "{s} counted");
     }
+}
+
+/// A panic in the plugin's forwarding thread (forced after N events by the test-only
+/// `NCCLSCOPE_TEST_PANIC=forward:N`, read once at init): the job's NCCL calls keep returning success,
+/// `finalize` returns at once instead of waiting for a thread that is gone, and the daemon reports the
+/// loss as `ncclscope_lost_total{stage="forward_panic"}`, next to what arrived before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_the_plugins_forwarding_thread_latches_it_off_and_is_counted() {
+    const COMMS: u32 = 3;
+    const COLLS: u32 = 400;
+    const PANIC_AFTER: u32 = 300;
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let mut h = Harness::new("fwdpanic", &collector.endpoint());
+    h.start_daemon();
+    let out = Command::new(ncclscope_fakenccl::process::rank_binary().unwrap())
+        .args(["--kind", "v5", "--comms", &COMMS.to_string()])
+        .args(["--colls", &COLLS.to_string(), "--channels", "2"])
+        // Finalize well after the panic: it must then return at once (while the thread is still
+        // alive, finalize waits for it as it always did).
+        .args(["--interval-us", "100", "--hold-ms", "500"])
+        .env("NCCLSCOPE_SHM_PREFIX", &h.prefix)
+        .env("NCCLSCOPE_SOCKET", h.socket())
+        .env("NCCLSCOPE_JOB_ID", "panic-job")
+        .env("NCCLSCOPE_TEST_PANIC", format!("forward:{PANIC_AFTER}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the job survives: {stderr}");
+    let report: ncclscope_fakenccl::report::Report = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        stderr.contains("internal error in the forwarding thread; profiling disabled"),
+        "{stderr}"
+    );
+    assert_eq!(report.failed_calls, 0, "every NCCL call returned success");
+    let slowest = report.comms.iter().map(|c| c.finalize_ns).max().unwrap();
+    assert!(
+        slowest < 200_000_000,
+        "finalize took {} ms, waiting for a dead thread",
+        slowest / 1_000_000
+    );
+    let produced: usize = report
+        .comms
+        .iter()
+        .map(|c| c.ops.iter().filter(|o| o.started).count())
+        .sum();
+    // Latched off, the plugin clears NCCL's activation mask: NCCL stops emitting events.
+    assert_eq!(report.mask, 0, "NCCL's activation mask cleared");
+
+    // The daemon drains what the thread wrote before it died, and counts the loss.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut text = h.metrics();
+    while (sample(&text, "ncclscope_segments") != Some(0.0)
+        || sample(&text, "ncclscope_lost_total{stage=\"forward_panic\"}").unwrap_or(0.0) == 0.0)
+        && Instant::now() < deadline
+    {
+        // Take the spans, so the exporter's acknowledgements let the segment be reaped.
+        collector
+            .exported_spans(1, Duration::from_millis(200))
+            .await;
+        text = h.metrics();
+    }
+    let lost = sample(&text, "ncclscope_lost_total{stage=\"forward_panic\"}").unwrap_or(0.0);
+    let delivered = sample(&text, "ncclscope_collectives_total").unwrap_or(0.0);
+    eprintln!(
+        "forwarding-thread panic after {PANIC_AFTER} events: {produced} of {} collectives reached the \
+         plugin, {delivered} delivered, forward_panic = {lost} events lost, slowest finalize {} us",
+        COMMS * COLLS,
+        slowest / 1000
+    );
+    assert!(lost >= 1.0, "forward_panic counted: {text}");
+    assert!(
+        delivered > 0.0 && delivered < produced as f64,
+        "what was forwarded before the panic arrives ({delivered} of {produced})"
+    );
+    let mut daemon = h.signal_daemon(rustix::process::Signal::TERM);
+    assert!(wait_timeout(&mut daemon, Duration::from_secs(20)).is_some_and(|s| s.success()));
 }

@@ -46,7 +46,9 @@ fn spool_child_appender() {
     .unwrap();
     let mut seq = 0;
     loop {
-        let batch: Vec<_> = (seq..seq + 7).map(coll).collect();
+        let batch: Vec<_> = (seq..seq + 7)
+            .map(|s| (Default::default(), coll(s)))
+            .collect();
         spool.append(&batch).unwrap();
         seq += 7;
         println!("ACK {}", seq - 1);
@@ -107,7 +109,7 @@ fn acknowledged_instances_survive_sigkill_and_restart() {
     );
     // Whatever the kill tore, the spool continues cleanly after it.
     let next = seqs.len() as u64;
-    spool.append(&[coll(next)]).unwrap();
+    spool.append(&[(Default::default(), coll(next))]).unwrap();
     drop(spool);
     let after: Vec<u64> = SpoolReader::open_dir(dir.path())
         .unwrap()

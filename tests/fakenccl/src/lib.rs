@@ -34,7 +34,7 @@ pub mod report;
 use std::ffi::{CStr, CString, c_int, c_void};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 
 use anyhow::{Context, bail};
 use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
@@ -124,6 +124,8 @@ pub struct Host {
     logger: Logger,
     /// NCCL's process-wide activation mask.
     mask: &'static AtomicI32,
+    /// Plugin calls that returned anything but ncclSuccess (NCCL would fail the job's call).
+    failed_calls: AtomicU64,
     _plugin: Library,
     _nccl: Library,
 }
@@ -284,11 +286,17 @@ impl Host {
                 get_device_hook,
                 logger,
                 mask,
+                failed_calls: AtomicU64::new(0),
                 _plugin: lib,
                 _nccl: nccl,
             }));
         }
         bail!("{} exports none of {:?}", plugin.display(), kind.symbols())
+    }
+
+    /// Plugin calls after `init` that did not return ncclSuccess.
+    pub fn failed_calls(&self) -> u64 {
+        self.failed_calls.load(Ordering::Relaxed)
     }
 
     /// The activation mask the plugin set (NCCL's global).
@@ -374,6 +382,7 @@ pub struct Comm {
 /// Calls into the plugin with descriptors and state args on a guarded page.
 struct Caller<'a> {
     vt: &'a Vtable,
+    failed: &'a AtomicU64,
     page: &'a mut GuardedPage,
     descr_bytes: usize,
     rank: i32,
@@ -397,8 +406,15 @@ impl Caller<'_> {
         fill(&d);
         let mut handle = std::ptr::null_mut();
         // SAFETY: the plugin's startEvent with a valid out pointer and a descriptor of this host's size.
-        unsafe { (self.vt.start_event)(ctx.0, &mut handle, d.ptr) };
+        let rc = unsafe { (self.vt.start_event)(ctx.0, &mut handle, d.ptr) };
+        self.returned(rc);
         SendPtr(handle)
+    }
+
+    fn returned(&self, rc: i32) {
+        if rc != 0 {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     fn record(&mut self, handle: SendPtr, st: i32, p_timer: Option<u64>) {
@@ -412,12 +428,14 @@ impl Caller<'_> {
             None => std::ptr::null_mut(),
         };
         // SAFETY: the plugin's recordEventState; args NULL or 8 bytes flush against the guard page.
-        unsafe { (self.vt.record_event_state)(handle.0, st, args) };
+        let rc = unsafe { (self.vt.record_event_state)(handle.0, st, args) };
+        self.returned(rc);
     }
 
     fn stop(&mut self, handle: SendPtr) {
         // SAFETY: the plugin's stopEvent.
-        unsafe { (self.vt.stop_event)(handle.0) };
+        let rc = unsafe { (self.vt.stop_event)(handle.0) };
+        self.returned(rc);
     }
 }
 
@@ -519,6 +537,7 @@ impl KernelJob {
         if self.kernel_ch {
             let mut c = Caller {
                 vt: &host.vt,
+                failed: &host.failed_calls,
                 page,
                 descr_bytes: host.kind.descr_bytes(),
                 rank,
@@ -574,6 +593,7 @@ impl Comm {
     fn caller(&mut self) -> Caller<'_> {
         Caller {
             vt: &self.host.vt,
+            failed: &self.host.failed_calls,
             page: &mut self.app_page,
             descr_bytes: self.host.kind.descr_bytes(),
             rank: self.rank,
@@ -822,15 +842,21 @@ impl Comm {
     }
 
     /// `finalize` (after the proxy thread, if any, has emitted everything: NCCL stops it first).
-    pub fn finalize(mut self) {
+    /// Returns how long the plugin's finalize took.
+    pub fn finalize(mut self) -> std::time::Duration {
         if let Some(proxy) = self.proxy.take() {
             drop(proxy.tx);
             proxy.thread.join().expect("proxy thread");
         }
+        let t0 = std::time::Instant::now();
         if !self.ctx.0.is_null() {
             // SAFETY: the context `init` returned; NCCL calls finalize only for a non-NULL one.
-            unsafe { (self.host.vt.finalize)(self.ctx.0) };
+            let rc = unsafe { (self.host.vt.finalize)(self.ctx.0) };
+            if rc != 0 {
+                self.host.failed_calls.fetch_add(1, Ordering::Relaxed);
+            }
         }
+        t0.elapsed()
     }
 
     /// Whether the plugin handed out a device hook for this communicator.

@@ -75,6 +75,9 @@ pub struct CommReport {
     pub ops: Vec<OpReport>,
     /// Calls the plugin should have counted as ignored (see `Comm::noise`).
     pub ignored: u64,
+    /// How long the plugin's `finalize` took (0 when not called).
+    #[serde(default)]
+    pub finalize_ns: u64,
 }
 
 /// A whole fake-NCCL process.
@@ -93,4 +96,7 @@ pub struct Report {
     #[serde(default)]
     pub ended_ns: u64,
     pub comms: Vec<CommReport>,
+    /// Plugin calls that returned anything but ncclSuccess.
+    #[serde(default)]
+    pub failed_calls: u64,
 }

@@ -113,6 +113,7 @@ fn main() -> anyhow::Result<()> {
         pid: std::process::id(),
         mask: host.mask(),
         comms,
+        failed_calls: host.failed_calls(),
     };
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
@@ -176,21 +177,24 @@ fn run_comm(host: &std::sync::Arc<Host>, args: &Args, i: u32) -> anyhow::Result<
     if args.hold_ms > 0 {
         std::thread::sleep(Duration::from_millis(args.hold_ms));
     }
-    let report = CommReport {
+    let (has_context, has_hook) = (comm.has_context(), comm.has_hook());
+    let finalize_ns = if args.no_finalize {
+        0
+    } else {
+        comm.finalize().as_nanos() as u64
+    };
+    Ok(CommReport {
         comm_hash: spec.comm_hash,
         rank: spec.rank,
         nranks: spec.nranks,
         nnodes: spec.nnodes,
         name: spec.name.clone(),
-        has_context: comm.has_context(),
-        has_hook: comm.has_hook(),
+        has_context,
+        has_hook,
         ops,
         ignored,
-    };
-    if !args.no_finalize {
-        comm.finalize();
-    }
-    Ok(report)
+        finalize_ns,
+    })
 }
 
 /// Forks; the child inits a communicator and exits with 0 if the plugin gave it no context.
