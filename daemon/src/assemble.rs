@@ -190,10 +190,11 @@ pub struct Assembler {
 }
 
 impl Assembler {
-    pub fn new(pid: u32, job_id: String, host: String, max_pending: usize) -> Assembler {
+    /// `uid`: the process's uid as the kernel reported it (see [`Names::uid`]).
+    pub fn new(pid: u32, uid: u32, job_id: String, host: String, max_pending: usize) -> Assembler {
         Assembler {
             pid,
-            names: Arc::new(Names::new(job_id, host)),
+            names: Arc::new(Names::new(uid, job_id, host)),
             func_names: Map::default(),
             calibrations: Map::default(),
             comms: Map::default(),
@@ -870,7 +871,7 @@ mod tests {
 
     #[test]
     fn stock_path_joins_by_parent_and_applies_calibration() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         let mut recs = prelude(TimingPath::KernelCh);
         recs.push(coll(10, 5, 2));
         recs.push(Record::OpStop {
@@ -932,7 +933,7 @@ mod tests {
 
     #[test]
     fn kernel_times_read_before_the_first_calibration_wait_for_it() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
             .into_iter()
             .filter(|r| !matches!(r, Record::Calibration { .. }))
@@ -976,7 +977,7 @@ mod tests {
         assert_eq!(out[0].coll.calibration_error_ns, 9);
         assert_eq!(a.counters.uncalibrated, 0);
         // Without any calibration, the timeout closes it flagged as uncalibrated.
-        let mut b = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut b = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         let recs: Vec<Record> = recs.into_iter().collect();
         feed(&mut b, &recs);
         let mut out = Vec::new();
@@ -987,7 +988,7 @@ mod tests {
 
     #[test]
     fn a_deviceless_kernel_ch_is_anchored_to_its_host_stamps() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
             .into_iter()
             .filter(|r| !matches!(r, Record::Calibration { .. }))
@@ -1074,7 +1075,7 @@ mod tests {
 
     #[test]
     fn hook_path_joins_by_channel_order_and_checks_the_func_name() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         let mut recs = hook_prelude();
         recs.push(coll(1, 0, 1));
         recs.push(coll(2, 1, 1));
@@ -1111,7 +1112,7 @@ mod tests {
 
     #[test]
     fn hook_work_read_before_its_op_still_joins_and_a_lost_item_skips_only_its_op() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         let mut recs = hook_prelude();
         recs.push(s(11, "Broadcast"));
         let dev = |f, t| Record::DevWork {
@@ -1160,7 +1161,7 @@ mod tests {
 
     #[test]
     fn timeouts_comm_end_and_overflow_close_ops_as_incomplete() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 2);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 2);
         let mut recs = prelude(TimingPath::KernelCh);
         recs.extend([coll(1, 0, 1), coll(2, 1, 1), coll(3, 2, 1)]);
         let out = feed(&mut a, &recs);
@@ -1206,7 +1207,7 @@ mod tests {
 
     #[test]
     fn the_oldest_op_in_flight_holds_the_commit_point_while_later_ones_finish() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 1 << 20);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 1 << 20);
         let mut recs = prelude(TimingPath::KernelCh);
         let first = recs.len() as u64;
         // Op 1 never stops; ops 2.. start and stop behind it, many times over.
@@ -1235,11 +1236,11 @@ mod tests {
 
     #[test]
     fn restore_resumes_with_the_dictionary_and_marks_prior_deliveries() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         feed(&mut a, &prelude(TimingPath::KernelCh));
         assert!(a.take_dictionary_changed());
         let dict = a.dictionary();
-        let mut b = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut b = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         b.restore(dict, [(10, 6, done::RECORDED)]);
         let mut out = Vec::new();
         b.apply(6, &coll(10, 5, 0), 0, &mut out);
@@ -1266,7 +1267,7 @@ mod tests {
 
     #[test]
     fn unknown_references_are_counted_not_fatal() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         let mut out = Vec::new();
         a.apply(0, &coll(1, 0, 1), 0, &mut out);
         a.apply(

@@ -201,9 +201,21 @@ impl Engine {
                 self.cfg.drain.max_segments
             ));
         }
+        // The uid is the object's owner as the kernel reports it (fstat), which the registration
+        // socket and the rescan checked against the peer, the name and the header.
+        let uid = segment.file_uid();
+        let of_uid = self.segments.iter().filter(|s| s.name.uid == uid).count();
+        if of_uid >= self.cfg.drain.max_segments_per_uid {
+            *self.daemon_lost.entry("uid_segment_quota").or_default() += 1;
+            return Err(format!(
+                "uid {uid} already has {of_uid} segments attached (drain.max_segments_per_uid = {})",
+                self.cfg.drain.max_segments_per_uid
+            ));
+        }
         let owner = segment.owner();
         let mut asm = Assembler::new(
             owner.pid,
+            uid,
             owner.job_id.clone(),
             owner.hostname.clone(),
             self.cfg.aggregate.max_pending_ops,
@@ -226,7 +238,7 @@ impl Engine {
                 *self.daemon_lost.entry("resume_state_missing").or_default() += 1;
             }
         }
-        tracing::info!(segment = %label, pid = owner.pid, job = %owner.job_id, tail = segment.tail(), head = segment.head(), registered, "segment attached");
+        tracing::info!(segment = %label, pid = owner.pid, uid, job = %owner.job_id, tail = segment.tail(), head = segment.head(), registered, "segment attached");
         let consumer = Consumer::new(segment);
         let read_upto = consumer.segment().tail();
         self.segments.push(Attached {
@@ -305,11 +317,11 @@ impl Engine {
     }
 
     fn refresh_local_ranks(&mut self) {
-        let mut m: HashMap<u64, usize> = HashMap::new();
+        let mut m: HashMap<(u32, u64), usize> = HashMap::new();
         for s in &self.segments {
             // Finalized communicators count too: their last collectives may still be awaited.
             for c in s.asm.all_comms() {
-                *m.entry(c.comm_hash).or_default() += 1;
+                *m.entry((s.asm.names().uid, c.comm_hash)).or_default() += 1;
             }
         }
         self.stats.set_local_ranks(m);
@@ -630,22 +642,24 @@ impl Engine {
             .evict_idle(now_ns(), SERIES_IDLE.as_nanos() as u64);
         let health = self.health();
         let mut lost_by_rank = HashMap::new();
-        let mut jobs: HashMap<String, Job> = HashMap::new();
+        let mut jobs: HashMap<(u32, String), Job> = HashMap::new();
         for s in &self.segments {
             let lost: u64 = Counter::ALL
                 .iter()
                 .filter(|c| c.is_loss())
                 .map(|&c| s.consumer.segment().counter(c))
                 .sum();
+            let uid = s.asm.names().uid;
             let job = jobs
-                .entry(s.asm.job_id().to_string())
+                .entry((uid, s.asm.job_id().to_string()))
                 .or_insert_with(|| Job {
+                    uid,
                     job_id: s.asm.job_id().to_string(),
                     live: true,
                     ..Default::default()
                 });
             for c in s.asm.comms() {
-                lost_by_rank.insert((Arc::from(s.asm.job_id()), c.comm_hash, c.rank), lost);
+                lost_by_rank.insert((uid, Arc::from(s.asm.job_id()), c.comm_hash, c.rank), lost);
                 let idx = match job
                     .communicators
                     .iter()
@@ -676,17 +690,20 @@ impl Engine {
                 });
             }
         }
-        for (job_id, (n, first, last)) in self.stats.jobs() {
-            let job = jobs.entry(job_id.to_string()).or_insert_with(|| Job {
-                job_id: job_id.to_string(),
-                ..Default::default()
-            });
+        for ((uid, job_id), (n, first, last)) in self.stats.jobs() {
+            let job = jobs
+                .entry((uid, job_id.to_string()))
+                .or_insert_with(|| Job {
+                    uid,
+                    job_id: job_id.to_string(),
+                    ..Default::default()
+                });
             job.collectives = n;
             job.first_unix_ns = first;
             job.last_unix_ns = last;
         }
         let mut jobs: Vec<Job> = jobs.into_values().collect();
-        jobs.sort_by(|a, b| a.job_id.cmp(&b.job_id));
+        jobs.sort_by(|a, b| (a.uid, &a.job_id).cmp(&(b.uid, &b.job_id)));
         for j in &mut jobs {
             j.communicators.sort_by_key(|c| c.comm_hash);
             for c in &mut j.communicators {
@@ -711,7 +728,10 @@ impl Engine {
         let _ = self
             .out
             .prometheus
-            .send(Arc::new(metrics::render_prometheus(&families)));
+            .send(Arc::new(metrics::render_prometheus(
+                &families,
+                self.cfg.prometheus.job_series,
+            )));
         if let Some(tx) = &self.out.metrics {
             let due = self.last_metrics_export.elapsed()
                 >= Duration::from_millis(self.cfg.otlp.metrics_interval_ms);

@@ -53,6 +53,7 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
     } else {
         let limits = SpoolLimits {
             max_bytes: cfg.spool.max_bytes,
+            max_bytes_per_uid: cfg.spool.max_bytes_per_uid,
             max_age: Duration::from_secs(cfg.spool.max_age_hours * 3600),
             ..SpoolLimits::default()
         };

@@ -315,7 +315,7 @@ impl View {
             Row::new(cells.to_vec()).style(Style::new().add_modifier(Modifier::BOLD))
         };
         let job_rows = self.jobs.jobs.iter().map(|j| {
-            let (comms, ranks) = shape(Some(j), &self.stats.ranks, &j.job_id);
+            let (comms, ranks) = shape(Some(j), &self.stats.ranks, j.uid, &j.job_id);
             Row::new(vec![
                 j.job_id.clone(),
                 if j.live {
