@@ -93,6 +93,9 @@ pub struct Engine {
     collectives: u64,
     /// Segments detached as corrupt; skipped by rescans while they exist.
     broken: std::collections::HashSet<SegmentName>,
+    /// Segments refused by `drain.max_segments_per_uid` that still exist: each is counted once, and a
+    /// rescan attaches it once its uid has room again.
+    over_quota: std::collections::HashSet<SegmentName>,
     /// Buffers reused by every tick (their capacity would otherwise be reallocated each time).
     reads: Vec<RawRead>,
     /// Instances completed and not yet delivered, and which segment's they are: runs of `completed`
@@ -144,6 +147,7 @@ impl Engine {
             daemon_lost: HashMap::new(),
             collectives: 0,
             broken: Default::default(),
+            over_quota: Default::default(),
             reads: Vec::new(),
             completed: Vec::new(),
             completed_runs: Vec::new(),
@@ -206,7 +210,9 @@ impl Engine {
         let uid = segment.file_uid();
         let of_uid = self.segments.iter().filter(|s| s.name.uid == uid).count();
         if of_uid >= self.cfg.drain.max_segments_per_uid {
-            *self.daemon_lost.entry("uid_segment_quota").or_default() += 1;
+            if self.over_quota.insert(name) {
+                *self.daemon_lost.entry("uid_segment_quota").or_default() += 1;
+            }
             return Err(format!(
                 "uid {uid} already has {of_uid} segments attached (drain.max_segments_per_uid = {})",
                 self.cfg.drain.max_segments_per_uid
@@ -239,6 +245,7 @@ impl Engine {
             }
         }
         tracing::info!(segment = %label, pid = owner.pid, uid, job = %owner.job_id, tail = segment.tail(), head = segment.head(), registered, "segment attached");
+        self.over_quota.remove(&name);
         let consumer = Consumer::new(segment);
         let read_upto = consumer.segment().tail();
         self.segments.push(Attached {
@@ -283,7 +290,10 @@ impl Engine {
                         tracing::warn!(segment = %name, "owner in the header does not match the object or its name; ignored");
                         continue;
                     }
-                    if let Err(e) = self.attach(name, seg, false) {
+                    let refused_before = self.over_quota.contains(&name);
+                    if let Err(e) = self.attach(name, seg, false)
+                        && !refused_before
+                    {
                         tracing::warn!(error = %e, "segment not attached");
                     }
                 }
@@ -302,6 +312,7 @@ impl Engine {
             }
         }
         self.broken.retain(|n| names.contains(n));
+        self.over_quota.retain(|n| names.contains(n));
         // A corrupt segment whose process is gone will never be read again: remove it.
         let dead: Vec<SegmentName> = self
             .broken
