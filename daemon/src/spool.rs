@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -113,6 +113,8 @@ impl Spool {
             .recursive(true)
             .mode(DIR_MODE)
             .create(&dir)?;
+        // Also an existing directory (e.g. from a version that wrote 0644 files under 0755 ones).
+        fs::set_permissions(&dir, fs::Permissions::from_mode(DIR_MODE))?;
         let mut index = scan(&dir)?;
         // Only a job's newest file is ever appended to, so only it can have a torn tail; older files are
         // checked by readers (CRC per record).

@@ -563,12 +563,24 @@ async fn another_users_process_claiming_a_job_lands_in_its_own_series_spool_and_
         }
     }
     assert_eq!(files, 2, "one spool file per (uid, job)");
+    // The resume state names the jobs and communicators of every user: the daemon's alone too.
+    assert_eq!(mode(&node.path("state")), 0o700);
 
     // Prometheus, readable by any local user, serves the daemon's health and no job.
     let text = node.wait_metric("ncclscope_collectives_total", (3 * NCOLLS) as f64);
     assert!(
         !text.contains("job_id=") && !text.contains("uid="),
         "{text}"
+    );
+    eprintln!(
+        "claim: produced A {} + B {} instances of job {JOB}; series A {} B {}; traces {per_uid:?} \
+         (uid: count), {} spans; spool A {} records, {files} files",
+        2 * NCOLLS,
+        NCOLLS,
+        colls[&(A as u64)].0,
+        colls[&(B as u64)].0,
+        spans.len(),
+        a.len()
     );
 }
 
@@ -623,4 +635,7 @@ fn the_segment_quota_refuses_one_uids_extra_segment_while_another_uid_registers(
     std::thread::sleep(Duration::from_millis(1500));
     node.wait_metric("ncclscope_segments", 3.0);
     node.wait_metric("ncclscope_lost_total{stage=\"uid_segment_quota\"}", 1.0);
+    eprintln!(
+        "quota: A's replies {replies:?}; B's OK; refusals counted 1; attached after room: 3 segments"
+    );
 }
