@@ -5,8 +5,9 @@
 //! vouched for at registration, so another user's process naming the same job id writes under its own
 //! uid, never into the claimed job's files. Directories are created 0700 and files 0600 (explicit
 //! modes, whatever the umask): only the daemon reads them, and answers each user through the API for
-//! their own uid. `<job>` is the job id with every byte outside `[A-Za-z0-9._-]` written as `%XX`, and `<seq>` is a spool-wide, ever-increasing 16-digit hex number
-//! (so the oldest file of the whole spool is the one with the smallest sequence). A file is an 8-byte
+//! their own uid. `<job>` is the job id with every byte outside `[A-Za-z0-9._-]` written as `%XX`, and
+//! `<seq>` is a spool-wide, ever-increasing 16-digit hex number (so the oldest file of the whole spool
+//! is the one with the smallest sequence). A file is an 8-byte
 //! magic followed by records `{u32 len LE, u32 crc32(payload) LE, payload}`, payload a prost-encoded
 //! [`Collective`]. Files are only appended to; [`Spool::append`] returns after `fdatasync`, so what it
 //! acknowledged survives a SIGKILL or power loss. A torn tail (the daemon died mid-append) is truncated
@@ -158,8 +159,8 @@ impl Spool {
         lock(&self.index).stats.clone()
     }
 
-    /// Appends `batch` to the files of the (uid, job) each instance belongs to; durable (fdatasync) when it returns `Ok`.
-    /// On an error (full disk, I/O error) nothing of the failing job's part of the batch is kept: the
+    /// Appends `batch` to the files of the (uid, job) each instance belongs to; durable (fdatasync) when
+    /// it returns `Ok`. On an error (full disk, I/O error) nothing of the failing job's part of the batch is kept: the
     /// file is cut back to its last acknowledged length, so the spool stays readable.
     pub fn append(&mut self, batch: &[Collective]) -> io::Result<()> {
         let mut by_job: BTreeMap<(u32, &str), Vec<u8>> = BTreeMap::new();
