@@ -5,6 +5,10 @@
 //! The server reads only the [`Hub`] (snapshots and the live stream) and a [`SpoolReader`] (Export), so
 //! it never slows ingest: a slow watcher misses instances (broadcast lag), a slow exporter only holds a
 //! file descriptor.
+//!
+//! Who sees what: the socket is open to every local user (mode 0666), and each call is answered for
+//! the caller's uid as the kernel reports it (SO_PEERCRED): a user sees, watches and exports only jobs
+//! their own processes ran (a job is (uid, job id)); root sees every uid's.
 
 use std::future::Future;
 use std::io;
@@ -24,6 +28,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
+use tonic::transport::server::UdsConnectInfo;
 use tonic::transport::{Channel, Endpoint, Server, Uri};
 use tonic::{Request, Response, Status};
 
@@ -81,6 +86,29 @@ impl QueryService {
 
 type CollectiveStream = Pin<Box<dyn Stream<Item = Result<Collective, Status>> + Send>>;
 
+/// The uid whose jobs `req` may see (`None`: every uid's, for root), narrowed to `asked` if given.
+/// The caller's uid is the kernel's word for the connection (SO_PEERCRED), never the request's.
+fn scope<T>(req: &Request<T>, asked: Option<u32>) -> Result<Option<u32>, Status> {
+    let uid = req
+        .extensions()
+        .get::<UdsConnectInfo>()
+        .and_then(|info| info.peer_cred)
+        .map(|cred| cred.uid())
+        .ok_or_else(|| Status::unauthenticated("the caller's credentials are unavailable"))?;
+    match (uid, asked) {
+        (0, asked) => Ok(asked),
+        (uid, None) => Ok(Some(uid)),
+        (uid, Some(asked)) if asked == uid => Ok(Some(uid)),
+        (uid, Some(asked)) => Err(Status::permission_denied(format!(
+            "uid {uid} may not read uid {asked}'s jobs (only root may)"
+        ))),
+    }
+}
+
+fn visible(scope: Option<u32>, uid: u32) -> bool {
+    scope.is_none_or(|s| s == uid)
+}
+
 /// Instances sent ahead of a slow Export/Watch client before the server waits for it.
 const STREAM_BUFFER: usize = 256;
 
@@ -88,14 +116,22 @@ const STREAM_BUFFER: usize = 256;
 impl Query for QueryService {
     async fn list_jobs(
         &self,
-        _req: Request<ListJobsRequest>,
+        req: Request<ListJobsRequest>,
     ) -> Result<Response<ListJobsResponse>, Status> {
+        let scope = scope(&req, None)?;
         let mut jobs = self.hub.jobs();
+        jobs.jobs.retain(|j| visible(scope, j.uid));
         // A job the daemon no longer holds in memory (e.g. before a restart) is still exportable.
         if let Some(spool) = &self.spool {
-            for job_id in spool.jobs() {
-                if !jobs.jobs.iter().any(|j| j.job_id == job_id) {
+            for (uid, job_id) in spool.jobs() {
+                if visible(scope, uid)
+                    && !jobs
+                        .jobs
+                        .iter()
+                        .any(|j| (j.uid, &j.job_id) == (uid, &job_id))
+                {
                     jobs.jobs.push(ncclscope_proto::api::Job {
+                        uid,
                         job_id,
                         ..Default::default()
                     });
@@ -109,12 +145,12 @@ impl Query for QueryService {
         &self,
         req: Request<StatsRequest>,
     ) -> Result<Response<StatsResponse>, Status> {
+        let scope = scope(&req, req.get_ref().uid)?;
         let job = req.into_inner().job_id;
         let mut stats = self.hub.stats();
-        if !job.is_empty() {
-            stats.colls.retain(|c| c.job_id == job);
-            stats.ranks.retain(|r| r.job_id == job);
-        }
+        let wanted = |uid, job_id: &str| visible(scope, uid) && (job.is_empty() || job_id == job);
+        stats.colls.retain(|c| wanted(c.uid, &c.job_id));
+        stats.ranks.retain(|r| wanted(r.uid, &r.job_id));
         Ok(Response::new(stats))
     }
 
@@ -124,6 +160,7 @@ impl Query for QueryService {
         &self,
         req: Request<WatchRequest>,
     ) -> Result<Response<CollectiveStream>, Status> {
+        let scope = scope(&req, req.get_ref().uid)?;
         let job = req.into_inner().job_id;
         let mut live = self.hub.subscribe();
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
@@ -141,7 +178,8 @@ impl Query for QueryService {
                     Err(broadcast::error::RecvError::Closed) => return,
                 };
                 let c = c.view();
-                if (job.is_empty() || c.job_id() == job)
+                if visible(scope, c.uid())
+                    && (job.is_empty() || c.job_id() == job)
                     && tx.send(Ok(c.to_message())).await.is_err()
                 {
                     return; // the client went away
@@ -157,23 +195,28 @@ impl Query for QueryService {
         &self,
         req: Request<ExportRequest>,
     ) -> Result<Response<CollectiveStream>, Status> {
-        let job = req.into_inner().job_id;
+        let scope = scope(&req, req.get_ref().uid)?;
+        let job_id = req.into_inner().job_id;
         let Some(spool) = self.spool.clone() else {
             return Err(Status::unavailable(
                 "this daemon runs without a spool: nothing to export",
             ));
         };
-        let jobs = spool.jobs();
-        if !jobs.contains(&job) {
-            return Err(Status::not_found(format!(
-                "no spooled job {job:?}; spooled jobs: {jobs:?}"
-            )));
-        }
+        let job = spool.find(&job_id, scope).map_err(|e| {
+            let yours: Vec<String> = spool
+                .jobs()
+                .into_iter()
+                .filter(|(uid, _)| visible(scope, *uid))
+                .map(|(uid, j)| format!("{j} (uid {uid})"))
+                .collect();
+            Status::not_found(format!("{e}; spooled jobs you may export: {yours:?}"))
+        })?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tokio::task::spawn_blocking(move || {
             for item in spool.read_job(&job) {
-                let item =
-                    item.map_err(|e| Status::data_loss(format!("spool of job {job:?}: {e}")));
+                let item = item.map_err(|e| {
+                    Status::data_loss(format!("spool of job {:?} (uid {}): {e}", job.1, job.0))
+                });
                 let failed = item.is_err();
                 if tx.blocking_send(item).is_err() || failed {
                     return;
@@ -184,9 +227,9 @@ impl Query for QueryService {
     }
 }
 
-/// Binds the API socket, mode 0660: the daemon's group may query it.
+/// Binds the API socket, mode 0666: every local user may query it, for their own jobs.
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
-    crate::socket::bind(path, 0o660, "the query API")
+    crate::socket::bind(path, 0o666, "the query API")
 }
 
 /// Serves `service` on `listener` until `shutdown` completes.
@@ -326,14 +369,20 @@ mod tests {
             .into_inner();
         assert_eq!(all.colls.len(), 2);
         let b = client
-            .get_stats(StatsRequest { job_id: "b".into() })
+            .get_stats(StatsRequest {
+                job_id: "b".into(),
+                uid: None,
+            })
             .await
             .unwrap()
             .into_inner();
         assert_eq!((b.colls.len(), b.colls[0].count, b.ranks.len()), (1, 4, 1));
 
         let mut stream = client
-            .export(ExportRequest { job_id: "x".into() })
+            .export(ExportRequest {
+                job_id: "x".into(),
+                uid: None,
+            })
             .await
             .unwrap()
             .into_inner();
@@ -346,13 +395,17 @@ mod tests {
         let err = client
             .export(ExportRequest {
                 job_id: "nope".into(),
+                uid: None,
             })
             .await
             .unwrap_err();
         assert_eq!(err.code(), tonic::Code::NotFound);
 
         let mut watch = client
-            .watch(WatchRequest { job_id: "y".into() })
+            .watch(WatchRequest {
+                job_id: "y".into(),
+                uid: None,
+            })
             .await
             .unwrap()
             .into_inner();

@@ -340,10 +340,11 @@ pub struct Assembler {
 }
 
 impl Assembler {
-    pub fn new(pid: u32, job_id: String, host: String, max_pending: usize) -> Assembler {
+    /// `uid`: the process's uid as the kernel reported it (see [`Names::uid`]).
+    pub fn new(pid: u32, uid: u32, job_id: String, host: String, max_pending: usize) -> Assembler {
         Assembler {
             pid,
-            names: Arc::new(Names::new(job_id, host)),
+            names: Arc::new(Names::new(uid, job_id, host)),
             func_names: Map::default(),
             calibrations: Map::default(),
             comms: Map::default(),
@@ -484,6 +485,11 @@ impl Assembler {
 
     pub fn job_id(&self) -> &str {
         &self.names.job_id
+    }
+
+    /// The spool's key of this process's job: (uid, job id).
+    pub fn job_key(&self) -> crate::spool::JobKey {
+        (self.names.uid, self.names.job_id.clone())
     }
 
     /// The strings this process's instances refer to.
@@ -1203,7 +1209,7 @@ mod tests {
 
     #[test]
     fn stock_path_joins_by_parent_and_applies_calibration() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         let mut recs = prelude(TimingPath::KernelCh);
         recs.push(coll(10, 5, 2));
         recs.push(Record::OpStop {
@@ -1265,7 +1271,7 @@ mod tests {
 
     #[test]
     fn kernel_times_read_before_the_first_calibration_wait_for_it() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
             .into_iter()
             .filter(|r| !matches!(r, Record::Calibration { .. }))
@@ -1309,7 +1315,7 @@ mod tests {
         assert_eq!(out[0].coll.calibration_error_ns, 9);
         assert_eq!(a.counters.uncalibrated, 0);
         // Without any calibration, the timeout closes it flagged as uncalibrated.
-        let mut b = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut b = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         let recs: Vec<Record> = recs.into_iter().collect();
         feed(&mut b, &recs);
         let mut out = Vec::new();
@@ -1320,7 +1326,7 @@ mod tests {
 
     #[test]
     fn a_deviceless_kernel_ch_is_anchored_to_its_host_stamps() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
             .into_iter()
             .filter(|r| !matches!(r, Record::Calibration { .. }))
@@ -1407,7 +1413,7 @@ mod tests {
 
     #[test]
     fn hook_path_joins_by_channel_order_and_checks_the_func_name() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         let mut recs = hook_prelude();
         recs.push(coll(1, 0, 1));
         recs.push(coll(2, 1, 1));
@@ -1444,7 +1450,7 @@ mod tests {
 
     #[test]
     fn hook_work_read_before_its_op_still_joins_and_a_lost_item_skips_only_its_op() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         let mut recs = hook_prelude();
         recs.push(s(11, "Broadcast"));
         let dev = |f, t| Record::DevWork {
@@ -1493,7 +1499,7 @@ mod tests {
 
     #[test]
     fn timeouts_comm_end_and_overflow_close_ops_as_incomplete() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 2);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 2);
         let mut recs = prelude(TimingPath::KernelCh);
         recs.extend([coll(1, 0, 1), coll(2, 1, 1), coll(3, 2, 1)]);
         let out = feed(&mut a, &recs);
@@ -1539,7 +1545,7 @@ mod tests {
 
     #[test]
     fn the_oldest_op_in_flight_holds_the_commit_point_while_later_ones_finish() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 1 << 20);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 1 << 20);
         let mut recs = prelude(TimingPath::KernelCh);
         let first = recs.len() as u64;
         // Op 1 never stops; ops 2.. start and stop behind it, many times over.
@@ -1568,11 +1574,11 @@ mod tests {
 
     #[test]
     fn restore_resumes_with_the_dictionary_and_marks_prior_deliveries() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         feed(&mut a, &prelude(TimingPath::KernelCh));
         assert!(a.take_dictionary_changed());
         let dict = a.dictionary();
-        let mut b = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut b = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         b.restore(dict, [(10, 6, done::RECORDED)]);
         let mut out = Vec::new();
         b.apply(6, &coll(10, 5, 0), 0, &mut out);
@@ -1599,7 +1605,7 @@ mod tests {
 
     #[test]
     fn unknown_references_are_counted_not_fatal() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 100);
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
         let mut out = Vec::new();
         a.apply(0, &coll(1, 0, 1), 0, &mut out);
         a.apply(
@@ -1633,7 +1639,7 @@ mod tests {
     }
 
     fn limited() -> Assembler {
-        Assembler::new(7, "job".into(), "node".into(), 1000).with_limits(Limits {
+        Assembler::new(7, 0, "job".into(), "node".into(), 1000).with_limits(Limits {
             max_comms: 2,
             max_strings: 8,
             max_func_names: 2,
@@ -1776,7 +1782,7 @@ mod tests {
 
     #[test]
     fn comm_end_closes_its_own_ops_in_order_and_a_first_calibration_only_those_awaiting_it() {
-        let mut a = Assembler::new(7, "job".into(), "node".into(), 1000);
+        let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 1000);
         let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
             .into_iter()
             .filter(|r| !matches!(r, Record::Calibration { .. }))
@@ -1844,8 +1850,9 @@ mod tests {
     #[test]
     fn one_uids_processes_share_its_dictionary_budget() {
         let budget = UidBudget::new(6);
-        let asm =
-            || Assembler::new(7, "job".into(), "node".into(), 100).with_uid_budget(budget.clone());
+        let asm = || {
+            Assembler::new(7, 0, "job".into(), "node".into(), 100).with_uid_budget(budget.clone())
+        };
         let mut a = asm();
         feed(&mut a, &prelude(TimingPath::KernelCh));
         assert_eq!((budget.used(), a.counters.uid_limit), (6, 0));

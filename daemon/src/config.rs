@@ -84,6 +84,9 @@ pub struct Spool {
     /// Directory; empty disables the spool (and `export` from it).
     pub dir: PathBuf,
     pub max_bytes: u64,
+    /// Bytes one uid's jobs may hold; past it that uid's oldest files go first. Past `max_bytes` the
+    /// oldest file of the uid holding the most goes, so no user's jobs can push out another's share.
+    pub max_bytes_per_uid: u64,
     pub max_age_hours: u64,
 }
 
@@ -92,6 +95,7 @@ impl Default for Spool {
         Spool {
             dir: PathBuf::from("/var/lib/ncclscope/spool"),
             max_bytes: 1 << 30,
+            max_bytes_per_uid: 256 << 20,
             max_age_hours: 7 * 24,
         }
     }
@@ -107,6 +111,10 @@ pub struct Drain {
     pub batch_records: usize,
     /// Segments attached at once; registrations beyond it are refused.
     pub max_segments: usize,
+    /// Segments of one uid attached at once, so that one user cannot take every slot of
+    /// `max_segments`; that uid's registrations beyond it are refused (counted as
+    /// `ncclscope_lost_total{stage="uid_segment_quota"}`).
+    pub max_segments_per_uid: usize,
     /// How often /dev/shm is rescanned for segments that never registered, in milliseconds (0: only at start).
     pub rescan_interval_ms: u64,
 }
@@ -154,6 +162,10 @@ pub struct Otlp {
 pub struct Prometheus {
     /// Address of the Prometheus text endpoint (`/metrics`); empty disables it.
     pub listen: String,
+    /// Also serve per-job series (job id, uid, communicator, rank). Off by default: every local user
+    /// can read a localhost port, so it would show every user's jobs to every user. Per-job metrics
+    /// always go to the OTLP collector, and each user sees their own through the API.
+    pub job_series: bool,
 }
 
 impl Default for Config {
@@ -181,6 +193,7 @@ impl Default for Drain {
             max_interval_ms: 10,
             batch_records: 8192,
             max_segments: 1024,
+            max_segments_per_uid: 64,
             rescan_interval_ms: 5000,
         }
     }
@@ -219,6 +232,7 @@ impl Default for Prometheus {
     fn default() -> Self {
         Prometheus {
             listen: "127.0.0.1:9464".into(),
+            job_series: false,
         }
     }
 }
@@ -313,6 +327,10 @@ impl Config {
             ("drain.max_interval_ms", self.drain.max_interval_ms),
             ("drain.batch_records", self.drain.batch_records as u64),
             ("drain.max_segments", self.drain.max_segments as u64),
+            (
+                "drain.max_segments_per_uid",
+                self.drain.max_segments_per_uid as u64,
+            ),
             ("aggregate.op_timeout_ms", self.aggregate.op_timeout_ms),
             (
                 "aggregate.max_pending_ops",
@@ -331,6 +349,7 @@ impl Config {
             ("otlp.metrics_interval_ms", self.otlp.metrics_interval_ms),
             ("shutdown_timeout_ms", self.shutdown_timeout_ms),
             ("spool.max_bytes", self.spool.max_bytes),
+            ("spool.max_bytes_per_uid", self.spool.max_bytes_per_uid),
             ("spool.max_age_hours", self.spool.max_age_hours),
             ("limits.max_comms", self.limits.max_comms as u64),
             ("limits.max_strings", self.limits.max_strings as u64),
@@ -360,6 +379,15 @@ impl Config {
                 "limits.max_strings",
                 format!("must be <= {} (string ids are 16-bit)", u16::MAX),
             ));
+        }
+        if self.drain.max_segments_per_uid > self.drain.max_segments {
+            return Err(err(
+                "drain.max_segments_per_uid",
+                "must be <= drain.max_segments",
+            ));
+        }
+        if self.spool.max_bytes_per_uid > self.spool.max_bytes {
+            return Err(err("spool.max_bytes_per_uid", "must be <= spool.max_bytes"));
         }
         if self.otlp.batch_spans > self.otlp.queue_spans {
             return Err(err("otlp.batch_spans", "must be <= otlp.queue_spans"));

@@ -117,6 +117,9 @@ pub struct Engine {
     uid_budgets: HashMap<u32, Arc<UidBudget>>,
     /// Segments detached as corrupt; skipped by rescans while they exist.
     broken: std::collections::HashSet<SegmentName>,
+    /// Segments refused by `drain.max_segments_per_uid` that still exist: each is counted once, and a
+    /// rescan attaches it once its uid has room again.
+    over_quota: std::collections::HashSet<SegmentName>,
     /// Buffers reused by every tick (their capacity would otherwise be reallocated each time).
     reads: Vec<RawRead>,
     /// Instances completed and not yet delivered, and which segment's they are: runs of `completed`
@@ -182,6 +185,7 @@ impl Engine {
             collectives: 0,
             uid_budgets: HashMap::new(),
             broken: Default::default(),
+            over_quota: Default::default(),
             reads: Vec::new(),
             completed: Vec::new(),
             completed_runs: Vec::new(),
@@ -239,13 +243,27 @@ impl Engine {
                 self.cfg.drain.max_segments
             ));
         }
+        // The uid is the object's owner as the kernel reports it (fstat), which the registration
+        // socket and the rescan checked against the peer, the name and the header.
+        let uid = segment.file_uid();
+        let of_uid = self.segments.iter().filter(|s| s.name.uid == uid).count();
+        if of_uid >= self.cfg.drain.max_segments_per_uid {
+            if self.over_quota.insert(name) {
+                *self.daemon_lost.entry("uid_segment_quota").or_default() += 1;
+            }
+            return Err(format!(
+                "uid {uid} already has {of_uid} segments attached (drain.max_segments_per_uid = {})",
+                self.cfg.drain.max_segments_per_uid
+            ));
+        }
         let owner = segment.owner();
         self.uid_budgets.retain(|_, b| Arc::strong_count(b) > 1);
-        let budget = (self.uid_budgets.entry(name.uid))
+        let budget = (self.uid_budgets.entry(uid))
             .or_insert_with(|| UidBudget::new(self.cfg.limits.uid_max_dictionary))
             .clone();
         let mut asm = Assembler::new(
             owner.pid,
+            uid,
             owner.job_id.clone(),
             owner.hostname.clone(),
             self.cfg.aggregate.max_pending_ops,
@@ -261,7 +279,7 @@ impl Engine {
                 let mut delivered = st.delivered;
                 if let Some(spool) = &self.spool {
                     // Spooled by the previous daemon after it saved this state: recorded already.
-                    match spool.recorded_since(&owner.job_id, st.spool_mark) {
+                    match spool.recorded_since(&(uid, owner.job_id.clone()), st.spool_mark) {
                         Ok(origins) => mark_recorded(&mut delivered, &name, tail, origins),
                         Err(e) => {
                             tracing::warn!(segment = %label, error = %e, "cannot read the spool back; what it holds past the saved state may be recorded twice");
@@ -285,9 +303,9 @@ impl Engine {
                 *self.daemon_lost.entry("resume_state_missing").or_default() += 1;
             }
         }
-        let segment = consumer.segment();
-        tracing::info!(segment = %label, pid = owner.pid, job = %owner.job_id, tail = segment.tail(), head = segment.head(), registered, "segment attached");
-        let read_upto = segment.tail();
+        tracing::info!(segment = %label, pid = owner.pid, uid, job = %owner.job_id, tail = consumer.segment().tail(), head = consumer.segment().head(), registered, "segment attached");
+        self.over_quota.remove(&name);
+        let read_upto = consumer.segment().tail();
         self.segments.push(Attached {
             name,
             label,
@@ -334,7 +352,10 @@ impl Engine {
                         tracing::warn!(segment = %name, "owner in the header does not match the object or its name; ignored");
                         continue;
                     }
-                    if let Err(e) = self.attach(name, seg, false) {
+                    let refused_before = self.over_quota.contains(&name);
+                    if let Err(e) = self.attach(name, seg, false)
+                        && !refused_before
+                    {
                         tracing::warn!(error = %e, "segment not attached");
                     }
                 }
@@ -353,6 +374,7 @@ impl Engine {
             }
         }
         self.broken.retain(|n| names.contains(n));
+        self.over_quota.retain(|n| names.contains(n));
         // A corrupt segment whose process is gone will never be read again: remove it.
         let dead: Vec<SegmentName> = self
             .broken
@@ -368,11 +390,11 @@ impl Engine {
     }
 
     fn refresh_local_ranks(&mut self) {
-        let mut m: HashMap<u64, usize> = HashMap::new();
+        let mut m: HashMap<(u32, u64), usize> = HashMap::new();
         for s in &self.segments {
             // Finalized communicators count too: their last collectives may still be awaited.
             for c in s.asm.all_comms() {
-                *m.entry(c.comm_hash).or_default() += 1;
+                *m.entry((s.asm.names().uid, c.comm_hash)).or_default() += 1;
             }
         }
         self.stats.set_local_ranks(m);
@@ -494,7 +516,7 @@ impl Engine {
             // Write-ahead: the saved state's spool mark must precede what the segment appends now.
             for (i, range) in &runs {
                 let seg = &mut self.segments[*i];
-                let end = spool.end(seg.asm.job_id());
+                let end = spool.end(&seg.asm.job_key());
                 if mark_stale(seg.spool_mark, Some(end))
                     && completed[range.clone()]
                         .iter()
@@ -635,7 +657,7 @@ impl Engine {
     /// unless `now` or the ring is a quarter full).
     fn commit_all(&mut self, now: bool) {
         for seg in &mut self.segments {
-            let end = self.spool.as_ref().map(|s| s.end(seg.asm.job_id()));
+            let end = self.spool.as_ref().map(|s| s.end(&seg.asm.job_key()));
             commit(&self.cfg.state_dir, seg, now, end, &mut self.daemon_lost);
         }
     }
@@ -651,7 +673,7 @@ impl Engine {
                 && s.unacked.is_empty();
             if drained {
                 let mut seg = self.segments.remove(i);
-                let end = self.spool.as_ref().map(|s| s.end(seg.asm.job_id()));
+                let end = self.spool.as_ref().map(|s| s.end(&seg.asm.job_key()));
                 commit(
                     &self.cfg.state_dir,
                     &mut seg,
@@ -742,22 +764,24 @@ impl Engine {
             .evict_idle(now_ns(), SERIES_IDLE.as_nanos() as u64);
         let health = self.health();
         let mut lost_by_rank = HashMap::new();
-        let mut jobs: HashMap<String, Job> = HashMap::new();
+        let mut jobs: HashMap<(u32, String), Job> = HashMap::new();
         for s in &self.segments {
             let lost: u64 = Counter::ALL
                 .iter()
                 .filter(|c| c.is_loss())
                 .map(|&c| s.consumer.segment().counter(c))
                 .sum();
+            let uid = s.asm.names().uid;
             let job = jobs
-                .entry(s.asm.job_id().to_string())
+                .entry((uid, s.asm.job_id().to_string()))
                 .or_insert_with(|| Job {
+                    uid,
                     job_id: s.asm.job_id().to_string(),
                     live: true,
                     ..Default::default()
                 });
             for c in s.asm.comms() {
-                lost_by_rank.insert((Arc::from(s.asm.job_id()), c.comm_hash, c.rank), lost);
+                lost_by_rank.insert((uid, Arc::from(s.asm.job_id()), c.comm_hash, c.rank), lost);
                 let idx = match job
                     .communicators
                     .iter()
@@ -788,17 +812,20 @@ impl Engine {
                 });
             }
         }
-        for (job_id, (n, first, last)) in self.stats.jobs() {
-            let job = jobs.entry(job_id.to_string()).or_insert_with(|| Job {
-                job_id: job_id.to_string(),
-                ..Default::default()
-            });
+        for ((uid, job_id), (n, first, last)) in self.stats.jobs() {
+            let job = jobs
+                .entry((uid, job_id.to_string()))
+                .or_insert_with(|| Job {
+                    uid,
+                    job_id: job_id.to_string(),
+                    ..Default::default()
+                });
             job.collectives = n;
             job.first_unix_ns = first;
             job.last_unix_ns = last;
         }
         let mut jobs: Vec<Job> = jobs.into_values().collect();
-        jobs.sort_by(|a, b| a.job_id.cmp(&b.job_id));
+        jobs.sort_by(|a, b| (a.uid, &a.job_id).cmp(&(b.uid, &b.job_id)));
         for j in &mut jobs {
             j.communicators.sort_by_key(|c| c.comm_hash);
             for c in &mut j.communicators {
@@ -823,7 +850,10 @@ impl Engine {
         let _ = self
             .out
             .prometheus
-            .send(Arc::new(metrics::render_prometheus(&families)));
+            .send(Arc::new(metrics::render_prometheus(
+                &families,
+                self.cfg.prometheus.job_series,
+            )));
         if let Some(tx) = &self.out.metrics {
             let due = self.last_metrics_export.elapsed()
                 >= Duration::from_millis(self.cfg.otlp.metrics_interval_ms);
@@ -999,9 +1029,14 @@ fn save_state(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spool::{Spool, SpoolLimits};
+    use crate::spool::{JobKey, Spool, SpoolLimits};
     use ncclscope_proto::segment::{Owner, Producer};
     use ncclscope_proto::{Record, StrId, TimingPath};
+
+    /// The job "j" of the test's own uid (the owner of the segments it creates).
+    fn job_j() -> JobKey {
+        (rustix::process::getuid().as_raw(), "j".into())
+    }
 
     fn engine(
         dir: &std::path::Path,
@@ -1022,6 +1057,8 @@ mod tests {
             ..Config::default()
         };
         cfg.drain.batch_records = batch_records;
+        // The tests read per-rank series, which Prometheus serves only when asked to.
+        cfg.prometheus.job_series = true;
         let (prom, rx) = watch::channel(Arc::new(String::new()));
         let hub = Arc::new(Hub::default());
         let out = Outputs {
@@ -1159,13 +1196,13 @@ mod tests {
             Ok(())
         }
 
-        fn end(&self, job: &str) -> Position {
+        fn end(&self, job: &JobKey) -> Position {
             self.spool.end(job)
         }
 
         fn recorded_since(
             &self,
-            job: &str,
+            job: &JobKey,
             from: Option<Position>,
         ) -> std::io::Result<Vec<Origin>> {
             self.spool.recorded_since(job, from)
@@ -1225,7 +1262,7 @@ mod tests {
             let spooled = |dir: &std::path::Path| -> Vec<u64> {
                 crate::spool::SpoolReader::open_dir(dir.join("spool"))
                     .unwrap()
-                    .read_job("j")
+                    .read_job(&job_j())
                     .map(|c| c.unwrap().seq)
                     .collect()
             };
@@ -1293,7 +1330,7 @@ mod tests {
         // What `commit` does first, without the second step: the state for the new tail is saved...
         let target = e1.segments[0].read_upto;
         assert!(target > committed);
-        let end = e1.spool.as_ref().map(|s| s.end("j"));
+        let end = e1.spool.as_ref().map(|s| s.end(&job_j()));
         save_state(&state_dir, &mut e1.segments[0], target, end).unwrap();
         // ... and the daemon is killed before the tail is committed.
         drop(e1);
@@ -1322,7 +1359,7 @@ mod tests {
         assert_eq!(e2.health().lost.get("resume_state_missing"), None);
         let spooled: Vec<u64> = crate::spool::SpoolReader::open_dir(dir.path().join("spool"))
             .unwrap()
-            .read_job("j")
+            .read_job(&job_j())
             .map(|c| c.unwrap().seq)
             .collect();
         assert_eq!(spooled, (0..30).collect::<Vec<_>>());

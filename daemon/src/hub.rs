@@ -11,7 +11,7 @@ use ncclscope_proto::api::{ListJobsResponse, StatsResponse};
 use tokio::sync::broadcast;
 
 use crate::instance::{Instance, InstanceRef, Names, Shared};
-use crate::spool::{Origin, Position, Spool};
+use crate::spool::{JobKey, Origin, Position, Spool};
 
 /// Where completed instances become durable before they are published: the spool. The engine calls
 /// it with each batch in completion order; `Ok` means the batch survives a crash. Each instance carries
@@ -19,9 +19,9 @@ use crate::spool::{Origin, Position, Spool};
 pub trait Durable: Send {
     fn append(&mut self, batch: &[(Origin, InstanceRef)]) -> std::io::Result<()>;
     /// See [`Spool::end`].
-    fn end(&self, job: &str) -> Position;
+    fn end(&self, job: &JobKey) -> Position;
     /// See [`Spool::recorded_since`].
-    fn recorded_since(&self, job: &str, from: Option<Position>) -> std::io::Result<Vec<Origin>>;
+    fn recorded_since(&self, job: &JobKey, from: Option<Position>) -> std::io::Result<Vec<Origin>>;
 }
 
 impl Durable for Spool {
@@ -30,11 +30,11 @@ impl Durable for Spool {
         Spool::append(self, &messages)
     }
 
-    fn end(&self, job: &str) -> Position {
+    fn end(&self, job: &JobKey) -> Position {
         Spool::end(self, job)
     }
 
-    fn recorded_since(&self, job: &str, from: Option<Position>) -> std::io::Result<Vec<Origin>> {
+    fn recorded_since(&self, job: &JobKey, from: Option<Position>) -> std::io::Result<Vec<Origin>> {
         Spool::recorded_since(self, job, from)
     }
 }

@@ -12,13 +12,18 @@ use std::sync::Arc;
 use ncclscope_proto::StrId;
 use ncclscope_proto::api::{ChannelWork, Collective};
 
-/// The strings of one process: its job and host, and the strings its records define by id. The
-/// assembler replaces its copy when a record defines a string (copy on write), so an instance keeps
-/// the strings that were current when it was built. The strings sit in chunks of [`CHUNK`] ids, each
-/// shared between copies: a new string copies one chunk and the chunk list, not every string (a
-/// process defining strings while its instances wait for export pins one small copy per definition).
+/// The strings of one process: its job and host, and the strings its records define by id, with its
+/// uid. The assembler replaces its copy when a record defines a string (copy on write), so an
+/// instance keeps the strings that were current when it was built. The strings sit in chunks of
+/// [`CHUNK`] ids, each shared between copies: a new string copies one chunk and the chunk list, not
+/// every string (a process defining strings while its instances wait for export pins one small copy
+/// per definition).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Names {
+    /// The uid the kernel vouched for at registration (SO_PEERCRED, the segment's owner): unlike
+    /// everything the segment says (job id, communicator hash, rank), it cannot be claimed. Every
+    /// series, job, spool directory and trace is keyed by it.
+    pub uid: u32,
     pub job_id: String,
     pub host: String,
     chunks: Vec<Option<Arc<Chunk>>>,
@@ -29,8 +34,9 @@ const CHUNK: usize = 64;
 type Chunk = [Option<Arc<str>>; CHUNK];
 
 impl Names {
-    pub fn new(job_id: String, host: String) -> Names {
+    pub fn new(uid: u32, job_id: String, host: String) -> Names {
         Names {
+            uid,
             job_id,
             host,
             chunks: Vec::new(),
@@ -120,6 +126,10 @@ impl std::ops::Deref for InstanceRef<'_> {
 }
 
 impl<'a> InstanceRef<'a> {
+    pub fn uid(&self) -> u32 {
+        self.names.uid
+    }
+
     pub fn job_id(&self) -> &'a str {
         &self.names.job_id
     }
@@ -178,6 +188,7 @@ impl<'a> InstanceRef<'a> {
             calibration_error_ns: self.calibration_error_ns,
             channels: self.channels.clone(),
             is_p2p: self.is_p2p,
+            uid: self.uid(),
         }
     }
 }
@@ -201,7 +212,7 @@ impl Shared {
 /// For instances read back from a spool or the API (an unknown timing source reads as "host").
 impl From<&Collective> for Shared {
     fn from(c: &Collective) -> Shared {
-        let mut names = Names::new(c.job_id.clone(), c.host.clone());
+        let mut names = Names::new(c.uid, c.job_id.clone(), c.host.clone());
         let [comm_name, func, datatype, algo, proto] = [1, 2, 3, 4, 5].map(StrId);
         for (id, text) in [
             (comm_name, &c.comm_name),
@@ -290,6 +301,7 @@ mod tests {
                 work_items: 1,
             }],
             is_p2p: true,
+            uid: 17,
         };
         let s = Shared::from(&m);
         let i = s.view();
@@ -299,7 +311,7 @@ mod tests {
 
     #[test]
     fn instances_keep_the_strings_of_their_time() {
-        let mut names = Arc::new(Names::new("j".into(), "h".into()));
+        let mut names = Arc::new(Names::new(0, "j".into(), "h".into()));
         Arc::make_mut(&mut names).set(StrId(1), "AllReduce".into());
         let old = Shared {
             inst: Instance {

@@ -1,6 +1,10 @@
 //! The daemon's metrics, built once per snapshot into one neutral model and rendered two ways:
 //! Prometheus text (served on localhost) and OTLP metrics. Never sampled; label sets are bounded by
 //! the series cap ([`crate::stats`]) and the ranks attached to this node.
+//!
+//! Per-job families (labelled with the job's uid) go to the OTLP collector; Prometheus, which any
+//! local user can scrape, serves only the daemon's own health unless `prometheus.job_series` says
+//! every local user may see every job.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -32,6 +36,8 @@ pub struct Family {
     pub name: &'static str,
     pub help: &'static str,
     pub kind: Kind,
+    /// Its points describe users' jobs (labelled job_id and uid), not the daemon.
+    pub per_job: bool,
     pub points: Vec<(Vec<(&'static str, String)>, Value)>,
 }
 
@@ -41,8 +47,14 @@ impl Family {
             name,
             help,
             kind,
+            per_job: false,
             points: Vec::new(),
         }
+    }
+
+    fn per_job(mut self) -> Family {
+        self.per_job = true;
+        self
     }
 
     fn push(&mut self, labels: Vec<(&'static str, String)>, v: f64) {
@@ -76,16 +88,19 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
         "ncclscope_collective_exec_time_microseconds",
         "Execution time per collective instance (max over channels of the kernel work time)",
         Kind::Histogram,
-    );
+    )
+    .per_job();
     let mut busbw = Family::new(
         "ncclscope_collective_bus_bandwidth_gbs",
         "Bus bandwidth per collective instance as NCCL Inspector defines it, GB/s",
         Kind::Histogram,
-    );
+    )
+    .per_job();
     let mut keys: Vec<_> = stats.series.iter().collect();
     keys.sort_by(|a, b| a.0.cmp(b.0));
     for (k, s) in keys {
         let labels = vec![
+            ("uid", k.uid.to_string()),
             ("job_id", k.job.to_string()),
             ("comm", comm_label(k.comm_hash)),
             ("collective", k.func.to_string()),
@@ -102,21 +117,25 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
         "ncclscope_rank_skew_microseconds",
         "How much later this rank's kernels started than the earliest rank of the same collective on this node",
         Kind::Histogram,
-    );
+    )
+    .per_job();
     let mut straggler = Family::new(
         "ncclscope_rank_straggler_total",
         "Collectives in which this rank was the last of the node's ranks to start (when=start) or to end (when=end)",
         Kind::Counter,
-    );
+    )
+    .per_job();
     let mut per_rank = Family::new(
         "ncclscope_rank_collectives_total",
         "Collective instances per rank",
         Kind::Counter,
-    );
+    )
+    .per_job();
     let mut ranks: Vec<_> = stats.ranks.iter().collect();
     ranks.sort_by(|a, b| a.0.cmp(b.0));
     for (k, r) in ranks {
         let labels = vec![
+            ("uid", k.uid.to_string()),
             ("job_id", k.job.to_string()),
             ("comm", comm_label(k.comm_hash)),
             ("rank", k.rank.to_string()),
@@ -221,10 +240,10 @@ fn label_text(labels: &[(&'static str, String)], extra: Option<(&str, String)>) 
     }
 }
 
-/// Prometheus text exposition format 0.0.4.
-pub fn render_prometheus(families: &[Family]) -> String {
+/// Prometheus text exposition format 0.0.4; per-job families only with `job_series`.
+pub fn render_prometheus(families: &[Family], job_series: bool) -> String {
     let mut out = String::new();
-    for f in families {
+    for f in families.iter().filter(|f| job_series || !f.per_job) {
         let kind = match f.kind {
             Kind::Counter => "counter",
             Kind::Gauge => "gauge",
@@ -356,6 +375,7 @@ mod tests {
         let mut stats = Stats::new(1_000_000_000, 1000, 10);
         for exec in [1_500u64, 3_000, 3_000_000] {
             let c = Shared::from(&ncclscope_proto::api::Collective {
+                uid: 1234,
                 job_id: "j\"1".into(),
                 comm_hash: 1,
                 func: "AllReduce".into(),
@@ -372,8 +392,8 @@ mod tests {
             lost: BTreeMap::from([("ring_full".into(), 3)]),
             ..Default::default()
         };
-        let text = render_prometheus(&families(&stats, &health));
-        let l = "job_id=\"j\\\"1\",comm=\"0000000000000001\",collective=\"AllReduce\",size_bucket=\"<=4KiB\",n_nodes=\"1\"";
+        let text = render_prometheus(&families(&stats, &health), true);
+        let l = "uid=\"1234\",job_id=\"j\\\"1\",comm=\"0000000000000001\",collective=\"AllReduce\",size_bucket=\"<=4KiB\",n_nodes=\"1\"";
         assert!(
             text.contains(&format!(
                 "ncclscope_collective_exec_time_microseconds_bucket{{{l},le=\"2\"}} 1\n"
@@ -390,6 +410,13 @@ mod tests {
             "ncclscope_collective_exec_time_microseconds_count{{{l}}} 3\n"
         )));
         assert!(text.contains("ncclscope_lost_total{stage=\"ring_full\"} 3\n"));
+        // By default Prometheus (any local user may scrape it) serves the daemon's health, no job.
+        let public = render_prometheus(&families(&stats, &health), false);
+        assert!(public.contains("ncclscope_lost_total{stage=\"ring_full\"} 3\n"));
+        assert!(
+            !public.contains("job_id") && !public.contains("uid="),
+            "{public}"
+        );
         let otlp = to_otlp(&families(&stats, &health), 1, 2);
         let Some(metric::Data::Histogram(h)) = &otlp[0].data else {
             panic!()

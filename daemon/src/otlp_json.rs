@@ -161,9 +161,9 @@ mod tests {
         assert_eq!(spans.len(), 3000);
         let rank1 = spans
             .iter()
-            .find(|s| s["spanId"] == hex(&rank_span_id(7, 42, 1)))
+            .find(|s| s["spanId"] == hex(&rank_span_id(0, 7, 42, 1)))
             .expect("rank 1 span of seq 42");
-        assert_eq!(rank1["traceId"], hex(&trace_id(7, 42)));
+        assert_eq!(rank1["traceId"], hex(&trace_id(0, 7, 42)));
         assert_eq!(rank1["startTimeUnixNano"], "1042");
         assert_eq!(rank1["name"], "ReduceScatter rank");
         let child = spans

@@ -149,7 +149,7 @@ fn comm_label(c: &Collective) -> String {
 /// Every attribute of a collective instance, as slice args.
 pub fn attributes(c: &Collective) -> Value {
     json!({
-        "job_id": c.job_id, "host": c.host, "pid": c.pid,
+        "uid": c.uid, "job_id": c.job_id, "host": c.host, "pid": c.pid,
         "comm_hash": format!("{:016x}", c.comm_hash), "comm_name": c.comm_name,
         "rank": c.rank, "nranks": c.nranks, "nnodes": c.nnodes, "seq": c.seq,
         "func": c.func, "datatype": c.datatype, "algo": c.algo, "proto": c.proto,

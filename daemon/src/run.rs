@@ -2,6 +2,7 @@
 //! [`Running::stop`] drains, flushes and stops. `ncclscope daemon` and `ncclscope demo` both use it.
 
 use std::net::SocketAddr;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -46,13 +47,21 @@ fn hostname() -> String {
 pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
     config.validate()?;
     let cfg = Arc::new(config);
-    std::fs::create_dir_all(&cfg.state_dir)
-        .with_context(|| format!("creating state_dir {}", cfg.state_dir.display()))?;
+    // The resume state names every user's jobs and communicators: the daemon's alone.
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&cfg.state_dir)
+        .and_then(|()| {
+            std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o700))
+        })
+        .with_context(|| format!("creating state_dir {} (mode 0700)", cfg.state_dir.display()))?;
     let (spool, reader): (Option<Box<dyn Durable>>, _) = if cfg.spool.dir.as_os_str().is_empty() {
         (None, None)
     } else {
         let limits = SpoolLimits {
             max_bytes: cfg.spool.max_bytes,
+            max_bytes_per_uid: cfg.spool.max_bytes_per_uid,
             max_age: Duration::from_secs(cfg.spool.max_age_hours * 3600),
             ..SpoolLimits::default()
         };

@@ -1,12 +1,18 @@
 //! OpenTelemetry spans for collective instances, with ids that every node derives alike.
 //!
-//! - trace id = f(commHash, seq): all ranks of one collective, on every node, land in one trace;
-//! - each rank's span id = f(commHash, seq, rank), its parent the collective's root span
-//!   id = f(commHash, seq); the root span itself is emitted by rank 0's daemon only (with rank 0's
+//! - trace id = f(uid, commHash, seq): all ranks of one collective, on every node, land in one trace;
+//! - each rank's span id = f(uid, commHash, seq, rank), its parent the collective's root span
+//!   id = f(uid, commHash, seq); the root span itself is emitted by rank 0's daemon only (with rank 0's
 //!   times), so no coordination is needed and the root is never duplicated;
-//! - optional channel spans: id = f(commHash, seq, rank, channel), children of the rank's span.
+//! - optional channel spans: id = f(uid, commHash, seq, rank, channel), children of the rank's span.
 //!
-//! Sampling is a function of (commHash, seq) too, so every rank keeps the same collectives.
+//! The uid is the one the kernel reported at registration; commHash, seq and rank are what the
+//! segment says. A job runs under one uid on every node (the same on a cluster with shared accounts),
+//! so its ranks still meet in one trace without coordination, while another user's process claiming
+//! the same commHash (even as rank 0) lands in a trace of its own uid: it can neither add spans to
+//! the victim's trace nor emit its root.
+//!
+//! Sampling is a function of (commHash, seq), so every rank keeps the same collectives.
 //! The daemon builds OTLP protobuf spans itself (opentelemetry-proto) because the SDK generates ids.
 
 use crate::instance::InstanceRef;
@@ -29,8 +35,13 @@ fn nonzero(x: u64) -> u64 {
     if x == 0 { 1 } else { x }
 }
 
-pub fn trace_id(comm_hash: u64, seq: u64) -> [u8; 16] {
-    let hi = mix(comm_hash, seq);
+/// The collective's identity: everything the ids derive from.
+fn collective(uid: u32, comm_hash: u64, seq: u64) -> u64 {
+    mix(mix(comm_hash, seq), 0x7569_6400_0000_0000 | uid as u64) // "uid"
+}
+
+pub fn trace_id(uid: u32, comm_hash: u64, seq: u64) -> [u8; 16] {
+    let hi = collective(uid, comm_hash, seq);
     let lo = mix(hi, 0x7472_6163_6500_0001); // "trace"
     let mut id = [0u8; 16];
     id[..8].copy_from_slice(&hi.to_be_bytes());
@@ -38,16 +49,20 @@ pub fn trace_id(comm_hash: u64, seq: u64) -> [u8; 16] {
     id
 }
 
-pub fn root_span_id(comm_hash: u64, seq: u64) -> [u8; 8] {
-    nonzero(mix(mix(comm_hash, seq), 0x726f_6f74)).to_be_bytes() // "root"
+pub fn root_span_id(uid: u32, comm_hash: u64, seq: u64) -> [u8; 8] {
+    nonzero(mix(collective(uid, comm_hash, seq), 0x726f_6f74)).to_be_bytes() // "root"
 }
 
-pub fn rank_span_id(comm_hash: u64, seq: u64, rank: u32) -> [u8; 8] {
-    nonzero(mix(mix(comm_hash, seq), 0x1_0000_0000 | rank as u64)).to_be_bytes()
+pub fn rank_span_id(uid: u32, comm_hash: u64, seq: u64, rank: u32) -> [u8; 8] {
+    nonzero(mix(
+        collective(uid, comm_hash, seq),
+        0x1_0000_0000 | rank as u64,
+    ))
+    .to_be_bytes()
 }
 
-pub fn channel_span_id(comm_hash: u64, seq: u64, rank: u32, channel: u32) -> [u8; 8] {
-    let rank_id = u64::from_be_bytes(rank_span_id(comm_hash, seq, rank));
+pub fn channel_span_id(uid: u32, comm_hash: u64, seq: u64, rank: u32, channel: u32) -> [u8; 8] {
+    let rank_id = u64::from_be_bytes(rank_span_id(uid, comm_hash, seq, rank));
     nonzero(mix(rank_id, 0x2_0000_0000 | channel as u64)).to_be_bytes()
 }
 
@@ -88,15 +103,17 @@ fn common(c: InstanceRef) -> Vec<KeyValue> {
         s("nccl.comm_hash", &format!("{:016x}", c.comm_hash)),
         i("nccl.seq", c.seq as i64),
         s("job.id", c.job_id()),
+        // OpenTelemetry's name for the uid of a process.
+        i("process.real_user.id", c.uid() as i64),
     ]
 }
 
 /// Appends the spans this node emits for `c`: the rank's span, its root when `c` is rank 0 of a
 /// collective, and one span per channel if asked.
 pub fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
-    let trace_id = trace_id(c.comm_hash, c.seq).to_vec();
-    let root_id = root_span_id(c.comm_hash, c.seq).to_vec();
-    let rank_id = rank_span_id(c.comm_hash, c.seq, c.rank);
+    let trace_id = trace_id(c.uid(), c.comm_hash, c.seq).to_vec();
+    let root_id = root_span_id(c.uid(), c.comm_hash, c.seq).to_vec();
+    let rank_id = rank_span_id(c.uid(), c.comm_hash, c.seq, c.rank);
     let is_collective = !c.is_p2p;
     if is_collective && c.rank == 0 {
         out.push(Span {
@@ -157,7 +174,7 @@ pub fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
         for w in &c.channels {
             out.push(Span {
                 trace_id: trace_id.clone(),
-                span_id: channel_span_id(c.comm_hash, c.seq, c.rank, w.channel).to_vec(),
+                span_id: channel_span_id(c.uid(), c.comm_hash, c.seq, c.rank, w.channel).to_vec(),
                 parent_span_id: rank_id.to_vec(),
                 name: format!("{} channel", c.func()),
                 kind: SpanKind::Internal as i32,
@@ -182,12 +199,23 @@ mod tests {
 
     #[test]
     fn ids_depend_on_the_right_inputs() {
-        assert_eq!(trace_id(1, 2), trace_id(1, 2));
-        assert_ne!(trace_id(1, 2), trace_id(1, 3));
-        assert_ne!(trace_id(1, 2), trace_id(2, 2));
-        assert_ne!(rank_span_id(1, 2, 0), rank_span_id(1, 2, 1));
-        assert_ne!(rank_span_id(1, 2, 0), root_span_id(1, 2));
-        assert_ne!(channel_span_id(1, 2, 0, 0), channel_span_id(1, 2, 1, 0));
+        assert_eq!(trace_id(7, 1, 2), trace_id(7, 1, 2));
+        assert_ne!(trace_id(7, 1, 2), trace_id(7, 1, 3));
+        assert_ne!(trace_id(7, 1, 2), trace_id(7, 2, 2));
+        assert_ne!(rank_span_id(7, 1, 2, 0), rank_span_id(7, 1, 2, 1));
+        assert_ne!(rank_span_id(7, 1, 2, 0), root_span_id(7, 1, 2));
+        assert_ne!(
+            channel_span_id(7, 1, 2, 0, 0),
+            channel_span_id(7, 1, 2, 1, 0)
+        );
+        // Another uid claiming the same communicator and seq: other trace, other root, other spans.
+        assert_ne!(trace_id(7, 1, 2), trace_id(8, 1, 2));
+        assert_ne!(root_span_id(7, 1, 2), root_span_id(8, 1, 2));
+        assert_ne!(rank_span_id(7, 1, 2, 0), rank_span_id(8, 1, 2, 0));
+        assert_ne!(
+            channel_span_id(7, 1, 2, 0, 0),
+            channel_span_id(8, 1, 2, 0, 0)
+        );
     }
 
     #[test]
@@ -226,7 +254,7 @@ mod tests {
         assert!(root.parent_span_id.is_empty());
         assert_eq!(rank.parent_span_id, root.span_id);
         assert_eq!(ch.parent_span_id, rank.span_id);
-        assert!(out.iter().all(|s| s.trace_id == trace_id(5, 9).to_vec()));
+        assert!(out.iter().all(|s| s.trace_id == trace_id(0, 5, 9).to_vec()));
         assert_eq!(
             (rank.start_time_unix_nano, rank.end_time_unix_nano),
             (100, 200)
@@ -236,6 +264,6 @@ mod tests {
         rank1.inst.rank = 1;
         spans_of(rank1.view(), false, &mut out);
         assert_eq!(out.len(), 1, "only rank 0 emits the root");
-        assert_eq!(out[0].parent_span_id, root_span_id(5, 9).to_vec());
+        assert_eq!(out[0].parent_span_id, root_span_id(0, 5, 9).to_vec());
     }
 }

@@ -1,15 +1,19 @@
 //! Per-job spool: every completed collective instance the daemon accepted, kept on disk so that
 //! `ncclscope export` works during and after a job, and across a daemon crash or restart.
 //!
-//! Layout: `<dir>/<job>/<seq>.spool`, where `<job>` is the job id with every byte outside
-//! `[A-Za-z0-9._-]` written as `%XX`, and `<seq>` is a spool-wide, ever-increasing 16-digit hex number
-//! (so the oldest file of the whole spool is the one with the smallest sequence). A file is an 8-byte
-//! magic followed by records `{u32 len LE, u32 crc32(payload) LE, payload}`, payload the record's
-//! [`Origin`] (32 bytes) then a prost-encoded [`Collective`] (files of the first format, `NCSPOOL1`,
-//! have no origin; they are read, never appended to). Files are only appended to; [`Spool::append`]
-//! returns after `fdatasync`, so what it acknowledged survives a SIGKILL or power loss. A torn tail
-//! (the daemon died mid-append) is truncated when the spool is opened. Past the configured size or age
-//! the oldest files are deleted.
+//! Layout: `<dir>/<uid>/<job>/<seq>.spool`. A job is (uid, job id): the uid is the one the kernel
+//! vouched for at registration, so another user's process naming the same job id writes under its own
+//! uid, never into the claimed job's files. Directories are created 0700 and files 0600 (explicit
+//! modes, whatever the umask): only the daemon reads them, and answers each user through the API for
+//! their own uid. `<job>` is the job id with every byte outside `[A-Za-z0-9._-]` written as `%XX`, and
+//! `<seq>` is a spool-wide, ever-increasing 16-digit hex number (so the oldest file of the whole spool
+//! is the one with the smallest sequence). A file is an 8-byte magic followed by records
+//! `{u32 len LE, u32 crc32(payload) LE, payload}`, payload the record's [`Origin`] (32 bytes) then a
+//! prost-encoded [`Collective`]. Files are only appended to; [`Spool::append`] returns after `fdatasync`, so
+//! what it acknowledged survives a SIGKILL or power loss. A torn tail (the daemon died mid-append) is
+//! truncated when the spool is opened. Past the configured size or age the oldest files are deleted:
+//! past a uid's share that uid's oldest, past the total the oldest of the uid holding the most, so one
+//! user's jobs never push out another user's share.
 //!
 //! The origin makes the spool exactly-once across a daemon crash: a restarted daemon reads the origins
 //! appended since a segment's saved [`Position`] ([`Spool::recorded_since`]) and does not record those
@@ -18,6 +22,7 @@
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -27,16 +32,20 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 
 const MAGIC: &[u8; 8] = b"NCSPOOL2";
-/// The first format: records without an [`Origin`].
-const MAGIC_V1: &[u8; 8] = b"NCSPOOL1";
 const RECORD_HEADER: usize = 8;
 const ORIGIN_LEN: usize = 32;
 /// A record larger than this is corruption, not a collective.
 const MAX_RECORD: usize = 16 << 20;
 const EXT: &str = "spool";
+/// Spool directories and files: the daemon's alone.
+const DIR_MODE: u32 = 0o700;
+const FILE_MODE: u32 = 0o600;
+
+/// A spooled job: the uid that ran it and its job id.
+pub type JobKey = (u32, String);
 
 /// Where a spooled instance came from: its process's segment and the operation in that segment's
-/// stream. All zero when unknown (records of the first format, instances not read from a segment).
+/// stream. All zero when unknown (instances not read from a segment).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Origin {
     pub uid: u32,
@@ -80,8 +89,10 @@ pub struct Position {
 /// How much the spool keeps.
 #[derive(Clone, Debug)]
 pub struct SpoolLimits {
-    /// Total bytes on disk over all jobs; the oldest files go first past it.
+    /// Total bytes on disk over all jobs; past it the uid holding the most loses its oldest file first.
     pub max_bytes: u64,
+    /// Bytes of one uid's jobs; past it that uid's oldest files go first.
+    pub max_bytes_per_uid: u64,
     /// Files whose last append is older than this are deleted.
     pub max_age: Duration,
     /// A job's file is closed and a new one started past this size (the unit of deletion).
@@ -92,6 +103,7 @@ impl Default for SpoolLimits {
     fn default() -> Self {
         SpoolLimits {
             max_bytes: 1 << 30,
+            max_bytes_per_uid: 256 << 20,
             max_age: Duration::from_secs(7 * 24 * 3600),
             file_bytes: 16 << 20,
         }
@@ -118,29 +130,10 @@ struct FileEntry {
     modified: SystemTime,
 }
 
-/// A file's format, from its magic.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Format {
-    /// `NCSPOOL1`: payload = the collective.
-    V1,
-    /// `NCSPOOL2`: payload = origin, then the collective.
-    V2,
-}
-
-impl Format {
-    fn of(magic: &[u8; 8]) -> Option<Format> {
-        match magic {
-            MAGIC => Some(Format::V2),
-            MAGIC_V1 => Some(Format::V1),
-            _ => None,
-        }
-    }
-}
-
 /// The committed state, shared between the writer and any number of readers.
 #[derive(Debug, Default)]
 struct Index {
-    jobs: BTreeMap<String, Vec<FileEntry>>,
+    jobs: BTreeMap<JobKey, Vec<FileEntry>>,
     stats: SpoolStats,
 }
 
@@ -151,7 +144,7 @@ pub struct Spool {
     index: Arc<Mutex<Index>>,
     next_seq: u64,
     /// Open append handle per job (its newest file).
-    open: BTreeMap<String, File>,
+    open: BTreeMap<JobKey, File>,
 }
 
 /// A cheap, cloneable, `Send` handle that reads what the spool has acknowledged, concurrently with
@@ -165,7 +158,12 @@ impl Spool {
     /// Opens (creating if needed) the spool in `dir`, truncating torn tails left by a crash.
     pub fn open(dir: impl AsRef<Path>, limits: SpoolLimits) -> io::Result<Spool> {
         let dir = dir.as_ref().to_path_buf();
-        fs::create_dir_all(&dir)?;
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(DIR_MODE)
+            .create(&dir)?;
+        // Also an existing directory (e.g. from a version that wrote 0644 files under 0755 ones).
+        fs::set_permissions(&dir, fs::Permissions::from_mode(DIR_MODE))?;
         let mut index = scan(&dir)?;
         // Only a job's newest file is ever appended to, so only it can have a torn tail; older files are
         // checked by readers (CRC per record).
@@ -209,13 +207,13 @@ impl Spool {
         lock(&self.index).stats.clone()
     }
 
-    /// Appends `batch` to the files of the jobs it belongs to; durable (fdatasync) when it returns `Ok`.
-    /// On an error (full disk, I/O error) nothing of the failing job's part of the batch is kept: the
+    /// Appends `batch` to the files of the (uid, job) each instance belongs to; durable (fdatasync) when
+    /// it returns `Ok`. On an error (full disk, I/O error) nothing of the failing job's part of the batch is kept: the
     /// file is cut back to its last acknowledged length, so the spool stays readable.
     pub fn append(&mut self, batch: &[(Origin, Collective)]) -> io::Result<()> {
-        let mut by_job: BTreeMap<&str, Vec<u8>> = BTreeMap::new();
+        let mut by_job: BTreeMap<(u32, &str), Vec<u8>> = BTreeMap::new();
         for (origin, c) in batch {
-            let buf = by_job.entry(c.job_id.as_str()).or_default();
+            let buf = by_job.entry((c.uid, c.job_id.as_str())).or_default();
             let len = ORIGIN_LEN + c.encoded_len();
             buf.reserve(RECORD_HEADER + len);
             buf.extend_from_slice(&(len as u32).to_le_bytes());
@@ -228,8 +226,8 @@ impl Spool {
             buf[at..start].copy_from_slice(&crc.to_le_bytes());
         }
         let mut result = Ok(());
-        for (job, bytes) in by_job {
-            if let Err(e) = self.append_job(job, &bytes) {
+        for ((uid, job), bytes) in by_job {
+            if let Err(e) = self.append_job(&(uid, job.to_string()), &bytes) {
                 result = Err(e);
             }
         }
@@ -239,7 +237,7 @@ impl Spool {
 
     /// A position at or before where the job's next record will go (its newest file's acknowledged
     /// end, or the start of the next file the spool will create).
-    pub fn end(&self, job: &str) -> Position {
+    pub fn end(&self, job: &JobKey) -> Position {
         match lock(&self.index).jobs.get(job).and_then(|f| f.last()) {
             Some(f) => Position {
                 seq: f.seq,
@@ -254,7 +252,7 @@ impl Spool {
 
     /// Origins of the job's records at or after `from` (all of the job's records if `None`), in
     /// append order. Reads what lies between: the caller keeps `from` recent.
-    pub fn recorded_since(&self, job: &str, from: Option<Position>) -> io::Result<Vec<Origin>> {
+    pub fn recorded_since(&self, job: &JobKey, from: Option<Position>) -> io::Result<Vec<Origin>> {
         let from = from.unwrap_or_default();
         let files = lock(&self.index).jobs.get(job).cloned().unwrap_or_default();
         let mut out = Vec::new();
@@ -262,9 +260,6 @@ impl Spool {
             let Some(mut cur) = open_cursor(entry)? else {
                 continue;
             };
-            if cur.format == Format::V1 {
-                continue;
-            }
             let mut at = MAGIC.len() as u64;
             if entry.seq == from.seq && from.offset > at {
                 let skip = (from.offset - at).min(cur.remaining);
@@ -272,8 +267,8 @@ impl Spool {
                 cur.remaining -= skip;
                 at += skip;
             }
-            while let Some((origin, _, used)) =
-                read_record(&mut cur.reader, cur.remaining, cur.format).map_err(|e| {
+            while let Some((origin, _, used)) = read_record(&mut cur.reader, cur.remaining)
+                .map_err(|e| {
                     io::Error::new(e.kind(), format!("{} at {at}: {e}", entry.path.display()))
                 })?
             {
@@ -285,7 +280,7 @@ impl Spool {
         Ok(out)
     }
 
-    fn append_job(&mut self, job: &str, bytes: &[u8]) -> io::Result<()> {
+    fn append_job(&mut self, job: &JobKey, bytes: &[u8]) -> io::Result<()> {
         let needs_new = {
             let index = lock(&self.index);
             index
@@ -294,7 +289,7 @@ impl Spool {
                 .and_then(|f| f.last())
                 .is_none_or(|f| f.len >= self.limits.file_bytes)
         };
-        if needs_new || (!self.open.contains_key(job) && !self.newest_is_current(job)?) {
+        if needs_new {
             self.start_file(job)?;
         } else if !self.open.contains_key(job) {
             // The job's newest file from before a restart (or a failed append): continue it.
@@ -307,7 +302,7 @@ impl Spool {
                 // A failed append whose cut-back failed too: cut back now, before anything follows it.
                 file.set_len(committed)?;
             }
-            self.open.insert(job.to_string(), file);
+            self.open.insert(job.clone(), file);
         }
         let committed = lock(&self.index).jobs[job].last().map_or(0, |f| f.len);
         let file = self.open.get_mut(job).expect("opened above");
@@ -330,31 +325,25 @@ impl Spool {
         Ok(())
     }
 
-    /// Whether the job's newest file has the current format (a file of the first format is not
-    /// continued: its records have no origin).
-    fn newest_is_current(&self, job: &str) -> io::Result<bool> {
-        let path = lock(&self.index).jobs[job]
-            .last()
-            .map(|f| f.path.clone())
-            .expect("job has a file");
-        let mut magic = [0; 8];
-        File::open(path)?.read_exact(&mut magic)?;
-        Ok(&magic == MAGIC)
-    }
-
     /// Starts a new file for `job` (its first, or after the current one reached `file_bytes`).
-    fn start_file(&mut self, job: &str) -> io::Result<()> {
-        let job_dir = self.dir.join(escape_job(job));
+    fn start_file(&mut self, job: &JobKey) -> io::Result<()> {
+        let uid_dir = self.dir.join(job.0.to_string());
+        let job_dir = uid_dir.join(escape_job(&job.1));
         if !job_dir.is_dir() {
-            fs::create_dir_all(&job_dir)?;
-            // The job's directory entry must survive a crash too.
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(DIR_MODE)
+                .create(&job_dir)?;
+            // The uid's and the job's directory entries must survive a crash too.
             File::open(&self.dir)?.sync_all()?;
+            File::open(&uid_dir)?.sync_all()?;
         }
         let seq = self.next_seq;
         let path = job_dir.join(format!("{seq:016x}.{EXT}"));
         let mut file = OpenOptions::new()
             .create_new(true)
             .append(true)
+            .mode(FILE_MODE)
             .open(&path)?;
         if let Err(e) = file.write_all(MAGIC).and_then(|()| file.sync_data()) {
             let _ = fs::remove_file(&path);
@@ -363,25 +352,22 @@ impl Spool {
         // The new directory entry must survive a crash too.
         File::open(&job_dir)?.sync_all()?;
         self.next_seq += 1;
-        self.open.insert(job.to_string(), file);
+        self.open.insert(job.clone(), file);
         let mut index = lock(&self.index);
         index.stats.bytes += MAGIC.len() as u64;
         index.stats.files += 1;
-        index
-            .jobs
-            .entry(job.to_string())
-            .or_default()
-            .push(FileEntry {
-                seq,
-                path,
-                len: MAGIC.len() as u64,
-                modified: SystemTime::now(),
-            });
+        index.jobs.entry(job.clone()).or_default().push(FileEntry {
+            seq,
+            path,
+            len: MAGIC.len() as u64,
+            modified: SystemTime::now(),
+        });
         Ok(())
     }
 
-    /// Deletes every file whose last append is older than `max_age`, then the oldest files while the
-    /// spool is over `max_bytes`. Called by every append; call it periodically too so that the age bound
+    /// Deletes every file whose last append is older than `max_age`, then the oldest files of a uid
+    /// over `max_bytes_per_uid`, then, while the spool is over `max_bytes`, the oldest file of the uid
+    /// holding the most. Called by every append; call it periodically too so that the age bound
     /// applies to an idle spool.
     pub fn enforce_limits(&mut self) -> io::Result<()> {
         let now = SystemTime::now();
@@ -395,12 +381,29 @@ impl Spool {
                 let expired = |f: &FileEntry| {
                     now.duration_since(f.modified).unwrap_or_default() > self.limits.max_age
                 };
-                if let Some((job, f)) = files.clone().find(|(_, f)| expired(f)) {
-                    Some((job.clone(), f.seq))
-                } else if index.stats.bytes > self.limits.max_bytes {
+                let mut by_uid: BTreeMap<u32, u64> = BTreeMap::new();
+                for (job, f) in files.clone() {
+                    *by_uid.entry(job.0).or_default() += f.len;
+                }
+                let over_share = by_uid
+                    .iter()
+                    .find(|(_, b)| **b > self.limits.max_bytes_per_uid);
+                let biggest = by_uid
+                    .iter()
+                    .max_by_key(|(uid, b)| (**b, std::cmp::Reverse(**uid)));
+                let oldest_of = |uid: u32| {
                     files
+                        .clone()
+                        .filter(|(job, _)| job.0 == uid)
                         .min_by_key(|(_, f)| f.seq)
                         .map(|(job, f)| (job.clone(), f.seq))
+                };
+                if let Some((job, f)) = files.clone().find(|(_, f)| expired(f)) {
+                    Some((job.clone(), f.seq))
+                } else if let Some((&uid, _)) = over_share {
+                    oldest_of(uid)
+                } else if index.stats.bytes > self.limits.max_bytes {
+                    biggest.and_then(|(&uid, _)| oldest_of(uid))
                 } else {
                     None
                 }
@@ -412,7 +415,7 @@ impl Spool {
         }
     }
 
-    fn evict(&mut self, job: &str, seq: u64) -> io::Result<()> {
+    fn evict(&mut self, job: &JobKey, seq: u64) -> io::Result<()> {
         let entry = {
             let mut index = lock(&self.index);
             let files = index.jobs.get_mut(job).expect("victim exists");
@@ -439,8 +442,11 @@ impl Spool {
             Err(e) => return Err(e),
         }
         if let Some(parent) = entry.path.parent() {
-            // Only succeeds once the job's directory is empty.
-            let _ = fs::remove_dir(parent);
+            // Only succeeds once the job's (then the uid's) directory is empty.
+            let _ = fs::remove_dir(parent).and_then(|()| match parent.parent() {
+                Some(uid_dir) => fs::remove_dir(uid_dir),
+                None => Ok(()),
+            });
         }
         Ok(())
     }
@@ -462,27 +468,43 @@ impl SpoolReader {
         })
     }
 
-    /// Job ids with spooled collectives, sorted.
-    pub fn jobs(&self) -> Vec<String> {
+    /// (uid, job id) of every job with spooled collectives, sorted.
+    pub fn jobs(&self) -> Vec<JobKey> {
         lock(&self.index).jobs.keys().cloned().collect()
     }
 
-    /// Bytes the spool holds for `job_id` (for a progress bar).
-    pub fn job_bytes(&self, job_id: &str) -> u64 {
+    /// The spooled job named `job_id`: of `uid` if given, else of the only uid that ran a job of that
+    /// name. The error says which exist.
+    pub fn find(&self, job_id: &str, uid: Option<u32>) -> Result<JobKey, String> {
+        let uids: Vec<u32> = self
+            .jobs()
+            .into_iter()
+            .filter(|(_, j)| j == job_id)
+            .map(|(u, _)| u)
+            .collect();
+        match (uid, uids.as_slice()) {
+            (Some(u), _) if uids.contains(&u) => Ok((u, job_id.to_string())),
+            (None, [u]) => Ok((*u, job_id.to_string())),
+            (None, [_, _, ..]) => Err(format!(
+                "job {job_id:?} was run by several uids ({uids:?}); name one"
+            )),
+            (Some(u), _) => Err(format!("no spooled job {job_id:?} of uid {u}")),
+            (None, []) => Err(format!("no spooled job {job_id:?}")),
+        }
+    }
+
+    /// Bytes the spool holds for `job` (for a progress bar).
+    pub fn job_bytes(&self, job: &JobKey) -> u64 {
         lock(&self.index)
             .jobs
-            .get(job_id)
+            .get(job)
             .map_or(0, |f| f.iter().map(|f| f.len).sum())
     }
 
     /// The job's collectives, oldest first, as acknowledged when this is called. Blocking file I/O: run
     /// it off the async runtime. A corrupt record yields one error and ends that file.
-    pub fn read_job(&self, job_id: &str) -> JobRecords {
-        let files = lock(&self.index)
-            .jobs
-            .get(job_id)
-            .cloned()
-            .unwrap_or_default();
+    pub fn read_job(&self, job: &JobKey) -> JobRecords {
+        let files = lock(&self.index).jobs.get(job).cloned().unwrap_or_default();
         JobRecords {
             files: files.into_iter(),
             current: None,
@@ -500,7 +522,6 @@ struct FileCursor {
     reader: BufReader<File>,
     remaining: u64,
     path: PathBuf,
-    format: Format,
 }
 
 impl Iterator for JobRecords {
@@ -518,7 +539,7 @@ impl Iterator for JobRecords {
                 }
             }
             let cur = self.current.as_mut().expect("set above");
-            match read_record(&mut cur.reader, cur.remaining, cur.format) {
+            match read_record(&mut cur.reader, cur.remaining) {
                 Ok(Some((_, c, used))) => {
                     cur.remaining -= used;
                     return Some(Ok(c));
@@ -542,7 +563,7 @@ fn open_cursor(entry: &FileEntry) -> io::Result<Option<FileCursor>> {
     };
     let mut magic = [0; 8];
     file.read_exact(&mut magic)?;
-    let Some(format) = Format::of(&magic) else {
+    if &magic != MAGIC {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!("{}: not a spool file", entry.path.display()),
@@ -552,18 +573,13 @@ fn open_cursor(entry: &FileEntry) -> io::Result<Option<FileCursor>> {
         reader: BufReader::new(file),
         remaining: entry.len.saturating_sub(MAGIC.len() as u64),
         path: entry.path.clone(),
-        format,
     }))
 }
 
 /// Reads one record within `remaining` bytes: `Ok(None)` at a clean end, an error for a torn or corrupt
 /// record. The length field is checked against `remaining` and [`MAX_RECORD`] before anything is
 /// allocated.
-fn read_record(
-    r: &mut impl Read,
-    remaining: u64,
-    format: Format,
-) -> io::Result<Option<(Origin, Collective, u64)>> {
+fn read_record(r: &mut impl Read, remaining: u64) -> io::Result<Option<(Origin, Collective, u64)>> {
     if remaining == 0 {
         return Ok(None);
     }
@@ -583,15 +599,10 @@ fn read_record(
     if crc32fast::hash(&payload) != crc {
         return Err(corrupt("record CRC mismatch"));
     }
-    let (origin, body) = match format {
-        Format::V1 => (Origin::default(), payload.as_slice()),
-        Format::V2 => {
-            let Some((origin, body)) = payload.split_first_chunk::<ORIGIN_LEN>() else {
-                return Err(corrupt("record shorter than its origin"));
-            };
-            (Origin::decode(origin), body)
-        }
+    let Some((origin, body)) = payload.split_first_chunk::<ORIGIN_LEN>() else {
+        return Err(corrupt("record shorter than its origin"));
     };
+    let origin = Origin::decode(origin);
     let c = Collective::decode(body).map_err(|e| corrupt(&format!("bad record: {e}")))?;
     Ok(Some((origin, c, (RECORD_HEADER + len) as u64)))
 }
@@ -601,23 +612,20 @@ fn repair_tail(path: &Path) -> io::Result<u64> {
     let mut file = OpenOptions::new().read(true).write(true).open(path)?;
     let size = file.metadata()?.len();
     let mut magic = [0; 8];
-    let format = if size >= MAGIC.len() as u64 {
+    if size >= MAGIC.len() as u64 {
         file.read_exact(&mut magic)?;
-        Format::of(&magic)
-    } else {
-        None
-    };
-    let Some(format) = format else {
+    }
+    if &magic != MAGIC {
         // Its creation was torn (the daemon died before the magic was synced): make it empty and valid.
         file.set_len(0)?;
         file.seek(SeekFrom::Start(0))?;
         file.write_all(MAGIC)?;
         file.sync_data()?;
         return Ok(MAGIC.len() as u64);
-    };
+    }
     let mut reader = BufReader::new(&mut file);
     let mut valid = MAGIC.len() as u64;
-    while let Ok(Some((_, _, used))) = read_record(&mut reader, size - valid, format) {
+    while let Ok(Some((_, _, used))) = read_record(&mut reader, size - valid) {
         valid += used;
     }
     if valid < size {
@@ -628,8 +636,27 @@ fn repair_tail(path: &Path) -> io::Result<u64> {
 }
 
 /// Builds the index from the directory tree (file lengths as found; the caller repairs tails).
+/// Anything but `<uid>/<job>/<seq>.spool` (e.g. the uid-less layout of earlier versions) is ignored.
 fn scan(dir: &Path) -> io::Result<Index> {
     let mut index = Index::default();
+    for uid_dir in fs::read_dir(dir)? {
+        let uid_dir = uid_dir?;
+        let Some(uid) = uid_dir
+            .file_name()
+            .to_str()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if uid_dir.file_type()?.is_dir() {
+            scan_uid(&uid_dir.path(), uid, &mut index)?;
+        }
+    }
+    Ok(index)
+}
+
+fn scan_uid(dir: &Path, uid: u32, index: &mut Index) -> io::Result<()> {
     for job_dir in fs::read_dir(dir)? {
         let job_dir = job_dir?;
         if !job_dir.file_type()?.is_dir() {
@@ -664,9 +691,9 @@ fn scan(dir: &Path) -> io::Result<Index> {
         files.sort_by_key(|f| f.seq);
         index.stats.files += files.len() as u64;
         index.stats.bytes += files.iter().map(|f| f.len).sum::<u64>();
-        index.jobs.insert(job, files);
+        index.jobs.insert((uid, job), files);
     }
-    Ok(index)
+    Ok(())
 }
 
 /// A job id as a directory name: any byte outside `[A-Za-z0-9._-]` (and a leading '.') as `%XX`.
@@ -730,7 +757,12 @@ mod tests {
     }
 
     fn read_all(r: &SpoolReader, job: &str) -> Vec<Collective> {
-        r.read_job(job).collect::<io::Result<_>>().unwrap()
+        r.read_job(&key(job)).collect::<io::Result<_>>().unwrap()
+    }
+
+    /// The job `job` of uid 0 (what [`coll`] builds).
+    fn key(job: &str) -> JobKey {
+        (0, job.to_string())
     }
 
     #[test]
@@ -745,7 +777,7 @@ mod tests {
         let seqs = |v: Vec<Collective>| v.iter().map(|c| c.seq).collect::<Vec<_>>();
         assert_eq!(seqs(read_all(&spool.reader(), "a")), [0, 2, 4, 6, 8, 100]);
         assert_eq!(seqs(read_all(&spool.reader(), "b/c d")), [1, 3, 5, 7, 9]);
-        assert_eq!(spool.reader().jobs(), ["a", "b/c d"]);
+        assert_eq!(spool.reader().jobs(), [key("a"), key("b/c d")]);
         drop(spool);
 
         let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
@@ -766,7 +798,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
         spool.append(&[rec("j", 0, 1), rec("j", 0, 2)]).unwrap();
-        let path = lock(&spool.index).jobs["j"][0].path.clone();
+        let path = lock(&spool.index).jobs[&key("j")][0].path.clone();
         drop(spool);
         // A crash mid-append: half a record header and payload after the acknowledged records.
         let good = fs::metadata(&path).unwrap().len();
@@ -792,7 +824,11 @@ mod tests {
         spool.append(&[rec("j", 0, 1)]).unwrap();
         drop(spool);
         // A crash right after creating the job's next file: it exists, empty.
-        let torn = dir.path().join("j").join(format!("{:016x}.{EXT}", 99));
+        let torn = dir
+            .path()
+            .join("0")
+            .join("j")
+            .join(format!("{:016x}.{EXT}", 99));
         File::create(&torn).unwrap();
         let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
         assert_eq!(fs::metadata(&torn).unwrap().len(), MAGIC.len() as u64);
@@ -814,12 +850,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
         spool.append(&[rec("j", 0, 1), rec("j", 0, 2)]).unwrap();
-        let path = lock(&spool.index).jobs["j"][0].path.clone();
+        let path = lock(&spool.index).jobs[&key("j")][0].path.clone();
         let mut bytes = fs::read(&path).unwrap();
         let last = bytes.len() - 1;
         bytes[last] ^= 0xff;
         fs::write(&path, bytes).unwrap();
-        let got: Vec<_> = spool.reader().read_job("j").collect();
+        let got: Vec<_> = spool.reader().read_job(&key("j")).collect();
         assert_eq!(got.len(), 2);
         assert_eq!(got[0].as_ref().unwrap().seq, 1);
         assert!(
@@ -835,6 +871,7 @@ mod tests {
         let one = (RECORD_HEADER + ORIGIN_LEN + coll("j", 0, 0).encoded_len()) as u64;
         let limits = SpoolLimits {
             max_bytes: 20 * one,
+            max_bytes_per_uid: 20 * one,
             max_age: Duration::from_secs(3600),
             file_bytes: 4 * one,
         };
@@ -891,6 +928,7 @@ mod tests {
         let one = (RECORD_HEADER + ORIGIN_LEN + coll("j", 0, 0).encoded_len()) as u64;
         let limits = SpoolLimits {
             max_bytes: 1 << 30,
+            max_bytes_per_uid: 1 << 30,
             max_age: Duration::from_secs(3600),
             file_bytes: 2 * one,
         };
@@ -898,7 +936,7 @@ mod tests {
         for seq in 0..6 {
             spool.append(&[rec("j", 0, seq)]).unwrap();
         }
-        let mut it = spool.reader().read_job("j");
+        let mut it = spool.reader().read_job(&key("j"));
         assert_eq!(it.next().unwrap().unwrap().seq, 0);
         spool.append(&[rec("j", 0, 6)]).unwrap();
         spool.limits.max_bytes = 0;
@@ -916,7 +954,7 @@ mod tests {
         let before = spool.stats();
         // The job's file now sits on a full device: every write fails with ENOSPC.
         let full = OpenOptions::new().append(true).open("/dev/full").unwrap();
-        spool.open.insert("j".into(), full);
+        spool.open.insert(key("j"), full);
         let err = spool.append(&[rec("j", 0, 2), rec("j", 0, 3)]).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::StorageFull, "{err}");
         assert_eq!(spool.stats(), before, "nothing unacknowledged is accounted");
@@ -938,7 +976,7 @@ mod tests {
             ..Default::default()
         };
         let mut spool = Spool::open(dir.path(), limits.clone()).unwrap();
-        let start = spool.end("j");
+        let start = spool.end(&key("j"));
         let from = |op_id| Origin {
             uid: 1,
             pid: 2,
@@ -949,58 +987,104 @@ mod tests {
         let mut mark = None;
         for op in 0..8 {
             if op == 4 {
-                mark = Some(spool.end("j"));
+                mark = Some(spool.end(&key("j")));
             }
             spool.append(&[(from(op), coll("j", 0, op))]).unwrap();
             spool.append(&[(from(op), coll("other", 0, op))]).unwrap();
         }
         let ops = |v: Vec<Origin>| v.iter().map(|o| o.op_id).collect::<Vec<_>>();
         assert_eq!(
-            ops(spool.recorded_since("j", None).unwrap()),
+            ops(spool.recorded_since(&key("j"), None).unwrap()),
             (0..8).collect::<Vec<_>>()
         );
         assert_eq!(
-            ops(spool.recorded_since("j", Some(start)).unwrap()),
+            ops(spool.recorded_since(&key("j"), Some(start)).unwrap()),
             (0..8).collect::<Vec<_>>()
         );
         // The mark sits in the middle of the job's second file; the rest spans two files.
-        assert_eq!(ops(spool.recorded_since("j", mark).unwrap()), [4, 5, 6, 7]);
-        assert_eq!(spool.recorded_since("j", mark).unwrap()[0], from(4));
-        assert_eq!(spool.recorded_since("j", Some(spool.end("j"))).unwrap(), []);
+        assert_eq!(
+            ops(spool.recorded_since(&key("j"), mark).unwrap()),
+            [4, 5, 6, 7]
+        );
+        assert_eq!(spool.recorded_since(&key("j"), mark).unwrap()[0], from(4));
+        assert_eq!(
+            spool
+                .recorded_since(&key("j"), Some(spool.end(&key("j"))))
+                .unwrap(),
+            []
+        );
         // After a restart (a reopened spool) the same.
         drop(spool);
         let spool = Spool::open(dir.path(), limits).unwrap();
-        assert_eq!(ops(spool.recorded_since("j", mark).unwrap()), [4, 5, 6, 7]);
+        assert_eq!(
+            ops(spool.recorded_since(&key("j"), mark).unwrap()),
+            [4, 5, 6, 7]
+        );
     }
 
     #[test]
-    fn files_of_the_first_format_are_read_and_not_continued() {
+    fn uids_get_their_own_private_directories_and_shares() {
+        use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
-        let job_dir = dir.path().join("j");
-        fs::create_dir_all(&job_dir).unwrap();
-        let mut bytes = MAGIC_V1.to_vec();
-        for seq in [1, 2] {
-            let payload = coll("j", 0, seq).encode_to_vec();
-            bytes.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-            bytes.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
-            bytes.extend_from_slice(&payload);
+        let one = (RECORD_HEADER + ORIGIN_LEN + coll("j", 0, 0).encoded_len()) as u64;
+        let limits = SpoolLimits {
+            max_bytes: 40 * one,
+            max_bytes_per_uid: 24 * one,
+            max_age: Duration::from_secs(3600),
+            file_bytes: 4 * one,
+        };
+        let mut spool = Spool::open(dir.path().join("spool"), limits).unwrap();
+        let of = |uid, seq| Collective {
+            uid,
+            ..coll("j", 0, seq)
+        };
+        // Two users, one job id: two jobs, in two directories.
+        for seq in 0..10 {
+            spool
+                .append(&[(Origin::default(), of(61001, seq))])
+                .unwrap();
         }
-        let v1 = job_dir.join(format!("{:016x}.{EXT}", 0));
-        fs::write(&v1, &bytes).unwrap();
-        let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
-        assert_eq!(spool.stats().truncated_bytes, 0);
-        spool.append(&[rec("j", 0, 3)]).unwrap();
-        assert_eq!(fs::read(&v1).unwrap(), bytes, "not appended to");
-        let seqs: Vec<_> = read_all(&spool.reader(), "j")
-            .iter()
-            .map(|c| c.seq)
-            .collect();
-        assert_eq!(seqs, [1, 2, 3]);
-        // Only records with an origin are reported.
-        assert_eq!(
-            spool.recorded_since("j", None).unwrap(),
-            [Origin::default()]
-        );
+        spool
+            .append(&[(Origin::default(), of(61002, 100))])
+            .unwrap();
+        let r = spool.reader();
+        assert_eq!(r.jobs(), [(61001, "j".into()), (61002, "j".into())]);
+        let seqs = |uid| {
+            r.read_job(&(uid, "j".into()))
+                .map(|c| c.unwrap().seq)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(seqs(61002), [100]);
+        assert_eq!(seqs(61001), (0..10).collect::<Vec<_>>());
+        assert_eq!(r.find("j", Some(61002)), Ok((61002, "j".into())));
+        assert!(r.find("j", None).unwrap_err().contains("several uids"));
+        // Modes are explicit, whatever the umask.
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(spool.dir()), 0o700);
+        for uid in ["61001", "61002"] {
+            assert_eq!(mode(&spool.dir().join(uid)), 0o700);
+            assert_eq!(mode(&spool.dir().join(uid).join("j")), 0o700);
+        }
+        let files = walk(spool.dir());
+        assert!(!files.is_empty());
+        for f in &files {
+            assert_eq!(mode(f), 0o600, "{}", f.display());
+        }
+        // uid 61002 writes far more than its share: it loses its own oldest, never 61001's.
+        for seq in 0..200 {
+            spool
+                .append(&[(Origin::default(), of(61002, 1000 + seq))])
+                .unwrap();
+        }
+        assert_eq!(seqs(61001), (0..10).collect::<Vec<_>>());
+        let theirs = seqs(61002);
+        assert_eq!(*theirs.last().unwrap(), 1199);
+        assert!(theirs.len() as u64 <= 24, "{}", theirs.len());
+        // Over the total, the uid holding the most gives up its oldest first.
+        spool.limits.max_bytes = spool.stats().bytes - 1;
+        spool.enforce_limits().unwrap();
+        assert_eq!(seqs(61001), (0..10).collect::<Vec<_>>());
+        assert_eq!(seqs(61002), theirs[4..], "one file of four records");
     }
 
     #[test]

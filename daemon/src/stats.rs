@@ -1,6 +1,8 @@
-//! Statistics over completed instances, across every process on the node: per (job, communicator,
-//! collective, size bucket) and per (job, communicator, rank), plus the cross-rank skew and the
-//! straggler of each collective among this node's ranks. Bounded: the series count is capped and the
+//! Statistics over completed instances, across every process on the node: per (uid, job,
+//! communicator, collective, size bucket) and per (uid, job, communicator, rank), plus the cross-rank
+//! skew and the straggler of each collective among this node's ranks of one uid. The uid is the one the
+//! kernel reported at registration; job id and communicator hash are whatever the segment says, so
+//! another user's process claiming them lands in its own series, never in the claimed one. Bounded: the series count is capped and the
 //! skew rendezvous holds a bounded window of recent collectives.
 
 use std::collections::{HashMap, VecDeque};
@@ -29,6 +31,7 @@ use hashbrown::hash_map::RawEntryMut;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeriesKey {
+    pub uid: u32,
     pub job: Arc<str>,
     pub comm_hash: u64,
     pub func: Arc<str>,
@@ -38,6 +41,7 @@ pub struct SeriesKey {
 /// A [`SeriesKey`] borrowed from an instance; same fields in the same order, so the same hash.
 #[derive(Hash)]
 struct SeriesRef<'a> {
+    uid: u32,
     job: &'a str,
     comm_hash: u64,
     func: &'a str,
@@ -46,8 +50,13 @@ struct SeriesRef<'a> {
 
 impl hashbrown::Equivalent<SeriesKey> for SeriesRef<'_> {
     fn equivalent(&self, k: &SeriesKey) -> bool {
-        (self.comm_hash, self.size_bucket, self.func, self.job)
-            == (k.comm_hash, k.size_bucket, &*k.func, &*k.job)
+        (
+            self.comm_hash,
+            self.uid,
+            self.size_bucket,
+            self.func,
+            self.job,
+        ) == (k.comm_hash, k.uid, k.size_bucket, &*k.func, &*k.job)
     }
 }
 
@@ -66,6 +75,7 @@ pub struct Series {
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RankKey {
+    pub uid: u32,
     pub job: Arc<str>,
     pub comm_hash: u64,
     pub rank: u32,
@@ -74,6 +84,7 @@ pub struct RankKey {
 /// A [`RankKey`] borrowed from an instance (same hash).
 #[derive(Hash)]
 struct RankRef<'a> {
+    uid: u32,
     job: &'a str,
     comm_hash: u64,
     rank: u32,
@@ -81,7 +92,7 @@ struct RankRef<'a> {
 
 impl hashbrown::Equivalent<RankKey> for RankRef<'_> {
     fn equivalent(&self, k: &RankKey) -> bool {
-        (self.comm_hash, self.rank, self.job) == (k.comm_hash, k.rank, &*k.job)
+        (self.comm_hash, self.rank, self.uid, self.job) == (k.comm_hash, k.rank, k.uid, &*k.job)
     }
 }
 
@@ -92,11 +103,25 @@ struct JobSeries {
     ranks: usize,
 }
 
-fn job_entry<'a>(per_job: &'a mut Map<Arc<str>, JobSeries>, job: &str) -> &'a mut JobSeries {
+/// A job's key in the per-job counts, borrowed (hashes as `(u32, Arc<str>)`).
+#[derive(Hash)]
+struct JobRef<'a>(u32, &'a str);
+
+impl hashbrown::Equivalent<(u32, Arc<str>)> for JobRef<'_> {
+    fn equivalent(&self, k: &(u32, Arc<str>)) -> bool {
+        (self.0, self.1) == (k.0, &*k.1)
+    }
+}
+
+fn job_entry<'a>(
+    per_job: &'a mut Map<(u32, Arc<str>), JobSeries>,
+    uid: u32,
+    job: &str,
+) -> &'a mut JobSeries {
     per_job
         .raw_entry_mut()
-        .from_key(job)
-        .or_insert_with(|| (job.into(), JobSeries::default()))
+        .from_key(&JobRef(uid, job))
+        .or_insert_with(|| ((uid, job.into()), JobSeries::default()))
         .1
 }
 
@@ -142,10 +167,10 @@ pub struct Stats {
     max_series: usize,
     pub series: Map<SeriesKey, Series>,
     pub ranks: Map<RankKey, RankSeries>,
-    /// Skew windows by communicator hash.
-    windows: Map<u64, Window>,
-    /// Ranks of each communicator attached on this node (how many arrivals a rendezvous awaits).
-    local_ranks: Map<u64, usize>,
+    /// Skew windows by (uid, communicator hash).
+    windows: Map<(u32, u64), Window>,
+    /// Ranks of each (uid, communicator) attached on this node (how many arrivals a rendezvous awaits).
+    local_ranks: Map<(u32, u64), usize>,
     /// Job and collective name of the overflow series.
     none: Arc<str>,
     pub folded: u64,
@@ -157,7 +182,7 @@ pub struct Stats {
     /// Series and rank series one job may have (`limits.max_job_series`): a job that creates
     /// series without end fills its own share, not the room of every other job.
     max_job_series: usize,
-    per_job: Map<Arc<str>, JobSeries>,
+    per_job: Map<(u32, Arc<str>), JobSeries>,
     /// Slots of every window.
     slots: usize,
 }
@@ -195,7 +220,7 @@ impl Stats {
         self
     }
 
-    pub fn set_local_ranks(&mut self, local_ranks: HashMap<u64, usize>) {
+    pub fn set_local_ranks(&mut self, local_ranks: HashMap<(u32, u64), usize>) {
         self.local_ranks = local_ranks.into_iter().collect();
     }
 
@@ -223,6 +248,7 @@ impl Stats {
             p50
         });
         let rank = RankRef {
+            uid: c.uid(),
             job: c.job_id(),
             comm_hash: c.comm_hash,
             rank: c.rank,
@@ -230,7 +256,7 @@ impl Stats {
         let at_limit = self.ranks.len() >= self.max_ranks;
         let entry = self.ranks.raw_entry_mut().from_key(&rank);
         if let RawEntryMut::Vacant(_) = entry {
-            let job = job_entry(&mut self.per_job, rank.job);
+            let job = job_entry(&mut self.per_job, rank.uid, rank.job);
             if at_limit || job.ranks >= self.max_job_series {
                 self.rank_series_refused += 1;
                 return p50;
@@ -239,6 +265,7 @@ impl Stats {
         }
         let (_, r) = entry.or_insert_with(|| {
             let key = RankKey {
+                uid: c.uid(),
                 job: c.job_id().into(),
                 comm_hash: c.comm_hash,
                 rank: c.rank,
@@ -262,7 +289,11 @@ impl Stats {
         r.last_end_ns = r.last_end_ns.max(c.end_unix_ns);
         r.rolling_exec_ns.record(c.exec_ns, now_ns, window);
         // Skew needs at least two of the collective's ranks on this node.
-        let local = self.local_ranks.get(&c.comm_hash).copied().unwrap_or(0);
+        let local = self
+            .local_ranks
+            .get(&(c.uid(), c.comm_hash))
+            .copied()
+            .unwrap_or(0);
         if !c.is_p2p && c.timing_source != "host" && local >= 2 {
             self.arrive(c, local, now_ns);
         }
@@ -278,6 +309,7 @@ impl Stats {
         f: impl FnOnce(&mut Series) -> R,
     ) -> R {
         let key = SeriesRef {
+            uid: c.uid(),
             job: c.job_id(),
             comm_hash: c.comm_hash,
             func: c.func(),
@@ -297,10 +329,11 @@ impl Stats {
         match self.series.raw_entry_mut().from_key(&key) {
             RawEntryMut::Occupied(mut e) => return f(e.get_mut()),
             RawEntryMut::Vacant(v) => {
-                let job = job_entry(&mut self.per_job, key.job);
+                let job = job_entry(&mut self.per_job, key.uid, key.job);
                 if !full && job.series < self.max_job_series {
                     job.series += 1;
                     let owned = SeriesKey {
+                        uid: key.uid,
                         job: key.job.into(),
                         comm_hash: key.comm_hash,
                         func: key.func.into(),
@@ -312,6 +345,7 @@ impl Stats {
         }
         self.folded += 1;
         let overflow = SeriesKey {
+            uid: 0,
             job: self.none.clone(),
             comm_hash: 0,
             func: self.none.clone(),
@@ -322,22 +356,26 @@ impl Stats {
 
     fn arrive(&mut self, c: InstanceRef, expected: usize, now_ns: u64) {
         let ranks = &mut self.ranks;
-        let w = self.windows.entry(c.comm_hash).or_insert_with(|| {
-            // The job as the rank series holds it (observe just made sure it exists).
-            let rank = RankRef {
-                job: c.job_id(),
-                comm_hash: c.comm_hash,
-                rank: c.rank,
-            };
-            let job = ranks
-                .get_key_value(&rank)
-                .map_or_else(|| c.job_id().into(), |(k, _)| k.job.clone());
-            Window {
-                job,
-                base: c.seq,
-                slots: VecDeque::new(),
-            }
-        });
+        let w = self
+            .windows
+            .entry((c.uid(), c.comm_hash))
+            .or_insert_with(|| {
+                // The job as the rank series holds it (observe just made sure it exists).
+                let rank = RankRef {
+                    uid: c.uid(),
+                    job: c.job_id(),
+                    comm_hash: c.comm_hash,
+                    rank: c.rank,
+                };
+                let job = ranks
+                    .get_key_value(&rank)
+                    .map_or_else(|| c.job_id().into(), |(k, _)| k.job.clone());
+                Window {
+                    job,
+                    base: c.seq,
+                    slots: VecDeque::new(),
+                }
+            });
         // Another job with the same communicator hash (a 64-bit random id), or a collective that
         // left the window already: not comparable.
         if *w.job != *c.job_id() || c.seq < w.base {
@@ -353,7 +391,8 @@ impl Stats {
         if ahead >= room {
             let leave = ahead + 1 - room;
             for rv in w.slots.drain(..leave.min(w.slots.len())).flatten() {
-                evaluated += evaluate(ranks, &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
+                evaluated +=
+                    evaluate(ranks, c.uid(), &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
             }
             w.base += leave as u64;
         }
@@ -373,7 +412,8 @@ impl Stats {
         // With every local rank in, evaluate now; otherwise the skew window decides.
         if rv.arrivals.len() >= expected {
             let rv = w.slots[k].take().expect("filled above");
-            evaluated += evaluate(ranks, &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
+            evaluated +=
+                evaluate(ranks, c.uid(), &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
             while matches!(w.slots.front(), Some(None)) {
                 w.slots.pop_front();
                 w.base += 1;
@@ -387,7 +427,7 @@ impl Stats {
     /// out), and forgets windows with nothing awaited.
     pub fn expire(&mut self, now_ns: u64) {
         let (skew_window, window_ns) = (self.skew_window_ns, self.window_ns);
-        for (&comm_hash, w) in &mut self.windows {
+        for (&(uid, comm_hash), w) in &mut self.windows {
             let before = w.slots.len();
             loop {
                 match w.slots.front() {
@@ -396,8 +436,15 @@ impl Stats {
                     _ => break,
                 }
                 if let Some(Some(rv)) = w.slots.pop_front() {
-                    self.skew_evaluated +=
-                        evaluate(&mut self.ranks, &w.job, comm_hash, rv, now_ns, window_ns) as u64;
+                    self.skew_evaluated += evaluate(
+                        &mut self.ranks,
+                        uid,
+                        &w.job,
+                        comm_hash,
+                        rv,
+                        now_ns,
+                        window_ns,
+                    ) as u64;
                 }
                 w.base += 1;
             }
@@ -414,20 +461,20 @@ impl Stats {
         self.ranks.retain(|_, r| live(r.last_ns));
         self.per_job.clear();
         for k in self.series.keys() {
-            job_entry(&mut self.per_job, &k.job).series += 1;
+            job_entry(&mut self.per_job, k.uid, &k.job).series += 1;
         }
         for k in self.ranks.keys() {
-            job_entry(&mut self.per_job, &k.job).ranks += 1;
+            job_entry(&mut self.per_job, k.uid, &k.job).ranks += 1;
         }
     }
 
-    /// Collectives per job, with the first and last end time, over the job's ranks.
-    pub fn jobs(&self) -> HashMap<Arc<str>, (u64, u64, u64)> {
-        let mut jobs: HashMap<Arc<str>, (u64, u64, u64)> = HashMap::new();
+    /// Collectives per (uid, job), with the first and last end time, over the job's ranks.
+    pub fn jobs(&self) -> HashMap<(u32, Arc<str>), (u64, u64, u64)> {
+        let mut jobs: HashMap<(u32, Arc<str>), (u64, u64, u64)> = HashMap::new();
         for (k, r) in &self.ranks {
-            let j = jobs
-                .entry(k.job.clone())
-                .or_insert((0, r.first_end_ns, r.last_end_ns));
+            let j =
+                jobs.entry((k.uid, k.job.clone()))
+                    .or_insert((0, r.first_end_ns, r.last_end_ns));
             j.0 += r.collectives;
             j.1 = j.1.min(r.first_end_ns);
             j.2 = j.2.max(r.last_end_ns);
@@ -441,6 +488,7 @@ impl Stats {
             .series
             .iter()
             .map(|(k, s)| CollStats {
+                uid: k.uid,
                 job_id: k.job.to_string(),
                 comm_hash: k.comm_hash,
                 func: k.func.to_string(),
@@ -452,7 +500,8 @@ impl Stats {
             })
             .collect();
         out.sort_by(|a, b| {
-            (&a.job_id, a.comm_hash, &a.func, &a.size_bucket).cmp(&(
+            (a.uid, &a.job_id, a.comm_hash, &a.func, &a.size_bucket).cmp(&(
+                b.uid,
                 &b.job_id,
                 b.comm_hash,
                 &b.func,
@@ -462,11 +511,16 @@ impl Stats {
         out
     }
 
-    pub fn rank_stats(&self, lost_by_pid: &HashMap<(Arc<str>, u64, u32), u64>) -> Vec<RankStats> {
+    /// `lost_by_rank`: events lost by the process of each (uid, job, communicator, rank).
+    pub fn rank_stats(
+        &self,
+        lost_by_rank: &HashMap<(u32, Arc<str>, u64, u32), u64>,
+    ) -> Vec<RankStats> {
         let mut out: Vec<RankStats> = self
             .ranks
             .iter()
             .map(|(k, r)| RankStats {
+                uid: k.uid,
                 job_id: k.job.to_string(),
                 comm_hash: k.comm_hash,
                 rank: k.rank,
@@ -475,13 +529,15 @@ impl Stats {
                 exec_p99_us: r.rolling_exec_ns.quantile(0.99) as f64 / 1000.0,
                 skew_p50_us: r.rolling_skew_ns.quantile(0.5) as f64 / 1000.0,
                 straggler_count: r.last_to_start,
-                lost: lost_by_pid
-                    .get(&(k.job.clone(), k.comm_hash, k.rank))
+                lost: lost_by_rank
+                    .get(&(k.uid, k.job.clone(), k.comm_hash, k.rank))
                     .copied()
                     .unwrap_or(0),
             })
             .collect();
-        out.sort_by(|a, b| (&a.job_id, a.comm_hash, a.rank).cmp(&(&b.job_id, b.comm_hash, b.rank)));
+        out.sort_by(|a, b| {
+            (a.uid, &a.job_id, a.comm_hash, a.rank).cmp(&(b.uid, &b.job_id, b.comm_hash, b.rank))
+        });
         out
     }
 }
@@ -490,6 +546,7 @@ impl Stats {
 /// ranks' series. Whether there was anything to compare (two ranks or more).
 fn evaluate(
     ranks: &mut Map<RankKey, RankSeries>,
+    uid: u32,
     job: &str,
     comm_hash: u64,
     rv: Rendezvous,
@@ -513,6 +570,7 @@ fn evaluate(
     for a in rv.arrivals {
         let skew = a.start - min_start;
         let key = RankRef {
+            uid,
             job,
             comm_hash,
             rank: a.rank,
@@ -558,7 +616,7 @@ mod tests {
     #[test]
     fn skew_and_stragglers_across_the_nodes_ranks() {
         let mut s = Stats::new(60_000_000_000, 1000, 100);
-        s.set_local_ranks(HashMap::from([(9, 3)]));
+        s.set_local_ranks(HashMap::from([((0, 9), 3)]));
         for seq in 0..10 {
             // Rank 2 always starts 5 us late; rank 0 ends last.
             s.observe(coll(0, seq, 1_000_000, 20_000).view(), 0, 1);
@@ -578,6 +636,7 @@ mod tests {
         );
         assert_eq!(
             s.ranks[&RankKey {
+                uid: 0,
                 job: Arc::from("j"),
                 comm_hash: 9,
                 rank: 0
@@ -594,7 +653,7 @@ mod tests {
     #[test]
     fn ranks_out_of_step_still_meet_and_the_window_stays_bounded() {
         let mut s = Stats::new(60_000_000_000, 1000, 100);
-        s.set_local_ranks(HashMap::from([(9, 2)]));
+        s.set_local_ranks(HashMap::from([((0, 9), 2)]));
         // Rank 0 runs 50 collectives ahead of rank 1; each collective is evaluated once both are in.
         for seq in 0..50 {
             s.observe(coll(0, seq, 1_000, 10).view(), 0, 1);
@@ -603,11 +662,15 @@ mod tests {
             s.observe(coll(1, seq, 1_000, 10).view(), 0, 1);
         }
         assert_eq!(s.skew_evaluated, 50);
-        assert_eq!(s.windows[&9].slots.len(), 0, "evaluated collectives leave");
+        assert_eq!(
+            s.windows[&(0, 9)].slots.len(),
+            0,
+            "evaluated collectives leave"
+        );
         // A rank far ahead (or a seq jump): the window keeps at most MAX_WINDOW collectives.
         s.observe(coll(0, 50, 1_000, 10).view(), 0, 1);
         s.observe(coll(0, 50 + MAX_WINDOW as u64 + 10, 1_000, 10).view(), 0, 1);
-        assert!(s.windows[&9].slots.len() <= MAX_WINDOW);
+        assert!(s.windows[&(0, 9)].slots.len() <= MAX_WINDOW);
         // Late arrivals for collectives that left the window are not compared.
         s.observe(coll(1, 50, 1_000, 10).view(), 0, 1);
         assert_eq!(s.skew_evaluated, 50);
@@ -616,6 +679,34 @@ mod tests {
             s.windows.is_empty(),
             "nothing awaited after the skew window"
         );
+    }
+
+    #[test]
+    fn another_uid_claiming_the_job_and_communicator_stays_apart() {
+        let mut s = Stats::new(60_000_000_000, 1000, 100);
+        let of = |uid, rank, seq, start| {
+            let mut c = coll(rank, seq, start, 1_000);
+            Arc::make_mut(&mut c.names).uid = uid;
+            c
+        };
+        s.set_local_ranks(HashMap::from([((61001, 9), 2), ((61002, 9), 1)]));
+        for seq in 0..10 {
+            s.observe(of(61001, 0, seq, 1_000).view(), 0, 1);
+            s.observe(of(61001, 1, seq, 1_500).view(), 0, 1);
+            // Same job id, communicator, seq and rank 0, starting very late: another user's process.
+            s.observe(of(61002, 0, seq, 900_000).view(), 0, 1);
+        }
+        let colls = s.coll_stats();
+        let count = |uid| colls.iter().find(|c| c.uid == uid).map(|c| c.count);
+        assert_eq!((count(61001), count(61002)), (Some(20), Some(10)));
+        let ranks = s.rank_stats(&HashMap::new());
+        let a: Vec<_> = ranks.iter().filter(|r| r.uid == 61001).collect();
+        assert_eq!(a.len(), 2);
+        // 61001's rendezvous met only its own two ranks: rank 1 is its straggler, 500 ns late.
+        assert_eq!((a[0].straggler_count, a[1].straggler_count), (0, 10));
+        assert!(a[1].skew_p50_us < 1.0, "{}", a[1].skew_p50_us);
+        assert_eq!(s.skew_evaluated, 10);
+        assert_eq!(s.jobs().len(), 2, "one job per uid");
     }
 
     #[test]
@@ -654,7 +745,7 @@ mod tests {
     #[test]
     fn a_missing_rank_is_evaluated_after_the_window_and_series_are_capped() {
         let mut s = Stats::new(60_000_000_000, 1000, 1);
-        s.set_local_ranks(HashMap::from([(9, 3)]));
+        s.set_local_ranks(HashMap::from([((0, 9), 3)]));
         s.observe(coll(0, 1, 100, 10).view(), 0, 1);
         s.observe(coll(1, 1, 300, 10).view(), 0, 1);
         assert_eq!(s.skew_evaluated, 0);
@@ -672,7 +763,7 @@ mod tests {
     #[test]
     fn rank_series_beyond_the_limit_are_refused_and_counted() {
         let mut s = Stats::new(60_000_000_000, 1000, 100).with_rank_limit(2);
-        s.set_local_ranks(HashMap::from([(9, 4)]));
+        s.set_local_ranks(HashMap::from([((0, 9), 4)]));
         for rank in 0..4 {
             s.observe(coll(rank, 0, 1_000, 10).view(), 0, 1);
         }

@@ -48,7 +48,7 @@ pub fn record(data: &[u8]) {
 /// A segment's stream as the daemon consumes it: 64-byte slots decoded and applied in order to the
 /// daemon's assembler (with timeouts and the process's exit), whatever they say.
 pub fn records(data: &[u8]) {
-    let mut asm = ncclscope::assemble::Assembler::new(1, "j".into(), "h".into(), 64);
+    let mut asm = ncclscope::assemble::Assembler::new(1, 0, "j".into(), "h".into(), 64);
     let mut out = Vec::new();
     for (pos, slot) in data.chunks(RECORD_WORDS * 8).enumerate() {
         let mut w = [0u64; RECORD_WORDS];
@@ -72,16 +72,18 @@ pub fn records(data: &[u8]) {
 /// (errors end the file), then opened by a daemon (the torn tail cut off) and appended to.
 pub fn spool(data: &[u8]) {
     let dir = tempfile::tempdir().expect("temporary directory");
-    let job = dir.path().join("j");
-    std::fs::create_dir(&job).expect("job directory");
+    // Job "j" of uid 0 (what `Collective::default()` says).
+    let key = (0, "j".to_string());
+    let job = dir.path().join("0").join("j");
+    std::fs::create_dir_all(&job).expect("job directory");
     std::fs::write(job.join("0000000000000000.spool"), data).expect("spool file");
     let reader = SpoolReader::open_dir(dir.path()).expect("spool directory");
-    let before = reader.read_job("j").take_while(Result::is_ok).count();
+    let before = reader.read_job(&key).take_while(Result::is_ok).count();
     let mut spool =
         Spool::open(dir.path(), SpoolLimits::default()).expect("a daemon opens any spool");
     let kept: Vec<Collective> = spool
         .reader()
-        .read_job("j")
+        .read_job(&key)
         .collect::<Result<_, _>>()
         .expect("after the repair every record reads back");
     assert_eq!(
@@ -90,7 +92,7 @@ pub fn spool(data: &[u8]) {
         "the repair keeps exactly the valid prefix"
     );
     spool
-        .recorded_since("j", None)
+        .recorded_since(&key, None)
         .expect("origins read back after the repair");
     let next = Collective {
         job_id: "j".into(),
@@ -102,7 +104,7 @@ pub fn spool(data: &[u8]) {
         .expect("append after the repair");
     let after: Vec<Collective> = spool
         .reader()
-        .read_job("j")
+        .read_job(&key)
         .collect::<Result<_, _>>()
         .expect("everything reads back after the append");
     assert_eq!(after.len(), kept.len() + 1);
@@ -180,7 +182,11 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             spool
                 .append(&[(origin, coll(1)), (Origin::default(), coll(2))])
                 .expect("append");
-            let file = dir.path().join("j").join("0000000000000000.spool");
+            let file = dir
+                .path()
+                .join("0")
+                .join("j")
+                .join("0000000000000000.spool");
             vec![std::fs::read(file).expect("spool file")]
         }
         "records" => vec![

@@ -208,7 +208,7 @@ impl Harness {
             format!(
                 "socket = \"{d}/ncclscope.sock\"\napi_socket = \"{d}/api.sock\"\nshm_prefix = \"{prefix}\"\n\
                  state_dir = \"{d}/state\"\n[spool]\ndir = \"{d}/spool\"\n[otlp]\n\
-                 batch_timeout_ms = 50\nmetrics_interval_ms = 500\n[prometheus]\nlisten = \"{prometheus}\"\n\
+                 batch_timeout_ms = 50\nmetrics_interval_ms = 500\n[prometheus]\nlisten = \"{prometheus}\"\njob_series = true\n\
                  [drain]\nrescan_interval_ms = 200\n"
             ),
         )
@@ -503,7 +503,8 @@ async fn all_ranks_of_a_collective_share_one_trace_with_calibrated_times_and_not
     let stragglers = sample(
         &text,
         &format!(
-            "ncclscope_rank_straggler_total{{job_id=\"{JOB}\",comm=\"{COMM_HASH:016x}\",rank=\"3\",when=\"start\"}}"
+            "ncclscope_rank_straggler_total{{uid=\"{}\",job_id=\"{JOB}\",comm=\"{COMM_HASH:016x}\",rank=\"3\",when=\"start\"}}",
+            rustix::process::getuid().as_raw()
         ),
     );
     assert_eq!(
@@ -558,7 +559,7 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
     // What the killed daemon recorded is what its spool holds (a record the kill tore is not).
     let recorded_by_first = ncclscope::spool::SpoolReader::open_dir(h.dir.path().join("spool"))
         .unwrap()
-        .read_job(JOB)
+        .read_job(&(rustix::process::getuid().as_raw(), JOB.to_string()))
         .filter_map(Result::ok)
         .count() as u64;
     std::thread::sleep(Duration::from_millis(300));
@@ -615,7 +616,7 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
     // The spool (the durable record behind `export`) has every instance, once.
     let reader = ncclscope::spool::SpoolReader::open_dir(h.dir.path().join("spool")).unwrap();
     let spooled: Vec<(u32, u64)> = reader
-        .read_job(JOB)
+        .read_job(&(rustix::process::getuid().as_raw(), JOB.to_string()))
         .map(|c| c.map(|c| (c.rank, c.seq)).unwrap())
         .collect();
     let spooled_set: BTreeSet<(u32, u64)> = spooled.iter().copied().collect();
@@ -1077,9 +1078,8 @@ impl Harness {
         self.metrics()
             .lines()
             .filter(|l| {
-                l.starts_with(&format!(
-                    "ncclscope_rank_collectives_total{{job_id=\"{JOB}\""
-                ))
+                l.starts_with("ncclscope_rank_collectives_total{")
+                    && l.contains(&format!("job_id=\"{JOB}\""))
             })
             .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
             .sum()
@@ -1125,7 +1125,10 @@ fn a_segment_truncated_by_its_owner_is_detached_and_the_daemon_ingests_on() {
     let text = h.metrics();
     let truncated: f64 = text
         .lines()
-        .filter(|l| l.starts_with("ncclscope_rank_collectives_total{job_id=\"truncate-job\""))
+        .filter(|l| {
+            l.starts_with("ncclscope_rank_collectives_total{")
+                && l.contains("job_id=\"truncate-job\"")
+        })
         .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
         .sum();
     assert_eq!(truncated, 100.0, "{text}");

@@ -285,7 +285,7 @@ fn tools_against_a_running_daemon() {
     // export through the API: exactly the spooled instances.
     let spooled: Vec<_> = SpoolReader::open_dir(d.spool())
         .unwrap()
-        .read_job(job)
+        .read_job(&(rustix::process::getuid().as_raw(), job.to_string()))
         .map(|c| c.unwrap())
         .collect();
     assert_eq!(spooled.len() as u64, total);

@@ -95,7 +95,7 @@ fn acknowledged_instances_survive_sigkill_and_restart() {
     let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
     let seqs: Vec<u64> = spool
         .reader()
-        .read_job("killed-job")
+        .read_job(&(0, "killed-job".into()))
         .map(|c| c.unwrap().seq)
         .collect();
     assert!(
@@ -113,7 +113,7 @@ fn acknowledged_instances_survive_sigkill_and_restart() {
     drop(spool);
     let after: Vec<u64> = SpoolReader::open_dir(dir.path())
         .unwrap()
-        .read_job("killed-job")
+        .read_job(&(0, "killed-job".into()))
         .map(|c| c.unwrap().seq)
         .collect();
     assert_eq!(after.len() as u64, next + 1);

@@ -211,6 +211,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         },
         prometheus: crate::config::Prometheus {
             listen: String::new(),
+            ..defaults.prometheus
         },
         otlp: crate::config::Otlp {
             endpoint: args.otlp_endpoint.clone().unwrap_or_default(),
@@ -394,6 +395,7 @@ fn drive(run: &Run<'_>) -> anyhow::Result<Vec<ncclscope_proto::api::RankStats>> 
     let n = rt.block_on(export_via_api(
         &config.api_socket,
         job,
+        None,
         trace,
         Format::Perfetto,
     ))?;

@@ -28,6 +28,10 @@ pub struct Args {
     /// The job to export.
     #[arg(long)]
     pub job: String,
+    /// The uid that ran the job. Users export their own jobs only; root may export any and must name
+    /// the uid when several ran a job of that name.
+    #[arg(long)]
+    pub uid: Option<u32>,
     /// Output file.
     #[arg(short = 'o', long)]
     pub output: PathBuf,
@@ -43,7 +47,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let n = match &args.spool {
-        Some(dir) => export_from_spool(dir, &args.job, &args.output, args.format)?,
+        Some(dir) => export_from_spool(dir, &args.job, args.uid, &args.output, args.format)?,
         None => {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -51,6 +55,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             rt.block_on(export_via_api(
                 &args.api_socket,
                 &args.job,
+                args.uid,
                 &args.output,
                 args.format,
             ))?
@@ -137,6 +142,7 @@ fn progress(total: Option<u64>) -> ProgressBar {
 pub async fn export_via_api(
     socket: &Path,
     job: &str,
+    uid: Option<u32>,
     output: &Path,
     format: Format,
 ) -> anyhow::Result<u64> {
@@ -145,11 +151,12 @@ pub async fn export_via_api(
     let total = jobs
         .jobs
         .iter()
-        .find(|j| j.job_id == job)
+        .find(|j| j.job_id == job && uid.is_none_or(|u| u == j.uid))
         .map(|j| j.collectives);
     let mut stream = client
         .export(ExportRequest {
             job_id: job.to_string(),
+            uid,
         })
         .await
         .map_err(|s| anyhow::anyhow!("{}", s.message()))
@@ -180,20 +187,21 @@ pub async fn export_via_api(
 pub fn export_from_spool(
     dir: &Path,
     job: &str,
+    uid: Option<u32>,
     output: &Path,
     format: Format,
 ) -> anyhow::Result<u64> {
     let spool = SpoolReader::open_dir(dir)?;
-    if !spool.jobs().iter().any(|j| j == job) {
-        anyhow::bail!(
-            "no job {job:?} in the spool at {}; it holds {:?}",
+    let key = spool.find(job, uid).map_err(|e| {
+        anyhow::anyhow!(
+            "{e} in the spool at {}; it holds (uid, job) {:?}",
             dir.display(),
             spool.jobs()
-        );
-    }
+        )
+    })?;
     let mut file = TraceFile::create(output, format)?;
     let bar = progress(None);
-    for c in spool.read_job(job) {
+    for c in spool.read_job(&key) {
         let written = c.map_err(anyhow::Error::from).and_then(|c| file.write(&c));
         if let Err(e) = written {
             file.abandon();

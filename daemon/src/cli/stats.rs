@@ -59,19 +59,20 @@ pub async fn fetch(
     let stats = client
         .get_stats(StatsRequest {
             job_id: job.to_string(),
+            uid: None,
         })
         .await?
         .into_inner();
     Ok((jobs, stats))
 }
 
-/// The rank that was last to start most often in each (job, communicator), if any was.
+/// The rank that was last to start most often in each (uid, job, communicator), if any was.
 pub fn stragglers(ranks: &[RankStats]) -> Vec<&RankStats> {
     let mut best: Vec<&RankStats> = Vec::new();
     for r in ranks.iter().filter(|r| r.straggler_count > 0) {
         match best
             .iter_mut()
-            .find(|b| b.job_id == r.job_id && b.comm_hash == r.comm_hash)
+            .find(|b| b.uid == r.uid && b.job_id == r.job_id && b.comm_hash == r.comm_hash)
         {
             Some(b) if r.straggler_count > b.straggler_count => *b = r,
             Some(_) => {}
@@ -81,17 +82,21 @@ pub fn stragglers(ranks: &[RankStats]) -> Vec<&RankStats> {
     best
 }
 
-/// The table `stats` prints: per job, its collectives by size bucket, its ranks, the straggler; then
-/// the daemon's health counters.
+/// The table `stats` prints: per job (uid, job id), its collectives by size bucket, its ranks, the
+/// straggler; then the daemon's health counters.
 pub fn render(jobs: &ListJobsResponse, stats: &StatsResponse) -> String {
     let mut out = String::new();
-    let job_ids: Vec<&str> = {
-        let mut ids: Vec<&str> = jobs.jobs.iter().map(|j| j.job_id.as_str()).collect();
+    let job_ids: Vec<(u32, &str)> = {
+        let mut ids: Vec<(u32, &str)> = jobs
+            .jobs
+            .iter()
+            .map(|j| (j.uid, j.job_id.as_str()))
+            .collect();
         for id in stats
             .colls
             .iter()
-            .map(|c| c.job_id.as_str())
-            .chain(stats.ranks.iter().map(|r| r.job_id.as_str()))
+            .map(|c| (c.uid, c.job_id.as_str()))
+            .chain(stats.ranks.iter().map(|r| (r.uid, r.job_id.as_str())))
         {
             if !ids.contains(&id) {
                 ids.push(id);
@@ -102,18 +107,25 @@ pub fn render(jobs: &ListJobsResponse, stats: &StatsResponse) -> String {
     if job_ids.is_empty() {
         out.push_str("no jobs yet\n");
     }
-    for id in job_ids {
-        let job = jobs.jobs.iter().find(|j| j.job_id == id);
+    for (uid, id) in job_ids {
+        let job = jobs
+            .jobs
+            .iter()
+            .find(|j| (j.uid, j.job_id.as_str()) == (uid, id));
         let (n, live) = job.map_or((0, false), |j| (j.collectives, j.live));
         // The job listing names the communicators of attached processes; after they exit the
         // statistics still hold their ranks.
-        let (comms, ranks) = shape(job, &stats.ranks, id);
+        let (comms, ranks) = shape(job, &stats.ranks, uid, id);
         let _ = writeln!(
             out,
-            "job {id}  ({}, {ranks} ranks, {comms} communicators, {n} collectives)",
+            "job {id}  (uid {uid}, {}, {ranks} ranks, {comms} communicators, {n} collectives)",
             if live { "live" } else { "ended" }
         );
-        let colls: Vec<_> = stats.colls.iter().filter(|c| c.job_id == id).collect();
+        let colls: Vec<_> = stats
+            .colls
+            .iter()
+            .filter(|c| (c.uid, c.job_id.as_str()) == (uid, id))
+            .collect();
         if !colls.is_empty() {
             let _ = writeln!(
                 out,
@@ -137,7 +149,7 @@ pub fn render(jobs: &ListJobsResponse, stats: &StatsResponse) -> String {
         let ranks: Vec<RankStats> = stats
             .ranks
             .iter()
-            .filter(|r| r.job_id == id)
+            .filter(|r| (r.uid, r.job_id.as_str()) == (uid, id))
             .cloned()
             .collect();
         if !ranks.is_empty() {
@@ -198,7 +210,7 @@ pub fn render(jobs: &ListJobsResponse, stats: &StatsResponse) -> String {
 }
 
 /// (communicators, ranks of the largest one) of a job, from its listing or else its rank statistics.
-pub fn shape(job: Option<&Job>, ranks: &[RankStats], id: &str) -> (usize, usize) {
+pub fn shape(job: Option<&Job>, ranks: &[RankStats], uid: u32, id: &str) -> (usize, usize) {
     let listed = job.map_or((0, 0), |j| {
         let ranks = j
             .communicators
@@ -209,7 +221,7 @@ pub fn shape(job: Option<&Job>, ranks: &[RankStats], id: &str) -> (usize, usize)
         (j.communicators.len(), ranks)
     });
     let mut per_comm: std::collections::BTreeMap<u64, usize> = Default::default();
-    for r in ranks.iter().filter(|r| r.job_id == id) {
+    for r in ranks.iter().filter(|r| r.uid == uid && r.job_id == id) {
         *per_comm.entry(r.comm_hash).or_default() += 1;
     }
     let seen = (
@@ -250,7 +262,7 @@ pub fn to_json(jobs: &ListJobsResponse, stats: &StatsResponse) -> Value {
     let hash = |h: u64| format!("{h:016x}");
     json!({
         "jobs": jobs.jobs.iter().map(|j| json!({
-            "job_id": j.job_id, "collectives": j.collectives, "live": j.live,
+            "uid": j.uid, "job_id": j.job_id, "collectives": j.collectives, "live": j.live,
             "first_unix_ns": j.first_unix_ns, "last_unix_ns": j.last_unix_ns,
             "communicators": j.communicators.iter().map(|c| json!({
                 "comm_hash": hash(c.comm_hash), "name": c.name, "nranks": c.nranks, "nnodes": c.nnodes,
@@ -260,17 +272,20 @@ pub fn to_json(jobs: &ListJobsResponse, stats: &StatsResponse) -> Value {
             })).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
         "colls": stats.colls.iter().map(|c| json!({
-            "job_id": c.job_id, "comm_hash": hash(c.comm_hash), "func": c.func, "size_bucket": c.size_bucket,
+            "uid": c.uid, "job_id": c.job_id, "comm_hash": hash(c.comm_hash), "func": c.func,
+            "size_bucket": c.size_bucket,
             "count": c.count, "exec_p50_us": c.exec_p50_us, "exec_p99_us": c.exec_p99_us,
             "busbw_p50_gbs": c.busbw_p50_gbs,
         })).collect::<Vec<_>>(),
         "ranks": stats.ranks.iter().map(|r| json!({
-            "job_id": r.job_id, "comm_hash": hash(r.comm_hash), "rank": r.rank, "collectives": r.collectives,
+            "uid": r.uid, "job_id": r.job_id, "comm_hash": hash(r.comm_hash), "rank": r.rank,
+            "collectives": r.collectives,
             "exec_p50_us": r.exec_p50_us, "exec_p99_us": r.exec_p99_us, "skew_p50_us": r.skew_p50_us,
             "straggler_count": r.straggler_count, "lost": r.lost,
         })).collect::<Vec<_>>(),
         "stragglers": stragglers(&stats.ranks).iter().map(|r| json!({
-            "job_id": r.job_id, "comm_hash": hash(r.comm_hash), "rank": r.rank, "straggler_count": r.straggler_count,
+            "uid": r.uid, "job_id": r.job_id, "comm_hash": hash(r.comm_hash), "rank": r.rank,
+            "straggler_count": r.straggler_count,
         })).collect::<Vec<_>>(),
         "health": stats.health.as_ref().map(|h| json!({
             "segments": h.segments, "records_in": h.records_in, "decode_errors": h.decode_errors,
@@ -305,6 +320,7 @@ mod tests {
                 skew_p50_us: if rank == 2 { 2500.0 } else { 3.0 },
                 straggler_count: if rank == 2 { 9 } else { u64::from(rank == 0) },
                 lost: 0,
+                uid: 0,
             })
             .collect();
         let stats = StatsResponse {
@@ -317,6 +333,7 @@ mod tests {
                 exec_p50_us: 100.0,
                 exec_p99_us: 150.0,
                 busbw_p50_gbs: 12.5,
+                uid: 0,
             }],
             ranks,
             health: Some(Health {
@@ -333,7 +350,7 @@ mod tests {
         let (jobs, stats) = sample();
         let t = render(&jobs, &stats);
         assert!(
-            t.contains("job train  (live, 4 ranks, 1 communicators, 40 collectives)"),
+            t.contains("job train  (uid 0, live, 4 ranks, 1 communicators, 40 collectives)"),
             "{t}"
         );
         assert!(

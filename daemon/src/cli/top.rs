@@ -130,6 +130,7 @@ pub fn show(
 /// The straggler of one communicator in the last refresh interval.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Straggler {
+    pub uid: u32,
     pub job_id: String,
     pub comm_hash: u64,
     pub rank: u32,
@@ -143,8 +144,8 @@ pub struct Straggler {
 /// late once, short enough to follow a change within seconds.
 const WINDOW: usize = 10;
 
-/// (job, communicator, rank) -> (times last to start, collectives), as of one refresh.
-type Counts = HashMap<(String, u64, u32), (u64, u64)>;
+/// (uid, job, communicator, rank) -> (times last to start, collectives), as of one refresh.
+type Counts = HashMap<(u32, String, u64, u32), (u64, u64)>;
 
 /// What the view shows: the latest snapshots, and the stragglers computed from the change over the last
 /// [`WINDOW`] refreshes (so "current" means the last few seconds, not the whole job).
@@ -158,10 +159,10 @@ pub struct View {
 
 impl View {
     pub fn update(&mut self, jobs: ListJobsResponse, stats: StatsResponse) {
-        let mut best: HashMap<(String, u64), Straggler> = HashMap::new();
-        let mut totals: HashMap<(String, u64), u64> = HashMap::new();
+        let mut best: HashMap<(u32, String, u64), Straggler> = HashMap::new();
+        let mut totals: HashMap<(u32, String, u64), u64> = HashMap::new();
         for r in &stats.ranks {
-            let key = (r.job_id.clone(), r.comm_hash, r.rank);
+            let key = (r.uid, r.job_id.clone(), r.comm_hash, r.rank);
             let (prev_last, prev_colls) = self
                 .history
                 .front()
@@ -169,13 +170,14 @@ impl View {
                 .unwrap_or((0, 0));
             let d_last = r.straggler_count.saturating_sub(prev_last);
             let d_colls = r.collectives.saturating_sub(prev_colls);
-            let comm = (r.job_id.clone(), r.comm_hash);
+            let comm = (r.uid, r.job_id.clone(), r.comm_hash);
             let total = totals.entry(comm.clone()).or_default();
             *total = (*total).max(d_colls);
             if d_last > 0 && best.get(&comm).is_none_or(|b| d_last > b.last_to_start) {
                 best.insert(
                     comm,
                     Straggler {
+                        uid: r.uid,
                         job_id: r.job_id.clone(),
                         comm_hash: r.comm_hash,
                         rank: r.rank,
@@ -187,28 +189,28 @@ impl View {
             }
         }
         // Idle communicators keep their last straggler; active ones get the new one.
-        let mut stragglers: Vec<Straggler> = self
-            .stragglers
-            .drain(..)
-            .filter(|s| !best.contains_key(&(s.job_id.clone(), s.comm_hash)))
-            .filter(|s| {
-                stats
-                    .ranks
-                    .iter()
-                    .any(|r| r.job_id == s.job_id && r.comm_hash == s.comm_hash)
-            })
-            .collect();
+        let mut stragglers: Vec<Straggler> =
+            self.stragglers
+                .drain(..)
+                .filter(|s| !best.contains_key(&(s.uid, s.job_id.clone(), s.comm_hash)))
+                .filter(|s| {
+                    stats.ranks.iter().any(|r| {
+                        r.uid == s.uid && r.job_id == s.job_id && r.comm_hash == s.comm_hash
+                    })
+                })
+                .collect();
         for (comm, mut s) in best {
             s.of = totals[&comm].max(s.last_to_start);
             stragglers.push(s);
         }
-        stragglers.sort_by(|a, b| (&a.job_id, a.comm_hash).cmp(&(&b.job_id, b.comm_hash)));
+        stragglers
+            .sort_by(|a, b| (a.uid, &a.job_id, a.comm_hash).cmp(&(b.uid, &b.job_id, b.comm_hash)));
         let now: Counts = stats
             .ranks
             .iter()
             .map(|r| {
                 (
-                    (r.job_id.clone(), r.comm_hash, r.rank),
+                    (r.uid, r.job_id.clone(), r.comm_hash, r.rank),
                     (r.straggler_count, r.collectives),
                 )
             })
@@ -223,28 +225,28 @@ impl View {
     }
 
     fn straggler_of(&self, r: &RankStats) -> bool {
-        self.stragglers
-            .iter()
-            .any(|s| s.job_id == r.job_id && s.comm_hash == r.comm_hash && s.rank == r.rank)
+        self.stragglers.iter().any(|s| {
+            (s.uid, &s.job_id, s.comm_hash, s.rank) == (r.uid, &r.job_id, r.comm_hash, r.rank)
+        })
     }
 
     /// One line per communicator: what `top` prints when not on a terminal.
     pub fn plain_lines(&self) -> Vec<String> {
         let now = utc_hms();
         let mut lines = Vec::new();
-        let mut comms: Vec<(&str, u64)> = self
+        let mut comms: Vec<(u32, &str, u64)> = self
             .stats
             .ranks
             .iter()
-            .map(|r| (r.job_id.as_str(), r.comm_hash))
+            .map(|r| (r.uid, r.job_id.as_str(), r.comm_hash))
             .collect();
         comms.dedup();
-        for (job, comm) in comms {
+        for (uid, job, comm) in comms {
             let ranks: Vec<&RankStats> = self
                 .stats
                 .ranks
                 .iter()
-                .filter(|r| r.job_id == job && r.comm_hash == comm)
+                .filter(|r| (r.uid, r.job_id.as_str(), r.comm_hash) == (uid, job, comm))
                 .collect();
             let colls: u64 = ranks.iter().map(|r| r.collectives).max().unwrap_or(0);
             let p50 = ranks.iter().map(|r| r.exec_p50_us).fold(f64::NAN, f64::min);
@@ -253,7 +255,7 @@ impl View {
             let straggler = match self
                 .stragglers
                 .iter()
-                .find(|s| s.job_id == job && s.comm_hash == comm)
+                .find(|s| (s.uid, s.job_id.as_str(), s.comm_hash) == (uid, job, comm))
             {
                 Some(s) => format!(
                     "straggler rank {} (last to start in {}/{} recent, skew p50 {})",
@@ -315,7 +317,7 @@ impl View {
             Row::new(cells.to_vec()).style(Style::new().add_modifier(Modifier::BOLD))
         };
         let job_rows = self.jobs.jobs.iter().map(|j| {
-            let (comms, ranks) = shape(Some(j), &self.stats.ranks, &j.job_id);
+            let (comms, ranks) = shape(Some(j), &self.stats.ranks, j.uid, &j.job_id);
             Row::new(vec![
                 j.job_id.clone(),
                 if j.live {

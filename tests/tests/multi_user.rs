@@ -1,0 +1,641 @@
+//! Two real users on one node against the real daemon binary: processes of uid 61001 ("A") and uid
+//! 61002 ("B"), spawned by this test (which runs as root, as CI does) through `CommandExt::uid/gid`.
+//! What a segment says (job id, communicator hash, rank) is B's to choose; what the kernel says (the
+//! registering uid) is not. Each test checks what A relies on: B cannot land in A's statistics,
+//! spool or traces, cannot read A's jobs through the API or Prometheus, and cannot take every segment
+//! slot of the node.
+//!
+//! The user processes are this test binary re-run as `multi_user_child` (an ignored test), writing
+//! with `proto::Producer` the records the plugin writes on the stock KernelCh path.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
+use ncclscope_proto::segment::{self, Owner, Producer, Segment};
+use ncclscope_proto::{Record, StrId, TimingPath};
+
+const CHILD_ENV: &str = "NCCLSCOPE_TEST_MULTI_USER";
+const A: u32 = 61001;
+const B: u32 = 61002;
+const JOB: &str = "shared-job";
+const COMM_HASH: u64 = 0x0a0a_0000_0000_beef;
+const NCOLLS: u64 = 30;
+const GPU_BASE: u64 = 1_000_000_000;
+const HOST_BASE: i64 = 1_790_000_000_000_000_000;
+
+/// Kernel start and end (GPU clock) of `rank`'s collective `seq`; B's claimed rank 0 is 900 us long.
+fn gpu_times(uid: u32, rank: u32, seq: u64) -> (u64, u64) {
+    let start = GPU_BASE + seq * 100_000 + rank as u64 * 700;
+    let exec = if uid == B {
+        900_000
+    } else {
+        20_000 + rank as u64
+    };
+    (start, start + exec)
+}
+
+/// The user process, `CHILD_ENV` = "rank|prefix|socket|shared_dir|rank|nranks" (writes NCOLLS
+/// collectives of JOB on COMM_HASH, the ranks of one uid meeting at a barrier) or
+/// "hold|prefix|socket|shared_dir|tag" (registers an empty segment, prints the daemon's reply, and
+/// keeps the segment until `shared_dir/release.<tag>` exists).
+#[test]
+#[ignore = "child process of the multi-user tests"]
+fn multi_user_child() {
+    let spec = std::env::var(CHILD_ENV).expect("run by the multi-user tests");
+    let f: Vec<&str> = spec.split('|').collect();
+    let (prefix, socket, shared) = (f[1], Path::new(f[2]), Path::new(f[3]));
+    let uid = rustix::process::getuid().as_raw();
+    let owner = Owner::of_process(std::process::id(), "testhost".into(), JOB.into());
+    let name = owner.segment_name(prefix);
+    let mut p = Producer::new(Segment::create(&name, &owner, 1 << 12).unwrap());
+    let reply = register(socket, &name.to_string());
+    if f[0] == "hold" {
+        println!("REPLY {}", reply.trim_end());
+        std::io::stdout().flush().unwrap();
+        let release = shared.join(format!("release.{}", f[4]));
+        while !release.exists() && !shared.join("release.all").exists() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        return;
+    }
+    assert_eq!(reply, "OK\n");
+    let (rank, nranks): (u32, u32) = (f[4].parse().unwrap(), f[5].parse().unwrap());
+    for (id, text) in [(1, "AllReduce"), (2, "ncclFloat32")] {
+        assert!(p.push(&Record::str(StrId(id), text.as_bytes())));
+    }
+    assert!(p.push(&Record::Calibration {
+        cuda_dev: 0,
+        offset_ns: HOST_BASE - GPU_BASE as i64,
+        error_ns: 100,
+        drift_ppb: 0,
+        host_ns: 0,
+    }));
+    assert!(p.push(&Record::Comm {
+        comm: 0,
+        comm_hash: COMM_HASH,
+        rank,
+        nranks,
+        nnodes: 1,
+        cuda_dev: 0,
+        name: StrId(0),
+        nccl_version: 22809,
+        path: TimingPath::KernelCh,
+        host_ns: ncclscope_proto::now_ns(),
+    }));
+    // The ranks of this uid meet before their first collective, as NCCL's communicator init does.
+    std::fs::write(shared.join(format!("ready.{uid}.{rank}")), b"").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !(0..nranks).all(|r| shared.join(format!("ready.{uid}.{r}")).exists()) && uid == A {
+        assert!(Instant::now() < deadline, "the other rank never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for seq in 0..NCOLLS {
+        let host_ns = ncclscope_proto::now_ns();
+        let (gpu_start, gpu_stop) = gpu_times(uid, rank, seq);
+        p.push(&Record::CollStart {
+            comm: 0,
+            id: seq + 1,
+            seq,
+            func: StrId(1),
+            datatype: StrId(2),
+            algo: StrId(0),
+            proto: StrId(0),
+            count: 1 << 10,
+            root: -1,
+            n_channels: 1,
+            n_warps: 16,
+            host_ns,
+        });
+        p.push(&Record::KernelCh {
+            comm: 0,
+            parent: seq + 1,
+            channel: 0,
+            gpu_start,
+            gpu_stop,
+            host_ns,
+        });
+        p.push(&Record::OpStop {
+            comm: 0,
+            id: seq + 1,
+            host_ns,
+        });
+    }
+    p.push(&Record::CommEnd {
+        comm: 0,
+        host_ns: ncclscope_proto::now_ns(),
+    });
+    p.segment().close();
+}
+
+/// `REGISTER <name>` on the daemon's socket, retried while it is not there yet; the reply line.
+fn register(socket: &Path, name: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) {
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            writeln!(s, "REGISTER {name}").unwrap();
+            let mut reply = String::new();
+            BufReader::new(s).read_line(&mut reply).unwrap();
+            return reply;
+        }
+        assert!(Instant::now() < deadline, "no daemon socket");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("ncclscope");
+    assert!(
+        bin.exists(),
+        "{} is missing: build the workspace first",
+        bin.display()
+    );
+    bin
+}
+
+/// A daemon (root) on sockets every user can reach, and the user processes; cleaned up on drop.
+struct Node {
+    dir: tempfile::TempDir,
+    prefix: String,
+    prometheus: String,
+    daemon: Child,
+    children: Vec<Child>,
+}
+
+impl Node {
+    fn start(tag: &str, otlp_endpoint: &str, extra_config: &str) -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        // Users reach the sockets and their shared directory; the daemon's state and spool stay its own.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let shared = dir.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let prefix = format!("ncclscope-mu-{tag}-{}", std::process::id());
+        let prometheus = format!(
+            "127.0.0.1:{}",
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        );
+        let d = dir.path().display();
+        let config = dir.path().join("ncclscope.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "socket = \"{d}/reg.sock\"\napi_socket = \"{d}/api.sock\"\nshm_prefix = \"{prefix}\"\n\
+                 state_dir = \"{d}/state\"\n{extra_config}\n[spool]\ndir = \"{d}/spool\"\n\
+                 [otlp]\nendpoint = \"{otlp_endpoint}\"\nbatch_timeout_ms = 50\n\
+                 [prometheus]\nlisten = \"{prometheus}\"\n"
+            ),
+        )
+        .unwrap();
+        let daemon = Command::new(binary())
+            .args(["daemon", "--config"])
+            .arg(&config)
+            .env("NCCLSCOPE_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let node = Node {
+            dir,
+            prefix,
+            prometheus,
+            daemon,
+            children: Vec::new(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::os::unix::net::UnixStream::connect(node.path("api.sock")).is_err() {
+            assert!(Instant::now() < deadline, "daemon did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        node
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Starts this test binary as `uid`'s process with `spec` after the mode.
+    fn spawn(&mut self, uid: u32, mode: &str, rest: &str) -> usize {
+        let spec = format!(
+            "{mode}|{}|{}|{}|{rest}",
+            self.prefix,
+            self.path("reg.sock").display(),
+            self.path("shared").display()
+        );
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "multi_user_child",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_ENV, spec)
+            .uid(uid)
+            .gid(uid)
+            .current_dir("/")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        self.children.push(child);
+        self.children.len() - 1
+    }
+
+    /// The daemon's reply to a `hold` child's registration.
+    fn reply(&mut self, child: usize) -> String {
+        let out = self.children[child].stdout.as_mut().unwrap();
+        let mut text = String::new();
+        let mut byte = [0u8; 1];
+        // The test harness prints its own lines too, and may start the child's on one of them.
+        while out.read(&mut byte).unwrap() == 1 {
+            if byte[0] == b'\n' {
+                if let Some((_, reply)) = text.split_once("REPLY ") {
+                    return reply.to_string();
+                }
+                text.clear();
+            } else {
+                text.push(byte[0] as char);
+            }
+        }
+        panic!("the child exited without a reply");
+    }
+
+    fn wait_all(&mut self) {
+        for c in &mut self.children {
+            assert!(c.wait().unwrap().success(), "a user process failed");
+        }
+    }
+
+    /// An `ncclscope` tool run as `uid` (root: 0) against this daemon's API.
+    fn tool(&self, uid: u32, args: &[&str]) -> Output {
+        Command::new(binary())
+            .args(args)
+            .arg("--api-socket")
+            .arg(self.path("api.sock"))
+            .uid(uid)
+            .gid(uid)
+            .current_dir("/")
+            .output()
+            .unwrap()
+    }
+
+    fn stats(&self, uid: u32) -> serde_json::Value {
+        let out = self.tool(uid, &["stats", "--json"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    fn metrics(&self) -> String {
+        let mut s = std::net::TcpStream::connect(&self.prometheus).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut text = String::new();
+        let _ = s.read_to_string(&mut text);
+        text.split_once("\r\n\r\n")
+            .map_or(String::new(), |(_, b)| b.to_string())
+    }
+
+    /// Polls Prometheus until `sample` has `want`.
+    fn wait_metric(&self, sample: &str, want: f64) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let text = self.metrics();
+            let v = text
+                .lines()
+                .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok());
+            if v == Some(want) || Instant::now() > deadline {
+                assert_eq!(v, Some(want), "{sample}\n{text}");
+                return text;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.path("shared/release.all"), b"");
+        for c in self.children.iter_mut().chain(Some(&mut self.daemon)) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for name in segment::list(&self.prefix).unwrap_or_default() {
+            let _ = Segment::unlink(&name);
+        }
+    }
+}
+
+/// An attribute's value in the fake collector's Debug form (`Some(AnyValue { value: Some(IntValue(5)) })`).
+fn attr<'a>(s: &'a ExportedSpan, k: &str) -> &'a str {
+    let v = s.attributes.get(k).map_or("", String::as_str);
+    for (open, close) in [("StringValue(\"", "\")"), ("IntValue(", ")")] {
+        if let Some((_, rest)) = v.split_once(open) {
+            return rest.split_once(close).map_or(rest, |(v, _)| v);
+        }
+    }
+    v
+}
+
+/// B's process claims A's job id, A's communicator hash and rank 0 (so the root span) at the same time
+/// as A's two ranks run: B's instances land in B's own series, spool directory and traces; A's stay
+/// exactly A's. Through the API each user sees only their own jobs, root sees both; the spool is
+/// private (0700 directories, 0600 files); Prometheus serves no job by default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_users_process_claiming_a_job_lands_in_its_own_series_spool_and_traces() {
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let mut node = Node::start("claim", &collector.endpoint(), "");
+    node.spawn(A, "rank", "0|2");
+    node.spawn(A, "rank", "1|2");
+    node.spawn(B, "rank", "0|2");
+    node.wait_all();
+
+    // Traces: A's collective and B's never share a trace, and each has its own uid's root.
+    let want = (3 * NCOLLS + 2 * NCOLLS) as usize; // rank spans + one root per collective per uid
+    let mut spans = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while spans.len() < want && Instant::now() < deadline {
+        spans.extend(
+            collector
+                .exported_spans(1, Duration::from_millis(100))
+                .await,
+        );
+    }
+    assert_eq!(
+        spans.len(),
+        want,
+        "rank spans of A (2 ranks) and B (1), a root per uid"
+    );
+    let mut traces: BTreeMap<&str, Vec<&ExportedSpan>> = BTreeMap::new();
+    for s in &spans {
+        traces.entry(s.trace_id.as_str()).or_default().push(s);
+    }
+    assert_eq!(
+        traces.len(),
+        2 * NCOLLS as usize,
+        "one trace per collective per uid"
+    );
+    let mut per_uid: BTreeMap<u32, usize> = BTreeMap::new();
+    for group in traces.values() {
+        let uids: BTreeSet<&str> = group
+            .iter()
+            .map(|s| attr(s, "process.real_user.id"))
+            .collect();
+        assert_eq!(uids.len(), 1, "a trace holds one uid's spans: {uids:?}");
+        let uid: u32 = uids.first().unwrap().parse().unwrap();
+        *per_uid.entry(uid).or_default() += 1;
+        let roots: Vec<_> = group
+            .iter()
+            .filter(|s| s.parent_span_id.is_empty())
+            .collect();
+        assert_eq!(roots.len(), 1, "one root per trace");
+        let ranks: BTreeSet<&str> = group
+            .iter()
+            .filter(|s| s.parent_span_id == roots[0].span_id)
+            .map(|s| attr(s, "nccl.rank"))
+            .collect();
+        let seq: u64 = attr(roots[0], "nccl.seq").parse().unwrap();
+        let end = |rank| (gpu_times(uid, rank, seq).1 as i64 + HOST_BASE - GPU_BASE as i64) as u64;
+        assert_eq!(
+            roots[0].end_time_unix_nano,
+            end(0),
+            "the root is the trace's own rank 0"
+        );
+        if uid == A {
+            assert_eq!(ranks, BTreeSet::from(["0", "1"]));
+        } else {
+            assert_eq!(ranks, BTreeSet::from(["0"]));
+        }
+    }
+    assert_eq!(
+        per_uid,
+        BTreeMap::from([(A, NCOLLS as usize), (B, NCOLLS as usize)])
+    );
+
+    // Statistics (root's view): one job per uid, A's series holds A's instances only.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut all = node.stats(0);
+    let counted = |v: &serde_json::Value| -> u64 {
+        v["colls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["count"].as_u64().unwrap())
+            .sum()
+    };
+    while counted(&all) < 3 * NCOLLS && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        all = node.stats(0);
+    }
+    let colls: BTreeMap<u64, (u64, f64)> = all["colls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            assert_eq!(
+                (c["job_id"].as_str(), c["comm_hash"].as_str()),
+                (Some(JOB), Some("0a0a00000000beef"))
+            );
+            (
+                c["uid"].as_u64().unwrap(),
+                (
+                    c["count"].as_u64().unwrap(),
+                    c["exec_p99_us"].as_f64().unwrap(),
+                ),
+            )
+        })
+        .collect();
+    assert_eq!(colls.len(), 2, "{all}");
+    assert_eq!(colls[&(A as u64)].0, 2 * NCOLLS);
+    assert!(
+        colls[&(A as u64)].1 < 100.0,
+        "B's 900 us kernels are not in A's series: {all}"
+    );
+    assert_eq!(colls[&(B as u64)].0, NCOLLS);
+    let job_uids = |v: &serde_json::Value| -> BTreeSet<u64> {
+        v["jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|j| j["uid"].as_u64().unwrap())
+            .collect()
+    };
+    assert_eq!(job_uids(&all), BTreeSet::from([A as u64, B as u64]));
+
+    // Each user sees only their own job through the API.
+    for (uid, other) in [(A, B), (B, A)] {
+        let mine = node.stats(uid);
+        assert_eq!(job_uids(&mine), BTreeSet::from([uid as u64]), "{mine}");
+        for part in ["colls", "ranks"] {
+            assert!(
+                mine[part]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .all(|c| c["uid"] == uid),
+                "uid {uid} sees another uid's {part}: {mine}"
+            );
+        }
+        let out = node.path(&format!("shared/{uid}.json"));
+        let export = node.tool(uid, &["export", "--job", JOB, "-o", out.to_str().unwrap()]);
+        assert!(
+            export.status.success(),
+            "{}",
+            String::from_utf8_lossy(&export.stderr)
+        );
+        let n = if uid == A { 2 * NCOLLS } else { NCOLLS };
+        assert!(
+            String::from_utf8_lossy(&export.stderr)
+                .contains(&format!("wrote {n} collective instances")),
+            "{}",
+            String::from_utf8_lossy(&export.stderr)
+        );
+        let theirs = node.tool(
+            uid,
+            &[
+                "export",
+                "--job",
+                JOB,
+                "--uid",
+                &other.to_string(),
+                "-o",
+                out.to_str().unwrap(),
+            ],
+        );
+        let err = String::from_utf8_lossy(&theirs.stderr);
+        assert!(
+            !theirs.status.success() && err.contains("may not read"),
+            "{err}"
+        );
+    }
+    let root_export = node.tool(
+        0,
+        &[
+            "export",
+            "--job",
+            JOB,
+            "-o",
+            node.path("root.json").to_str().unwrap(),
+        ],
+    );
+    let err = String::from_utf8_lossy(&root_export.stderr);
+    assert!(
+        !root_export.status.success() && err.contains("several uids"),
+        "{err}"
+    );
+
+    // The spool: A's job directory holds A's instances only; everything private to the daemon.
+    let spool = ncclscope::spool::SpoolReader::open_dir(node.path("spool")).unwrap();
+    assert_eq!(spool.jobs(), [(A, JOB.to_string()), (B, JOB.to_string())]);
+    let a: Vec<_> = spool
+        .read_job(&(A, JOB.into()))
+        .map(|c| c.unwrap())
+        .collect();
+    assert_eq!(a.len() as u64, 2 * NCOLLS);
+    assert!(a.iter().all(|c| c.uid == A && c.exec_ns < 100_000));
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let mut stack = vec![node.path("spool")];
+    let mut files = 0;
+    while let Some(p) = stack.pop() {
+        if p.is_dir() {
+            assert_eq!(mode(&p), 0o700, "{}", p.display());
+            stack.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
+        } else {
+            assert_eq!(mode(&p), 0o600, "{}", p.display());
+            files += 1;
+        }
+    }
+    assert_eq!(files, 2, "one spool file per (uid, job)");
+    // The resume state names the jobs and communicators of every user: the daemon's alone too.
+    assert_eq!(mode(&node.path("state")), 0o700);
+
+    // Prometheus, readable by any local user, serves the daemon's health and no job.
+    let text = node.wait_metric("ncclscope_collectives_total", (3 * NCOLLS) as f64);
+    assert!(
+        !text.contains("job_id=") && !text.contains("uid="),
+        "{text}"
+    );
+    eprintln!(
+        "claim: produced A {} + B {} instances of job {JOB}; series A {} B {}; traces {per_uid:?} \
+         (uid: count), {} spans; spool A {} records, {files} files",
+        2 * NCOLLS,
+        NCOLLS,
+        colls[&(A as u64)].0,
+        colls[&(B as u64)].0,
+        spans.len(),
+        a.len()
+    );
+}
+
+/// One uid's segments beyond `drain.max_segments_per_uid` are refused with an ERR line and counted
+/// once each, while another uid still registers; the refused segment is attached once its uid has room.
+#[test]
+fn the_segment_quota_refuses_one_uids_extra_segment_while_another_uid_registers() {
+    let mut node = Node::start(
+        "quota",
+        "",
+        "[drain]\nmax_segments_per_uid = 2\nrescan_interval_ms = 100",
+    );
+    let a: Vec<usize> = (0..3)
+        .map(|i| node.spawn(A, "hold", &format!("a{i}")))
+        .collect();
+    let replies: Vec<String> = a.iter().map(|&c| node.reply(c)).collect();
+    assert_eq!(
+        replies.iter().filter(|r| *r == "OK").count(),
+        2,
+        "{replies:?}"
+    );
+    let refused = replies
+        .iter()
+        .find(|r| r.starts_with("ERR"))
+        .expect("one refused");
+    assert!(
+        refused.contains(&format!(
+            "uid {A} already has 2 segments attached (drain.max_segments_per_uid = 2)"
+        )),
+        "{refused}"
+    );
+    let b = node.spawn(B, "hold", "b0");
+    assert_eq!(node.reply(b), "OK");
+    node.wait_metric("ncclscope_segments", 3.0);
+    // Rescans (every 100 ms) retry the refused segment but count it once.
+    std::thread::sleep(Duration::from_millis(500));
+    node.wait_metric("ncclscope_lost_total{stage=\"uid_segment_quota\"}", 1.0);
+    // One of A's attached processes exits: once the daemon removed its segment, a rescan attaches the
+    // refused one (2 of A's again, 1 of B's).
+    let i = replies.iter().position(|r| r == "OK").unwrap();
+    std::fs::write(node.path(&format!("shared/release.a{i}")), b"").unwrap();
+    assert!(node.children[a[i]].wait().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while segment::list(&node.prefix).unwrap().len() > 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the exited process's segment was not removed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Past the next statistics snapshot (every second), which follows the rescan (every 100 ms).
+    std::thread::sleep(Duration::from_millis(1500));
+    node.wait_metric("ncclscope_segments", 3.0);
+    node.wait_metric("ncclscope_lost_total{stage=\"uid_segment_quota\"}", 1.0);
+    eprintln!(
+        "quota: A's replies {replies:?}; B's OK; refusals counted 1; attached after room: 3 segments"
+    );
+}
