@@ -117,6 +117,9 @@ fn add(a: &mut AssembleCounters, b: &AssembleCounters) {
     a.uncalibrated += b.uncalibrated;
     a.host_anchored += b.host_anchored;
     a.unknown_comm += b.unknown_comm;
+    a.dev_unattributed += b.dev_unattributed;
+    a.dev_mismatch += b.dev_mismatch;
+    a.template_full += b.template_full;
 }
 
 impl Engine {
@@ -472,7 +475,7 @@ impl Engine {
                         && !slow
                         && !crate::spans::sampled(
                             c.coll.comm_hash,
-                            c.coll.seq,
+                            crate::spans::collective_key(c.coll.seq, c.coll.replay),
                             self.cfg.otlp.sample_ratio,
                         )
                     {
@@ -481,7 +484,7 @@ impl Engine {
                 } else if c.prior & done::EXPORTED == 0
                     && !crate::spans::sampled(
                         c.coll.comm_hash,
-                        c.coll.seq,
+                        crate::spans::collective_key(c.coll.seq, c.coll.replay),
                         self.cfg.otlp.sample_ratio,
                     )
                 {
@@ -601,7 +604,13 @@ impl Engine {
             ec.spans_dropped.load(Ordering::Relaxed),
         );
         lost.insert("kernel_unjoined".into(), asm.kernel_unjoined);
-        lost.insert("dev_unjoined".into(), asm.dev_work - asm.dev_joined);
+        lost.insert(
+            "dev_unjoined".into(),
+            asm.dev_work - asm.dev_joined - asm.dev_unattributed,
+        );
+        lost.insert("dev_unattributed".into(), asm.dev_unattributed);
+        lost.insert("dev_mismatch".into(), asm.dev_mismatch);
+        lost.insert("template_full".into(), asm.template_full);
         lost.insert("incomplete".into(), asm.incomplete);
         lost.insert("pending_overflow".into(), asm.pending_overflow);
         lost.insert("unknown_comm".into(), asm.unknown_comm);
@@ -835,6 +844,7 @@ mod tests {
                 n_channels: 0,
                 n_warps: 0,
                 host_ns: 10,
+                captured: false,
             });
             p.push(&Record::OpStop {
                 comm: 0,

@@ -78,6 +78,8 @@ pub struct Instance {
     pub calibration_error_ns: u32,
     pub channels: Vec<ChannelWork>,
     pub is_p2p: bool,
+    /// 0: launched eagerly; r >= 1: the r-th graph replay on the communicator (see `Collective`).
+    pub replay: u32,
 }
 
 /// The values `timing_source` takes.
@@ -157,6 +159,7 @@ impl<'a> InstanceRef<'a> {
             calibration_error_ns: self.calibration_error_ns,
             channels: self.channels.clone(),
             is_p2p: self.is_p2p,
+            replay: self.replay,
         }
     }
 }
@@ -221,6 +224,7 @@ impl From<&Collective> for Shared {
             calibration_error_ns: c.calibration_error_ns,
             channels: c.channels.clone(),
             is_p2p: c.is_p2p,
+            replay: c.replay,
         };
         Shared {
             inst,
@@ -269,6 +273,7 @@ mod tests {
                 work_items: 1,
             }],
             is_p2p: true,
+            replay: 3,
         };
         let s = Shared::from(&m);
         let i = s.view();

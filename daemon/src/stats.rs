@@ -123,8 +123,9 @@ pub struct Stats {
     max_series: usize,
     pub series: Map<SeriesKey, Series>,
     pub ranks: Map<RankKey, RankSeries>,
-    /// Skew windows by communicator hash.
-    windows: Map<u64, Window>,
+    /// Skew windows by (communicator hash, replay): eager collectives (replay 0) in one window, each
+    /// graph replay's in its own (its seqs are the captured operations').
+    windows: Map<(u64, u32), Window>,
     /// Ranks of each communicator attached on this node (how many arrivals a rendezvous awaits).
     local_ranks: Map<u64, usize>,
     /// Job and collective name of the overflow series.
@@ -261,22 +262,25 @@ impl Stats {
 
     fn arrive(&mut self, c: InstanceRef, expected: usize, now_ns: u64) {
         let ranks = &mut self.ranks;
-        let w = self.windows.entry(c.comm_hash).or_insert_with(|| {
-            // The job as the rank series holds it (observe just made sure it exists).
-            let rank = RankRef {
-                job: c.job_id(),
-                comm_hash: c.comm_hash,
-                rank: c.rank,
-            };
-            let job = ranks
-                .get_key_value(&rank)
-                .map_or_else(|| c.job_id().into(), |(k, _)| k.job.clone());
-            Window {
-                job,
-                base: c.seq,
-                slots: VecDeque::new(),
-            }
-        });
+        let w = self
+            .windows
+            .entry((c.comm_hash, c.replay))
+            .or_insert_with(|| {
+                // The job as the rank series holds it (observe just made sure it exists).
+                let rank = RankRef {
+                    job: c.job_id(),
+                    comm_hash: c.comm_hash,
+                    rank: c.rank,
+                };
+                let job = ranks
+                    .get_key_value(&rank)
+                    .map_or_else(|| c.job_id().into(), |(k, _)| k.job.clone());
+                Window {
+                    job,
+                    base: c.seq,
+                    slots: VecDeque::new(),
+                }
+            });
         // Another job with the same communicator hash (a 64-bit random id), or a collective that
         // left the window already: not comparable.
         if *w.job != *c.job_id() || c.seq < w.base {
@@ -321,7 +325,7 @@ impl Stats {
     /// out), and forgets windows with nothing awaited.
     pub fn expire(&mut self, now_ns: u64) {
         let (skew_window, window_ns) = (self.skew_window_ns, self.window_ns);
-        for (&comm_hash, w) in &mut self.windows {
+        for (&(comm_hash, _), w) in &mut self.windows {
             loop {
                 match w.slots.front() {
                     Some(None) => {}
@@ -528,11 +532,15 @@ mod tests {
             s.observe(coll(1, seq, 1_000, 10).view(), 0, 1);
         }
         assert_eq!(s.skew_evaluated, 50);
-        assert_eq!(s.windows[&9].slots.len(), 0, "evaluated collectives leave");
+        assert_eq!(
+            s.windows[&(9, 0)].slots.len(),
+            0,
+            "evaluated collectives leave"
+        );
         // A rank far ahead (or a seq jump): the window keeps at most MAX_WINDOW collectives.
         s.observe(coll(0, 50, 1_000, 10).view(), 0, 1);
         s.observe(coll(0, 50 + MAX_WINDOW as u64 + 10, 1_000, 10).view(), 0, 1);
-        assert!(s.windows[&9].slots.len() <= MAX_WINDOW);
+        assert!(s.windows[&(9, 0)].slots.len() <= MAX_WINDOW);
         // Late arrivals for collectives that left the window are not compared.
         s.observe(coll(1, 50, 1_000, 10).view(), 0, 1);
         assert_eq!(s.skew_evaluated, 50);

@@ -98,10 +98,13 @@ pub enum Counter {
     StrTableFull = 6,
     /// Event types or states the plugin does not handle, declined (not a loss; for visibility).
     Ignored = 7,
+    /// KernelCh events of a CUDA graph replay on stock NCCL: they name an operation from capture time,
+    /// which has no kernel of its own, so they are declined rather than joined to a stale handle.
+    ReplayKernelCh = 8,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 8] = [
+    pub const ALL: [Counter; 9] = [
         Counter::RingFull,
         Counter::QueueFull,
         Counter::PoolExhausted,
@@ -110,6 +113,7 @@ impl Counter {
         Counter::Unfinished,
         Counter::StrTableFull,
         Counter::Ignored,
+        Counter::ReplayKernelCh,
     ];
 
     /// Stable name, used in metrics labels and JSON.
@@ -122,6 +126,7 @@ impl Counter {
             Counter::DevUnpaired => "dev_unpaired",
             Counter::Unfinished => "unfinished",
             Counter::StrTableFull => "str_table_full",
+            Counter::ReplayKernelCh => "replay_kernel_ch",
             Counter::Ignored => "ignored",
         }
     }
