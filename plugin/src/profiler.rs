@@ -681,8 +681,8 @@ impl Plugin {
 
     /// `recordEventState`; `p_timer` is the state args' `kernelCh.pTimer` (None for NULL args).
     pub fn record_state(&self, handle: *mut c_void, state: u32, p_timer: Option<u64>) {
-        if is_static(handle) {
-            return; // GroupApi states (NULL args), nothing to record
+        if is_static(handle) && p_timer.is_none() {
+            return; // GroupApi states (NULL args): nothing to record
         }
         let live = self.pool.lookup(handle);
         let expected = match live.map(|l| l.kind) {
