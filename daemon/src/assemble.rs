@@ -801,8 +801,13 @@ impl Assembler {
         self.dictionary_changed = true;
     }
 
+    /// Allowance for the plugin's host stamps (TSC readings converted to CLOCK_REALTIME, good to some
+    /// microseconds when the host is busy) when an enqueue is compared with a calibrated GPU time.
+    const HOST_STAMP_SLACK_NS: u64 = 50_000;
+
     /// Whether an eager operation waiting on (comm, ch) can own `work`: its function fits and it was
-    /// enqueued before the work started (on the host clock, within the calibration error).
+    /// enqueued before the work started (on the host clock, within the calibration error and
+    /// [`Self::HOST_STAMP_SLACK_NS`]).
     fn eager_fits(&self, comm: u32, ch: u8, work: &Work) -> bool {
         let Some(lane) = self.waiting.get(&(comm, ch)) else {
             return false;
@@ -814,7 +819,7 @@ impl Assembler {
         let started = calibration.map(|c| {
             work.gpu_start
                 .saturating_add_signed(c.offset_ns)
-                .saturating_add(c.error_ns as u64)
+                .saturating_add(c.error_ns as u64 + Self::HOST_STAMP_SLACK_NS)
         });
         lane.ops.iter().any(|id| {
             self.ops.get(id).is_some_and(|op| {

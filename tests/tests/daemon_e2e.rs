@@ -107,6 +107,7 @@ fn daemon_rank_child() {
             n_channels: CHANNELS as u8,
             n_warps: 16,
             host_ns,
+            captured: false,
         });
         for ch in 0..CHANNELS {
             let (gpu_start, gpu_stop) = gpu_times(rank, seq, ch);
@@ -833,4 +834,166 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
         0,
         "segments reaped after their processes exited"
     );
+}
+
+/// CUDA graphs on the hook path (issue 10): two RFC ranks run eager all-reduces, capture 50 into a
+/// graph, replay it 6 times with eager all-reduces of the graph's first device function between the
+/// replays. Every eager op and every replayed op of every replay arrives once, with its own exec time
+/// and replay index, both ranks of each in one trace; nothing unattributed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graph_replays_on_the_hook_path_are_each_one_instance_with_their_own_timings() {
+    use ncclscope_fakenccl::report::Report;
+    const NRANKS: u32 = 2;
+    const REPLAYS: u32 = 6;
+    const GRAPH_OPS: u64 = 50;
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let mut h = Harness::new("graph", &collector.endpoint());
+    h.start_daemon();
+    let rank_bin = ncclscope_fakenccl::process::rank_binary().unwrap();
+    let children: Vec<Child> = (0..NRANKS)
+        .map(|rank| {
+            Command::new(&rank_bin)
+                .args(["--kind", "rfc", "--colls", "4", "--channels", "4"])
+                .args([
+                    "--graph-ops",
+                    &GRAPH_OPS.to_string(),
+                    "--graph-channels",
+                    "8",
+                ])
+                .args(["--replays", &REPLAYS.to_string(), "--eager-between", "2"])
+                .args(["--kernel-ns", "5000", "--interval-us", "300"])
+                .args(["--rank", &rank.to_string(), "--nranks", &NRANKS.to_string()])
+                .args(["--comm-hash", &0x3333_0000_0000_0000u64.to_string()])
+                .env("NCCLSCOPE_SHM_PREFIX", &h.prefix)
+                .env("NCCLSCOPE_SOCKET", h.socket())
+                .env("NCCLSCOPE_JOB_ID", "graph-job")
+                .env("NCCLSCOPE_RING_MEMORY", "cpu")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut reports: Vec<Report> = Vec::new();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "fakenccl-rank failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        reports.push(serde_json::from_slice(&out.stdout).unwrap());
+    }
+    // What each rank produced: (pid, seq, replay) -> (exec, wall). A replayed op's seq is the
+    // captured one's, made unique per function in capture order (NCCL did not advance it).
+    let mut produced: BTreeMap<(u32, u64, u32), (u64, u64)> = BTreeMap::new();
+    for report in &reports {
+        let ops = &report.comms[0].ops;
+        let capture_seq = ops.iter().find(|o| o.captured).unwrap().seq;
+        let mut index_in_replay = 0;
+        let mut last_replay = 0;
+        for op in ops.iter().filter(|o| !o.captured) {
+            let seq = if op.replay > 0 {
+                if op.replay != last_replay {
+                    (last_replay, index_in_replay) = (op.replay, 0);
+                }
+                index_in_replay += 1;
+                capture_seq + index_in_replay - 1
+            } else {
+                op.seq
+            };
+            let items = &op.hook_items;
+            assert_eq!(items.len(), op.n_channels as usize);
+            let exec = items
+                .iter()
+                .map(|i| i.gpu_stop - i.gpu_start)
+                .max()
+                .unwrap();
+            let wall = items.iter().map(|i| i.gpu_stop).max().unwrap()
+                - items.iter().map(|i| i.gpu_start).min().unwrap();
+            assert!(
+                produced
+                    .insert((report.pid, seq, op.replay), (exec, wall))
+                    .is_none()
+            );
+        }
+    }
+    let expected =
+        NRANKS as usize * (4 + 2 * REPLAYS as usize + (GRAPH_OPS as usize) * REPLAYS as usize);
+    assert_eq!(produced.len(), expected);
+    let mut spans = Vec::new();
+    let is_rank_span = |s: &ExportedSpan| s.name.ends_with(" rank");
+    collect(&mut collector, &mut spans, Duration::from_secs(60), |s| {
+        s.iter().filter(|s| is_rank_span(s)).count() >= expected
+    })
+    .await;
+    let mut delivered: BTreeMap<(u32, u64, u32), Vec<&ExportedSpan>> = BTreeMap::new();
+    for s in spans.iter().filter(|s| is_rank_span(s)) {
+        let key = (
+            attr(s, "process.pid").parse().unwrap(),
+            attr(s, "nccl.seq").parse().unwrap(),
+            attr(s, "nccl.replay").parse().unwrap(),
+        );
+        delivered.entry(key).or_default().push(s);
+    }
+    assert_eq!(
+        delivered.keys().collect::<Vec<_>>(),
+        produced.keys().collect::<Vec<_>>(),
+        "produced = delivered, per op and per replay"
+    );
+    let mut traces: HashMap<(u64, u32), BTreeSet<String>> = HashMap::new();
+    for (key, (exec, wall)) in &produced {
+        let got = &delivered[key];
+        assert_eq!(got.len(), 1, "{key:?} delivered {} times", got.len());
+        let s = got[0];
+        assert_eq!(attr(s, "nccl.exec_ns"), exec.to_string(), "{key:?}");
+        assert_eq!(
+            s.end_time_unix_nano - s.start_time_unix_nano,
+            *wall,
+            "{key:?}"
+        );
+        assert_eq!(attr(s, "nccl.timing_source"), "device_hook");
+        traces
+            .entry((key.1, key.2))
+            .or_default()
+            .insert(s.trace_id.clone());
+    }
+    assert!(
+        traces.values().all(|t| t.len() == 1),
+        "both ranks of each (seq, replay) in one trace"
+    );
+    let all: BTreeSet<&String> = traces.values().flatten().collect();
+    assert_eq!(all.len(), traces.len(), "a trace per (seq, replay)");
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut text = h.metrics();
+    while sample(&text, "ncclscope_segments") != Some(0.0) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        text = h.metrics();
+    }
+    assert_eq!(
+        sample(&text, "ncclscope_device_hook_join_ratio"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "ncclscope_collectives_total"),
+        Some(expected as f64)
+    );
+    for stage in [
+        "ring_full",
+        "dev_lost",
+        "incomplete",
+        "dev_unjoined",
+        "dev_unattributed",
+        "dev_mismatch",
+    ] {
+        assert!(
+            matches!(
+                sample(&text, &format!("ncclscope_lost_total{{stage=\"{stage}\"}}")),
+                None | Some(0.0)
+            ),
+            "{stage}: {text}"
+        );
+    }
 }
