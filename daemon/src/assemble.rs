@@ -106,8 +106,10 @@ pub struct Dictionary {
 
 /// Captured operations one communicator's template holds at most.
 pub const MAX_TEMPLATE_OPS: usize = 4096;
-/// Cursor changes remembered for the commit point (see [`Template::marks`]); beyond it the oldest go.
-const MAX_MARKS: usize = 1 << 20;
+/// Cursor changes remembered for the commit point (see [`Template::marks`]), about as many as the
+/// default segment holds records; beyond it the oldest go (a restart from a tail older than that would
+/// resume the cursors from the oldest one kept).
+const MAX_MARKS: usize = 1 << 16;
 
 /// A Coll/P2p captured into a CUDA graph: what its replayed instances are built from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -155,6 +157,9 @@ pub struct Template {
     /// they were at any later commit point.
     #[serde(skip)]
     marks: VecDeque<(u64, u8, Cursor)>,
+    /// (replay, captured index, instance id) of replayed instances opened, oldest first.
+    #[serde(skip)]
+    open: VecDeque<(u32, u32, u64)>,
 }
 
 impl Template {
@@ -890,15 +895,63 @@ impl Assembler {
         self.dictionary_changed = true;
         let id = replay_id(comm, index, replay);
         if !self.ops.contains_key(&id) {
+            t.open.push_back((replay, index, id));
             self.start_replay(id, pos, comm, captured, replay, now_ns, out);
         }
+        self.close_passed(comm, ch, replay, index, out);
+        // The channels of one kernel run at the same time: an item that does not overlap the
+        // instance's other channels is from a later replay (this channel lost a whole replay's items
+        // and counts one behind). Counted, and the channel's count catches up.
+        let later = self.ops.get(&id).and_then(|op| {
+            let hi = op.channels.iter().map(|c| c.end_unix_ns).max()?;
+            Some(work.gpu_start > hi)
+        });
         match self.ops.get_mut(&id) {
-            Some(op) if op.seen & 1 << (ch & 63) == 0 => {
+            Some(op) if op.seen & 1 << (ch & 63) == 0 && later != Some(true) => {
                 op.add_work(ch, work.gpu_start, work.gpu_stop, now_ns);
                 self.counters.dev_joined += 1;
                 self.try_finish(id, out);
             }
-            _ => self.counters.dev_unattributed += 1,
+            _ => {
+                self.counters.dev_unattributed += 1;
+                if later == Some(true)
+                    && let Some(t) = self.templates.get_mut(&comm)
+                {
+                    t.cursor(ch).replay += 1;
+                }
+            }
+        }
+    }
+
+    /// Closes the oldest replayed instances still waiting for channel `ch` once that channel has moved
+    /// on to (replay, index): a channel's items come in order, so theirs was lost. They are dropped
+    /// (`dev_mismatch`) now rather than at the timeout, so they do not hold the commit point (and the
+    /// segment's space) behind them.
+    fn close_passed(
+        &mut self,
+        comm: u32,
+        ch: u8,
+        replay: u32,
+        index: u32,
+        out: &mut Vec<Completed>,
+    ) {
+        loop {
+            let Some(t) = self.templates.get_mut(&comm) else {
+                return;
+            };
+            let Some(&(r, k, id)) = t.open.front() else {
+                return;
+            };
+            let Some(op) = self.ops.get(&id) else {
+                t.open.pop_front();
+                continue;
+            };
+            let waits_here = ch < op.n_channels.min(64) && op.seen & 1 << (ch & 63) == 0;
+            if (r, k) >= (replay, index) || !waits_here {
+                return;
+            }
+            t.open.pop_front();
+            self.finish(id, out);
         }
     }
 
@@ -1857,10 +1910,41 @@ mod tests {
         );
         assert_eq!(a.counters.dev_unattributed, 1);
         assert_eq!(a.pending(), 1, "replay 2's all-reduce waits for channel 1");
+        // Replay 3: channel 1 lost all of replay 2's items, so its count is one behind; its item
+        // does not overlap replay 2's channel 0 and is not joined to it.
         let mut out = Vec::new();
-        a.sweep(u64::MAX, 10, &mut out);
-        assert!(out.is_empty(), "one channel of two: dropped, not reported");
-        assert_eq!(a.counters.dev_mismatch, 1);
+        for (i, r) in [
+            dev(0, 42, 17, 900, 10),
+            dev(1, 42, 5, 900, 13),
+            dev(0, 43, 18, 1000, 11),
+            dev(0, 42, 19, 1100, 12),
+        ]
+        .iter()
+        .enumerate()
+        {
+            a.apply(100 + i as u64, r, 0, &mut out);
+        }
+        assert_eq!(got(&out), vec![(5, 3, 11), (6, 3, 12)]);
+        assert_eq!(a.counters.dev_unattributed, 2);
+        assert_eq!(
+            a.pending(),
+            2,
+            "replays 2 and 3 of the all-reduce lack channel 1"
+        );
+        // The next replay lines up on both channels again.
+        let mut out = Vec::new();
+        for (i, r) in [dev(0, 42, 20, 1200, 10), dev(1, 42, 6, 1200, 14)]
+            .iter()
+            .enumerate()
+        {
+            a.apply(200 + i as u64, r, 0, &mut out);
+        }
+        assert_eq!(got(&out), vec![(5, 4, 14)]);
+        assert_eq!(
+            (a.counters.dev_mismatch, a.pending()),
+            (2, 0),
+            "channel 1 moved past them: dropped at once, not joined, not held until a timeout"
+        );
     }
 
     #[test]
