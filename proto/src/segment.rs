@@ -49,8 +49,12 @@ const W_RECORDS: usize = 96;
 
 /// Largest ring a reader accepts (records); bounds what an untrusted header can make us map.
 pub const MAX_CAPACITY: u64 = 1 << 24;
-/// Default ring size: 64 Ki records = 4 MiB.
-pub const DEFAULT_CAPACITY: u64 = 1 << 16;
+/// Default ring size: 256 Ki records = 16 MiB. Sized from CUDA-graph replays on the device-hook path:
+/// a replay writes (operations x channels) records at once (50 x 64 = 3,200 for 250 us of GPU time,
+/// 12.8 M records/s while it replays), and the ring must hold what arrives while the daemon is off the
+/// CPU; 64 Ki records lost a quarter of them on a loaded 2-core host where 256 Ki lost none
+/// (docs/benchmarks.md, "CUDA graph replays").
+pub const DEFAULT_CAPACITY: u64 = 1 << 18;
 
 const FLAG_CLOSED: u64 = 1;
 
