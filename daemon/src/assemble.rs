@@ -2005,7 +2005,7 @@ mod tests {
             b.apply(i as u64, r, 0, &mut second);
         }
         let mut union: Vec<(u64, u32, u64)> = got(&first);
-        union.extend(got(&second).into_iter());
+        union.extend(got(&second));
         union.sort_unstable();
         assert_eq!(union, sorted, "each replayed op exactly once");
         assert_eq!(b.counters.dev_unattributed, 0);

@@ -85,10 +85,12 @@ struct Args {
 /// The graph's `n`-th captured all-reduce: f32, 8 B << (n % 22), its device function by size.
 fn graph_coll(n: u32, channels: u8, kernel_ns: u64, bytes_per_ns: u64) -> CollSpec {
     let bytes = 8u64 << (n % 22);
-    let (proto, func_id) = match bytes {
-        ..=65_536 => (c"LL", 2),
-        ..=1_048_576 => (c"LL128", 4),
-        _ => (c"SIMPLE", 5),
+    let (proto, func_id) = if bytes <= 65_536 {
+        (c"LL", 2)
+    } else if bytes <= 1_048_576 {
+        (c"LL128", 4)
+    } else {
+        (c"SIMPLE", 5)
     };
     CollSpec {
         func: c"AllReduce",
