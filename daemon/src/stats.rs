@@ -521,6 +521,42 @@ mod tests {
     }
 
     #[test]
+    fn graph_replays_meet_by_seq_and_replay_without_disturbing_eager_collectives() {
+        let mut s = Stats::new(60_000_000_000, 1000, 100);
+        s.set_local_ranks(HashMap::from([(9, 2)]));
+        let replayed = |rank, seq, replay, start| {
+            let mut c = coll(rank, seq, start, 10);
+            c.inst.replay = replay;
+            c
+        };
+        // Eager seqs 100.., then three replays of a graph captured at seqs 4..6, rank 1 late in each.
+        // Eager: rank 0 late.
+        for seq in 100..103 {
+            s.observe(coll(0, seq, 5_000, 10).view(), 0, 1);
+            s.observe(coll(1, seq, 1_000, 10).view(), 0, 1);
+        }
+        for replay in 1..=3 {
+            for seq in 4..7 {
+                s.observe(replayed(0, seq, replay, 2_000).view(), 0, 1);
+                s.observe(replayed(1, seq, replay, 9_000).view(), 0, 1);
+            }
+        }
+        s.observe(coll(0, 103, 5_000, 10).view(), 0, 1);
+        s.observe(coll(1, 103, 1_000, 10).view(), 0, 1);
+        assert_eq!(
+            s.skew_evaluated,
+            4 + 9,
+            "every (seq, replay) once, eager ones too"
+        );
+        let ranks = s.rank_stats(&HashMap::new());
+        assert_eq!(
+            (ranks[0].straggler_count, ranks[1].straggler_count),
+            (4, 9),
+            "rank 0 late in the eager collectives, rank 1 in every replayed one"
+        );
+    }
+
+    #[test]
     fn ranks_out_of_step_still_meet_and_the_window_stays_bounded() {
         let mut s = Stats::new(60_000_000_000, 1000, 100);
         s.set_local_ranks(HashMap::from([(9, 2)]));
