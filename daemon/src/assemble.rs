@@ -160,6 +160,14 @@ pub struct Template {
     /// (replay, captured index, instance id) of replayed instances opened, oldest first.
     #[serde(skip)]
     open: VecDeque<(u32, u32, u64)>,
+    /// (record position, first position of the eager operation it joined) of work items that went
+    /// to eager operations, oldest first: see [`Template::eager_items`].
+    #[serde(skip)]
+    eager_marks: VecDeque<(u64, u64)>,
+    /// Work items at or after the committed tail that joined an eager operation starting before it:
+    /// read again after a restart, they must not reach the cursors (their operation is not).
+    #[serde(default)]
+    pub eager_items: Vec<u64>,
 }
 
 impl Template {
@@ -218,6 +226,12 @@ impl Template {
             comm: self.comm,
             ops: self.ops.iter().filter(|o| o.pos < tail).cloned().collect(),
             cursors: self.cursors.clone(),
+            eager_items: self
+                .eager_marks
+                .iter()
+                .filter(|&&(pos, owner)| pos >= tail && owner < tail)
+                .map(|&(pos, _)| pos)
+                .collect(),
             ..Default::default()
         };
         for &(pos, ch, before) in self.marks.iter().rev() {
@@ -496,14 +510,26 @@ impl Assembler {
 
     /// Forgets prior deliveries whose records are now committed (they can never be read again), and
     /// the replay cursors' history before `tail`; the next [`Self::dictionary`] is as of `tail`.
-    pub fn prune_prior(&mut self, tail: u64) {
+    /// Returns whether a replay cursor moved before `tail`: a state saved for an earlier tail is then
+    /// no longer valid for this one.
+    #[must_use]
+    pub fn prune_prior(&mut self, tail: u64) -> bool {
         self.prior.retain(|_, (pos, _)| *pos >= tail);
         self.committed_tail = tail;
+        let mut moved = false;
         for t in self.templates.values_mut() {
             while t.marks.front().is_some_and(|m| m.0 < tail) {
                 t.marks.pop_front();
+                moved = true;
             }
+            while t.eager_marks.front().is_some_and(|m| m.0 < tail) {
+                t.eager_marks.pop_front();
+                moved = true;
+            }
+            moved |= t.eager_marks.iter().any(|&(_, owner)| owner < tail);
+            t.eager_items.retain(|&pos| pos >= tail);
         }
+        moved
     }
 
     /// Applies one record at stream position `pos`; finished operations are appended to `out`.
@@ -813,10 +839,10 @@ impl Assembler {
     /// Whether an eager operation waiting on (comm, ch) can own `work`: its function fits and it was
     /// enqueued before the work started (on the host clock, within the calibration error and
     /// [`Self::HOST_STAMP_SLACK_NS`]).
-    fn eager_fits(&self, comm: u32, ch: u8, work: &Work) -> bool {
-        let Some(lane) = self.waiting.get(&(comm, ch)) else {
-            return false;
-        };
+    /// Returns the first record position of the operation that takes it ([`Self::match_lane`]
+    /// takes the oldest whose function fits).
+    fn eager_owner(&self, comm: u32, ch: u8, work: &Work) -> Option<u64> {
+        let lane = self.waiting.get(&(comm, ch))?;
         let calibration = self
             .comms
             .get(&comm)
@@ -826,12 +852,12 @@ impl Assembler {
                 .saturating_add_signed(c.offset_ns)
                 .saturating_add(c.error_ns as u64 + Self::HOST_STAMP_SLACK_NS)
         });
-        lane.ops.iter().any(|id| {
-            self.ops.get(id).is_some_and(|op| {
-                self.work_matches(work.func_id, op.func)
-                    && started.is_none_or(|t| op.enqueue_ns <= t)
-            })
-        })
+        let fits = |op: &&Op| self.work_matches(work.func_id, op.func);
+        let mut waiting = lane.ops.iter().filter_map(|id| self.ops.get(id));
+        let owner = waiting.find(fits)?;
+        started
+            .is_none_or(|t| owner.enqueue_ns <= t)
+            .then_some(owner.first_pos)
     }
 
     /// A work item of a communicator with a graph template: to an eager operation, to the replay
@@ -848,6 +874,11 @@ impl Assembler {
         out: &mut Vec<Completed>,
     ) {
         let t = &self.templates[&comm];
+        if !t.eager_items.is_empty() && t.eager_items.contains(&pos) {
+            // Joined before a restart to an eager operation that lies before the tail.
+            self.counters.dev_joined += 1;
+            return;
+        }
         let list = t.by_channel.get(ch as usize).map_or(&[][..], Vec::as_slice);
         let stored = t.cursors.iter().find(|(c, _)| *c == ch).map(|c| c.1);
         let cursor = stored.unwrap_or_default();
@@ -865,7 +896,12 @@ impl Assembler {
         let replay_fits =
             index.is_some_and(|i| self.work_matches(work.func_id, StrId(t.ops[i as usize].func)));
         let in_progress = next.pos > 0 && replay_fits;
-        if !in_progress && self.eager_fits(comm, ch, &work) {
+        if !in_progress && let Some(owner) = self.eager_owner(comm, ch, &work) {
+            let t = self.templates.get_mut(&comm).expect("looked up above");
+            if t.eager_marks.len() >= MAX_MARKS {
+                t.eager_marks.pop_front();
+            }
+            t.eager_marks.push_back((pos, owner));
             let lane = self.waiting.entry((comm, ch)).or_default();
             lane.works.push_back(work);
             self.match_lane((comm, ch), now_ns, out);
@@ -1742,7 +1778,7 @@ mod tests {
             names: b.names(),
         };
         assert_eq!(c.func(), "AllReduce");
-        b.prune_prior(7);
+        assert!(!b.prune_prior(7), "no replay cursor");
         assert!(b.prior.is_empty());
     }
 
@@ -1989,7 +2025,7 @@ mod tests {
         }
         let tail = a.oldest_pending_pos().expect("replay 3 in flight");
         assert_eq!(tail, cut as u64 - 1);
-        a.prune_prior(tail);
+        assert!(a.prune_prior(tail), "replays 1 and 2 moved the cursors");
         let dict = a.dictionary();
         let delivered: Vec<(u64, u64, u8)> = first
             .iter()
@@ -2029,7 +2065,7 @@ mod tests {
         }
         assert_eq!(got(&first), vec![(5, 1, 11), (6, 1, 12)]);
         let tail = a.oldest_pending_pos().unwrap();
-        a.prune_prior(tail);
+        assert!(!a.prune_prior(tail), "nothing before the first replay item");
         let delivered: Vec<(u64, u64, u8)> = first
             .iter()
             .filter(|c| c.first_pos >= tail)

@@ -756,7 +756,8 @@ fn commit(
         return;
     }
     seg.delivered.retain(|_, (pos, _)| *pos >= target);
-    seg.asm.prune_prior(target);
+    // A replay cursor that moved before the new tail makes the saved state stale for it.
+    let cursors_moved = seg.asm.prune_prior(target);
     let mut delivered: Vec<(u64, u64, u8)> = seg
         .delivered
         .iter()
@@ -770,7 +771,7 @@ fn commit(
     delivered.sort_unstable();
     // A saved state stays valid for any later tail: with the same dictionary and nothing delivered
     // past the new tail, there is nothing new to save (the common case of a segment fully drained).
-    if delivered.is_empty() && !dict_changed && seg.state_saved {
+    if delivered.is_empty() && !dict_changed && !cursors_moved && seg.state_saved {
         seg.consumer.commit(target);
         seg.last_commit = Instant::now();
         seg.dirty = false;
