@@ -47,6 +47,7 @@ fn fill(p: &mut Producer, seq0: u64, n: u64) -> u64 {
             n_channels: CHANNELS as u8,
             n_warps: 16,
             host_ns: seq,
+            captured: false,
         });
         for ch in 0..CHANNELS {
             let t = 1_000_000 + seq * 10_000 + ch * 10;

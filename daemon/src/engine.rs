@@ -151,6 +151,9 @@ fn add(a: &mut AssembleCounters, b: &AssembleCounters) {
     a.channel_limit += b.channel_limit;
     a.early_work_limit += b.early_work_limit;
     a.uid_limit += b.uid_limit;
+    a.dev_unattributed += b.dev_unattributed;
+    a.dev_mismatch += b.dev_mismatch;
+    a.template_full += b.template_full;
 }
 
 impl Engine {
@@ -586,7 +589,7 @@ impl Engine {
                         && !slow
                         && !crate::spans::sampled(
                             c.coll.comm_hash,
-                            c.coll.seq,
+                            crate::spans::collective_key(c.coll.seq, c.coll.replay),
                             self.cfg.otlp.sample_ratio,
                         )
                     {
@@ -595,7 +598,7 @@ impl Engine {
                 } else if c.prior & done::EXPORTED == 0
                     && !crate::spans::sampled(
                         c.coll.comm_hash,
-                        c.coll.seq,
+                        crate::spans::collective_key(c.coll.seq, c.coll.replay),
                         self.cfg.otlp.sample_ratio,
                     )
                 {
@@ -723,7 +726,13 @@ impl Engine {
             ec.spans_dropped.load(Ordering::Relaxed),
         );
         lost.insert("kernel_unjoined".into(), asm.kernel_unjoined);
-        lost.insert("dev_unjoined".into(), asm.dev_work - asm.dev_joined);
+        lost.insert(
+            "dev_unjoined".into(),
+            asm.dev_work - asm.dev_joined - asm.dev_unattributed,
+        );
+        lost.insert("dev_unattributed".into(), asm.dev_unattributed);
+        lost.insert("dev_mismatch".into(), asm.dev_mismatch);
+        lost.insert("template_full".into(), asm.template_full);
         lost.insert("incomplete".into(), asm.incomplete);
         lost.insert("pending_overflow".into(), asm.pending_overflow);
         lost.insert("unknown_comm".into(), asm.unknown_comm);
@@ -963,13 +972,15 @@ fn commit(
         return;
     }
     seg.delivered.retain(|_, (pos, _)| *pos >= target);
-    seg.asm.prune_prior(target);
+    // A replay cursor that moved before the new tail makes the saved state stale for it.
+    let cursors_moved = seg.asm.prune_prior(target);
     // A saved state stays valid for any later tail: with the same dictionary, nothing delivered past
     // the new tail and a recent spool mark, there is nothing new to save (a segment fully drained).
     if seg.delivered.is_empty()
         && seg.asm.prior_deliveries().next().is_none()
         && !dict_changed
         && !stale
+        && !cursors_moved
         && seg.state_saved
     {
         seg.consumer.commit(target);
@@ -1112,6 +1123,7 @@ mod tests {
                 n_channels: 0,
                 n_warps: 0,
                 host_ns: 10,
+                captured: false,
             });
             p.push(&Record::OpStop {
                 comm: 0,

@@ -105,6 +105,8 @@ pub struct Instance {
     pub calibration_error_ns: u32,
     pub channels: Vec<ChannelWork>,
     pub is_p2p: bool,
+    /// 0: launched eagerly; r >= 1: the r-th graph replay on the communicator (see `Collective`).
+    pub replay: u32,
 }
 
 /// The values `timing_source` takes.
@@ -189,6 +191,7 @@ impl<'a> InstanceRef<'a> {
             channels: self.channels.clone(),
             is_p2p: self.is_p2p,
             uid: self.uid(),
+            replay: self.replay,
         }
     }
 }
@@ -253,6 +256,7 @@ impl From<&Collective> for Shared {
             calibration_error_ns: c.calibration_error_ns,
             channels: c.channels.clone(),
             is_p2p: c.is_p2p,
+            replay: c.replay,
         };
         Shared {
             inst,
@@ -302,6 +306,7 @@ mod tests {
             }],
             is_p2p: true,
             uid: 17,
+            replay: 3,
         };
         let s = Shared::from(&m);
         let i = s.view();

@@ -72,7 +72,7 @@ impl<W: Write> PerfettoWriter<W> {
                 "ph": "X", "cat": "channel", "name": c.func, "pid": pid, "tid": tid,
                 "ts": micros(ch.start_unix_ns.saturating_sub(t0)),
                 "dur": micros(ch.end_unix_ns.saturating_sub(ch.start_unix_ns)),
-                "args": {"seq": c.seq, "channel": ch.channel, "work_items": ch.work_items,
+                "args": {"seq": c.seq, "replay": c.replay, "channel": ch.channel, "work_items": ch.work_items,
                          "comm_hash": format!("{:016x}", c.comm_hash)},
             }))?;
         }
@@ -151,7 +151,7 @@ pub fn attributes(c: &Collective) -> Value {
     json!({
         "uid": c.uid, "job_id": c.job_id, "host": c.host, "pid": c.pid,
         "comm_hash": format!("{:016x}", c.comm_hash), "comm_name": c.comm_name,
-        "rank": c.rank, "nranks": c.nranks, "nnodes": c.nnodes, "seq": c.seq,
+        "rank": c.rank, "nranks": c.nranks, "nnodes": c.nnodes, "seq": c.seq, "replay": c.replay,
         "func": c.func, "datatype": c.datatype, "algo": c.algo, "proto": c.proto,
         "count": c.count, "bytes": c.bytes, "root": c.root, "peer": c.peer, "is_p2p": c.is_p2p,
         "n_channels": c.n_channels, "timing_source": c.timing_source,

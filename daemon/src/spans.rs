@@ -13,6 +13,8 @@
 //! the victim's trace nor emit its root.
 //!
 //! Sampling is a function of (commHash, seq), so every rank keeps the same collectives.
+//! A graph replay's instance takes the place of `seq` with [`collective_key`]`(seq, replay)`: the
+//! captured operation's seq and the replay's index on the communicator, the same on every rank.
 //! The daemon builds OTLP protobuf spans itself (opentelemetry-proto) because the SDK generates ids.
 
 use crate::instance::InstanceRef;
@@ -33,6 +35,16 @@ fn mix(a: u64, b: u64) -> u64 {
 /// OTLP ids must not be all zero.
 fn nonzero(x: u64) -> u64 {
     if x == 0 { 1 } else { x }
+}
+
+/// What identifies an instance within its communicator: `seq` itself for an eager launch (replay 0),
+/// so eager ids do not depend on replays; a mix of (seq, replay) for the r-th graph replay.
+pub fn collective_key(seq: u64, replay: u32) -> u64 {
+    if replay == 0 {
+        seq
+    } else {
+        mix(seq, 0x7265_706c_6179_0000 | replay as u64) // "replay"
+    }
 }
 
 /// The collective's identity: everything the ids derive from.
@@ -102,6 +114,7 @@ fn common(c: InstanceRef) -> Vec<KeyValue> {
         i("nccl.nranks", c.nranks as i64),
         s("nccl.comm_hash", &format!("{:016x}", c.comm_hash)),
         i("nccl.seq", c.seq as i64),
+        i("nccl.replay", c.replay as i64),
         s("job.id", c.job_id()),
         // OpenTelemetry's name for the uid of a process.
         i("process.real_user.id", c.uid() as i64),
@@ -111,9 +124,10 @@ fn common(c: InstanceRef) -> Vec<KeyValue> {
 /// Appends the spans this node emits for `c`: the rank's span, its root when `c` is rank 0 of a
 /// collective, and one span per channel if asked.
 pub fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
-    let trace_id = trace_id(c.uid(), c.comm_hash, c.seq).to_vec();
-    let root_id = root_span_id(c.uid(), c.comm_hash, c.seq).to_vec();
-    let rank_id = rank_span_id(c.uid(), c.comm_hash, c.seq, c.rank);
+    let key = collective_key(c.seq, c.replay);
+    let trace_id = trace_id(c.uid(), c.comm_hash, key).to_vec();
+    let root_id = root_span_id(c.uid(), c.comm_hash, key).to_vec();
+    let rank_id = rank_span_id(c.uid(), c.comm_hash, key, c.rank);
     let is_collective = !c.is_p2p;
     if is_collective && c.rank == 0 {
         out.push(Span {
@@ -174,7 +188,7 @@ pub fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
         for w in &c.channels {
             out.push(Span {
                 trace_id: trace_id.clone(),
-                span_id: channel_span_id(c.uid(), c.comm_hash, c.seq, c.rank, w.channel).to_vec(),
+                span_id: channel_span_id(c.uid(), c.comm_hash, key, c.rank, w.channel).to_vec(),
                 parent_span_id: rank_id.to_vec(),
                 name: format!("{} channel", c.func()),
                 kind: SpanKind::Internal as i32,
@@ -216,6 +230,9 @@ mod tests {
             channel_span_id(7, 1, 2, 0, 0),
             channel_span_id(8, 1, 2, 0, 0)
         );
+        assert_eq!(collective_key(2, 0), 2, "eager ids unchanged");
+        assert_ne!(collective_key(2, 1), collective_key(2, 2));
+        assert_ne!(collective_key(2, 1), collective_key(3, 1));
     }
 
     #[test]

@@ -167,8 +167,9 @@ pub struct Stats {
     max_series: usize,
     pub series: Map<SeriesKey, Series>,
     pub ranks: Map<RankKey, RankSeries>,
-    /// Skew windows by (uid, communicator hash).
-    windows: Map<(u32, u64), Window>,
+    /// Skew windows by (uid, communicator hash, replay): eager collectives (replay 0) in one window,
+    /// each graph replay's in its own (its seqs are the captured operations').
+    windows: Map<(u32, u64, u32), Window>,
     /// Ranks of each (uid, communicator) attached on this node (how many arrivals a rendezvous awaits).
     local_ranks: Map<(u32, u64), usize>,
     /// Job and collective name of the overflow series.
@@ -358,7 +359,7 @@ impl Stats {
         let ranks = &mut self.ranks;
         let w = self
             .windows
-            .entry((c.uid(), c.comm_hash))
+            .entry((c.uid(), c.comm_hash, c.replay))
             .or_insert_with(|| {
                 // The job as the rank series holds it (observe just made sure it exists).
                 let rank = RankRef {
@@ -427,7 +428,7 @@ impl Stats {
     /// out), and forgets windows with nothing awaited.
     pub fn expire(&mut self, now_ns: u64) {
         let (skew_window, window_ns) = (self.skew_window_ns, self.window_ns);
-        for (&(uid, comm_hash), w) in &mut self.windows {
+        for (&(uid, comm_hash, _), w) in &mut self.windows {
             let before = w.slots.len();
             loop {
                 match w.slots.front() {
@@ -651,6 +652,42 @@ mod tests {
     }
 
     #[test]
+    fn graph_replays_meet_by_seq_and_replay_without_disturbing_eager_collectives() {
+        let mut s = Stats::new(60_000_000_000, 1000, 100);
+        s.set_local_ranks(HashMap::from([((0, 9), 2)]));
+        let replayed = |rank, seq, replay, start| {
+            let mut c = coll(rank, seq, start, 10);
+            c.inst.replay = replay;
+            c
+        };
+        // Eager seqs 100.., then three replays of a graph captured at seqs 4..6, rank 1 late in each.
+        // Eager: rank 0 late.
+        for seq in 100..103 {
+            s.observe(coll(0, seq, 5_000, 10).view(), 0, 1);
+            s.observe(coll(1, seq, 1_000, 10).view(), 0, 1);
+        }
+        for replay in 1..=3 {
+            for seq in 4..7 {
+                s.observe(replayed(0, seq, replay, 2_000).view(), 0, 1);
+                s.observe(replayed(1, seq, replay, 9_000).view(), 0, 1);
+            }
+        }
+        s.observe(coll(0, 103, 5_000, 10).view(), 0, 1);
+        s.observe(coll(1, 103, 1_000, 10).view(), 0, 1);
+        assert_eq!(
+            s.skew_evaluated,
+            4 + 9,
+            "every (seq, replay) once, eager ones too"
+        );
+        let ranks = s.rank_stats(&HashMap::new());
+        assert_eq!(
+            (ranks[0].straggler_count, ranks[1].straggler_count),
+            (4, 9),
+            "rank 0 late in the eager collectives, rank 1 in every replayed one"
+        );
+    }
+
+    #[test]
     fn ranks_out_of_step_still_meet_and_the_window_stays_bounded() {
         let mut s = Stats::new(60_000_000_000, 1000, 100);
         s.set_local_ranks(HashMap::from([((0, 9), 2)]));
@@ -663,14 +700,14 @@ mod tests {
         }
         assert_eq!(s.skew_evaluated, 50);
         assert_eq!(
-            s.windows[&(0, 9)].slots.len(),
+            s.windows[&(0, 9, 0)].slots.len(),
             0,
             "evaluated collectives leave"
         );
         // A rank far ahead (or a seq jump): the window keeps at most MAX_WINDOW collectives.
         s.observe(coll(0, 50, 1_000, 10).view(), 0, 1);
         s.observe(coll(0, 50 + MAX_WINDOW as u64 + 10, 1_000, 10).view(), 0, 1);
-        assert!(s.windows[&(0, 9)].slots.len() <= MAX_WINDOW);
+        assert!(s.windows[&(0, 9, 0)].slots.len() <= MAX_WINDOW);
         // Late arrivals for collectives that left the window are not compared.
         s.observe(coll(1, 50, 1_000, 10).view(), 0, 1);
         assert_eq!(s.skew_evaluated, 50);

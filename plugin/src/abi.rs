@@ -26,6 +26,11 @@ pub mod event {
     pub const COLL: u64 = 0x2;
     pub const P2P: u64 = 0x4;
     pub const KERNEL_CH: u64 = 0x40;
+    /// API events: NCCL starts them whenever Coll/P2p (or their children) are in the mask, and makes
+    /// the API event the Coll's / P2p's `parentObj`.
+    pub const GROUP_API: u64 = 0x100;
+    pub const COLL_API: u64 = 0x200;
+    pub const P2P_API: u64 = 0x400;
     /// v7 (NCCL >= 2.31) only.
     pub const KERNEL_PHASE: u64 = 0x8000;
 }
@@ -79,6 +84,40 @@ pub struct P2pV6 {
     pub parent_group: *mut c_void,
 }
 
+/// `groupApi` union member (all versions).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct GroupApi {
+    /// C `bool`, read as a byte (any non-zero value is true).
+    pub graph_captured: u8,
+    pub group_depth: c_int,
+}
+
+/// `collApi` union member, v5/v6 fields (v7 appends `userTag`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CollApi {
+    pub func: *const c_char,
+    pub count: usize,
+    pub datatype: *const c_char,
+    pub root: c_int,
+    pub stream: *mut c_void,
+    /// C `bool`, read as a byte (any non-zero value is true).
+    pub graph_captured: u8,
+}
+
+/// `p2pApi` union member, v5/v6 fields (v7 appends `userTag`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct P2pApi {
+    pub func: *const c_char,
+    pub count: usize,
+    pub datatype: *const c_char,
+    pub stream: *mut c_void,
+    /// C `bool`, read as a byte (any non-zero value is true).
+    pub graph_captured: u8,
+}
+
 /// `kernelCh` union member (all versions).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -100,6 +139,9 @@ pub struct KernelPhase {
 /// The descriptor union of v5 and v6 (v6 only adds CE members, which the plugin does not read).
 #[repr(C)]
 pub union UnionV6 {
+    pub group_api: GroupApi,
+    pub coll_api: CollApi,
+    pub p2p_api: P2pApi,
     pub coll: CollV6,
     pub p2p: P2pV6,
     pub kernel_ch: KernelCh,
@@ -216,6 +258,16 @@ const _: () = {
     assert!(24 + offset_of!(P2pV6, peer) == 56);
     assert!(24 + offset_of!(P2pV6, n_channels) == 60);
     assert!(24 + offset_of!(P2pV6, parent_group) == 64);
+
+    // API events.
+    assert!(24 + offset_of!(GroupApi, graph_captured) == 24);
+    assert!(24 + offset_of!(GroupApi, group_depth) == 28);
+    assert!(24 + offset_of!(CollApi, datatype) == 40);
+    assert!(24 + offset_of!(CollApi, root) == 48);
+    assert!(24 + offset_of!(CollApi, stream) == 56);
+    assert!(24 + offset_of!(CollApi, graph_captured) == 64);
+    assert!(24 + offset_of!(P2pApi, stream) == 48);
+    assert!(24 + offset_of!(P2pApi, graph_captured) == 56);
 
     // kernelCh and kernelPhase.
     assert!(24 + offset_of!(KernelCh, channel_id) == 24);

@@ -126,6 +126,15 @@ unsafe fn read_v6(d: *const DescrV6) -> (*mut c_void, Start) {
     unsafe {
         let start = match (*d).type_ {
             event::GROUP => Start::Group,
+            event::GROUP_API => Start::Api {
+                captured: (*d).u.group_api.graph_captured != 0,
+            },
+            event::COLL_API => Start::Api {
+                captured: (*d).u.coll_api.graph_captured != 0,
+            },
+            event::P2P_API => Start::Api {
+                captured: (*d).u.p2p_api.graph_captured != 0,
+            },
             event::COLL => {
                 let c = &raw const (*d).u.coll;
                 Start::Coll(CollInfo {

@@ -27,6 +27,9 @@ const MIN_IDLE: Duration = Duration::from_millis(1);
 const MAX_IDLE: Duration = Duration::from_millis(20);
 /// Events handled per batch before the thread looks at the device rings and the heartbeat again.
 const BATCH: usize = 4096;
+/// Device-hook records held back while the host events queued before them are written (see `run`);
+/// reaching it writes them early, in the same order.
+const HELD: usize = 8192;
 
 /// A static C string owned by NCCL ("AllReduce", "ncclFloat32", ...), read on this thread only.
 #[derive(Clone, Copy, Debug)]
@@ -78,6 +81,7 @@ pub enum Event {
         n_channels: u8,
         n_warps: u8,
         host_ns: u64,
+        captured: bool,
     },
     P2pStart {
         comm: u32,
@@ -88,6 +92,7 @@ pub enum Event {
         peer: i32,
         n_channels: u8,
         host_ns: u64,
+        captured: bool,
     },
     /// A record without strings (OpStop, KernelCh, KernelPhase).
     Ready(Record),
@@ -143,11 +148,22 @@ pub struct Forwarder {
     sweep_due: Instant,
     /// NCCL threads' stamps -> CLOCK_REALTIME; refreshed with the sweep.
     clock: Converter,
+    /// While the rings are drained: their records, written after the host events queued before them.
+    holding: bool,
+    held: Vec<Record>,
 }
 
 impl Sink for Forwarder {
     fn push(&mut self, record: &Record) {
-        self.producer.push(record);
+        if !self.holding {
+            self.producer.push(record);
+            return;
+        }
+        self.held.push(*record);
+        if self.held.len() >= HELD {
+            self.release_held();
+            self.holding = true;
+        }
     }
 
     fn intern(&mut self, text: &[u8]) -> StrId {
@@ -170,7 +186,39 @@ impl Forwarder {
             registration,
             sweep_due: Instant::now() + SWEEP_PERIOD,
             clock: Converter::start(),
+            holding: false,
+            held: Vec::with_capacity(HELD),
         }
+    }
+
+    /// Writes every event queued so far, then the held ring records. An operation's host event is
+    /// queued before its kernel is launched, so every work item read from a ring follows the
+    /// CollStart / P2pStart of its operation in the segment: the daemon can tell an eager launch's
+    /// work from a graph replay's by what it has already read.
+    fn release_held(&mut self) {
+        self.holding = false;
+        if self.held.is_empty() {
+            return;
+        }
+        let mut held = std::mem::take(&mut self.held);
+        // At most a queue's worth: everything queued before the rings were read, not what NCCL
+        // threads keep adding meanwhile.
+        for _ in 0..crate::profiler::QUEUE_EVENTS {
+            let Some(event) = self.plugin.queue.pop() else {
+                break;
+            };
+            if matches!(event, Event::CommEnd { .. }) {
+                // Its end drains the communicator's rings again: the older records go first.
+                for r in held.drain(..) {
+                    self.producer.push(&r);
+                }
+            }
+            self.forward(event);
+        }
+        for r in held.drain(..) {
+            self.producer.push(&r);
+        }
+        self.held = held;
     }
 
     /// The thread's body; runs for the life of the process. A panic in it latches the plugin off (every
@@ -211,7 +259,9 @@ impl Forwarder {
             {
                 panic!("NCCLSCOPE_TEST_PANIC=forward:{n}: panicking after {forwarded} events");
             }
+            self.holding = true;
             work += devhook::drain(self);
+            self.release_held();
             self.plugin.flush_counters(self.producer.segment());
             self.producer.segment().beat();
             let now = Instant::now();
@@ -290,6 +340,7 @@ impl Forwarder {
                 n_channels,
                 n_warps,
                 host_ns,
+                captured,
             } => Record::CollStart {
                 comm,
                 id,
@@ -303,6 +354,7 @@ impl Forwarder {
                 n_channels,
                 n_warps,
                 host_ns,
+                captured,
             },
             Event::P2pStart {
                 comm,
@@ -313,6 +365,7 @@ impl Forwarder {
                 peer,
                 n_channels,
                 host_ns,
+                captured,
             } => Record::P2pStart {
                 comm,
                 id,
@@ -322,6 +375,7 @@ impl Forwarder {
                 peer,
                 n_channels,
                 host_ns,
+                captured,
             },
             Event::Ready(record) => record,
         };

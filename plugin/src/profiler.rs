@@ -43,6 +43,32 @@ pub fn group_handle() -> *mut c_void {
     &GROUP_HANDLE as *const u8 as *mut c_void
 }
 
+/// The handles returned for API events (GroupApi, CollApi, P2pApi), one per value of their
+/// `graphCaptured`: NCCL makes the CollApi / P2pApi handle the `parentObj` of the Coll / P2p, which is
+/// how that operation is known to be captured into a CUDA graph. No pool slot: nothing to forward.
+static API_HANDLES: [u8; 2] = [0; 2];
+
+fn api_handle(captured: bool) -> *mut c_void {
+    &API_HANDLES[captured as usize] as *const u8 as *mut c_void
+}
+
+/// The handle of every captured Coll / P2p. Its kernels run at each graph replay, long after capture,
+/// and nothing is to be joined to the capture itself: no pool slot, so a replay's KernelCh (stock NCCL)
+/// names this handle rather than a slot that a later operation may have taken.
+static CAPTURED_OP: u8 = 0;
+
+fn captured_op_handle() -> *mut c_void {
+    &CAPTURED_OP as *const u8 as *mut c_void
+}
+
+/// Whether `handle` is one of the static handles above (stop and state calls on them do nothing).
+fn is_static(handle: *mut c_void) -> bool {
+    handle == group_handle()
+        || handle == api_handle(false)
+        || handle == api_handle(true)
+        || handle == captured_op_handle()
+}
+
 /// One communicator (the `context` NCCL keeps between `init` and `finalize`).
 #[derive(Default)]
 struct CommSlot {
@@ -82,6 +108,10 @@ pub struct P2pInfo {
 /// A `startEvent`, read from its descriptor.
 pub enum Start {
     Group,
+    /// GroupApi, CollApi or P2pApi, with its `graphCaptured`.
+    Api {
+        captured: bool,
+    },
     Coll(CollInfo),
     P2p(P2pInfo),
     KernelCh {
@@ -112,6 +142,8 @@ pub struct Plugin {
     mask: AtomicI32,
     fwd: OnceLock<Thread>,
     pub(crate) fwd_idle: AtomicBool,
+    /// Ids of captured operations (they take no pool slot): bit 31 set, which pool ids never have.
+    next_captured: AtomicU64,
 }
 
 /// None: disabled (NCCLSCOPE_DISABLE, or the segment could not be set up).
@@ -270,6 +302,7 @@ impl Plugin {
             mask_ptr: AtomicPtr::new(std::ptr::null_mut()),
             fwd: OnceLock::new(),
             fwd_idle: AtomicBool::new(false),
+            next_captured: AtomicU64::new(0),
         }));
         // SAFETY: registers a handler that only stores to an atomic (async-signal-safe); the library is
         // pinned, so the handler stays mapped.
@@ -456,8 +489,42 @@ impl Plugin {
                 0
             }
         };
+        let captured = parent == api_handle(true);
         match start {
             Start::Group => group_handle(),
+            Start::Api { captured } => api_handle(captured),
+            Start::Coll(c) if captured => {
+                self.push(Event::CollStart {
+                    comm,
+                    id: self.captured_id(),
+                    seq: c.seq,
+                    func: c.func,
+                    datatype: c.datatype,
+                    algo: c.algo,
+                    proto: c.proto,
+                    count: c.count,
+                    root: c.root,
+                    n_channels: c.n_channels,
+                    n_warps: c.n_warps,
+                    host_ns,
+                    captured: true,
+                });
+                captured_op_handle()
+            }
+            Start::P2p(p) if captured => {
+                self.push(Event::P2pStart {
+                    comm,
+                    id: self.captured_id(),
+                    func: p.func,
+                    datatype: p.datatype,
+                    count: p.count,
+                    peer: p.peer,
+                    n_channels: p.n_channels,
+                    host_ns,
+                    captured: true,
+                });
+                captured_op_handle()
+            }
             Start::Coll(c) => {
                 let Some(live) = self.alloc(Kind::Coll, comm, 1 + kernel_children(c.n_channels))
                 else {
@@ -476,6 +543,7 @@ impl Plugin {
                     n_channels: c.n_channels,
                     n_warps: c.n_warps,
                     host_ns,
+                    captured: false,
                 });
                 self.pool.handle(&live)
             }
@@ -493,8 +561,13 @@ impl Plugin {
                     peer: p.peer,
                     n_channels: p.n_channels,
                     host_ns,
+                    captured: false,
                 });
                 self.pool.handle(&live)
+            }
+            Start::KernelCh { .. } if parent == captured_op_handle() => {
+                self.count(Counter::ReplayKernelCh);
+                std::ptr::null_mut()
             }
             Start::KernelCh { channel, p_timer } => {
                 let op = self.pool.lookup(parent).filter(|p| p.kind.is_op());
@@ -542,6 +615,10 @@ impl Plugin {
         }
     }
 
+    fn captured_id(&self) -> u64 {
+        self.next_captured.fetch_add(1, Ordering::Relaxed) << 32 | 1 << 31
+    }
+
     fn alloc(&self, kind: Kind, comm: u32, refs: u32) -> Option<crate::pool::Live<'_>> {
         let live = self.pool.alloc(kind, comm, refs);
         if live.is_none() {
@@ -553,7 +630,7 @@ impl Plugin {
     /// `stopEvent`.
     pub fn stop(&self, handle: *mut c_void) {
         let Some(live) = self.pool.lookup(handle) else {
-            if handle != group_handle() && !handle.is_null() {
+            if !is_static(handle) && !handle.is_null() {
                 self.count(Counter::Ignored);
             }
             return;
@@ -609,6 +686,9 @@ impl Plugin {
 
     /// `recordEventState`; `p_timer` is the state args' `kernelCh.pTimer` (None for NULL args).
     pub fn record_state(&self, handle: *mut c_void, state: u32, p_timer: Option<u64>) {
+        if is_static(handle) && p_timer.is_none() {
+            return; // GroupApi states (NULL args): nothing to record
+        }
         let live = self.pool.lookup(handle);
         let expected = match live.map(|l| l.kind) {
             Some(Kind::KernelCh) => crate::abi::state::KERNEL_CH_STOP,

@@ -65,6 +65,9 @@ pub enum Record {
         n_channels: u8,
         n_warps: u8,
         host_ns: u64,
+        /// Enqueued while its stream was being captured into a CUDA graph (NCCL's CollApi
+        /// `graphCaptured`): its kernel work comes at every replay of the graph, not now.
+        captured: bool,
     },
     /// A point-to-point operation was enqueued (`startEvent(P2p)`).
     P2pStart {
@@ -76,6 +79,8 @@ pub enum Record {
         peer: i32,
         n_channels: u8,
         host_ns: u64,
+        /// As for [`Record::CollStart`] (NCCL's P2pApi `graphCaptured`).
+        captured: bool,
     },
     /// `stopEvent` of a Coll or P2p (host-side; the kernel work is in the kernel records).
     OpStop { comm: u32, id: u64, host_ns: u64 },
@@ -232,8 +237,9 @@ impl Record {
                 n_channels,
                 n_warps,
                 host_ns,
+                captured,
             } => {
-                w[0] = head(kind::COLL_START, comm);
+                w[0] = head(kind::COLL_START, comm) | (captured as u64) << 8;
                 w[1] = id;
                 w[2] = seq;
                 w[3] = count;
@@ -250,8 +256,9 @@ impl Record {
                 peer,
                 n_channels,
                 host_ns,
+                captured,
             } => {
-                w[0] = head(kind::P2P_START, comm);
+                w[0] = head(kind::P2P_START, comm) | (captured as u64) << 8;
                 w[1] = id;
                 w[3] = count;
                 w[4] = pack_ids(func, datatype, StrId(0), StrId(0));
@@ -338,6 +345,11 @@ impl Record {
                 Err(DecodeError::BadField { kind: k, field })
             }
         };
+        let flag = |field| match byte1 {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(DecodeError::BadField { kind: k, field }),
+        };
         Ok(match k {
             kind::COMM => Record::Comm {
                 comm,
@@ -394,6 +406,7 @@ impl Record {
                 n_channels: (w[5] >> 32) as u8,
                 n_warps: (w[5] >> 40) as u8,
                 host_ns: w[6],
+                captured: flag("captured")?,
             },
             kind::P2P_START => Record::P2pStart {
                 comm,
@@ -404,6 +417,7 @@ impl Record {
                 peer: w[5] as u32 as i32,
                 n_channels: (w[5] >> 32) as u8,
                 host_ns: w[6],
+                captured: flag("captured")?,
             },
             kind::OP_STOP => Record::OpStop {
                 comm,
@@ -486,6 +500,7 @@ mod tests {
                 n_channels: 32,
                 n_warps: 16,
                 host_ns: 11,
+                captured: false,
             },
             Record::P2pStart {
                 comm: 2,
@@ -496,6 +511,7 @@ mod tests {
                 peer: 7,
                 n_channels: 2,
                 host_ns: 12,
+                captured: true,
             },
             Record::OpStop {
                 comm: 0,

@@ -49,8 +49,12 @@ const W_RECORDS: usize = 96;
 
 /// Largest ring a reader accepts (records); bounds what an untrusted header can make us map.
 pub const MAX_CAPACITY: u64 = 1 << 24;
-/// Default ring size: 64 Ki records = 4 MiB.
-pub const DEFAULT_CAPACITY: u64 = 1 << 16;
+/// Default ring size: 256 Ki records = 16 MiB. Sized from CUDA-graph replays on the device-hook path:
+/// a replay writes (operations x channels) records at once (50 x 64 = 3,200 for 250 us of GPU time,
+/// 12.8 M records/s while it replays), and the ring must hold what arrives while the daemon is off the
+/// CPU; 64 Ki records lost a quarter of them on a loaded 2-core host where 256 Ki lost none
+/// (docs/benchmarks.md, "CUDA graph replays").
+pub const DEFAULT_CAPACITY: u64 = 1 << 18;
 
 const FLAG_CLOSED: u64 = 1;
 
@@ -101,10 +105,13 @@ pub enum Counter {
     /// The forwarding thread panicked and the plugin latched itself off for the process: the events it
     /// was handling (counted as one) and those queued for it, lost; nothing is recorded after it.
     ForwardPanic = 8,
+    /// KernelCh events of a CUDA graph replay on stock NCCL: they name an operation from capture time,
+    /// which has no kernel of its own, so they are declined rather than joined to a stale handle.
+    ReplayKernelCh = 9,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 9] = [
+    pub const ALL: [Counter; 10] = [
         Counter::RingFull,
         Counter::QueueFull,
         Counter::PoolExhausted,
@@ -114,6 +121,7 @@ impl Counter {
         Counter::StrTableFull,
         Counter::Ignored,
         Counter::ForwardPanic,
+        Counter::ReplayKernelCh,
     ];
 
     /// Stable name, used in metrics labels and JSON.
@@ -126,6 +134,7 @@ impl Counter {
             Counter::DevUnpaired => "dev_unpaired",
             Counter::Unfinished => "unfinished",
             Counter::StrTableFull => "str_table_full",
+            Counter::ReplayKernelCh => "replay_kernel_ch",
             Counter::Ignored => "ignored",
             Counter::ForwardPanic => "forward_panic",
         }

@@ -110,6 +110,7 @@ fn multi_user_child() {
             root: -1,
             n_channels: 1,
             n_warps: 16,
+            captured: false,
             host_ns,
         });
         p.push(&Record::KernelCh {

@@ -125,6 +125,106 @@ fn rfc_host_gets_v6_reads_and_the_device_hook_path() {
     }
 }
 
+/// Eager collectives, a CUDA graph of 50 all-reduces captured and replayed 6 times with eager
+/// all-reduces between the replays.
+const GRAPH_WORKLOAD: &[&str] = &[
+    "--colls",
+    "5",
+    "--channels",
+    "4",
+    "--graph-ops",
+    "50",
+    "--graph-channels",
+    "8",
+    "--replays",
+    "6",
+    "--eager-between",
+    "2",
+];
+
+#[test]
+fn rfc_host_graph_capture_is_flagged_and_every_replay_item_follows_its_host_events() {
+    let prefix = unique_prefix("rfc-graph");
+    let _cleanup = Cleanup(prefix.clone());
+    let mut args = vec!["--kind", "rfc"];
+    args.extend_from_slice(GRAPH_WORKLOAD);
+    let run = run_rank(&prefix, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
+    let seg = read_only_segment(&prefix).unwrap();
+    let summary = check(
+        &run.report,
+        &seg,
+        Expect {
+            v7_fields: false,
+            finalized: true,
+            ordered: true,
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e:#}\nplugin log:\n{}", run.stderr));
+    assert!(run.report.comms[0].has_hook);
+    // 5 eager (4 channels), 50 captured (8 channels, work at each of the 6 replays), 12 eager
+    // between the replays (8 channels).
+    assert_eq!(summary.ops, 5 + 50 + 12);
+    assert_eq!(summary.dev_work, 5 * 4 + 12 * 8 + 6 * 50 * 8);
+    let captured = seg
+        .records
+        .iter()
+        .filter(|r| matches!(r, Record::CollStart { captured: true, .. }))
+        .count();
+    assert_eq!(captured, 50);
+    // Every eager op's work items come after its CollStart in the segment: the daemon decides
+    // eager-or-replay from what it has read.
+    let mut eager_started = 0;
+    let mut items_before = Vec::new();
+    for r in &seg.records {
+        match r {
+            Record::CollStart {
+                captured: false, ..
+            } => eager_started += 1,
+            Record::DevWork { channel: 0, .. } => items_before.push(eager_started),
+            _ => {}
+        }
+    }
+    let ops = &run.report.comms[0].ops;
+    let mut eager_seen = 0;
+    let mut want = Vec::new();
+    for op in ops {
+        if op.replay == 0 && !op.captured {
+            eager_seen += 1;
+        }
+        if !op.hook_items.is_empty() {
+            want.push(eager_seen);
+        }
+    }
+    assert_eq!(items_before.len(), want.len());
+    for (got, want) in items_before.iter().zip(&want) {
+        assert!(got >= want, "a work item was written before its host event");
+    }
+}
+
+#[test]
+fn stock_path_replay_kernel_ch_is_counted_not_joined_to_a_stale_handle() {
+    let prefix = unique_prefix("v6-graph");
+    let _cleanup = Cleanup(prefix.clone());
+    let mut args = vec!["--kind", "v6"];
+    args.extend_from_slice(GRAPH_WORKLOAD);
+    let run = run_rank(&prefix, &args, &[]).unwrap();
+    let seg = read_only_segment(&prefix).unwrap();
+    // check() compares replay_kernel_ch with the replays' KernelCh events and finds no KernelCh
+    // record for them.
+    let summary = check(
+        &run.report,
+        &seg,
+        Expect {
+            v7_fields: false,
+            finalized: true,
+            ordered: true,
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e:#}\nplugin log:\n{}", run.stderr));
+    assert_eq!(summary.kernel_ch, 5 * 4 + 12 * 8);
+    assert_eq!(seg.counter(Counter::ReplayKernelCh), 6 * 50 * 8);
+}
+
 #[test]
 fn v7_symbol_on_an_nccl_of_unknown_version_reads_only_v6_fields() {
     let prefix = unique_prefix("v7-unknown");

@@ -42,6 +42,11 @@ unsafe impl Send for Memory {}
 const MIN_WINDOW: usize = 8;
 /// Most slots one ring delivers per drain call, so one busy ring cannot starve the others.
 const BUDGET: usize = 4096;
+/// Slots read from each ring in turn (in-place rings): a kernel's work items on all its channels land
+/// close together in the segment, so the daemon completes an operation, and commits past it, without
+/// waiting behind whole rings of other channels (at 64 channels, 64 x BUDGET records apart would not
+/// fit a segment).
+const ROUND: usize = 32;
 /// Most copy rounds of a staged block per drain call.
 const ROUNDS: usize = 4;
 /// A staged ring with no progress for this many drain calls in a row is copied only every
@@ -92,9 +97,23 @@ impl CommRings {
                 let len = (MAX_CHANNELS << shift) * SLOT_WORDS;
                 // SAFETY: `words` is the block's `len` words, kept alive by `owner`.
                 let words = unsafe { std::slice::from_raw_parts(*words, len) };
-                for (ch, cursor) in self.cursors.iter_mut().enumerate() {
-                    let load = |seq| Some(load_in_place(words, ch, seq, shift));
-                    total += cursor.advance(ch as u8, slots, BUDGET, load, out, &mut tally);
+                let mut moved = [0usize; MAX_CHANNELS];
+                loop {
+                    let mut round = 0;
+                    for (ch, cursor) in self.cursors.iter_mut().enumerate() {
+                        let budget = BUDGET.saturating_sub(moved[ch]).min(ROUND);
+                        if budget == 0 {
+                            continue;
+                        }
+                        let load = |seq| Some(load_in_place(words, ch, seq, shift));
+                        let n = cursor.advance(ch as u8, slots, budget, load, out, &mut tally);
+                        moved[ch] += n;
+                        round += n;
+                    }
+                    total += round;
+                    if round == 0 {
+                        break;
+                    }
                 }
             }
             Memory::Staged { copy, max_window } => {

@@ -323,7 +323,10 @@ pub fn drain(out: &mut dyn Sink) -> usize {
             return 0;
         };
         state.adopt_new();
-        state.drain(out) + state.calibrate(out, Instant::now())
+        // Calibrate first: a device's first calibration then precedes its first work items, which
+        // the daemon compares with host enqueue times.
+        let calibrated = state.calibrate(out, Instant::now());
+        calibrated + state.drain(out)
     })
 }
 

@@ -191,9 +191,11 @@ pub fn check(report: &Report, seg: &Contents, expect: Expect) -> anyhow::Result<
                             root,
                             n_channels,
                             n_warps,
+                            captured,
                             ..
                         },
                     ) => {
+                        ensure!(captured == op.captured, "{}: captured flag", ctx());
                         let want_algo = match (&op.kernel_variant, expect.v7_fields) {
                             (Some(v), true) => v.clone(),
                             _ => op.algo.clone(),
@@ -227,9 +229,11 @@ pub fn check(report: &Report, seg: &Contents, expect: Expect) -> anyhow::Result<
                             count,
                             peer,
                             n_channels,
+                            captured,
                             ..
                         },
                     ) => {
+                        ensure!(captured == op.captured, "{}: captured flag", ctx());
                         ensure!(
                             (text(func)?, text(datatype)?, count, peer, n_channels)
                                 == (
@@ -251,13 +255,17 @@ pub fn check(report: &Report, seg: &Contents, expect: Expect) -> anyhow::Result<
                     Record::CollStart { host_ns, .. } | Record::P2pStart { host_ns, .. } => host_ns,
                     _ => 0,
                 };
+                summary.ops += 1;
+                if op.captured {
+                    // A captured operation's handle is not a pool slot: its stop records nothing.
+                    continue;
+                }
                 let stop = rest.host();
                 ensure!(
                     matches!(stop, Some(Record::OpStop { comm: c, id, host_ns }) if c == *comm && id == op_id && host_ns >= start_ns),
                     "{}: expected OpStop, got {stop:?}",
                     ctx()
                 );
-                summary.ops += 1;
             }
             for k in op.kernels.iter().filter(|k| k.started) {
                 if expect.v7_fields {
@@ -342,8 +350,21 @@ pub fn check(report: &Report, seg: &Contents, expect: Expect) -> anyhow::Result<
         "DevWork for unknown communicators: {:?}",
         dev_work.keys()
     );
+    // A replay's KernelCh events (stock NCCL) name a captured operation: counted and declined.
+    let replay_kernels: usize = report
+        .comms
+        .iter()
+        .flat_map(|c| &c.ops)
+        .filter(|o| o.replay > 0)
+        .map(|o| o.kernels.len())
+        .sum();
+    ensure!(
+        seg.counter(Counter::ReplayKernelCh) == replay_kernels as u64,
+        "replay_kernel_ch = {}, want {replay_kernels}",
+        seg.counter(Counter::ReplayKernelCh)
+    );
     for c in Counter::ALL {
-        if c.is_loss() {
+        if c.is_loss() && c != Counter::ReplayKernelCh {
             ensure!(
                 seg.counter(c) == 0,
                 "loss counter {} = {}",

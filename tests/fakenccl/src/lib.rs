@@ -355,6 +355,9 @@ impl Host {
             app_page: GuardedPage::new()?,
             gpu_page: GuardedPage::new()?,
             proxy: None,
+            capturing: false,
+            graph: Vec::new(),
+            replays: 0,
         })
     }
 }
@@ -377,6 +380,23 @@ pub struct Comm {
     app_page: GuardedPage,
     gpu_page: GuardedPage,
     proxy: Option<Proxy>,
+    /// Between [`Comm::begin_capture`] and [`Comm::end_capture`]: the stream is being captured.
+    capturing: bool,
+    /// The operations captured so far, in capture order: what every replay runs.
+    graph: Vec<Captured>,
+    /// Graph replays on this communicator so far.
+    replays: u32,
+}
+
+/// An operation captured into a CUDA graph.
+struct Captured {
+    /// As reported at capture.
+    report: OpReport,
+    /// The handle the plugin returned for it: a replay's KernelCh (stock NCCL) still names it.
+    handle: SendPtr,
+    n_channels: u8,
+    kernel_ns: u64,
+    func_id: u32,
 }
 
 /// Calls into the plugin with descriptors and state args on a guarded page.
@@ -415,6 +435,18 @@ impl Caller<'_> {
         if rc != 0 {
             self.failed.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// The GroupApi event NCCL starts around every API call (its `graphCaptured` says whether the
+    /// stream is being captured), when the mask has anything below it.
+    fn group_api(&mut self, ctx: SendPtr, mask: u64, kernel_bits: u64, captured: bool) -> SendPtr {
+        if mask & (event::GROUP_API | event::GROUP | event::COLL | event::P2P | kernel_bits) == 0 {
+            return SendPtr(std::ptr::null_mut());
+        }
+        self.start(ctx, event::GROUP_API, SendPtr(std::ptr::null_mut()), |d| {
+            d.u8(off::GROUPAPI_CAPTURED, captured as u8)
+                .i32(off::GROUPAPI_DEPTH, 1);
+        })
     }
 
     fn record(&mut self, handle: SendPtr, st: i32, p_timer: Option<u64>) {
@@ -612,18 +644,36 @@ impl Comm {
     pub fn collective(&mut self, spec: &CollSpec) -> OpReport {
         let mask = self.host.mask();
         let kernel_bits = self.kernel_bits();
+        let captured = self.capturing;
         let seq = self.seq;
-        self.seq += 1;
+        // NCCL advances a captured collective's seqNumber only with KernelCh in the mask.
+        if !captured || mask & event::KERNEL_CH != 0 {
+            self.seq += 1;
+        }
         let v7 = self.host.kind == HostKind::V7;
         let ctx = self.ctx;
         let mut c = self.caller();
+        let group_api = c.group_api(ctx, mask, kernel_bits, captured);
+        let coll_api = if mask & (event::COLL_API | event::COLL | kernel_bits) != 0 {
+            c.start(ctx, event::COLL_API, group_api, |d| {
+                d.ptr(off::COLLAPI_FUNC, spec.func.as_ptr())
+                    .u64(off::COLLAPI_COUNT, spec.count)
+                    .ptr(off::COLLAPI_DATATYPE, spec.datatype.as_ptr())
+                    .i32(off::COLLAPI_ROOT, spec.root)
+                    .u64(off::COLLAPI_STREAM, 0x7300_0000)
+                    .u8(off::COLLAPI_CAPTURED, captured as u8);
+            })
+        } else {
+            SendPtr(std::ptr::null_mut())
+        };
         let group = if mask & (event::GROUP | event::COLL | event::P2P | kernel_bits) != 0 {
             c.start(ctx, event::GROUP, SendPtr(std::ptr::null_mut()), |_| {})
         } else {
             SendPtr(std::ptr::null_mut())
         };
         let coll = if mask & (event::COLL | kernel_bits) != 0 {
-            c.start(ctx, event::COLL, group, |d| {
+            // The CollApi event is the Coll's parent: how a plugin knows it was captured.
+            c.start(ctx, event::COLL, coll_api, |d| {
                 d.u64(off::COLL_SEQ, seq)
                     .ptr(off::COLL_FUNC, spec.func.as_ptr())
                     .u64(off::COLL_SEND, 0x7000_0000)
@@ -649,11 +699,10 @@ impl Comm {
             SendPtr(std::ptr::null_mut())
         };
         // NCCL stops the Coll once it is enqueued; its kernel events come later, from another thread.
-        if !coll.0.is_null() {
-            c.stop(coll);
-        }
-        if !group.0.is_null() {
-            c.stop(group);
+        for h in [coll, group, coll_api, group_api] {
+            if !h.0.is_null() {
+                c.stop(h);
+            }
         }
         let kernel = Kernel {
             n_channels: spec.n_channels,
@@ -662,8 +711,13 @@ impl Comm {
             phases: v7 && spec.symmetric.is_some(),
             symmetric: spec.symmetric,
         };
-        let (kernels, hook_items) = self.run_kernel(mask, coll, &kernel);
-        OpReport {
+        // Captured: the kernel runs at each replay, not now.
+        let (kernels, hook_items) = if captured {
+            (Vec::new(), Vec::new())
+        } else {
+            self.run_kernel(mask, coll, &kernel)
+        };
+        let report = OpReport {
             kind: OpKind::Coll,
             started: !coll.0.is_null(),
             seq,
@@ -678,7 +732,11 @@ impl Comm {
             n_warps: spec.n_warps,
             kernels,
             hook_items,
-        }
+            captured,
+            replay: 0,
+        };
+        self.capture(&report, coll, &kernel);
+        report
     }
 
     /// Emits one point-to-point operation and its kernel.
@@ -686,14 +744,27 @@ impl Comm {
         let mask = self.host.mask();
         let kernel_bits = self.kernel_bits();
         let ctx = self.ctx;
+        let captured = self.capturing;
         let mut c = self.caller();
+        let group_api = c.group_api(ctx, mask, kernel_bits, captured);
+        let p2p_api = if mask & (event::P2P_API | event::P2P | kernel_bits) != 0 {
+            c.start(ctx, event::P2P_API, group_api, |d| {
+                d.ptr(off::P2PAPI_FUNC, spec.func.as_ptr())
+                    .u64(off::P2PAPI_COUNT, spec.count)
+                    .ptr(off::P2PAPI_DATATYPE, spec.datatype.as_ptr())
+                    .u64(off::P2PAPI_STREAM, 0x7300_0000)
+                    .u8(off::P2PAPI_CAPTURED, captured as u8);
+            })
+        } else {
+            SendPtr(std::ptr::null_mut())
+        };
         let group = if mask & (event::GROUP | event::COLL | event::P2P | kernel_bits) != 0 {
             c.start(ctx, event::GROUP, SendPtr(std::ptr::null_mut()), |_| {})
         } else {
             SendPtr(std::ptr::null_mut())
         };
         let op = if mask & (event::P2P | kernel_bits) != 0 {
-            c.start(ctx, event::P2P, group, |d| {
+            c.start(ctx, event::P2P, p2p_api, |d| {
                 d.ptr(off::P2P_FUNC, spec.func.as_ptr())
                     .u64(off::P2P_BUFF, 0x7200_0000)
                     .ptr(off::P2P_DATATYPE, spec.datatype.as_ptr())
@@ -705,11 +776,10 @@ impl Comm {
         } else {
             SendPtr(std::ptr::null_mut())
         };
-        if !op.0.is_null() {
-            c.stop(op);
-        }
-        if !group.0.is_null() {
-            c.stop(group);
+        for h in [op, group, p2p_api, group_api] {
+            if !h.0.is_null() {
+                c.stop(h);
+            }
         }
         let kernel = Kernel {
             n_channels: spec.n_channels,
@@ -718,8 +788,12 @@ impl Comm {
             phases: false,
             symmetric: None,
         };
-        let (kernels, hook_items) = self.run_kernel(mask, op, &kernel);
-        OpReport {
+        let (kernels, hook_items) = if captured {
+            (Vec::new(), Vec::new())
+        } else {
+            self.run_kernel(mask, op, &kernel)
+        };
+        let report = OpReport {
             kind: OpKind::P2p,
             started: !op.0.is_null(),
             seq: 0,
@@ -734,7 +808,67 @@ impl Comm {
             n_warps: 0,
             kernels,
             hook_items,
+            captured,
+            replay: 0,
+        };
+        self.capture(&report, op, &kernel);
+        report
+    }
+
+    /// Remembers a captured operation for the replays.
+    fn capture(&mut self, report: &OpReport, handle: SendPtr, k: &Kernel<'_>) {
+        if report.captured {
+            self.graph.push(Captured {
+                report: report.clone(),
+                handle,
+                n_channels: k.n_channels,
+                kernel_ns: k.kernel_ns,
+                func_id: k.func_id,
+            });
         }
+    }
+
+    /// Starts capturing this communicator's stream into a CUDA graph: until [`Comm::end_capture`],
+    /// operations produce their host events (`graphCaptured` set) and no kernel.
+    pub fn begin_capture(&mut self) {
+        self.capturing = true;
+    }
+
+    pub fn end_capture(&mut self) {
+        self.capturing = false;
+    }
+
+    /// Operations captured so far.
+    pub fn captured_ops(&self) -> usize {
+        self.graph.len()
+    }
+
+    /// Launches the captured graph once: every captured operation's kernel in capture order, with fresh
+    /// per-channel workCounters and no host event (on stock NCCL, KernelCh events naming the handle
+    /// from capture time). One report per operation, `replay` = this communicator's replay count.
+    pub fn replay(&mut self) -> Vec<OpReport> {
+        self.replays += 1;
+        let mask = self.host.mask();
+        let mut out = Vec::with_capacity(self.graph.len());
+        for i in 0..self.graph.len() {
+            let g = &self.graph[i];
+            let (handle, mut report) = (g.handle, g.report.clone());
+            let kernel = Kernel {
+                n_channels: g.n_channels,
+                kernel_ns: g.kernel_ns,
+                func_id: g.func_id,
+                phases: false,
+                symmetric: None,
+            };
+            let (kernels, hook_items) = self.run_kernel(mask, handle, &kernel);
+            report.started = false;
+            report.captured = false;
+            report.replay = self.replays;
+            report.kernels = kernels;
+            report.hook_items = hook_items;
+            out.push(report);
+        }
+        out
     }
 
     /// The simulated kernel: one work item per channel, timed on the simulated GPU clock, reported to the
@@ -805,24 +939,28 @@ impl Comm {
         Ok(())
     }
 
-    /// Calls the plugin must decline or ignore cheaply: event types it does not handle (ProxyOp,
-    /// GroupApi, a type from the future), GroupApi states with NULL args, stop/record on NULL, on the
-    /// Group handle and on a garbage pointer, a Coll on a garbage context. Returns how many of them the
+    /// Calls the plugin must decline or ignore cheaply: event types it does not handle (ProxyOp, a
+    /// type from the future), GroupApi states with NULL args, a KernelCh state on the Group handle,
+    /// stop/record on NULL and on a garbage pointer, a Coll on a garbage context. Returns how many of them the
     /// plugin should count as ignored (declined starts, records matching no event, unknown handles).
     pub fn noise(&mut self) -> u64 {
         let ctx = self.ctx;
         let mut c = self.caller();
         let mut ignored = 0;
-        for ty in [event::PROXY_OP, event::GROUP_API, 1 << 20] {
+        for ty in [event::PROXY_OP, 1 << 20] {
             let h = c.start(ctx, ty, SendPtr(std::ptr::null_mut()), |_| {});
             assert!(h.0.is_null(), "type {ty:#x} should be declined");
             ignored += 1;
         }
-        let group = c.start(ctx, event::GROUP, SendPtr(std::ptr::null_mut()), |_| {});
+        // GroupApi states come with NULL args, on the GroupApi handle: nothing to record.
+        let group_api = c.start(ctx, event::GROUP_API, SendPtr(std::ptr::null_mut()), |_| {});
         for st in [state::GROUP_START_API_STOP, state::GROUP_END_API_START] {
-            c.record(group, st, None);
-            ignored += 1;
+            c.record(group_api, st, None);
         }
+        c.stop(group_api);
+        let group = c.start(ctx, event::GROUP, SendPtr(std::ptr::null_mut()), |_| {});
+        c.record(group, state::KERNEL_CH_STOP, Some(1));
+        ignored += 1;
         c.stop(group);
         c.stop(SendPtr(std::ptr::null_mut()));
         let garbage = SendPtr(0xdead_bee8usize as *mut c_void);

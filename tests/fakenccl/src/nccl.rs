@@ -71,6 +71,8 @@ pub mod event {
     pub const PROXY_OP: u64 = 0x8;
     pub const KERNEL_CH: u64 = 0x40;
     pub const GROUP_API: u64 = 0x100;
+    pub const COLL_API: u64 = 0x200;
+    pub const P2P_API: u64 = 0x400;
     pub const KERNEL_PHASE: u64 = 0x8000;
 }
 
@@ -87,6 +89,19 @@ pub mod off {
     pub const TYPE: usize = 0;
     pub const PARENT: usize = 8;
     pub const RANK: usize = 16;
+    pub const GROUPAPI_CAPTURED: usize = 24;
+    pub const GROUPAPI_DEPTH: usize = 28;
+    pub const COLLAPI_FUNC: usize = 24;
+    pub const COLLAPI_COUNT: usize = 32;
+    pub const COLLAPI_DATATYPE: usize = 40;
+    pub const COLLAPI_ROOT: usize = 48;
+    pub const COLLAPI_STREAM: usize = 56;
+    pub const COLLAPI_CAPTURED: usize = 64;
+    pub const P2PAPI_FUNC: usize = 24;
+    pub const P2PAPI_COUNT: usize = 32;
+    pub const P2PAPI_DATATYPE: usize = 40;
+    pub const P2PAPI_STREAM: usize = 48;
+    pub const P2PAPI_CAPTURED: usize = 56;
     pub const COLL_SEQ: usize = 24;
     pub const COLL_FUNC: usize = 32;
     pub const COLL_SEND: usize = 40;

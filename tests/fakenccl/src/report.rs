@@ -34,6 +34,13 @@ pub struct OpReport {
     pub kernels: Vec<KernelReport>,
     /// Device-hook work items (RFC host with a hook): each called START then STOP.
     pub hook_items: Vec<HookItem>,
+    /// Enqueued while its stream was captured into a CUDA graph: host events only, no kernel.
+    #[serde(default)]
+    pub captured: bool,
+    /// r >= 1: the kernel of this captured operation at the communicator's r-th graph replay (no
+    /// host events; `seq` is the captured operation's as NCCL reported it).
+    #[serde(default)]
+    pub replay: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
