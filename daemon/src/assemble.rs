@@ -194,7 +194,7 @@ impl Template {
             .rev()
             .find(|o| o.func == op.func && o.is_p2p == op.is_p2p)
         {
-            op.seq = op.seq.max(prev.seq + 1);
+            op.seq = op.seq.max(prev.seq.saturating_add(1));
         }
         let index = self.ops.len() as u32;
         let n = (op.n_channels as usize).min(64);
@@ -204,7 +204,7 @@ impl Template {
                 .cursors
                 .iter()
                 .find(|(c, _)| *c == 0)
-                .map_or(0, |(_, c)| c.replay - (c.pos > 0) as u32);
+                .map_or(0, |(_, c)| c.replay.saturating_sub((c.pos > 0) as u32));
             for ch in self.by_channel.len()..n {
                 if !self.cursors.iter().any(|(c, _)| *c as usize == ch) {
                     self.cursors.push((
@@ -1214,7 +1214,7 @@ impl Assembler {
             return;
         };
         if next.pos == 0 {
-            next.replay += 1;
+            next.replay = next.replay.saturating_add(1);
         }
         let replay = next.replay;
         next.pos = if next.pos as usize + 1 == list.len() {
@@ -1255,7 +1255,8 @@ impl Assembler {
                 if later == Some(true)
                     && let Some(t) = self.templates.get_mut(&comm)
                 {
-                    t.cursor(ch).replay += 1;
+                    let c = t.cursor(ch);
+                    c.replay = c.replay.saturating_add(1);
                 }
             }
         }
