@@ -105,6 +105,42 @@ pub struct P2pInfo {
     pub n_channels: u8,
 }
 
+impl CollInfo {
+    fn event(&self, comm: u32, id: u64, host_ns: u64, captured: bool) -> Event {
+        Event::CollStart {
+            comm,
+            id,
+            seq: self.seq,
+            func: self.func,
+            datatype: self.datatype,
+            algo: self.algo,
+            proto: self.proto,
+            count: self.count,
+            root: self.root,
+            n_channels: self.n_channels,
+            n_warps: self.n_warps,
+            host_ns,
+            captured,
+        }
+    }
+}
+
+impl P2pInfo {
+    fn event(&self, comm: u32, id: u64, host_ns: u64, captured: bool) -> Event {
+        Event::P2pStart {
+            comm,
+            id,
+            func: self.func,
+            datatype: self.datatype,
+            count: self.count,
+            peer: self.peer,
+            n_channels: self.n_channels,
+            host_ns,
+            captured,
+        }
+    }
+}
+
 /// A `startEvent`, read from its descriptor.
 pub enum Start {
     Group,
@@ -494,35 +530,11 @@ impl Plugin {
             Start::Group => group_handle(),
             Start::Api { captured } => api_handle(captured),
             Start::Coll(c) if captured => {
-                self.push(Event::CollStart {
-                    comm,
-                    id: self.captured_id(),
-                    seq: c.seq,
-                    func: c.func,
-                    datatype: c.datatype,
-                    algo: c.algo,
-                    proto: c.proto,
-                    count: c.count,
-                    root: c.root,
-                    n_channels: c.n_channels,
-                    n_warps: c.n_warps,
-                    host_ns,
-                    captured: true,
-                });
+                self.push(c.event(comm, self.captured_id(), host_ns, true));
                 captured_op_handle()
             }
             Start::P2p(p) if captured => {
-                self.push(Event::P2pStart {
-                    comm,
-                    id: self.captured_id(),
-                    func: p.func,
-                    datatype: p.datatype,
-                    count: p.count,
-                    peer: p.peer,
-                    n_channels: p.n_channels,
-                    host_ns,
-                    captured: true,
-                });
+                self.push(p.event(comm, self.captured_id(), host_ns, true));
                 captured_op_handle()
             }
             Start::Coll(c) => {
@@ -530,21 +542,7 @@ impl Plugin {
                 else {
                     return std::ptr::null_mut();
                 };
-                self.push(Event::CollStart {
-                    comm,
-                    id: live.id(),
-                    seq: c.seq,
-                    func: c.func,
-                    datatype: c.datatype,
-                    algo: c.algo,
-                    proto: c.proto,
-                    count: c.count,
-                    root: c.root,
-                    n_channels: c.n_channels,
-                    n_warps: c.n_warps,
-                    host_ns,
-                    captured: false,
-                });
+                self.push(c.event(comm, live.id(), host_ns, false));
                 self.pool.handle(&live)
             }
             Start::P2p(p) => {
@@ -552,17 +550,7 @@ impl Plugin {
                 else {
                     return std::ptr::null_mut();
                 };
-                self.push(Event::P2pStart {
-                    comm,
-                    id: live.id(),
-                    func: p.func,
-                    datatype: p.datatype,
-                    count: p.count,
-                    peer: p.peer,
-                    n_channels: p.n_channels,
-                    host_ns,
-                    captured: false,
-                });
+                self.push(p.event(comm, live.id(), host_ns, false));
                 self.pool.handle(&live)
             }
             Start::KernelCh { .. } if parent == captured_op_handle() => {

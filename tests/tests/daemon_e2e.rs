@@ -174,21 +174,6 @@ struct Harness {
     ranks: Vec<Child>,
 }
 
-fn binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("ncclscope");
-    assert!(
-        bin.exists(),
-        "{} is missing: run `cargo build --workspace` first",
-        bin.display()
-    );
-    bin
-}
-
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -230,7 +215,7 @@ impl Harness {
     }
 
     fn start_daemon(&mut self) {
-        let child = Command::new(binary())
+        let child = Command::new(ncclscope_tests::daemon_binary())
             .args(["daemon", "--config"])
             .arg(&self.config)
             .args(["--otlp-endpoint", &self.otlp_endpoint])

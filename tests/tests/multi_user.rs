@@ -150,21 +150,6 @@ fn register(socket: &Path, name: &str) -> String {
     }
 }
 
-fn binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("ncclscope");
-    assert!(
-        bin.exists(),
-        "{} is missing: build the workspace first",
-        bin.display()
-    );
-    bin
-}
-
 /// A daemon (root) on sockets every user can reach, and the user processes; cleaned up on drop.
 struct Node {
     dir: tempfile::TempDir,
@@ -203,7 +188,7 @@ impl Node {
             ),
         )
         .unwrap();
-        let daemon = Command::new(binary())
+        let daemon = Command::new(ncclscope_tests::daemon_binary())
             .args(["daemon", "--config"])
             .arg(&config)
             .env("NCCLSCOPE_LOG", "warn")
@@ -283,7 +268,7 @@ impl Node {
 
     /// An `ncclscope` tool run as `uid` (root: 0) against this daemon's API.
     fn tool(&self, uid: u32, args: &[&str]) -> Output {
-        Command::new(binary())
+        Command::new(ncclscope_tests::daemon_binary())
             .args(args)
             .arg("--api-socket")
             .arg(self.path("api.sock"))
