@@ -1581,10 +1581,8 @@ async fn a_daemon_killed_mid_replay_resumes_the_graph_template() {
             );
         }
     }
-    // Spans name nothing that was not produced, with the produced exec time. (Their completeness
-    // across this restart is not asserted: in about one run in three the span of the eager
-    // collective read first by the second daemon does not arrive although the spool has the
-    // instance; open, see the branch report.)
+    // Spans: every produced instance, nothing else, with the produced exec time (at least once
+    // across the kill; a re-sent span is the same span, checked above).
     let extra: Vec<_> = by_key
         .keys()
         .filter(|k| !produced.contains_key(k))
@@ -1593,8 +1591,11 @@ async fn a_daemon_killed_mid_replay_resumes_the_graph_template() {
         extra.is_empty(),
         "spans for instances never produced: {extra:?}"
     );
-    let missing = produced.keys().filter(|k| !by_key.contains_key(k)).count();
-    assert!(missing <= NRANKS as usize, "{missing} spans missing");
+    let missing: Vec<_> = produced
+        .keys()
+        .filter(|k| !by_key.contains_key(k))
+        .collect();
+    assert!(missing.is_empty(), "spans missing: {missing:?}");
     for (k, s) in &by_key {
         assert_eq!(attr(s, "nccl.exec_ns"), produced[k].to_string(), "{k:?}");
     }
