@@ -618,7 +618,8 @@ impl Assembler {
         let n = self.names.iter().count()
             + self.func_names.len()
             + self.calibrations.len()
-            + self.comms.len();
+            + self.comms.len()
+            + self.templates.values().map(|t| t.ops.len()).sum::<usize>();
         self.uid.used.fetch_add(n, Ordering::Relaxed);
         self.uid_held += n;
     }
@@ -879,7 +880,9 @@ impl Assembler {
                         self.early_works -= lane.works.len();
                     }
                 }
-                self.templates.remove(&comm);
+                if let Some(t) = self.templates.remove(&comm) {
+                    self.give_uid(t.ops.len());
+                }
                 if let Some(c) = self.comms.get_mut(&comm)
                     && !c.ended
                 {
@@ -1113,14 +1116,19 @@ impl Assembler {
         if !info.device_hook {
             return;
         }
+        if self.templates.get(&comm).map_or(0, |t| t.ops.len()) >= MAX_TEMPLATE_OPS {
+            self.counters.template_full += 1;
+            return;
+        }
+        // A captured operation is kept as long as its communicator: it draws on the uid's
+        // dictionary budget like a string or a communicator does.
+        if !self.take_uid() {
+            return;
+        }
         let t = self.templates.entry(comm).or_insert_with(|| Template {
             comm,
             ..Default::default()
         });
-        if t.ops.len() >= MAX_TEMPLATE_OPS {
-            self.counters.template_full += 1;
-            return;
-        }
         if t.ops.is_empty() {
             // Work items held for eager operations not read yet: from now on an item that no eager
             // operation can own goes to the template instead.
@@ -2506,6 +2514,49 @@ mod tests {
         let c = &a.counters;
         assert_eq!((c.dev_work, c.dev_joined, c.dev_unattributed), (9, 9, 0));
         assert_eq!(a.pending(), 0);
+    }
+
+    #[test]
+    fn captured_operations_draw_on_the_uids_dictionary_budget() {
+        let base = {
+            let probe = UidBudget::new(1000);
+            let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 100)
+                .with_uid_budget(probe.clone());
+            feed(&mut a, &hook_prelude());
+            probe.used()
+        };
+        let budget = UidBudget::new(base + 2);
+        let asm = || {
+            Assembler::new(7, 0, "job".into(), "node".into(), 100).with_uid_budget(budget.clone())
+        };
+        let mut a = asm();
+        let mut recs = hook_prelude();
+        recs.extend([
+            captured(100, 5, 1, 2),
+            captured(101, 6, 1, 2),
+            captured(102, 7, 1, 2),
+        ]);
+        feed(&mut a, &recs);
+        assert_eq!(a.counters.uid_limit, 1, "the third captured op is refused");
+        assert_eq!(a.templates[&0].ops.len(), 2);
+        assert_eq!(budget.used(), base + 2);
+        // A restarted daemon's copy holds them too; the communicator's end gives them back.
+        let _ = a.prune_prior(recs.len() as u64);
+        let mut b = asm();
+        b.restore(a.dictionary(), []);
+        assert_eq!(budget.used(), 2 * (base + 2));
+        drop(b);
+        let mut out = Vec::new();
+        a.apply(
+            100,
+            &Record::CommEnd {
+                comm: 0,
+                host_ns: 0,
+            },
+            0,
+            &mut out,
+        );
+        assert_eq!(budget.used(), base);
     }
 
     #[test]
