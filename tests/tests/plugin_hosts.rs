@@ -85,16 +85,8 @@ fn rfc_host_gets_v6_reads_and_the_device_hook_path() {
     assert_eq!(run.report.symbol, "ncclProfiler_v7");
     assert!(run.stderr.contains("device-hook RFC"), "{}", run.stderr);
     let seg = read_only_segment(&prefix).unwrap();
-    let summary = check(
-        &run.report,
-        &seg,
-        Expect {
-            v7_fields: false,
-            finalized: true,
-            ordered: true,
-        },
-    )
-    .unwrap_or_else(|e| panic!("{e:#}\nplugin log:\n{}", run.stderr));
+    let summary = check(&run.report, &seg, Expect::FINALIZED)
+        .unwrap_or_else(|e| panic!("{e:#}\nplugin log:\n{}", run.stderr));
     let hooked = run.report.comms.iter().all(|c| c.has_hook);
     // getDeviceHook ran for each communicator with its cudaDev (0, 1, 2).
     let mut devs: Vec<i32> = seg
@@ -150,16 +142,8 @@ fn rfc_host_graph_capture_is_flagged_and_every_replay_item_follows_its_host_even
     args.extend_from_slice(GRAPH_WORKLOAD);
     let run = run_rank(&prefix, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
     let seg = read_only_segment(&prefix).unwrap();
-    let summary = check(
-        &run.report,
-        &seg,
-        Expect {
-            v7_fields: false,
-            finalized: true,
-            ordered: true,
-        },
-    )
-    .unwrap_or_else(|e| panic!("{e:#}\nplugin log:\n{}", run.stderr));
+    let summary = check(&run.report, &seg, Expect::FINALIZED)
+        .unwrap_or_else(|e| panic!("{e:#}\nplugin log:\n{}", run.stderr));
     assert!(run.report.comms[0].has_hook);
     // 5 eager (4 channels), 50 captured (8 channels, work at each of the 6 replays), 12 eager
     // between the replays (8 channels).
@@ -211,16 +195,8 @@ fn stock_path_replay_kernel_ch_is_counted_not_joined_to_a_stale_handle() {
     let seg = read_only_segment(&prefix).unwrap();
     // check() compares replay_kernel_ch with the replays' KernelCh events and finds no KernelCh
     // record for them.
-    let summary = check(
-        &run.report,
-        &seg,
-        Expect {
-            v7_fields: false,
-            finalized: true,
-            ordered: true,
-        },
-    )
-    .unwrap_or_else(|e| panic!("{e:#}\nplugin log:\n{}", run.stderr));
+    let summary = check(&run.report, &seg, Expect::FINALIZED)
+        .unwrap_or_else(|e| panic!("{e:#}\nplugin log:\n{}", run.stderr));
     assert_eq!(summary.kernel_ch, 5 * 4 + 12 * 8);
     assert_eq!(seg.counter(Counter::ReplayKernelCh), 6 * 50 * 8);
 }
@@ -245,16 +221,7 @@ fn v7_symbol_on_an_nccl_of_unknown_version_reads_only_v6_fields() {
         "logged once"
     );
     let seg = read_only_segment(&prefix).unwrap();
-    let summary = check(
-        &run.report,
-        &seg,
-        Expect {
-            v7_fields: false,
-            finalized: true,
-            ordered: true,
-        },
-    )
-    .unwrap();
+    let summary = check(&run.report, &seg, Expect::FINALIZED).unwrap();
     assert_eq!(summary.kernel_phase, 0);
     let noise: u64 = run.report.comms.iter().map(|c| c.ignored).sum();
     // KernelPhase is an unknown type without v7 fields: declined and counted.
@@ -354,16 +321,7 @@ fn invalid_settings_are_logged_once_and_defaults_used() {
         1
     );
     let seg = read_only_segment(&prefix).unwrap();
-    check(
-        &run.report,
-        &seg,
-        Expect {
-            v7_fields: false,
-            finalized: true,
-            ordered: true,
-        },
-    )
-    .unwrap();
+    check(&run.report, &seg, Expect::FINALIZED).unwrap();
 }
 
 #[test]
@@ -410,16 +368,7 @@ fn simulation_maps_the_stock_path_gpu_clock_to_host_time() {
     )
     .unwrap();
     let seg = read_only_segment(&prefix).unwrap();
-    check(
-        &run.report,
-        &seg,
-        Expect {
-            v7_fields: false,
-            finalized: true,
-            ordered: true,
-        },
-    )
-    .unwrap();
+    check(&run.report, &seg, Expect::FINALIZED).unwrap();
     let Some(Record::Calibration {
         offset_ns,
         error_ns,
@@ -502,14 +451,5 @@ fn a_child_forked_after_init_is_not_profiled_and_the_parent_is_unaffected() {
         run.stderr
     );
     let seg = read_only_segment(&prefix).unwrap();
-    check(
-        &run.report,
-        &seg,
-        Expect {
-            v7_fields: false,
-            finalized: true,
-            ordered: true,
-        },
-    )
-    .unwrap();
+    check(&run.report, &seg, Expect::FINALIZED).unwrap();
 }

@@ -103,16 +103,7 @@ fn registers_after_the_daemon_appears_and_keeps_working_meanwhile() {
     let report: Report = serde_json::from_slice(&out.0).unwrap();
     assert!(out.1.contains("registered with the daemon"), "{}", out.1);
     let seg = read_only_segment(&prefix).unwrap();
-    check(
-        &report,
-        &seg,
-        Expect {
-            v7_fields: false,
-            finalized: true,
-            ordered: true,
-        },
-    )
-    .unwrap();
+    check(&report, &seg, Expect::FINALIZED).unwrap();
 }
 
 /// Waits for the rank to exit successfully; its stdout and stderr.

@@ -26,6 +26,15 @@ pub struct Expect {
     pub ordered: bool,
 }
 
+impl Expect {
+    /// The common case: v6 fields only, every communicator finalized, kernel events in order.
+    pub const FINALIZED: Expect = Expect {
+        v7_fields: false,
+        finalized: true,
+        ordered: true,
+    };
+}
+
 /// Totals of a successful check.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Summary {
