@@ -352,6 +352,8 @@ const MAX_HOLD_EAGER: usize = 64;
 #[derive(Clone, Copy, Debug)]
 struct Candidate {
     id: u64,
+    /// Its first record position: ids are reused once an operation is closed.
+    first_pos: u64,
     func: StrId,
     enqueue_ns: u64,
 }
@@ -1608,6 +1610,7 @@ impl Assembler {
                 {
                     hold.eager.push(Candidate {
                         id,
+                        first_pos: op.first_pos,
                         func: op.func,
                         enqueue_ns: op.enqueue_ns,
                     });
@@ -1752,15 +1755,9 @@ impl Assembler {
         }
         // One parse, nothing held: the lane and the cursor continue from its state.
         let p = &hold.parses[0];
-        for c in &hold.eager[..p.k] {
-            if self
-                .waiting
-                .get(&key)
-                .is_some_and(|l| l.ops.contains(&c.id))
-            {
-                // Consumed by an ambiguous or lost item.
-                self.abandon(c.id, key, out);
-            }
+        for &c in &hold.eager[..p.k] {
+            // Consumed by an ambiguous or lost item (a joined one is no longer in the lane).
+            self.abandon(c, key, out);
         }
         let cursor = Cursor {
             pos: p.r as u32,
@@ -1791,13 +1788,13 @@ impl Assembler {
     ) {
         let Some(work) = work else {
             if let Owner::Eager(k) = owner {
-                self.abandon(hold.eager[k].id, key, out);
+                self.abandon(hold.eager[k], key, out);
             }
             return;
         };
         self.early_works -= 1;
         match owner {
-            Owner::Eager(k) => self.join_eager(pos, key, hold.eager[k].id, work, now_ns, out),
+            Owner::Eager(k) => self.join_eager(pos, key, hold.eager[k], work, now_ns, out),
             Owner::Replay(i, b) => {
                 // The cursor as if this item came with no hold: the replay item's own path
                 // attributes it (and marks the change for a restart).
@@ -1833,8 +1830,8 @@ impl Assembler {
                 }
             }
         }
-        for c in &hold.eager {
-            self.abandon(c.id, key, out);
+        for &c in &hold.eager {
+            self.abandon(c, key, out);
         }
     }
 
@@ -1869,12 +1866,14 @@ impl Assembler {
         &mut self,
         pos: u64,
         key: (u32, u8),
-        id: u64,
+        c: Candidate,
         work: Work,
         now_ns: u64,
         out: &mut Vec<Completed>,
     ) {
-        let Some(op) = self.ops.get_mut(&id) else {
+        let id = c.id;
+        let Some(op) = self.ops.get_mut(&id).filter(|o| o.first_pos == c.first_pos) else {
+            // Closed meanwhile (timeout, overflow, its other channels' loss): the item was its.
             self.counters.dev_unattributed += 1;
             return;
         };
@@ -1892,14 +1891,16 @@ impl Assembler {
 
     /// An eager operation lost its item on the lane `key`: it waits there no more, and is closed
     /// once its other channels are in (counted `dev_mismatch` or `incomplete`).
-    fn abandon(&mut self, id: u64, key: (u32, u8), out: &mut Vec<Completed>) {
+    fn abandon(&mut self, c: Candidate, key: (u32, u8), out: &mut Vec<Completed>) {
+        let bit = 1 << (key.1 & 63);
+        match self.ops.get_mut(&c.id) {
+            Some(op) if op.first_pos == c.first_pos && op.seen & bit == 0 => op.lost |= bit,
+            _ => return,
+        }
         if let Some(lane) = self.waiting.get_mut(&key) {
-            lane.ops.retain(|&x| x != id);
+            lane.ops.retain(|&x| x != c.id);
         }
-        if let Some(op) = self.ops.get_mut(&id) {
-            op.lost |= 1 << (key.1 & 63);
-            self.try_finish(id, out);
-        }
+        self.try_finish(c.id, out);
     }
 
     /// Closes the oldest replayed instances still waiting for channel `ch` once that channel has moved
@@ -2231,14 +2232,6 @@ impl Assembler {
             for ch in 0..op.n_channels.min(64) {
                 if let Some(lane) = self.waiting.get_mut(&(op.comm, ch)) {
                     lane.ops.retain(|&x| x != id);
-                }
-                // Closed while a hold places it (timeout, overflow): the hold cannot be resolved.
-                let key = (op.comm, ch);
-                if let Some(h) = self.holds.get(&key)
-                    && h.eager.iter().any(|c| c.id == id)
-                {
-                    let now_ns = h.last_ns;
-                    self.resolve_ended(key, now_ns, out);
                 }
             }
         }
