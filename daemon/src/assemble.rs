@@ -11,11 +11,17 @@
 //! never wait in the lanes; they form the communicator's [`Template`], in capture order. A work item
 //! goes to the oldest eager operation of its lane that can own it (funcId fits, enqueued before the
 //! work started within the calibration error), otherwise to the template's replay cursor of its
-//! (communicator, channel): the next captured operation on that channel, funcId checked. A replay in
-//! progress on a channel continues first (a graph's kernels run back to back: consecutive
-//! workCounters; a gap skips the captured operations whose items were lost). At a replay boundary
-//! where both an eager operation and the template's first operation fit, the eager operation takes
-//! it. Each replayed operation is one instance (captured seq, replay index r >= 1, counted per
+//! (communicator, channel): the next captured operation on that channel, funcId checked (its name's
+//! collective and protocol, and the funcId its earlier replays ran). A replay in progress on a channel
+//! continues first (a graph's kernels run back to back: consecutive workCounters; a gap skips the
+//! captured operations whose items were lost). At a replay boundary where both a waiting eager
+//! operation and the template's first operation fit, nothing is guessed: the CPU runs ahead of the
+//! GPU, so an eager operation enqueued after a graph launch waits while the replay's items are read.
+//! The channel's items are held ([`Hold`]) and every parse of them (each item the next waiting eager
+//! operation in launch order, or the next operation of a replay's block) is followed until the parses
+//! agree on the oldest; items that parses reaching the same state disagree on can never be decided and
+//! are dropped (`dev_ambiguous`), as are items still disputed far back (equal functions throughout).
+//! Each replayed operation is one instance (captured seq, replay index r >= 1, counted per
 //! communicator from the first replay, identical on every rank). A work item that fits nothing is
 //! counted (`dev_unattributed`), never joined to a guess; an instance that ends with fewer channels'
 //! work than it announced is counted (`dev_mismatch`) and dropped.
@@ -1618,10 +1624,14 @@ impl Assembler {
             }
         }
         let skipped = wc.wrapping_sub(hold.last_wc).wrapping_sub(1);
-        if skipped >= MAX_EARLY_WORKS as u64 {
-            // A workCounter going back, or far ahead: fits no order.
-            self.counters.dev_unattributed += 1;
+        if skipped >= hold.len as u64 + MAX_HOLD_EAGER as u64 {
+            // Items lost past any parse (or a workCounter going back): what came is all there is;
+            // this item is attributed as usual (it may begin another hold).
             self.holds.insert(key, hold);
+            self.resolve_ended(key, now_ns, out);
+            if self.templates.contains_key(&key.0) {
+                self.attribute(pos, key.0, key.1, wc, work, now_ns, out);
+            }
             return;
         }
         for lost in 1..=skipped {
