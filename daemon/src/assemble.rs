@@ -1743,8 +1743,10 @@ impl Assembler {
             return;
         }
         // Parses that still disagree this far back never will (equal functions throughout): the
-        // front item is dropped, the parses go on.
-        let limit = (2 * hold.len + hold.eager.len() + 16).min(MAX_EARLY_WORKS / 2);
+        // front item is dropped, the parses go on. Owners held in all parses stay within 64 Ki.
+        let limit = (2 * hold.len + hold.eager.len() + 16)
+            .min(MAX_EARLY_WORKS / 2)
+            .min(65_536 / hold.parses.len());
         while let Some(&(pos, wc, work)) = hold.items.front() {
             let mut owner = hold.parses[0].owners[0];
             if hold.parses.iter().any(|p| p.owners[0] != owner) {
