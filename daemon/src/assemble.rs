@@ -3509,6 +3509,44 @@ mod tests {
         assert_eq!((a.pending(), a.early_works), (0, 0));
     }
 
+    #[test]
+    fn an_item_held_when_no_more_come_goes_to_its_eager_op_at_the_timeout_or_the_end() {
+        // After replay 1, an eager all-reduce's item: the next replay's first operation fits it too,
+        // so it is held; no item follows.
+        let mut recs = graph_prelude();
+        recs.extend([
+            dev(0, 42, 0, 100, 10),
+            dev(1, 42, 0, 100, 10),
+            dev(0, 43, 1, 200, 11),
+            dev(0, 42, 2, 300, 12),
+        ]);
+        recs.extend(eager(1, 7, 5_000_000));
+        recs.push(dev(0, 42, 3, 4_500_000, 999));
+        for end in [
+            None,
+            Some(Record::CommEnd {
+                comm: 0,
+                host_ns: 7_000_000,
+            }),
+        ] {
+            let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 100);
+            let mut out = feed(&mut a, &recs);
+            assert_eq!(got(&out).len(), 3, "the eager op's item is held");
+            assert_eq!(a.early_works, 1);
+            match &end {
+                // Its operation idle past the timeout: no more items are coming.
+                None => a.sweep(10_000_000_000, 10_000_000_000, &mut out),
+                Some(r) => a.apply(recs.len() as u64, r, 0, &mut out),
+            }
+            assert_eq!(
+                sorted(got(&out)),
+                sorted(vec![(5, 1, 10), (5, 1, 11), (6, 1, 12), (7, 0, 999)]),
+                "{end:?}"
+            );
+            assert_eq!((a.counters.dev_ambiguous, a.early_works), (0, 0));
+        }
+    }
+
     /// Restarts `recs` at every record: the first assembler stops there and commits at its commit
     /// point, the second resumes from its dictionary; together they deliver what one run delivers.
     fn restart_anywhere(recs: &[Record], from: usize) {
