@@ -421,6 +421,9 @@ struct Hold {
     parses: Vec<Parse>,
     /// When the latest item was read.
     last_ns: u64,
+    /// When the hold's first item still held was read: a hold older than the operation timeout
+    /// whose items keep coming drops them, so that it does not hold the commit point for long.
+    started_ns: u64,
 }
 
 impl Hold {
@@ -889,7 +892,9 @@ impl Assembler {
 
     /// Position of the first record of the oldest operation still in flight.
     pub fn oldest_pending_pos(&self) -> Option<u64> {
-        let held = self.holds.values().map(|h| h.first_pos);
+        let held = (self.holds.values())
+            .filter(|h| !h.items.is_empty())
+            .map(|h| h.first_pos);
         self.by_pos
             .front()
             .map(|&(pos, _)| pos)
@@ -1554,6 +1559,7 @@ impl Assembler {
                 owners: VecDeque::new(),
             }],
             last_ns: now_ns,
+            started_ns: now_ns,
         };
         self.holds.insert(key, hold);
         self.hold_item(key, pos, wc, work, now_ns, out);
@@ -1605,6 +1611,9 @@ impl Assembler {
         out: &mut Vec<Completed>,
     ) {
         let mut hold = self.holds.remove(&key).expect("caller checked");
+        if hold.items.is_empty() {
+            (hold.first_pos, hold.started_ns) = (pos, now_ns);
+        }
         // Eager operations enqueued since: the replay may come after them.
         if let Some(lane) = self.waiting.get(&key) {
             for &id in &lane.ops {
@@ -1845,6 +1854,38 @@ impl Assembler {
         for &c in &hold.eager {
             self.abandon(c, key, out);
         }
+    }
+
+    /// A hold older than the operation timeout whose parses still disagree (equal functions with
+    /// eager operations arriving all along): what it holds is dropped (`dev_ambiguous`), so that it
+    /// no longer holds the commit point, with the eager operations any parse consumed; the parses go
+    /// on from their places.
+    fn restart_undecided(&mut self, key: (u32, u8), now_ns: u64, out: &mut Vec<Completed>) {
+        let Some(mut hold) = self.holds.remove(&key) else {
+            return;
+        };
+        for (pos, _, work) in std::mem::take(&mut hold.items) {
+            if work.is_some() {
+                self.early_works -= 1;
+                self.counters.dev_ambiguous += 1;
+                if let Some(t) = self.templates.get_mut(&key.0) {
+                    t.ambiguous_mark(pos, hold.first_pos);
+                }
+            }
+        }
+        let k = hold.parses.iter().map(|p| p.k).max().unwrap_or(0);
+        for &c in &hold.eager[..k] {
+            self.abandon(c, key, out);
+        }
+        let mut parses: Vec<Parse> = Vec::new();
+        for mut p in std::mem::take(&mut hold.parses) {
+            (p.k, p.owners) = (k, VecDeque::new());
+            if !parses.iter().any(|q| (q.r, q.blocks) == (p.r, p.blocks)) {
+                parses.push(p);
+            }
+        }
+        hold.parses = parses;
+        self.commit_agreed(key, hold, now_ns, out);
     }
 
     /// No more items will come for the hold of `key` (its communicator or process ended, its
@@ -2161,10 +2202,19 @@ impl Assembler {
     /// Closes operations without progress for `timeout_ns`, and complete ones that waited
     /// [`Self::CALIBRATION_WAIT_NS`] for a calibration that did not come (flagged uncalibrated).
     pub fn sweep(&mut self, now_ns: u64, timeout_ns: u64, out: &mut Vec<Completed>) {
-        // Holds whose items stopped coming, or whose candidates are about to time out: what came
-        // is all there is.
+        // Holds older than the timeout whose items keep coming (parses stay undecided) drop what
+        // they hold; holds whose items stopped coming, or whose candidates are about to time out,
+        // are resolved with what came.
         if !self.holds.is_empty() {
             let idle = |t: u64| now_ns.saturating_sub(t) >= timeout_ns;
+            let mut old: Vec<(u32, u8)> = (self.holds.iter())
+                .filter(|(_, h)| idle(h.started_ns) && !idle(h.last_ns))
+                .map(|(k, _)| *k)
+                .collect();
+            old.sort_unstable();
+            for key in old {
+                self.restart_undecided(key, now_ns, out);
+            }
             let mut ended: Vec<(u32, u8)> = (self.holds.iter())
                 .filter(|(_, h)| {
                     idle(h.last_ns)
@@ -3545,6 +3595,47 @@ mod tests {
             );
             assert_eq!((a.counters.dev_ambiguous, a.early_works), (0, 0));
         }
+    }
+
+    #[test]
+    fn an_undecided_hold_older_than_the_timeout_drops_what_it_holds_and_frees_the_commit_point() {
+        let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 100);
+        let mut recs = hook_prelude();
+        recs.extend([captured(100, 5, 1, 1), captured(101, 5, 1, 1)]);
+        let eager_pos = recs.len() as u64;
+        recs.extend(eager(1, 7, 5_000_000));
+        let before = feed(&mut a, &recs);
+        assert!(before.is_empty());
+        // Equal functions, the eager op's item anywhere among them: items keep coming for 11 s.
+        let mut out = Vec::new();
+        for wc in 0..7u64 {
+            let t = 10_000_000 + 1_000 * wc;
+            let now = wc * 11_000_000_000 / 6;
+            a.apply(
+                recs.len() as u64 + wc,
+                &dev(0, 42, wc, t, 100),
+                now,
+                &mut out,
+            );
+        }
+        assert!(out.is_empty(), "undecided");
+        assert_eq!(
+            a.oldest_pending_pos(),
+            Some(eager_pos),
+            "the eager op and the held items"
+        );
+        a.sweep(11_000_000_000, 10_000_000_000, &mut out);
+        assert_eq!(
+            got(&out),
+            vec![(7, 0, 100)],
+            "the eager op, without device times"
+        );
+        assert_eq!((a.counters.dev_ambiguous, a.early_works), (7, 0));
+        assert_eq!(
+            a.oldest_pending_pos(),
+            None,
+            "nothing holds the commit point"
+        );
     }
 
     /// Restarts `recs` at every record: the first assembler stops there and commits at its commit
