@@ -153,6 +153,7 @@ fn add(a: &mut AssembleCounters, b: &AssembleCounters) {
     a.uid_limit += b.uid_limit;
     a.dev_unattributed += b.dev_unattributed;
     a.dev_mismatch += b.dev_mismatch;
+    a.dev_ambiguous += b.dev_ambiguous;
     a.template_full += b.template_full;
 }
 
@@ -728,9 +729,10 @@ impl Engine {
         lost.insert("kernel_unjoined".into(), asm.kernel_unjoined);
         lost.insert(
             "dev_unjoined".into(),
-            asm.dev_work - asm.dev_joined - asm.dev_unattributed,
+            asm.dev_work - asm.dev_joined - asm.dev_unattributed - asm.dev_ambiguous,
         );
         lost.insert("dev_unattributed".into(), asm.dev_unattributed);
+        lost.insert("dev_ambiguous".into(), asm.dev_ambiguous);
         lost.insert("dev_mismatch".into(), asm.dev_mismatch);
         lost.insert("template_full".into(), asm.template_full);
         lost.insert("incomplete".into(), asm.incomplete);

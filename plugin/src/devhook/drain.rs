@@ -209,8 +209,9 @@ impl CommRings {
     }
 }
 
-/// Receives a drain pass's output: records into the sink, loss into the segment's counters, funcIds
-/// not seen before into `new_funcs` (named afterwards).
+/// Receives a drain pass's output: records into the sink, loss into the segment's counters; a funcId
+/// not seen before is named (`FuncName`) before its first work item, so the daemon can check the
+/// items it attributes against it (a pass can last as long as items keep coming).
 pub struct Emitter<'a> {
     pub sink: &'a mut dyn Sink,
     comm: u32,
@@ -218,7 +219,6 @@ pub struct Emitter<'a> {
     pub records: usize,
     /// funcIds seen in this process, as a bitmap (NCCL's funcId is 15 bits).
     seen: &'a mut [u64],
-    pub new_funcs: Vec<u32>,
     /// Staged copies that failed (each pass that failed consumed nothing).
     pub copy_failures: u64,
     tally: Tally,
@@ -234,7 +234,6 @@ impl<'a> Emitter<'a> {
             comm: 0,
             records: 0,
             seen,
-            new_funcs: Vec::new(),
             copy_failures: 0,
             tally: Tally::default(),
         }
@@ -263,7 +262,11 @@ impl Deliver for Emitter<'_> {
         let (word, bit) = ((func_id as usize / 64) % FUNC_BITMAP_WORDS, func_id % 64);
         if self.seen[word] & (1 << bit) == 0 && func_id < (1 << 15) {
             self.seen[word] |= 1 << bit;
-            self.new_funcs.push(func_id);
+            if let Some(name) = super::func_name(func_id) {
+                let name = self.sink.intern(&name);
+                self.sink.push(&Record::FuncName { func_id, name });
+                self.records += 1;
+            }
         }
         self.sink.push(&Record::DevWork {
             comm: self.comm,

@@ -28,8 +28,6 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use ncclscope_proto::Record;
-
 use drain::{CommRings, Emitter, Memory};
 use ring::{DevEvent, HeapBlock};
 
@@ -440,16 +438,9 @@ impl DrainState {
     }
 }
 
-/// Names new funcIds and adds the pass's loss to the counters; returns the records produced.
+/// Adds the pass's loss to the counters; returns the records produced.
 fn finish(mut out: Emitter<'_>) -> usize {
     out.flush_counts();
-    for func_id in std::mem::take(&mut out.new_funcs) {
-        if let Some(name) = func_name(func_id) {
-            let name = out.sink.intern(&name);
-            out.sink.push(&Record::FuncName { func_id, name });
-            out.records += 1;
-        }
-    }
     if out.copy_failures > 0 {
         log_once(
             true,

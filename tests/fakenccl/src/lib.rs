@@ -358,6 +358,7 @@ impl Host {
             capturing: false,
             graph: Vec::new(),
             replays: 0,
+            stream_free_ns: None,
         })
     }
 }
@@ -386,6 +387,9 @@ pub struct Comm {
     graph: Vec<Captured>,
     /// Graph replays on this communicator so far.
     replays: u32,
+    /// With [`Comm::set_gpu_lag`]: when the simulated GPU finishes the last kernel launched on the
+    /// communicator's stream.
+    stream_free_ns: Option<u64>,
 }
 
 /// An operation captured into a CUDA graph.
@@ -486,6 +490,8 @@ struct Kernel<'s> {
 
 /// One kernel's events, as NCCL's proxy/profiler thread and the GPU report them.
 struct KernelJob {
+    /// Simulated GPU time before which its events are not emitted (the kernel has not run yet).
+    not_before: u64,
     parent: SendPtr,
     items: Vec<HookItem>,
     kernel_ch: bool,
@@ -879,7 +885,14 @@ impl Comm {
         parent: SendPtr,
         k: &Kernel<'_>,
     ) -> (Vec<KernelReport>, Vec<HookItem>) {
-        let base = gpu_now_ns();
+        let mut base = gpu_now_ns();
+        let mut not_before = 0;
+        if let Some(free) = &mut self.stream_free_ns {
+            // Kernels of one stream run back to back: this one starts when the previous one ended.
+            base = base.max(*free);
+            *free = base + k.n_channels as u64 + k.kernel_ns;
+            not_before = *free;
+        }
         let mut items = Vec::new();
         for ch in 0..k.n_channels {
             self.work_counter[ch as usize] += 1;
@@ -893,6 +906,7 @@ impl Comm {
             });
         }
         let job = KernelJob {
+            not_before,
             parent,
             items,
             kernel_ch: mask & self.kernel_bits() != 0,
@@ -932,10 +946,25 @@ impl Comm {
             .name("fakenccl-proxy".into())
             .spawn(move || {
                 for job in rx {
+                    // The GPU writes a work item when it runs it: not before.
+                    while let Some(wait) = job.not_before.checked_sub(gpu_now_ns()) {
+                        std::thread::sleep(std::time::Duration::from_nanos(wait.min(1_000_000)));
+                    }
                     job.emit(&host, ctx, rank, hook, &mut page);
                 }
             })?;
         self.proxy = Some(Proxy { tx, thread });
+        Ok(())
+    }
+
+    /// From now on the simulated GPU lags the host as a busy one does: a kernel starts when the
+    /// previous one on the communicator's stream ended (or at its launch if that is later), and its
+    /// events are emitted only once it has run, from the proxy thread (kernels become asynchronous).
+    /// With kernels longer than the pause between launches, the host enqueues later operations
+    /// while earlier ones still run.
+    pub fn set_gpu_lag(&mut self) -> anyhow::Result<()> {
+        self.set_async_kernels()?;
+        self.stream_free_ns.get_or_insert(0);
         Ok(())
     }
 

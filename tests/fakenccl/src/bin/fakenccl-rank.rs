@@ -43,6 +43,11 @@ struct Args {
     /// operations' host events.
     #[arg(long)]
     async_kernels: bool,
+    /// The simulated GPU lags the host: each kernel starts when the previous one on the stream ended
+    /// and its events come once it has run (implies --async-kernels). With --kernel-ns longer than
+    /// --interval-us, the host enqueues eager operations while a graph replay still runs.
+    #[arg(long)]
+    gpu_lag: bool,
     #[arg(long, default_value_t = 0)]
     rank: i32,
     #[arg(long, default_value_t = 1)]
@@ -173,6 +178,9 @@ fn run_comm(host: &std::sync::Arc<Host>, args: &Args, i: u32) -> anyhow::Result<
     let mut comm = host.init_comm(&spec)?;
     if args.async_kernels {
         comm.set_async_kernels()?;
+    }
+    if args.gpu_lag {
+        comm.set_gpu_lag()?;
     }
     let mut ops = Vec::new();
     let pause = || {
