@@ -1,11 +1,57 @@
 //! A daemon restarted at any commit point of a CUDA-graph run attributes what it reads again exactly
-//! as the first one did: the real plugin's segment from a fake RFC rank (eager collectives, a captured
-//! graph, replays with eager collectives between them), assembled once whole and, for cut points
-//! every 7 records, by an assembler that stops there, commits at its commit point, saves its
-//! dictionary, and hands over to a fresh one restored from it (as `engine` does across a SIGKILL).
+//! as the first one did. Each test runs a fake RFC rank through the real plugin (eager collectives, a
+//! captured graph, replays with eager collectives between them), assembles its segment once whole and,
+//! for cut points every few records, by an assembler that stops there, commits at its commit point,
+//! saves its dictionary, and hands over to a fresh one restored from it (as `engine` does across a
+//! SIGKILL).
+
+use std::collections::BTreeMap;
 
 use ncclscope::assemble::{Assembler, Completed, done};
 use ncclscope_fakenccl::process::{Cleanup, read_only_segment, run_rank, unique_prefix};
+use ncclscope_proto::Record;
+
+/// Every record applied by one assembler; what it delivered and its counters.
+fn assemble_whole(records: &[Record]) -> (Assembler, Vec<Completed>) {
+    let mut whole = Assembler::new(1, 0, "j".into(), "h".into(), 1 << 20);
+    let mut out = Vec::new();
+    for (i, r) in records.iter().enumerate() {
+        whole.apply(i as u64, r, 0, &mut out);
+    }
+    (whole, out)
+}
+
+/// What two assemblers deliver when the first stops after `records[..cut]` and the second resumes
+/// from the first's commit point with its dictionary and deliveries (those the second delivers again,
+/// marked as delivered before, left out), and that commit point. With `unacked`, an instance delivered
+/// but not yet acknowledged by the OTLP receiver also holds the commit point.
+fn handed_over(records: &[Record], cut: usize, unacked: Option<usize>) -> (Vec<Completed>, u64) {
+    let mut a = Assembler::new(1, 0, "j".into(), "h".into(), 1 << 20);
+    let mut first = Vec::new();
+    for (i, r) in records[..cut].iter().enumerate() {
+        a.apply(i as u64, r, 0, &mut first);
+    }
+    let mut tail = a
+        .oldest_pending_pos()
+        .map_or(cut as u64, |p| p.min(cut as u64));
+    if let Some(c) = unacked.and_then(|n| first.iter().rev().nth(n)) {
+        tail = tail.min(c.first_pos);
+    }
+    let _ = a.prune_prior(tail);
+    let delivered: Vec<(u64, u64, u8)> = first
+        .iter()
+        .filter(|c| c.first_pos >= tail)
+        .map(|c| (c.op_id, c.first_pos, done::ALL))
+        .collect();
+    let mut b = Assembler::new(1, 0, "j".into(), "h".into(), 1 << 20);
+    b.restore(a.dictionary(), delivered);
+    let mut second = Vec::new();
+    for (i, r) in records.iter().enumerate().skip(tail as usize) {
+        b.apply(i as u64, r, 0, &mut second);
+    }
+    first.extend(second.into_iter().filter(|c| c.prior != done::ALL));
+    (first, tail)
+}
 
 /// (seq, replay, exec, start) of the instances delivered, sorted.
 fn instances<'a>(c: impl Iterator<Item = &'a Completed>) -> Vec<(u64, u32, u64, u64)> {
@@ -21,6 +67,16 @@ fn instances<'a>(c: impl Iterator<Item = &'a Completed>) -> Vec<(u64, u32, u64, 
         .collect();
     v.sort_unstable();
     v
+}
+
+/// (seq, replay) -> exec of every instance delivered with device timing.
+fn timed<'a>(c: impl Iterator<Item = &'a Completed>) -> BTreeMap<(u64, u32), u64> {
+    let mut m = BTreeMap::new();
+    for c in c.filter(|c| c.coll.timing_source == "device_hook") {
+        let key = (c.coll.seq, c.coll.replay);
+        assert!(m.insert(key, c.coll.exec_ns).is_none(), "{key:?} twice");
+    }
+    m
 }
 
 #[test]
@@ -47,43 +103,88 @@ fn a_restart_at_any_commit_point_of_a_graph_run_delivers_the_same_instances() {
     ];
     let run = run_rank(&prefix, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
     let records = read_only_segment(&prefix).unwrap().records;
-    let mut whole = Assembler::new(1, 0, "j".into(), "h".into(), 1 << 20);
-    let mut out = Vec::new();
-    for (i, r) in records.iter().enumerate() {
-        whole.apply(i as u64, r, 0, &mut out);
-    }
+    let (whole, out) = assemble_whole(&records);
     let want = instances(out.iter());
     assert_eq!(want.len(), 2 + 10 * 21, "{}", run.stderr);
     assert_eq!(whole.counters.dev_unattributed, 0);
     for cut in (1..records.len()).step_by(7) {
-        let mut a = Assembler::new(1, 0, "j".into(), "h".into(), 1 << 20);
-        let mut first = Vec::new();
-        for (i, r) in records[..cut].iter().enumerate() {
-            a.apply(i as u64, r, 0, &mut first);
-        }
-        let mut tail = a
-            .oldest_pending_pos()
-            .map_or(cut as u64, |p| p.min(cut as u64));
-        // An instance delivered but not yet acknowledged by the OTLP receiver also holds the tail.
-        if let Some(c) = first.iter().rev().nth(cut % 5) {
-            tail = tail.min(c.first_pos);
-        }
-        let _ = a.prune_prior(tail);
-        let delivered: Vec<(u64, u64, u8)> = first
-            .iter()
-            .filter(|c| c.first_pos >= tail)
-            .map(|c| (c.op_id, c.first_pos, done::ALL))
-            .collect();
-        let mut b = Assembler::new(1, 0, "j".into(), "h".into(), 1 << 20);
-        b.restore(a.dictionary(), delivered);
-        let mut second = Vec::new();
-        for (i, r) in records.iter().enumerate().skip(tail as usize) {
-            b.apply(i as u64, r, 0, &mut second);
-        }
-        let fresh = second.iter().filter(|c| c.prior != done::ALL);
+        let (got, tail) = handed_over(&records, cut, Some(cut % 5));
         assert_eq!(
-            instances(first.iter().chain(fresh)),
+            instances(got.iter()),
             want,
+            "restart at record {cut} (commit point {tail})"
+        );
+    }
+}
+
+/// CUDA-graph replays on a GPU that lags the CPU: the fake RFC rank's GPU runs each kernel after the
+/// previous one on the stream (`--gpu-lag`), so the host enqueues the eager all-reduces that follow a
+/// replay (same device function as the replay's first operation) while the replay still runs, and
+/// their host events are in the segment before the replay's work items.
+#[test]
+fn replays_on_a_lagging_gpu_are_attributed_exactly_and_restart_anywhere() {
+    let prefix = unique_prefix("graph-lag");
+    let _cleanup = Cleanup(prefix.clone());
+    let args = [
+        "--kind",
+        "rfc",
+        "--colls",
+        "4",
+        "--channels",
+        "4",
+        "--graph-ops",
+        "50",
+        "--graph-channels",
+        "8",
+        "--replays",
+        "6",
+        "--eager-between",
+        "2",
+        "--gpu-lag",
+        "--kernel-ns",
+        "20000",
+        "--interval-us",
+        "100",
+    ];
+    let run = run_rank(&prefix, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
+    let records = read_only_segment(&prefix).unwrap().records;
+    // What the rank produced: (seq, replay) -> exec (a replayed op's seq is the captured one's, made
+    // unique per function in capture order).
+    let ops = &run.report.comms[0].ops;
+    let capture_seq = ops.iter().find(|o| o.captured).unwrap().seq;
+    let mut produced = BTreeMap::new();
+    let mut index = BTreeMap::new();
+    for op in ops.iter().filter(|o| !o.captured) {
+        let seq = if op.replay > 0 {
+            let i = index.entry(op.replay).or_insert(0);
+            *i += 1;
+            capture_seq + *i - 1
+        } else {
+            op.seq
+        };
+        let exec = op.hook_items.iter().map(|i| i.gpu_stop - i.gpu_start).max();
+        produced.insert((seq, op.replay), exec.unwrap());
+    }
+    assert_eq!(produced.len(), 4 + 6 * (50 + 2));
+
+    let (whole, out) = assemble_whole(&records);
+    let c = &whole.counters;
+    assert_eq!(
+        timed(out.iter()),
+        produced,
+        "every instance delivered once with the exec time produced: {c:?}"
+    );
+    assert_eq!(
+        (c.dev_work, c.dev_joined),
+        (c.dev_work, c.dev_work),
+        "{c:?}"
+    );
+
+    for cut in (1..records.len()).step_by(17) {
+        let (got, tail) = handed_over(&records, cut, None);
+        assert_eq!(
+            timed(got.iter()),
+            produced,
             "restart at record {cut} (commit point {tail})"
         );
     }
