@@ -816,6 +816,31 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
         "both ranks of each collective in one trace"
     );
 
+    drained_with_nothing_lost(
+        &h,
+        expected,
+        &[
+            "ring_full",
+            "queue_full",
+            "dev_lost",
+            "dev_unpaired",
+            "incomplete",
+            "kernel_unjoined",
+            "dev_unjoined",
+            "uncalibrated",
+        ],
+    );
+    assert_eq!(
+        h.segments_left(),
+        0,
+        "segments reaped after their processes exited"
+    );
+}
+
+/// Waits until the daemon has drained and removed every segment, then checks that it counted
+/// `expected` instances, joined every device-hook work item and counted nothing at `stages`; returns
+/// the metrics text.
+fn drained_with_nothing_lost(h: &Harness, expected: usize, stages: &[&str]) -> String {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut text = h.metrics();
     while sample(&text, "ncclscope_segments") != Some(0.0) && Instant::now() < deadline {
@@ -831,16 +856,7 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
         sample(&text, "ncclscope_collectives_total"),
         Some(expected as f64)
     );
-    for stage in [
-        "ring_full",
-        "queue_full",
-        "dev_lost",
-        "dev_unpaired",
-        "incomplete",
-        "kernel_unjoined",
-        "dev_unjoined",
-        "uncalibrated",
-    ] {
+    for stage in stages {
         assert!(
             matches!(
                 sample(&text, &format!("ncclscope_lost_total{{stage=\"{stage}\"}}")),
@@ -849,11 +865,7 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
             "{stage}: {text}"
         );
     }
-    assert_eq!(
-        h.segments_left(),
-        0,
-        "segments reaped after their processes exited"
-    );
+    text
 }
 
 const FAULT_ENV: &str = "NCCLSCOPE_TEST_FAULT";
@@ -1447,43 +1459,24 @@ async fn graph_replays(label: &str, timing: &[&str]) {
     let all: BTreeSet<&String> = traces.values().flatten().collect();
     assert_eq!(all.len(), traces.len(), "a trace per (seq, replay)");
 
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut text = h.metrics();
-    while sample(&text, "ncclscope_segments") != Some(0.0) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(200));
-        text = h.metrics();
-    }
-    assert_eq!(
-        sample(&text, "ncclscope_device_hook_join_ratio"),
-        Some(1.0),
-        "{text}"
-    );
-    assert_eq!(
-        sample(&text, "ncclscope_collectives_total"),
-        Some(expected as f64)
+    let text = drained_with_nothing_lost(
+        &h,
+        expected,
+        &[
+            "ring_full",
+            "dev_lost",
+            "incomplete",
+            "dev_unjoined",
+            "dev_unattributed",
+            "dev_mismatch",
+            "dev_ambiguous",
+        ],
     );
     eprintln!(
         "{label}: produced {expected} instances, delivered {}, dev_ambiguous {:?}",
         delivered.len(),
         sample(&text, "ncclscope_lost_total{stage=\"dev_ambiguous\"}")
     );
-    for stage in [
-        "ring_full",
-        "dev_lost",
-        "incomplete",
-        "dev_unjoined",
-        "dev_unattributed",
-        "dev_mismatch",
-        "dev_ambiguous",
-    ] {
-        assert!(
-            matches!(
-                sample(&text, &format!("ncclscope_lost_total{{stage=\"{stage}\"}}")),
-                None | Some(0.0)
-            ),
-            "{stage}: {text}"
-        );
-    }
 }
 
 /// A daemon SIGKILLed while two RFC ranks replay a graph, then restarted: the second daemon resumes
