@@ -25,7 +25,10 @@ const PTX_ARCH: u32 = 120;
 
 fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
-    let cuda = Path::new(env!("CARGO_MANIFEST_DIR")).join("../cuda");
+    // Read when the script runs, not baked in when it is compiled: a build-script binary reused from
+    // another checkout sharing the target directory would otherwise compile that checkout's CUDA.
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR");
+    let cuda = Path::new(&manifest).join("../cuda");
     println!("cargo:rerun-if-changed={}", cuda.display());
     println!("cargo:rerun-if-changed=src/devhook/layout.rs");
     println!("cargo:rerun-if-changed=build");
