@@ -2,6 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
+use fake_opentelemetry_collector::ExportedSpan;
+
 /// The `ncclscope` binary of this build (next to the test executable's `deps/` directory).
 pub fn daemon_binary() -> PathBuf {
     let exe = std::env::current_exe().expect("the test executable's path");
@@ -16,4 +18,23 @@ pub fn daemon_binary() -> PathBuf {
         bin.display()
     );
     bin
+}
+
+/// A span attribute's value; the fake collector keeps them in their Debug form
+/// (`Some(AnyValue { value: Some(IntValue(5)) })`). "" when absent.
+pub fn attr<'a>(s: &'a ExportedSpan, k: &str) -> &'a str {
+    let Some(v) = s.attributes.get(k) else {
+        return "";
+    };
+    for (open, close) in [
+        ("StringValue(\"", "\")"),
+        ("IntValue(", ")"),
+        ("DoubleValue(", ")"),
+        ("BoolValue(", ")"),
+    ] {
+        if let Some(rest) = v.split_once(open).map(|(_, r)| r) {
+            return rest.split_once(close).map_or(rest, |(v, _)| v);
+        }
+    }
+    v
 }

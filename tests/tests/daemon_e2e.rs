@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
 use ncclscope_proto::segment::{self, Counter, Owner, Producer, Segment, SegmentName};
 use ncclscope_proto::{Record, StrId, TimingPath};
+use ncclscope_tests::attr;
 
 const RANK_ENV: &str = "NCCLSCOPE_TEST_DAEMON_RANK";
 const COMM_HASH: u64 = 0x5eed_0000_0000_cafe;
@@ -323,25 +324,6 @@ async fn collect(
                 .await,
         );
     }
-}
-
-/// An attribute's value; the fake collector keeps them in their Debug form
-/// (`Some(AnyValue { value: Some(IntValue(5)) })`).
-fn attr<'a>(s: &'a ExportedSpan, k: &str) -> &'a str {
-    let Some(v) = s.attributes.get(k) else {
-        return "";
-    };
-    for (open, close) in [
-        ("StringValue(\"", "\")"),
-        ("IntValue(", ")"),
-        ("DoubleValue(", ")"),
-        ("BoolValue(", ")"),
-    ] {
-        if let Some(rest) = v.split_once(open).map(|(_, r)| r) {
-            return rest.split_once(close).map_or(rest, |(v, _)| v);
-        }
-    }
-    v
 }
 
 fn rank_spans(spans: &[ExportedSpan]) -> Vec<&ExportedSpan> {

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
 use ncclscope_proto::segment::{self, Owner, Producer, Segment};
 use ncclscope_proto::{Record, StrId, TimingPath};
+use ncclscope_tests::attr;
 
 const CHILD_ENV: &str = "NCCLSCOPE_TEST_MULTI_USER";
 const A: u32 = 61001;
@@ -327,17 +328,6 @@ impl Drop for Node {
             let _ = Segment::unlink(&name);
         }
     }
-}
-
-/// An attribute's value in the fake collector's Debug form (`Some(AnyValue { value: Some(IntValue(5)) })`).
-fn attr<'a>(s: &'a ExportedSpan, k: &str) -> &'a str {
-    let v = s.attributes.get(k).map_or("", String::as_str);
-    for (open, close) in [("StringValue(\"", "\")"), ("IntValue(", ")")] {
-        if let Some((_, rest)) = v.split_once(open) {
-            return rest.split_once(close).map_or(rest, |(v, _)| v);
-        }
-    }
-    v
 }
 
 /// B's process claims A's job id, A's communicator hash and rank 0 (so the root span) at the same time
