@@ -877,11 +877,6 @@ impl Assembler {
         &self.names.job_id
     }
 
-    /// The spool's key of this process's job: (uid, job id).
-    pub fn job_key(&self) -> crate::spool::JobKey {
-        (self.names.uid, self.names.job_id.clone())
-    }
-
     /// The strings this process's instances refer to.
     pub fn names(&self) -> &Arc<Names> {
         &self.names
@@ -1310,7 +1305,7 @@ impl Assembler {
                     gpu_start,
                     gpu_stop,
                 };
-                if self.templates.contains_key(&comm) {
+                if !self.templates.is_empty() && self.templates.contains_key(&comm) {
                     self.attribute(pos, comm, channel, work_counter, work, now_ns, out);
                     return;
                 }
@@ -1320,11 +1315,7 @@ impl Assembler {
                     self.early_works -= 1;
                 }
                 self.early_works += 1;
-                lane.works.push_back(Work {
-                    func_id,
-                    gpu_start,
-                    gpu_stop,
-                });
+                lane.works.push_back(work);
                 self.match_lane((comm, channel), now_ns, out);
             }
         }

@@ -33,7 +33,7 @@ use crate::hub::{Durable, Hub};
 use crate::instance::{InstanceRef, Shared};
 use crate::metrics::{self, Health};
 use crate::otlp::{ExportCounters, SpanItem};
-use crate::spool::{Origin, Position};
+use crate::spool::{JobKey, Origin, Position};
 use crate::state::{self, SegmentState};
 use crate::stats::Stats;
 
@@ -76,6 +76,8 @@ const MARK_LAG: u64 = 1 << 20;
 struct Attached {
     name: SegmentName,
     label: String,
+    /// The spool's key of the process's job: (uid, job id).
+    job: JobKey,
     consumer: Consumer,
     asm: Assembler,
     read_upto: u64,
@@ -261,6 +263,7 @@ impl Engine {
             ));
         }
         let owner = segment.owner();
+        let job: JobKey = (uid, owner.job_id.clone());
         self.uid_budgets.retain(|_, b| Arc::strong_count(b) > 1);
         let budget = (self.uid_budgets.entry(uid))
             .or_insert_with(|| UidBudget::new(self.cfg.limits.uid_max_dictionary))
@@ -283,7 +286,7 @@ impl Engine {
                 let mut delivered = st.delivered;
                 if let Some(spool) = &self.spool {
                     // Spooled by the previous daemon after it saved this state: recorded already.
-                    match spool.recorded_since(&(uid, owner.job_id.clone()), st.spool_mark) {
+                    match spool.recorded_since(&job, st.spool_mark) {
                         Ok(origins) => mark_recorded(&mut delivered, &name, tail, origins),
                         Err(e) => {
                             tracing::warn!(segment = %label, error = %e, "cannot read the spool back; what it holds past the saved state may be recorded twice");
@@ -313,6 +316,7 @@ impl Engine {
         self.segments.push(Attached {
             name,
             label,
+            job,
             consumer,
             asm,
             read_upto,
@@ -520,7 +524,7 @@ impl Engine {
             // Write-ahead: the saved state's spool mark must precede what the segment appends now.
             for (i, range) in &runs {
                 let seg = &mut self.segments[*i];
-                let end = spool.end(&seg.asm.job_key());
+                let end = spool.end(&seg.job);
                 if mark_stale(seg.spool_mark, Some(end))
                     && completed[range.clone()]
                         .iter()
@@ -661,7 +665,7 @@ impl Engine {
     /// unless `now` or the ring is a quarter full).
     fn commit_all(&mut self, now: bool) {
         for seg in &mut self.segments {
-            let end = self.spool.as_ref().map(|s| s.end(&seg.asm.job_key()));
+            let end = self.spool.as_ref().map(|s| s.end(&seg.job));
             commit(&self.cfg.state_dir, seg, now, end, &mut self.daemon_lost);
         }
     }
@@ -677,7 +681,7 @@ impl Engine {
                 && s.unacked.is_empty();
             if drained {
                 let mut seg = self.segments.remove(i);
-                let end = self.spool.as_ref().map(|s| s.end(&seg.asm.job_key()));
+                let end = self.spool.as_ref().map(|s| s.end(&seg.job));
                 commit(
                     &self.cfg.state_dir,
                     &mut seg,
@@ -1042,7 +1046,7 @@ fn save_state(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spool::{JobKey, Spool, SpoolLimits};
+    use crate::spool::{Spool, SpoolLimits};
     use ncclscope_proto::segment::{Owner, Producer};
     use ncclscope_proto::{Record, StrId, TimingPath};
 
