@@ -1360,36 +1360,18 @@ async fn graph_replays(label: &str, timing: &[&str]) {
         );
         reports.push(serde_json::from_slice(&out.stdout).unwrap());
     }
-    // What each rank produced: (pid, seq, replay) -> (exec, wall). A replayed op's seq is the
-    // captured one's, made unique per function in capture order (NCCL did not advance it).
+    // What each rank produced: (pid, seq, replay) -> (exec, wall).
     let mut produced: BTreeMap<(u32, u64, u32), (u64, u64)> = BTreeMap::new();
     for report in &reports {
-        let ops = &report.comms[0].ops;
-        let capture_seq = ops.iter().find(|o| o.captured).unwrap().seq;
-        let mut index_in_replay = 0;
-        let mut last_replay = 0;
-        for op in ops.iter().filter(|o| !o.captured) {
-            let seq = if op.replay > 0 {
-                if op.replay != last_replay {
-                    (last_replay, index_in_replay) = (op.replay, 0);
-                }
-                index_in_replay += 1;
-                capture_seq + index_in_replay - 1
-            } else {
-                op.seq
-            };
+        for ((seq, replay), op) in report.comms[0].instances() {
             let items = &op.hook_items;
             assert_eq!(items.len(), op.n_channels as usize);
-            let exec = items
-                .iter()
-                .map(|i| i.gpu_stop - i.gpu_start)
-                .max()
-                .unwrap();
+            let exec = op.hook_exec_ns().unwrap();
             let wall = items.iter().map(|i| i.gpu_stop).max().unwrap()
                 - items.iter().map(|i| i.gpu_start).min().unwrap();
             assert!(
                 produced
-                    .insert((report.pid, seq, op.replay), (exec, wall))
+                    .insert((report.pid, seq, replay), (exec, wall))
                     .is_none()
             );
         }
@@ -1516,26 +1498,8 @@ async fn a_daemon_killed_mid_replay_resumes_the_graph_template() {
     // (pid, seq, replay) -> exec, as in the test above.
     let mut produced: BTreeMap<(u32, u64, u32), u64> = BTreeMap::new();
     for report in &reports {
-        let ops = &report.comms[0].ops;
-        let capture_seq = ops.iter().find(|o| o.captured).unwrap().seq;
-        let (mut last_replay, mut index) = (0, 0);
-        for op in ops.iter().filter(|o| !o.captured) {
-            let seq = if op.replay > 0 {
-                if op.replay != last_replay {
-                    (last_replay, index) = (op.replay, 0);
-                }
-                index += 1;
-                capture_seq + index - 1
-            } else {
-                op.seq
-            };
-            let exec = op
-                .hook_items
-                .iter()
-                .map(|i| i.gpu_stop - i.gpu_start)
-                .max()
-                .unwrap();
-            produced.insert((report.pid, seq, op.replay), exec);
+        for ((seq, replay), op) in report.comms[0].instances() {
+            produced.insert((report.pid, seq, replay), op.hook_exec_ns().unwrap());
         }
     }
     let key = |s: &ExportedSpan| -> (u32, u64, u32) {

@@ -148,23 +148,10 @@ fn replays_on_a_lagging_gpu_are_attributed_exactly_and_restart_anywhere() {
     ];
     let run = run_rank(&prefix, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
     let records = read_only_segment(&prefix).unwrap().records;
-    // What the rank produced: (seq, replay) -> exec (a replayed op's seq is the captured one's, made
-    // unique per function in capture order).
-    let ops = &run.report.comms[0].ops;
-    let capture_seq = ops.iter().find(|o| o.captured).unwrap().seq;
-    let mut produced = BTreeMap::new();
-    let mut index = BTreeMap::new();
-    for op in ops.iter().filter(|o| !o.captured) {
-        let seq = if op.replay > 0 {
-            let i = index.entry(op.replay).or_insert(0);
-            *i += 1;
-            capture_seq + *i - 1
-        } else {
-            op.seq
-        };
-        let exec = op.hook_items.iter().map(|i| i.gpu_stop - i.gpu_start).max();
-        produced.insert((seq, op.replay), exec.unwrap());
-    }
+    // What the rank produced: (seq, replay) -> exec.
+    let produced: BTreeMap<(u64, u32), u64> = (run.report.comms[0].instances())
+        .map(|(key, op)| (key, op.hook_exec_ns().unwrap()))
+        .collect();
     assert_eq!(produced.len(), 4 + 6 * (50 + 2));
 
     let (whole, out) = assemble_whole(&records);

@@ -87,6 +87,38 @@ pub struct CommReport {
     pub finalize_ns: u64,
 }
 
+impl CommReport {
+    /// The operations that ran (eager ones and each replay of a captured one), each with the
+    /// (seq, replay) the daemon gives its instance: a replayed operation's seq is the first captured
+    /// one's plus its place in the replay (NCCL did not advance seq for captured all-reduces, and the
+    /// daemon numbers them on in capture order).
+    pub fn instances(&self) -> impl Iterator<Item = ((u64, u32), &OpReport)> {
+        let capture_seq = self.ops.iter().find(|o| o.captured).map_or(0, |o| o.seq);
+        let mut place = (0, 0);
+        self.ops.iter().filter(|o| !o.captured).map(move |op| {
+            if op.replay == 0 {
+                return ((op.seq, 0), op);
+            }
+            place = if place.0 == op.replay {
+                (op.replay, place.1 + 1)
+            } else {
+                (op.replay, 0)
+            };
+            ((capture_seq + place.1, op.replay), op)
+        })
+    }
+}
+
+impl OpReport {
+    /// Its exec time as the daemon computes it from the device-hook items: the longest channel.
+    pub fn hook_exec_ns(&self) -> Option<u64> {
+        self.hook_items
+            .iter()
+            .map(|i| i.gpu_stop - i.gpu_start)
+            .max()
+    }
+}
+
 /// A whole fake-NCCL process.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Report {
