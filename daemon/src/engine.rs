@@ -594,7 +594,7 @@ impl Engine {
                         && !slow
                         && !crate::spans::sampled(
                             c.coll.comm_hash,
-                            crate::spans::collective_key(c.coll.seq, c.coll.replay),
+                            crate::spans::instance_key(inst),
                             self.cfg.otlp.sample_ratio,
                         )
                     {
@@ -603,7 +603,10 @@ impl Engine {
                 } else if c.prior & done::EXPORTED == 0
                     && !crate::spans::sampled(
                         c.coll.comm_hash,
-                        crate::spans::collective_key(c.coll.seq, c.coll.replay),
+                        crate::spans::instance_key(InstanceRef {
+                            inst: &c.coll,
+                            names,
+                        }),
                         self.cfg.otlp.sample_ratio,
                     )
                 {

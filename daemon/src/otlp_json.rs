@@ -104,7 +104,7 @@ fn kv(key: &str, v: &str) -> KeyValue {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spans::{rank_span_id, trace_id};
+    use crate::spans::{collective_key, rank_span_id, trace_id};
     use ncclscope_proto::api::ChannelWork;
     use serde_json::Value;
 
@@ -159,11 +159,12 @@ mod tests {
             .flat_map(|rs| rs["scopeSpans"][0]["spans"].as_array().unwrap())
             .collect();
         assert_eq!(spans.len(), 3000);
+        let key = collective_key("ReduceScatter", 42, 0);
         let rank1 = spans
             .iter()
-            .find(|s| s["spanId"] == hex(&rank_span_id(0, 7, 42, 1)))
+            .find(|s| s["spanId"] == hex(&rank_span_id(0, 7, key, 1)))
             .expect("rank 1 span of seq 42");
-        assert_eq!(rank1["traceId"], hex(&trace_id(0, 7, 42)));
+        assert_eq!(rank1["traceId"], hex(&trace_id(0, 7, key)));
         assert_eq!(rank1["startTimeUnixNano"], "1042");
         assert_eq!(rank1["name"], "ReduceScatter rank");
         let child = spans

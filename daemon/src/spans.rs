@@ -1,10 +1,13 @@
 //! OpenTelemetry spans for collective instances, with ids that every node derives alike.
 //!
-//! - trace id = f(uid, commHash, seq): all ranks of one collective, on every node, land in one trace;
-//! - each rank's span id = f(uid, commHash, seq, rank), its parent the collective's root span
-//!   id = f(uid, commHash, seq); the root span itself is emitted by rank 0's daemon only (with rank 0's
+//! An instance is identified within its communicator by [`collective_key`]: (collective type, seq)
+//! for an eager launch, (type, seq, replay) for a graph replay's (the captured operation's seq and
+//! the replay's index on the communicator), the same on every rank. From it:
+//! - trace id = f(uid, commHash, key): all ranks of one collective, on every node, land in one trace;
+//! - each rank's span id = f(uid, commHash, key, rank), its parent the collective's root span
+//!   id = f(uid, commHash, key); the root span itself is emitted by rank 0's daemon only (with rank 0's
 //!   times), so no coordination is needed and the root is never duplicated;
-//! - optional channel spans: id = f(uid, commHash, seq, rank, channel), children of the rank's span.
+//! - optional channel spans: id = f(uid, commHash, key, rank, channel), children of the rank's span.
 //!
 //! The uid is the one the kernel reported at registration; commHash, seq and rank are what the
 //! segment says. A job runs under one uid on every node (the same on a cluster with shared accounts),
@@ -12,9 +15,7 @@
 //! the same commHash (even as rank 0) lands in a trace of its own uid: it can neither add spans to
 //! the victim's trace nor emit its root.
 //!
-//! Sampling is a function of (commHash, seq), so every rank keeps the same collectives.
-//! A graph replay's instance takes the place of `seq` with [`collective_key`]`(seq, replay)`: the
-//! captured operation's seq and the replay's index on the communicator, the same on every rank.
+//! Sampling is a function of (commHash, key), so every rank keeps the same collectives.
 //! The daemon builds OTLP protobuf spans itself (opentelemetry-proto) because the SDK generates ids.
 
 use crate::instance::InstanceRef;
@@ -37,14 +38,30 @@ fn nonzero(x: u64) -> u64 {
     if x == 0 { 1 } else { x }
 }
 
-/// What identifies an instance within its communicator: `seq` itself for an eager launch (replay 0),
-/// so eager ids do not depend on replays; a mix of (seq, replay) for the r-th graph replay.
-pub fn collective_key(seq: u64, replay: u32) -> u64 {
+/// What identifies an instance within its communicator. NCCL numbers collectives per communicator
+/// and per collective type (`seqNumber[func]`, the Coll event's seqNumber): AllGather 0 and AllReduce
+/// 0 are two collectives. So the key is (collective type, seq) for an eager launch and (type, seq,
+/// replay) for the r-th graph replay, the same on every rank of every node.
+pub fn collective_key(func: &str, seq: u64, replay: u32) -> u64 {
+    let key = mix(type_key(func), seq);
     if replay == 0 {
-        seq
+        key
     } else {
-        mix(seq, 0x7265_706c_6179_0000 | replay as u64) // "replay"
+        mix(key, 0x7265_706c_6179_0000 | replay as u64) // "replay"
     }
+}
+
+/// The collective type's part of [`collective_key`]: FNV-1a of its name, a fixed function of the
+/// name on every node (unlike the std hashers).
+pub fn type_key(func: &str) -> u64 {
+    func.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// [`collective_key`] of an instance.
+pub fn instance_key(c: InstanceRef) -> u64 {
+    collective_key(c.func(), c.seq, c.replay)
 }
 
 /// The collective's identity: everything the ids derive from.
@@ -78,12 +95,12 @@ pub fn channel_span_id(uid: u32, comm_hash: u64, seq: u64, rank: u32, channel: u
     nonzero(mix(rank_id, 0x2_0000_0000 | channel as u64)).to_be_bytes()
 }
 
-/// Whether (commHash, seq) falls in the sampled fraction `ratio`: the same answer on every node.
-pub fn sampled(comm_hash: u64, seq: u64, ratio: f64) -> bool {
+/// Whether (commHash, key) falls in the sampled fraction `ratio`: the same answer on every node.
+pub fn sampled(comm_hash: u64, key: u64, ratio: f64) -> bool {
     if ratio >= 1.0 {
         return true;
     }
-    let h = mix(comm_hash ^ 0x7361_6d70_6c65, seq); // "sample"
+    let h = mix(comm_hash ^ 0x7361_6d70_6c65, key); // "sample"
     (h as f64) < ratio * 18_446_744_073_709_551_616.0
 }
 
@@ -124,7 +141,7 @@ fn common(c: InstanceRef) -> Vec<KeyValue> {
 /// Appends the spans this node emits for `c`: the rank's span, its root when `c` is rank 0 of a
 /// collective, and one span per channel if asked.
 pub fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
-    let key = collective_key(c.seq, c.replay);
+    let key = instance_key(c);
     let trace_id = trace_id(c.uid(), c.comm_hash, key).to_vec();
     let root_id = root_span_id(c.uid(), c.comm_hash, key).to_vec();
     let rank_id = rank_span_id(c.uid(), c.comm_hash, key, c.rank);
@@ -230,9 +247,21 @@ mod tests {
             channel_span_id(7, 1, 2, 0, 0),
             channel_span_id(8, 1, 2, 0, 0)
         );
-        assert_eq!(collective_key(2, 0), 2, "eager ids unchanged");
-        assert_ne!(collective_key(2, 1), collective_key(2, 2));
-        assert_ne!(collective_key(2, 1), collective_key(3, 1));
+        let k = |func, seq, replay| collective_key(func, seq, replay);
+        assert_eq!(
+            k("AllReduce", 2, 0),
+            k("AllReduce", 2, 0),
+            "the same on every rank"
+        );
+        assert_ne!(
+            k("AllReduce", 0, 0),
+            k("AllGather", 0, 0),
+            "types numbered apart"
+        );
+        assert_ne!(k("AllReduce", 2, 1), k("AllGather", 2, 1));
+        assert_ne!(k("AllReduce", 2, 1), k("AllReduce", 2, 2));
+        assert_ne!(k("AllReduce", 2, 1), k("AllReduce", 3, 1));
+        assert_ne!(k("AllReduce", 2, 0), k("AllReduce", 2, 1));
     }
 
     #[test]
@@ -271,7 +300,11 @@ mod tests {
         assert!(root.parent_span_id.is_empty());
         assert_eq!(rank.parent_span_id, root.span_id);
         assert_eq!(ch.parent_span_id, rank.span_id);
-        assert!(out.iter().all(|s| s.trace_id == trace_id(0, 5, 9).to_vec()));
+        let key = collective_key("AllReduce", 9, 0);
+        assert!(
+            out.iter()
+                .all(|s| s.trace_id == trace_id(0, 5, key).to_vec())
+        );
         assert_eq!(
             (rank.start_time_unix_nano, rank.end_time_unix_nano),
             (100, 200)
@@ -281,6 +314,6 @@ mod tests {
         rank1.inst.rank = 1;
         spans_of(rank1.view(), false, &mut out);
         assert_eq!(out.len(), 1, "only rank 0 emits the root");
-        assert_eq!(out[0].parent_span_id, root_span_id(0, 5, 9).to_vec());
+        assert_eq!(out[0].parent_span_id, root_span_id(0, 5, key).to_vec());
     }
 }

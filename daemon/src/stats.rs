@@ -152,9 +152,10 @@ struct Rendezvous {
     opened_ns: u64,
 }
 
-/// One communicator's collectives awaiting their local ranks, by seq: slot `k` is seq `base + k`
-/// (NCCL numbers a communicator's collectives densely, and each rank reports them in order), so an
-/// arrival finds its collective by index rather than through a hash table.
+/// One communicator's collectives of one type awaiting their local ranks, by seq: slot `k` is seq
+/// `base + k` (NCCL numbers a communicator's collectives of each type densely, `seqNumber[func]`, and
+/// each rank reports them in order), so an arrival finds its collective by index rather than
+/// through a hash table.
 struct Window {
     job: Arc<str>,
     base: u64,
@@ -167,9 +168,10 @@ pub struct Stats {
     max_series: usize,
     pub series: Map<SeriesKey, Series>,
     pub ranks: Map<RankKey, RankSeries>,
-    /// Skew windows by (uid, communicator hash, replay): eager collectives (replay 0) in one window,
-    /// each graph replay's in its own (its seqs are the captured operations').
-    windows: Map<(u32, u64, u32), Window>,
+    /// Skew windows by (uid, communicator hash, collective type ([`crate::spans::type_key`]), replay):
+    /// eager collectives (replay 0) of a type in one window, each graph replay's in its own (its seqs
+    /// are the captured operations').
+    windows: Map<(u32, u64, u64, u32), Window>,
     /// Ranks of each (uid, communicator) attached on this node (how many arrivals a rendezvous awaits).
     local_ranks: Map<(u32, u64), usize>,
     /// Job and collective name of the overflow series.
@@ -359,7 +361,12 @@ impl Stats {
         let ranks = &mut self.ranks;
         let w = self
             .windows
-            .entry((c.uid(), c.comm_hash, c.replay))
+            .entry((
+                c.uid(),
+                c.comm_hash,
+                crate::spans::type_key(c.func()),
+                c.replay,
+            ))
             .or_insert_with(|| {
                 // The job as the rank series holds it (observe just made sure it exists).
                 let rank = RankRef {
@@ -428,7 +435,7 @@ impl Stats {
     /// out), and forgets windows with nothing awaited.
     pub fn expire(&mut self, now_ns: u64) {
         let (skew_window, window_ns) = (self.skew_window_ns, self.window_ns);
-        for (&(uid, comm_hash, _), w) in &mut self.windows {
+        for (&(uid, comm_hash, _, _), w) in &mut self.windows {
             let before = w.slots.len();
             loop {
                 match w.slots.front() {
@@ -700,14 +707,21 @@ mod tests {
         }
         assert_eq!(s.skew_evaluated, 50);
         assert_eq!(
-            s.windows[&(0, 9, 0)].slots.len(),
+            s.windows[&(0, 9, crate::spans::type_key("AllReduce"), 0)]
+                .slots
+                .len(),
             0,
             "evaluated collectives leave"
         );
         // A rank far ahead (or a seq jump): the window keeps at most MAX_WINDOW collectives.
         s.observe(coll(0, 50, 1_000, 10).view(), 0, 1);
         s.observe(coll(0, 50 + MAX_WINDOW as u64 + 10, 1_000, 10).view(), 0, 1);
-        assert!(s.windows[&(0, 9, 0)].slots.len() <= MAX_WINDOW);
+        assert!(
+            s.windows[&(0, 9, crate::spans::type_key("AllReduce"), 0)]
+                .slots
+                .len()
+                <= MAX_WINDOW
+        );
         // Late arrivals for collectives that left the window are not compared.
         s.observe(coll(1, 50, 1_000, 10).view(), 0, 1);
         assert_eq!(s.skew_evaluated, 50);

@@ -69,12 +69,19 @@ fn instances<'a>(c: impl Iterator<Item = &'a Completed>) -> Vec<(u64, u32, u64, 
     v
 }
 
-/// (seq, replay) -> exec of every instance delivered with device timing.
-fn timed<'a>(c: impl Iterator<Item = &'a Completed>) -> BTreeMap<(u64, u32), u64> {
+/// (collective, seq, replay) -> exec of every instance delivered with device timing; `names`: an
+/// assembler that read the process's strings.
+fn timed<'a>(
+    names: &Assembler,
+    c: impl Iterator<Item = &'a Completed>,
+) -> BTreeMap<(String, u64, u32), u64> {
     let mut m = BTreeMap::new();
     for c in c.filter(|c| c.coll.timing_source == "device_hook") {
-        let key = (c.coll.seq, c.coll.replay);
-        assert!(m.insert(key, c.coll.exec_ns).is_none(), "{key:?} twice");
+        let key = (names.string(c.coll.func.0), c.coll.seq, c.coll.replay);
+        assert!(
+            m.insert(key.clone(), c.coll.exec_ns).is_none(),
+            "{key:?} twice"
+        );
     }
     m
 }
@@ -148,16 +155,16 @@ fn replays_on_a_lagging_gpu_are_attributed_exactly_and_restart_anywhere() {
     ];
     let run = run_rank(&prefix, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
     let records = read_only_segment(&prefix).unwrap().records;
-    // What the rank produced: (seq, replay) -> exec.
-    let produced: BTreeMap<(u64, u32), u64> = (run.report.comms[0].instances())
-        .map(|(key, op)| (key, op.hook_exec_ns().unwrap()))
+    // What the rank produced: (collective, seq, replay) -> exec.
+    let produced: BTreeMap<(String, u64, u32), u64> = (run.report.comms[0].instances())
+        .map(|((f, seq, r), op)| ((f.to_string(), seq, r), op.hook_exec_ns().unwrap()))
         .collect();
     assert_eq!(produced.len(), 4 + 6 * (50 + 2));
 
     let (whole, out) = assemble_whole(&records);
     let c = &whole.counters;
     assert_eq!(
-        timed(out.iter()),
+        timed(&whole, out.iter()),
         produced,
         "every instance delivered once with the exec time produced: {c:?}"
     );
@@ -170,7 +177,7 @@ fn replays_on_a_lagging_gpu_are_attributed_exactly_and_restart_anywhere() {
     for cut in (1..records.len()).step_by(17) {
         let (got, tail) = handed_over(&records, cut, None);
         assert_eq!(
-            timed(got.iter()),
+            timed(&whole, got.iter()),
             produced,
             "restart at record {cut} (commit point {tail})"
         );

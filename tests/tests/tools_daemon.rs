@@ -210,8 +210,8 @@ fn wait_for(d: &Daemon, job: &str, want: u64) -> Value {
     }
 }
 
-/// (pid, seq) of every collective slice in a Perfetto file.
-fn perfetto_instances(path: &Path) -> BTreeSet<(u64, u64)> {
+/// (pid, collective, seq) of every collective slice in a Perfetto file.
+fn perfetto_instances(path: &Path) -> BTreeSet<(u64, String, u64)> {
     let doc: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
     let events = doc["traceEvents"].as_array().unwrap();
     let slices: Vec<_> = events.iter().filter(|e| e["cat"] == "collective").collect();
@@ -220,6 +220,7 @@ fn perfetto_instances(path: &Path) -> BTreeSet<(u64, u64)> {
         .map(|e| {
             (
                 e["args"]["pid"].as_u64().unwrap(),
+                e["args"]["func"].as_str().unwrap().to_string(),
                 e["args"]["seq"].as_u64().unwrap(),
             )
         })
@@ -289,7 +290,9 @@ fn tools_against_a_running_daemon() {
         .map(|c| c.unwrap())
         .collect();
     assert_eq!(spooled.len() as u64, total);
-    let want: BTreeSet<_> = spooled.iter().map(|c| (u64::from(c.pid), c.seq)).collect();
+    let want: BTreeSet<_> = (spooled.iter())
+        .map(|c| (u64::from(c.pid), c.func.clone(), c.seq))
+        .collect();
     let trace = dir.path().join("trace.json");
     let out = d.tool(&["export", "--job", job, "-o", trace.to_str().unwrap()]);
     assert!(

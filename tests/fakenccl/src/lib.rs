@@ -349,7 +349,7 @@ impl Host {
             host: self.clone(),
             ctx: SendPtr(ctx),
             rank: spec.rank,
-            seq: 0,
+            seq: Vec::new(),
             work_counter: [0; 64],
             hook,
             app_page: GuardedPage::new()?,
@@ -374,7 +374,8 @@ pub struct Comm {
     host: Arc<Host>,
     ctx: SendPtr,
     rank: i32,
-    seq: u64,
+    /// NCCL's `seqNumber[func]`: collectives are numbered per communicator and per collective type.
+    seq: Vec<(&'static CStr, u64)>,
     /// NCCL's per-channel work counter, kept across kernels.
     work_counter: [u64; 64],
     hook: Option<(HookFn, SendPtr)>,
@@ -651,10 +652,17 @@ impl Comm {
         let mask = self.host.mask();
         let kernel_bits = self.kernel_bits();
         let captured = self.capturing;
-        let seq = self.seq;
+        let i = match self.seq.iter().position(|(f, _)| *f == spec.func) {
+            Some(i) => i,
+            None => {
+                self.seq.push((spec.func, 0));
+                self.seq.len() - 1
+            }
+        };
+        let seq = self.seq[i].1;
         // NCCL advances a captured collective's seqNumber only with KernelCh in the mask.
         if !captured || mask & event::KERNEL_CH != 0 {
-            self.seq += 1;
+            self.seq[i].1 += 1;
         }
         let v7 = self.host.kind == HostKind::V7;
         let ctx = self.ctx;
@@ -887,16 +895,24 @@ impl Comm {
     ) -> (Vec<KernelReport>, Vec<HookItem>) {
         let mut base = gpu_now_ns();
         let mut not_before = 0;
+        // As on a real GPU shared by several ranks (2 ranks x 64 channels on 132 SMs), not every
+        // channel's block is resident at once: the last quarter start when the first ones finish, so
+        // the channels of one kernel need not overlap in time.
+        let first_wave = k.n_channels - k.n_channels / 4;
         if let Some(free) = &mut self.stream_free_ns {
             // Kernels of one stream run back to back: this one starts when the previous one ended.
             base = base.max(*free);
-            *free = base + k.n_channels as u64 + k.kernel_ns;
+            *free = base + 2 * k.kernel_ns + 1 + k.n_channels as u64;
             not_before = *free;
         }
+        let start_of = |ch: u8| match ch < first_wave {
+            true => base + ch as u64,
+            false => base + k.kernel_ns + 1 + ch as u64,
+        };
         let mut items = Vec::new();
         for ch in 0..k.n_channels {
             self.work_counter[ch as usize] += 1;
-            let start = base + ch as u64;
+            let start = start_of(ch);
             items.push(HookItem {
                 channel: ch,
                 work_counter: self.work_counter[ch as usize],

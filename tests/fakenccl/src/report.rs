@@ -89,22 +89,28 @@ pub struct CommReport {
 
 impl CommReport {
     /// The operations that ran (eager ones and each replay of a captured one), each with the
-    /// (seq, replay) the daemon gives its instance: a replayed operation's seq is the first captured
-    /// one's plus its place in the replay (NCCL did not advance seq for captured all-reduces, and the
-    /// daemon numbers them on in capture order).
-    pub fn instances(&self) -> impl Iterator<Item = ((u64, u32), &OpReport)> {
-        let capture_seq = self.ops.iter().find(|o| o.captured).map_or(0, |o| o.seq);
+    /// (collective, seq, replay) the daemon gives its instance. NCCL numbers collectives per type and
+    /// does not advance seq for captured ones here; the daemon numbers each type's captured operations
+    /// on in capture order, and a replayed operation takes its captured one's seq.
+    pub fn instances(&self) -> impl Iterator<Item = ((&str, u64, u32), &OpReport)> {
+        let mut captured: Vec<(&str, u64)> = Vec::new();
+        for op in self.ops.iter().filter(|o| o.captured) {
+            let prev = captured.iter().rev().find(|(f, _)| *f == op.func);
+            let seq = prev.map_or(op.seq, |&(_, p)| op.seq.max(p + 1));
+            captured.push((op.func.as_str(), seq));
+        }
         let mut place = (0, 0);
         self.ops.iter().filter(|o| !o.captured).map(move |op| {
             if op.replay == 0 {
-                return ((op.seq, 0), op);
+                return ((op.func.as_str(), op.seq, 0), op);
             }
             place = if place.0 == op.replay {
                 (op.replay, place.1 + 1)
             } else {
                 (op.replay, 0)
             };
-            ((capture_seq + place.1, op.replay), op)
+            let seq = captured.get(place.1).map_or(u64::MAX, |c| c.1);
+            ((op.func.as_str(), seq, op.replay), op)
         })
     }
 }
