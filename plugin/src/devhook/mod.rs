@@ -6,8 +6,9 @@
 //! communicator's kernels, which run in order. The forwarding thread calls [`drain`] each iteration and
 //! [`finalize_comm`] when a communicator ends.
 //!
-//! `NCCLSCOPE_RING_MEMORY` picks where rings live: `host` (default; pinned host-mapped memory read in
-//! place), `device` (device memory copied out by the drain with the copy engine), or `cpu` (plain memory
+//! `NCCLSCOPE_RING_MEMORY` picks where rings live: `device` (default; device memory copied out by the
+//! drain with the copy engine: inside real NCCL kernels stores to it cost less than to host-mapped
+//! memory, docs/benchmarks.md), `host` (pinned host-mapped memory read in place), or `cpu` (plain memory
 //! and a host function as the "hook", for simulation without a GPU; never chosen automatically, since a
 //! host pointer handed to a real kernel would crash it). `NCCLSCOPE_RING_SLOTS` sets the ring depth.
 //!
@@ -65,14 +66,14 @@ impl RingConfig {
     pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> RingConfig {
         let mut warnings = Vec::new();
         let placement = match var("NCCLSCOPE_RING_MEMORY").as_deref().map(str::trim) {
-            None | Some("" | "host") => Placement::Host,
-            Some("device") => Placement::Device,
+            None | Some("" | "device") => Placement::Device,
+            Some("host") => Placement::Host,
             Some("cpu") => Placement::Cpu,
             Some(other) => {
                 warnings.push(format!(
-                    "ignoring NCCLSCOPE_RING_MEMORY={other:?} (expected host, device or cpu); using host"
+                    "ignoring NCCLSCOPE_RING_MEMORY={other:?} (expected device, host or cpu); using device"
                 ));
-                Placement::Host
+                Placement::Device
             }
         };
         let (lo, hi) = RING_SLOTS_RANGE;

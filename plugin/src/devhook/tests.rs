@@ -482,13 +482,13 @@ fn ring_config_from_env() {
     let d = cfg(&[]);
     assert_eq!(
         (d.placement, d.shift, d.warnings.len()),
-        (Placement::Host, 12, 0)
+        (Placement::Device, 12, 0)
     );
     let c = cfg(&[
-        ("NCCLSCOPE_RING_MEMORY", "device"),
+        ("NCCLSCOPE_RING_MEMORY", "host"),
         ("NCCLSCOPE_RING_SLOTS", "1024"),
     ]);
-    assert_eq!((c.placement, c.shift), (Placement::Device, 10));
+    assert_eq!((c.placement, c.shift), (Placement::Host, 10));
     assert_eq!(
         cfg(&[("NCCLSCOPE_RING_MEMORY", "cpu")]).placement,
         Placement::Cpu
@@ -499,7 +499,7 @@ fn ring_config_from_env() {
     ]);
     assert_eq!(
         (bad.placement, bad.shift, bad.warnings.len()),
-        (Placement::Host, 12, 2)
+        (Placement::Device, 12, 2)
     );
     assert_eq!(cfg(&[("NCCLSCOPE_RING_SLOTS", "32")]).warnings.len(), 1);
 }
