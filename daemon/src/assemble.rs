@@ -918,17 +918,24 @@ impl Assembler {
         self.pid
     }
 
-    /// Position of the first record of the oldest operation still in flight.
-    pub fn oldest_pending_pos(&self) -> Option<u64> {
+    /// Position of the first record of the oldest operation still in flight, or work item held, at or
+    /// after `from` (the committed tail): what lies before it cannot be read again, so it pins nothing.
+    /// Something in flight lies before the tail only after a commit forced by a nearly full ring.
+    pub fn oldest_pending_pos(&self, from: u64) -> Option<u64> {
         let held = (self.holds.values())
-            .filter(|h| !h.items.is_empty())
+            .filter(|h| !h.items.is_empty() && h.first_pos >= from)
             .map(|h| h.first_pos);
-        self.by_pos
-            .front()
-            .map(|&(pos, _)| pos)
-            .into_iter()
-            .chain(held)
-            .min()
+        let open = match self.by_pos.front() {
+            Some(&(pos, _)) if pos >= from => Some(pos),
+            Some(_) => (self.by_pos.iter())
+                .filter(|&&(pos, id)| {
+                    pos >= from && self.ops.get(&id).is_some_and(|o| o.first_pos == pos)
+                })
+                .map(|&(pos, _)| pos)
+                .min(),
+            None => None,
+        };
+        open.into_iter().chain(held).min()
     }
 
     pub fn pending(&self) -> usize {
@@ -2568,7 +2575,7 @@ mod tests {
             vec![0, 1]
         );
         assert_eq!(a.counters.incomplete, 0);
-        assert_eq!(a.oldest_pending_pos(), None);
+        assert_eq!(a.oldest_pending_pos(0), None);
     }
 
     #[test]
@@ -2811,7 +2818,7 @@ mod tests {
             "oldest closed on overflow"
         );
         assert_eq!(a.counters.pending_overflow, 1);
-        assert_eq!(a.oldest_pending_pos(), Some(7));
+        assert_eq!(a.oldest_pending_pos(0), Some(7));
         let mut out = Vec::new();
         a.apply(
             20,
@@ -2862,7 +2869,7 @@ mod tests {
         }
         let out = feed(&mut a, &recs);
         assert_eq!(out.len(), 19_998);
-        assert_eq!(a.oldest_pending_pos(), Some(first));
+        assert_eq!(a.oldest_pending_pos(0), Some(first));
         assert!(
             a.by_pos.len() <= 2 * a.pending() + 1024,
             "finished ops' entries are dropped: {}",
@@ -2871,7 +2878,7 @@ mod tests {
         let mut out = Vec::new();
         a.finish_all(&mut out);
         assert_eq!(out.iter().map(|c| c.op_id).collect::<Vec<_>>(), vec![1]);
-        assert_eq!(a.oldest_pending_pos(), None);
+        assert_eq!(a.oldest_pending_pos(0), None);
     }
 
     #[test]
@@ -3447,7 +3454,7 @@ mod tests {
         for (i, r) in recs[..cut].iter().enumerate() {
             a.apply(i as u64, r, 0, &mut first);
         }
-        let tail = a.oldest_pending_pos().expect("replay 3 in flight");
+        let tail = a.oldest_pending_pos(0).expect("replay 3 in flight");
         assert_eq!(tail, cut as u64 - 1);
         assert!(a.prune_prior(tail), "replays 1 and 2 moved the cursors");
         let dict = a.dictionary();
@@ -3488,7 +3495,7 @@ mod tests {
             a.apply(i as u64, r, 0, &mut first);
         }
         assert_eq!(got(&first), vec![(5, 1, 11), (6, 1, 12)]);
-        let tail = a.oldest_pending_pos().unwrap();
+        let tail = a.oldest_pending_pos(0).unwrap();
         assert!(!a.prune_prior(tail), "nothing before the first replay item");
         let delivered: Vec<(u64, u64, u8)> = first
             .iter()
@@ -3610,7 +3617,7 @@ mod tests {
         let out = feed(&mut a, &recs);
         assert!(out.is_empty(), "held while parses disagree");
         assert_eq!(a.early_works, 5);
-        assert!(a.oldest_pending_pos().is_some_and(|p| p <= 8 + 2 + 2));
+        assert!(a.oldest_pending_pos(0).is_some_and(|p| p <= 8 + 2 + 2));
         let mut out = Vec::new();
         let end = Record::CommEnd {
             comm: 0,
@@ -3688,7 +3695,7 @@ mod tests {
         }
         assert!(out.is_empty(), "undecided");
         assert_eq!(
-            a.oldest_pending_pos(),
+            a.oldest_pending_pos(0),
             Some(eager_pos),
             "the eager op and the held items"
         );
@@ -3700,7 +3707,7 @@ mod tests {
         );
         assert_eq!((a.counters.dev_ambiguous, a.early_works), (7, 0));
         assert_eq!(
-            a.oldest_pending_pos(),
+            a.oldest_pending_pos(0),
             None,
             "nothing holds the commit point"
         );
@@ -3717,7 +3724,7 @@ mod tests {
             for (i, r) in recs[..cut].iter().enumerate() {
                 a.apply(i as u64, r, 0, &mut first);
             }
-            let tail = a.oldest_pending_pos().unwrap_or(cut as u64);
+            let tail = a.oldest_pending_pos(0).unwrap_or(cut as u64);
             let _ = a.prune_prior(tail);
             let delivered: Vec<(u64, u64, u8)> = first
                 .iter()

@@ -67,7 +67,8 @@ const READ_CHUNK: usize = 256;
 const DELIVER_AT: usize = 1024;
 /// A changed dictionary rewrites the segment's whole state file: saved at most every [`COMMIT_EVERY`]
 /// and every this many times the last save's duration, so a process that keeps redefining its
-/// dictionary costs the ingest thread a bounded share of its time (its own tail waits meanwhile).
+/// dictionary costs the ingest thread a bounded share of its time (its own tail waits meanwhile),
+/// except while its ring is over half full: then every [`COMMIT_EVERY`], or the producer drops.
 const DICT_SAVE_SHARE: u32 = 50;
 /// How far a job's spool may run past a segment's saved `spool_mark` before the state is saved again:
 /// bounds what a restarted engine reads back per segment.
@@ -114,6 +115,8 @@ pub struct Engine {
     reaped_plugin: [u64; Counter::ALL.len()],
     reaped_asm: AssembleCounters,
     daemon_lost: HashMap<&'static str, u64>,
+    /// Commits past open operations or unacknowledged spans because the ring was over half full.
+    forced_commits: u64,
     collectives: u64,
     /// Dictionary budget of each uid with segments attached (shared by its assemblers).
     uid_budgets: HashMap<u32, Arc<UidBudget>>,
@@ -188,6 +191,7 @@ impl Engine {
             reaped_plugin: [0; Counter::ALL.len()],
             reaped_asm: AssembleCounters::default(),
             daemon_lost: HashMap::new(),
+            forced_commits: 0,
             collectives: 0,
             uid_budgets: HashMap::new(),
             broken: Default::default(),
@@ -628,7 +632,10 @@ impl Engine {
                             }) {
                                 Ok(()) => {
                                     seg.next_emit += 1;
-                                    seg.unacked.push_back((emit_no, c.first_pos, c.op_id));
+                                    // Records a forced commit already freed cannot be read again.
+                                    if c.first_pos >= seg.consumer.segment().tail() {
+                                        seg.unacked.push_back((emit_no, c.first_pos, c.op_id));
+                                    }
                                 }
                                 Err(_) => {
                                     *self.daemon_lost.entry("export_queue_full").or_default() += 1;
@@ -669,7 +676,14 @@ impl Engine {
     fn commit_all(&mut self, now: bool) {
         for seg in &mut self.segments {
             let end = self.spool.as_ref().map(|s| s.end(&seg.job));
-            commit(&self.cfg.state_dir, seg, now, end, &mut self.daemon_lost);
+            commit(
+                &self.cfg.state_dir,
+                seg,
+                now,
+                end,
+                &mut self.daemon_lost,
+                &mut self.forced_commits,
+            );
         }
     }
 
@@ -691,6 +705,7 @@ impl Engine {
                     true,
                     end,
                     &mut self.daemon_lost,
+                    &mut self.forced_commits,
                 );
                 if let Err(e) = Segment::unlink(&seg.name) {
                     tracing::warn!(segment = %seg.label, error = %e, "unlink failed");
@@ -772,6 +787,7 @@ impl Engine {
             max_calibration_error_ns: max_cal,
             dev_work: asm.dev_work,
             dev_joined: asm.dev_joined,
+            forced_commits: self.forced_commits,
         }
     }
 
@@ -954,15 +970,26 @@ fn commit(
     now: bool,
     spool_end: Option<Position>,
     lost: &mut HashMap<&'static str, u64>,
+    forced: &mut u64,
 ) {
+    let tail = seg.consumer.segment().tail();
     let mut target = seg.read_upto;
-    if let Some(p) = seg.asm.oldest_pending_pos() {
+    if let Some(p) = seg.asm.oldest_pending_pos(tail) {
         target = target.min(p);
     }
     if let Some(&(_, p, _)) = seg.unacked.front() {
         target = target.min(p);
     }
-    let tail = seg.consumer.segment().tail();
+    // Over half full, the producer is about to drop records (a burst of graph replays, a slow
+    // collector): free what was read even past operations still open and spans not yet acknowledged,
+    // and save the state as often as that takes. They are delivered as usual; only a daemon
+    // restarted before they finish would not read them again.
+    let capacity = seg.consumer.segment().capacity();
+    let pressed = seg.consumer.segment().head() - tail > capacity / 2;
+    let forcing = pressed && target < seg.read_upto;
+    if forcing {
+        target = seg.read_upto;
+    }
     seg.dict_changed |= seg.asm.take_dictionary_changed();
     let dict_changed = seg.dict_changed;
     let stale = mark_stale(seg.spool_mark, spool_end);
@@ -970,15 +997,19 @@ fn commit(
         return;
     }
     let lag = target.saturating_sub(tail);
-    let quarter = seg.consumer.segment().capacity() / 4;
-    if !now && !dict_changed && lag < quarter && seg.last_commit.elapsed() < COMMIT_EVERY {
+    if !now && !dict_changed && lag < capacity / 4 && seg.last_commit.elapsed() < COMMIT_EVERY {
         return;
     }
-    if !now
-        && dict_changed
-        && seg.dict_saved_at.elapsed() < COMMIT_EVERY.max(seg.dict_save_cost * DICT_SAVE_SHARE)
-    {
+    let save_every = match pressed {
+        true => COMMIT_EVERY,
+        false => COMMIT_EVERY.max(seg.dict_save_cost * DICT_SAVE_SHARE),
+    };
+    if !now && dict_changed && seg.dict_saved_at.elapsed() < save_every {
         return;
+    }
+    if forcing {
+        seg.unacked.retain(|&(_, p, _)| p >= target);
+        *forced += 1;
     }
     seg.delivered.retain(|_, (pos, _)| *pos >= target);
     // A replay cursor that moved before the new tail makes the saved state stale for it.
@@ -1140,6 +1171,56 @@ mod tests {
                 host_ns: 20,
             });
         }
+    }
+
+    /// A burst longer than the ring (300 graph replays on a real GPU write ~2 M records/s) must not
+    /// wait on an operation that stays open: over half full, the tail moves past it, the producer
+    /// drops nothing, and the open operation is still delivered when it ends.
+    #[test]
+    fn a_ring_over_half_full_commits_past_an_open_operation_and_drops_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = format!("ncclscope-enginetest-forced-{}", std::process::id());
+        let (_name, mut p) = producer(&prefix);
+        write_dictionary(&mut p);
+        let open = Record::CollStart {
+            comm: 0,
+            id: 1_000_000,
+            seq: 1_000_000,
+            func: StrId(1),
+            datatype: StrId(2),
+            algo: StrId(0),
+            proto: StrId(0),
+            count: 1,
+            root: -1,
+            n_channels: 0,
+            n_warps: 0,
+            host_ns: 10,
+            captured: false,
+        };
+        assert!(p.push(&open));
+        let (mut e, _rx, _hub) = engine(dir.path(), &prefix);
+        e.rescan();
+        // 40 rounds of 8 collectives: 640 records through a 64-record ring.
+        for round in 0..40 {
+            write_colls(&mut p, round * 8..round * 8 + 8);
+            e.tick();
+            e.commit_all(true);
+        }
+        assert!(p.push(&Record::OpStop {
+            comm: 0,
+            id: 1_000_000,
+            host_ns: 20,
+        }));
+        e.tick();
+        let h = e.health();
+        assert_eq!(p.segment().counter(Counter::RingFull), 0);
+        assert_eq!(
+            h.collectives,
+            40 * 8 + 1,
+            "every operation delivered, the open one too"
+        );
+        assert!(h.forced_commits > 0);
+        assert_eq!(h.lost.values().sum::<u64>(), 0, "{:?}", h.lost);
     }
 
     #[test]

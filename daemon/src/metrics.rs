@@ -76,6 +76,8 @@ pub struct Health {
     pub max_calibration_error_ns: u32,
     pub dev_work: u64,
     pub dev_joined: u64,
+    /// Commits past open operations or unacknowledged spans because a ring was over half full.
+    pub forced_commits: u64,
 }
 
 fn comm_label(hash: u64) -> String {
@@ -195,6 +197,12 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
         "ncclscope_spans_exported_total",
         "Spans accepted by the OTLP receiver",
         health.spans_exported,
+    ));
+    out.push(counter(
+        "ncclscope_forced_commits_total",
+        "Segment tails committed past open operations or unacknowledged spans because the ring was \
+         over half full: nothing is lost, but a daemon restarted then would not read those again",
+        health.forced_commits,
     ));
     out.push(counter(
         "ncclscope_export_errors_total",

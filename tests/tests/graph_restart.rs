@@ -32,7 +32,7 @@ fn handed_over(records: &[Record], cut: usize, unacked: Option<usize>) -> (Vec<C
         a.apply(i as u64, r, 0, &mut first);
     }
     let mut tail = a
-        .oldest_pending_pos()
+        .oldest_pending_pos(0)
         .map_or(cut as u64, |p| p.min(cut as u64));
     if let Some(c) = unacked.and_then(|n| first.iter().rev().nth(n)) {
         tail = tail.min(c.first_pos);

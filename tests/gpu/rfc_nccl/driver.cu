@@ -13,10 +13,10 @@
 #include <cstring>
 #include <vector>
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
-    fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); exit(2); } } while (0)
-#define NK(x) do { ncclResult_t r = (x); if (r != ncclSuccess) { \
-    fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, ncclGetErrorString(r)); exit(3); } } while (0)
+#define CK(x) do { cudaError_t err_ = (x); if (err_ != cudaSuccess) { \
+    fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(err_)); exit(2); } } while (0)
+#define NK(x) do { ncclResult_t res_ = (x); if (res_ != ncclSuccess) { \
+    fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, ncclGetErrorString(res_)); exit(3); } } while (0)
 
 static const int R = 2;
 static ncclComm_t comms[R];
@@ -69,13 +69,22 @@ template <class F> static cudaGraphExec_t capture(F body) {
     CK(cudaStreamEndCapture(streams[0], &g));
     cudaGraphExec_t exec;
     CK(cudaGraphInstantiate(&exec, g, 0));
+    CK(cudaGraphDestroy(g));
     return exec;
+}
+
+// Before ncclCommDestroy: a graph holds references to the communicators' resources. Without this,
+// every graph case hung after its last replay on NCCL 2.30.7 (2026-12-04), with or without a plugin.
+static void destroy(cudaGraphExec_t exec) {
+    sync_all();
+    CK(cudaGraphExecDestroy(exec));
 }
 
 int main(int argc, char** argv) {
     if (argc < 2) { fprintf(stderr, "usage: driver eager|graph|cost ...\n"); return 1; }
     int devs[R] = {0, 0};
     NK(ncclCommInitAll(comms, R, devs));
+    fprintf(stderr, "driver: communicators ready\n");  // progress on stderr (unbuffered): where a hang is
     for (int r = 0; r < R; r++) {
         CK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
         CK(cudaMalloc(&sendbuf[r], MAX_BYTES));
@@ -100,6 +109,7 @@ int main(int argc, char** argv) {
         for (int i = 0; i < 4; i++) launch(ALL_REDUCE, SIZES[i % NSIZES]);
         sync_all();
         cudaGraphExec_t exec = capture([&] { for (auto& p : plan) launch(p.first, p.second); });
+        fprintf(stderr, "driver: captured\n");
         int eager_ops = 4;
         for (int r = 0; r < replays; r++) {
             CK(cudaGraphLaunch(exec, streams[0]));
@@ -108,6 +118,8 @@ int main(int argc, char** argv) {
                 for (int e = 0; e < eager; e++, eager_ops++) launch((Coll)(e % 3), SIZES[e % NSIZES]);
         }
         sync_all();
+        fprintf(stderr, "driver: replays done\n");
+        destroy(exec);
         printf("ops=%d eager=%d captured=%d replays=%d\n", eager_ops + ops * replays, eager_ops, ops, replays);
     } else if (!strcmp(mode, "cost") && argc == 5) {
         int ops = atoi(argv[2]), replays = atoi(argv[4]);
@@ -128,11 +140,13 @@ int main(int argc, char** argv) {
             CK(cudaEventElapsedTime(&ms, a, b));
             if (ms < best) best = ms;
         }
+        destroy(exec);
         printf("ops=%d us_per_op=%.3f\n", ops * (replays + 1), best * 1000.0f / ops);
     } else {
         fprintf(stderr, "bad arguments\n");
         return 1;
     }
+    fflush(stdout);
     for (int r = 0; r < R; r++) NK(ncclCommDestroy(comms[r]));
     return 0;
 }

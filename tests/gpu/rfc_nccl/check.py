@@ -1,0 +1,136 @@
+"""Checks a tests/gpu/rfc_nccl/run.sh result directory instance by instance.
+
+  check.py OUT CASES...
+
+For each traced case (job rfc-CASE): every operation the driver ran on each rank (its `ops=` line) was
+delivered to the OTLP receiver as one rank span, timed by the device hook, with an exec time plausible
+for its size; each instance (commHash, collective, seq, replay) has one trace id that no other instance
+uses, one root span, and both ranks' spans under that root; no span id is used twice. Prints the daemon's
+non-zero loss counters. For `cost`: the median microseconds per all-reduce of each configuration and the
+added time against no plugin. Exit status 1 when a traced case misses a goal (delivered < 99%, or any
+wrong id, duplicate or implausible exec time; eager and graph6 need 100%)."""
+
+import collections
+import re
+import statistics
+import sys
+
+VALUE = re.compile(r"(Int|String|Double|Bool)Value\((.*)\)\) \}\)$")
+
+
+def attrs(span):
+    """The fake collector prints each attribute value as Rust Debug text; back to Python values."""
+    out = {}
+    for k, v in span["attributes"].items():
+        m = VALUE.search(v)
+        if not m:
+            continue
+        kind, text = m.groups()
+        out[k] = int(text) if kind == "Int" else float(text) if kind == "Double" else text.strip('"')
+    return out
+
+
+def load_spans(path):
+    import json
+
+    spans = collections.defaultdict(list)  # job -> spans
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("{"):
+                continue
+            s = json.loads(line)
+            s["a"] = attrs(s)
+            spans[s["a"].get("job.id", "")].append(s)
+    return spans
+
+
+def plausible(exec_ns, nbytes):
+    """At least 200 ns and no faster than HBM (4.8 TB/s: 4.8e3 bytes per ns); at most 10 ms plus 10 GB/s.
+    Far outside either, a number is not this collective's kernel time."""
+    return max(200, nbytes / 4.8e3) <= exec_ns <= 10_000_000 + nbytes / 10
+
+
+def check_case(name, driver_line, spans):
+    want = int(re.search(r"ops=(\d+)", driver_line).group(1)) * 2 if driver_line else 0
+    ranks = collections.Counter()
+    trace_of = {}
+    instances_of_trace = collections.defaultdict(set)
+    roots = collections.Counter()
+    children = collections.defaultdict(set)
+    span_ids = collections.Counter()
+    implausible, host_timed = [], 0
+    for s in spans:
+        a = s["a"]
+        span_ids[s["span_id"]] += 1
+        key = (a["nccl.comm_hash"], a["nccl.collective"], a["nccl.seq"], a["nccl.replay"])
+        instances_of_trace[s["trace_id"]].add(key)
+        trace_of.setdefault(key, set()).add(s["trace_id"])
+        if "nccl.rank" not in a:
+            roots[s["trace_id"]] += 1
+            continue
+        ranks[key + (a["nccl.rank"],)] += 1
+        children[s["trace_id"]].add((a["nccl.rank"], s["parent_span_id"]))
+        if a.get("nccl.timing_source") != "device_hook":
+            host_timed += 1
+        elif not plausible(a["nccl.exec_ns"], a["nccl.bytes"]):
+            implausible.append((key, a["nccl.exec_ns"], a["nccl.bytes"]))
+    delivered = len(ranks)
+    twice = sum(1 for n in ranks.values() if n > 1)
+    shared_traces = sum(1 for k in instances_of_trace.values() if len(k) > 1)
+    split = sum(1 for t in trace_of.values() if len(t) > 1)
+    reused_spans = sum(1 for n in span_ids.values() if n > 1)
+    bad_roots = sum(1 for t in instances_of_trace if roots[t] != 1)
+    root_id = {}
+    for s in spans:
+        if "nccl.rank" not in s["a"]:
+            root_id[s["trace_id"]] = s["span_id"]
+    one_rank = sum(1 for t, c in children.items() if {r for r, _ in c} != {0, 1})
+    orphans = sum(1 for t, c in children.items() if any(p != root_id.get(t) for _, p in c))
+    pct = 100.0 * delivered / want if want else 0.0
+    print(f"{name}: {delivered}/{want} rank instances delivered ({pct:.2f}%), {twice} twice, "
+          f"{host_timed} not device-timed, {len(implausible)} implausible exec; ids: {shared_traces} traces "
+          f"shared by instances, {split} instances split over traces, {reused_spans} span ids reused, "
+          f"{bad_roots} traces without exactly one root, {one_rank} traces missing a rank, "
+          f"{orphans} traces with a rank span not under its root")
+    for k in implausible[:5]:
+        print("  implausible", k)
+    goal = 100.0 if name in ("eager", "graph6") else 99.0
+    return (pct >= goal and not (twice or implausible or shared_traces or split or reused_spans or bad_roots
+                                 or orphans))
+
+
+def cost(path):
+    rows = collections.defaultdict(list)  # (cfg, bytes) -> [us]
+    for line in open(path):
+        m = re.match(r"(\S+) (\d+) \d+ .*us_per_op=([\d.]+)", line)
+        if m:
+            rows[(m.group(1), int(m.group(2)))].append(float(m.group(3)))
+    print(f"{'bytes':>9} {'none us':>9} | {'device ring':>17} | {'host-mapped ring':>17} | {'KernelCh':>17}")
+    for nbytes in sorted({b for _, b in rows}):
+        base = statistics.median(rows[("none", nbytes)]) if rows[("none", nbytes)] else float("nan")
+        line = f"{nbytes:>9} {base:>9.2f} |"
+        for cfg in ("device", "host", "kernelch"):
+            v = rows[(cfg, nbytes)]
+            line += f" {statistics.median(v):>7.2f} {(statistics.median(v) / base - 1) * 100:+7.1f}% |" if v else \
+                f" {'-':>17} |"
+        print(line)
+
+
+def main():
+    out, *cases = sys.argv[1:]
+    spans = load_spans(f"{out}/spans.jsonl")
+    ok = True
+    for c in cases:
+        if c == "cost":
+            cost(f"{out}/cost.txt")
+            continue
+        line = open(f"{out}/{c}.driver").read().strip()
+        ok &= check_case(c, line, spans.get(f"rfc-{c}", []))
+    for line in open(f"{out}/metrics.txt"):
+        if line.startswith("ncclscope_lost_total") and not line.rstrip().endswith(" 0"):
+            print(" ", line.rstrip())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
