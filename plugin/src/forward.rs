@@ -2,7 +2,8 @@
 //!
 //! NCCL threads push [`Event`]s into a bounded lock-free queue and return; this thread turns them into
 //! records (interning NCCL's static strings on the way), drains the device-hook rings, flushes the loss
-//! counters into the segment header, heartbeats the segment and registers it with the daemon. When there
+//! counters into the segment header, heartbeats the segment and hands it to the daemon (again after a
+//! daemon restart). When there
 //! is nothing to do it sleeps, 1 ms growing to 20 ms; NCCL threads wake it early when the queue fills up.
 
 use std::collections::HashMap;
@@ -25,6 +26,9 @@ const CLOCK_BASELINE: Duration = Duration::from_millis(20);
 const SWEEP_PERIOD: Duration = Duration::from_secs(1);
 const MIN_IDLE: Duration = Duration::from_millis(1);
 const MAX_IDLE: Duration = Duration::from_millis(20);
+/// Longest the last communicator's end waits for a daemon to take the segment (within NCCL's
+/// `finalize` wait, [`crate::profiler`]'s 2 s).
+const REGISTER_SETTLE: Duration = Duration::from_secs(1);
 /// Events handled per batch before the thread looks at the device rings and the heartbeat again.
 const BATCH: usize = 4096;
 /// Device-hook records held back while the host events queued before them are written (see `run`);
@@ -177,8 +181,7 @@ impl Sink for Forwarder {
 
 impl Forwarder {
     pub fn new(plugin: &'static Plugin, producer: Producer) -> Forwarder {
-        let registration =
-            Registration::new(plugin.config.socket.clone(), producer.segment().name());
+        let registration = Registration::new(plugin.config.socket.clone());
         Forwarder {
             plugin,
             producer,
@@ -265,7 +268,7 @@ impl Forwarder {
             self.plugin.flush_counters(self.producer.segment());
             self.producer.segment().beat();
             let now = Instant::now();
-            self.registration.poll(now);
+            self.registration.poll(now, self.producer.segment().fd());
             if now >= self.sweep_due {
                 self.clock.refresh();
                 self.plugin.sweep(self.clock.stamp_ago(ORPHAN_AGE));
@@ -324,6 +327,10 @@ impl Forwarder {
                 devhook::finalize_comm(comm, &mut *self);
                 let host_ns = self.clock.to_ns(host_ns);
                 self.producer.push(&Record::CommEnd { comm, host_ns });
+                if self.plugin.live_comms() == 0 {
+                    self.registration
+                        .settle(self.producer.segment().fd(), REGISTER_SETTLE);
+                }
                 self.plugin.comm_ended(table, self.producer.segment());
                 return;
             }

@@ -1,36 +1,116 @@
 //! Running fake ranks as separate processes (the plugin keeps one state per process) and reading back
-//! what they left in shared memory, for tests.
+//! the segments they handed over, for tests.
 
 use std::collections::BTreeMap;
+use std::io::{IoSliceMut, Write};
+use std::mem::MaybeUninit;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, bail};
-use ncclscope_proto::segment::{self, Consumer, Counter, Owner, Segment, SegmentName};
+use ncclscope_proto::segment::{Claims, Consumer, Counter, Segment};
 use ncclscope_proto::{Record, StrId};
+use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
 
 use crate::report::Report;
 
-/// A segment prefix no other test (or process) uses.
-pub fn unique_prefix(tag: &str) -> String {
-    static N: AtomicU32 = AtomicU32::new(0);
-    format!(
-        "nstest-{tag}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
+/// Stands in for the daemon's registration socket: takes every segment a rank hands over, answers OK
+/// and holds it with its connection, so that what a rank wrote outlives the rank (as it does in the
+/// daemon) and the test can read it and see the connection end with the process.
+pub struct Catcher {
+    dir: tempfile::TempDir,
+    caught: Arc<Mutex<Vec<(Segment, UnixStream)>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
-/// Unlinks every segment with a prefix when dropped, so failed tests leave nothing in /dev/shm.
-pub struct Cleanup(pub String);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        for name in segment::list(&self.0).unwrap_or_default() {
-            let _ = Segment::unlink(&name);
+impl Catcher {
+    pub fn start() -> Catcher {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let listener = UnixListener::bind(dir.path().join("catcher.sock")).expect("bind");
+        let caught = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (caught, stop) = (caught.clone(), stop.clone());
+            std::thread::spawn(move || {
+                for conn in listener.incoming() {
+                    if stop.load(Ordering::Acquire) {
+                        return;
+                    }
+                    let Ok(mut conn) = conn else { continue };
+                    if let Ok(fd) = receive_segment(&conn)
+                        && let Ok(seg) = Segment::open(fd)
+                    {
+                        let _ = conn.write_all(b"OK\n");
+                        caught.lock().unwrap().push((seg, conn));
+                    }
+                }
+            })
+        };
+        Catcher {
+            dir,
+            caught,
+            stop,
+            thread: Some(thread),
         }
     }
+
+    /// Where ranks register (their `NCCLSCOPE_SOCKET`).
+    pub fn socket(&self) -> PathBuf {
+        self.dir.path().join("catcher.sock")
+    }
+
+    /// Segments handed over so far.
+    pub fn count(&self) -> usize {
+        self.caught.lock().unwrap().len()
+    }
+
+    /// Reads the only segment handed over so far.
+    pub fn only_segment(&self) -> anyhow::Result<Contents> {
+        let mut caught = self.caught.lock().unwrap();
+        if caught.len() != 1 {
+            bail!("expected one segment, caught {}", caught.len());
+        }
+        let (seg, conn) = caught.remove(0);
+        read_segment(seg, &conn)
+    }
+}
+
+impl Drop for Catcher {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = UnixStream::connect(self.socket());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The descriptor a `REGISTER` message carries, as the daemon receives it.
+pub fn receive_segment(conn: &UnixStream) -> anyhow::Result<OwnedFd> {
+    let mut buf = [0u8; 64];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let msg = rustix::net::recvmsg(
+        conn,
+        &mut [IoSliceMut::new(&mut buf)],
+        &mut control,
+        RecvFlags::CMSG_CLOEXEC,
+    )?;
+    if &buf[..msg.bytes] != b"REGISTER\n" {
+        bail!("unexpected message {:?}", &buf[..msg.bytes]);
+    }
+    control
+        .drain()
+        .find_map(|m| match m {
+            RecvAncillaryMessage::ScmRights(mut fds) => fds.next(),
+            _ => None,
+        })
+        .context("no descriptor")
 }
 
 /// `fakenccl-rank` in the target dir.
@@ -52,16 +132,11 @@ pub struct RankRun {
     pub stderr: String,
 }
 
-/// Runs `fakenccl-rank` with `args`, the plugin env `env` and `NCCLSCOPE_SHM_PREFIX=prefix`; the daemon
-/// socket defaults to a path where nothing listens.
-pub fn run_rank(prefix: &str, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<RankRun> {
+/// Runs `fakenccl-rank` with `args` and the plugin env `env`, registering with `catcher`.
+pub fn run_rank(catcher: &Catcher, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<RankRun> {
     let mut cmd = Command::new(rank_binary()?);
     cmd.args(args)
-        .env("NCCLSCOPE_SHM_PREFIX", prefix)
-        .env(
-            "NCCLSCOPE_SOCKET",
-            std::env::temp_dir().join(format!("{prefix}-no-daemon.sock")),
-        )
+        .env("NCCLSCOPE_SOCKET", catcher.socket())
         .stdin(Stdio::null());
     for (k, v) in env {
         cmd.env(k, v);
@@ -78,8 +153,11 @@ pub fn run_rank(prefix: &str, args: &[&str], env: &[(&str, &str)]) -> anyhow::Re
 
 /// Everything a segment holds, read without consuming.
 pub struct Contents {
-    pub name: SegmentName,
-    pub owner: Owner,
+    /// The process that handed it over (SO_PEERCRED).
+    pub pid: u32,
+    pub claims: Claims,
+    /// Whether the connection it came with has ended (the process that registered it exited).
+    pub ended: bool,
     pub records: Vec<Record>,
     pub counters: BTreeMap<&'static str, u64>,
     pub closed: bool,
@@ -106,18 +184,14 @@ impl Contents {
     }
 }
 
-/// Reads the only segment with `prefix`.
-pub fn read_only_segment(prefix: &str) -> anyhow::Result<Contents> {
-    let names = segment::list(prefix)?;
-    let [name] = names.as_slice() else {
-        bail!("expected one segment named {prefix}.*, found {names:?}")
-    };
-    read_segment(name)
-}
-
-pub fn read_segment(name: &SegmentName) -> anyhow::Result<Contents> {
-    let seg = Segment::open(name)?;
-    let owner = seg.owner();
+fn read_segment(seg: Segment, conn: &UnixStream) -> anyhow::Result<Contents> {
+    let mut probe = [0u8; 16];
+    let ended = matches!(
+        rustix::net::recv(conn, &mut probe, RecvFlags::DONTWAIT),
+        Ok((_, 0))
+    );
+    let cred = rustix::net::sockopt::socket_peercred(conn)?;
+    let claims = seg.claims();
     let closed = seg.is_closed();
     let capacity = seg.capacity();
     let counters = Counter::ALL
@@ -129,11 +203,12 @@ pub fn read_segment(name: &SegmentName) -> anyhow::Result<Contents> {
     while consumer.read(4096, &mut raw)? > 0 {}
     let records = raw
         .into_iter()
-        .map(|(pos, r)| r.with_context(|| format!("record {pos} of {name}")))
+        .map(|(pos, r)| r.with_context(|| format!("record {pos}")))
         .collect::<anyhow::Result<_>>()?;
     Ok(Contents {
-        name: name.clone(),
-        owner,
+        pid: cred.pid.as_raw_nonzero().get() as u32,
+        claims,
+        ended,
         records,
         counters,
         closed,
