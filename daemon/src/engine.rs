@@ -823,6 +823,15 @@ impl Engine {
         ] {
             lost.insert(stage.into(), n);
         }
+        // Refusals at the boundary, exported from the start (not only once one happened).
+        for stage in [
+            "corrupt_segment",
+            "segment_unsealed",
+            "segment_invalid",
+            "segment_foreign",
+        ] {
+            lost.insert(stage.into(), 0);
+        }
         for (k, v) in &self.daemon_lost {
             lost.insert(k.to_string(), *v);
         }

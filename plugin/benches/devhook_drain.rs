@@ -81,7 +81,6 @@ fn main() {
         return;
     }
     let plugin = Plugin::load(
-        "drain",
         &[
             ("NCCLSCOPE_RING_MEMORY", "cpu"),
             ("NCCLSCOPE_RING_SLOTS", "131072"),
@@ -202,5 +201,4 @@ fn main() {
         "segment_ring_full_records: {}",
         reader.counter(Counter::RingFull)
     );
-    reader.unlink();
 }

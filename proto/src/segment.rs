@@ -32,8 +32,8 @@ use rustix::fs::{FileType, MemfdFlags, SealFlags};
 use crate::record::{DecodeError, RECORD_WORDS, Record};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"NCCLSCP\0");
-/// Bumped whenever the layout or a record's encoding changes (2: memfd segments, no identity words).
-pub const LAYOUT_VERSION: u32 = 2;
+/// Bumped whenever the layout or a record's encoding changes.
+pub const LAYOUT_VERSION: u32 = 1;
 
 const W_MAGIC: usize = 0;
 const W_VERSION: usize = 1; // version | record bytes << 32
@@ -196,7 +196,8 @@ pub struct Segment {
     file_uid: u32,
 }
 
-fn segment_bytes(capacity: u64) -> u64 {
+/// The size of a segment of `capacity` records: what its memory file is sealed at.
+pub fn segment_bytes(capacity: u64) -> u64 {
     ((W_RECORDS as u64) + capacity * RECORD_WORDS as u64) * 8
 }
 

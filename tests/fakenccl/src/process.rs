@@ -2,9 +2,9 @@
 //! the segments they handed over, for tests.
 
 use std::collections::BTreeMap;
-use std::io::{IoSliceMut, Write};
+use std::io::{IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -14,7 +14,10 @@ use std::sync::{Arc, Mutex};
 use anyhow::{Context, bail};
 use ncclscope_proto::segment::{Claims, Consumer, Counter, Segment};
 use ncclscope_proto::{Record, StrId};
-use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage,
+    SendFlags,
+};
 
 use crate::report::Report;
 
@@ -69,6 +72,20 @@ impl Catcher {
         self.caught.lock().unwrap().len()
     }
 
+    /// Another mapping of the first segment handed over, once there is one (within `timeout`).
+    pub fn wait(&self, timeout: std::time::Duration) -> anyhow::Result<Segment> {
+        let t0 = std::time::Instant::now();
+        loop {
+            if let Some((seg, _)) = self.caught.lock().unwrap().first() {
+                return Ok(Segment::open(seg.fd().try_clone_to_owned()?)?);
+            }
+            if t0.elapsed() > timeout {
+                bail!("no segment handed over within {timeout:?}");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
     /// Reads the only segment handed over so far.
     pub fn only_segment(&self) -> anyhow::Result<Contents> {
         let mut caught = self.caught.lock().unwrap();
@@ -88,6 +105,97 @@ impl Drop for Catcher {
             let _ = t.join();
         }
     }
+}
+
+/// Keeps a segment registered with the daemon at a socket, as the plugin's forwarding thread does: hands
+/// it over, holds the connection, and hands it over again whenever the daemon goes away. Dropping it
+/// closes the connection (the "process" ends).
+pub struct Registrant {
+    conn: Arc<Mutex<Option<UnixStream>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Registrant {
+    /// Registers `segment` (the first time within `wait`, or panics) and keeps it registered.
+    pub fn start(socket: &std::path::Path, segment: &Segment, wait: std::time::Duration) -> Registrant {
+        let fd = segment.fd().try_clone_to_owned().expect("dup");
+        let (reply, first) = register(socket, fd.as_fd(), wait).expect("registration");
+        assert_eq!(reply, "OK\n", "registration refused");
+        let conn = Arc::new(Mutex::new(Some(first.try_clone().expect("dup"))));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (conn, stop, socket) = (conn.clone(), stop.clone(), socket.to_path_buf());
+            std::thread::spawn(move || {
+                let mut held = first;
+                loop {
+                    // The daemon sends nothing after OK: this returns when the connection ends.
+                    let _ = held.read(&mut [0u8; 16]);
+                    if stop.load(Ordering::Acquire) {
+                        return;
+                    }
+                    match register(&socket, fd.as_fd(), std::time::Duration::from_secs(60)) {
+                        Ok((reply, c)) if reply == "OK\n" => {
+                            *conn.lock().unwrap() = c.try_clone().ok();
+                            held = c;
+                        }
+                        _ => return,
+                    }
+                }
+            })
+        };
+        Registrant {
+            conn,
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Registrant {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(c) = self.conn.lock().unwrap().take() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Hands the segment `fd` to the daemon at `socket` as the plugin does (`REGISTER` with the
+/// descriptor), retrying for up to `wait` while no daemon listens; returns the daemon's answer line
+/// and the connection, which the caller holds for as long as its "process" lives.
+pub fn register(
+    socket: &std::path::Path,
+    fd: BorrowedFd<'_>,
+    wait: std::time::Duration,
+) -> anyhow::Result<(String, UnixStream)> {
+    let deadline = std::time::Instant::now() + wait;
+    let conn = loop {
+        match UnixStream::connect(socket) {
+            Ok(c) => break c,
+            Err(e) if std::time::Instant::now() >= deadline => {
+                return Err(e).with_context(|| format!("no daemon at {}", socket.display()));
+            }
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(20)),
+        }
+    };
+    let fds = [fd];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    control.push(SendAncillaryMessage::ScmRights(&fds));
+    rustix::net::sendmsg(
+        &conn,
+        &[std::io::IoSlice::new(b"REGISTER\n")],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?;
+    conn.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
+    let mut reply = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(&conn), &mut reply)?;
+    Ok((reply, conn))
 }
 
 /// The descriptor a `REGISTER` message carries, as the daemon receives it.
@@ -184,7 +292,8 @@ impl Contents {
     }
 }
 
-fn read_segment(seg: Segment, conn: &UnixStream) -> anyhow::Result<Contents> {
+/// Everything `seg` holds, and whether `conn` (the connection it came with) has ended.
+pub fn read_segment(seg: Segment, conn: &UnixStream) -> anyhow::Result<Contents> {
     let mut probe = [0u8; 16];
     let ended = matches!(
         rustix::net::recv(conn, &mut probe, RecvFlags::DONTWAIT),
