@@ -226,7 +226,8 @@ impl Forwarder {
 
     /// The thread's body; runs for the life of the process. A panic in it latches the plugin off (every
     /// entry point returns at once, `finalize` included) and is counted in the segment, which is then
-    /// closed: the daemon drains what was written and reports the loss.
+    /// closed; the thread lives on only to keep the segment with a daemon (the segment ends with the
+    /// process that holds it), so the daemon drains what was written and reports the loss.
     pub fn run(mut self) {
         if catch_unwind(AssertUnwindSafe(|| self.forward_forever())).is_ok() {
             return;
@@ -240,6 +241,13 @@ impl Forwarder {
         segment.count(Counter::ForwardPanic, lost);
         self.plugin.flush_counters(segment);
         segment.close();
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            loop {
+                self.registration
+                    .poll(Instant::now(), self.producer.segment().fd());
+                std::thread::sleep(MAX_IDLE * 5);
+            }
+        }));
     }
 
     fn forward_forever(&mut self) {
@@ -248,6 +256,9 @@ impl Forwarder {
         let mut idle = MIN_IDLE;
         let mut forwarded = 0u64;
         loop {
+            // First: a daemon that is there gets the segment before anything else can go wrong.
+            self.registration
+                .poll(Instant::now(), self.producer.segment().fd());
             let mut work = 0;
             while let Some(event) = self.plugin.queue.pop() {
                 self.forward(event);
@@ -268,7 +279,6 @@ impl Forwarder {
             self.plugin.flush_counters(self.producer.segment());
             self.producer.segment().beat();
             let now = Instant::now();
-            self.registration.poll(now, self.producer.segment().fd());
             if now >= self.sweep_due {
                 self.clock.refresh();
                 self.plugin.sweep(self.clock.stamp_ago(ORPHAN_AGE));
