@@ -60,7 +60,11 @@ impl std::str::FromStr for SegmentKey {
 
     fn from_str(s: &str) -> Result<SegmentKey, ()> {
         let mut it = s.splitn(3, '.').map(|p| p.parse::<u64>().map_err(|_| ()));
-        let (uid, pid, inode) = (it.next().ok_or(())??, it.next().ok_or(())??, it.next().ok_or(())??);
+        let (uid, pid, inode) = (
+            it.next().ok_or(())??,
+            it.next().ok_or(())??,
+            it.next().ok_or(())??,
+        );
         Ok(SegmentKey {
             uid: u32::try_from(uid).map_err(|_| ())?,
             pid: u32::try_from(pid).map_err(|_| ())?,
@@ -1015,9 +1019,7 @@ fn mark_recorded(
         .map(|(i, d)| (d.0, i))
         .collect();
     for o in origins {
-        if (o.uid, o.pid, o.inode) != (key.uid, key.pid, key.inode)
-            || o.first_pos < tail
-        {
+        if (o.uid, o.pid, o.inode) != (key.uid, key.pid, key.inode) || o.first_pos < tail {
             continue;
         }
         match known.get(&o.op_id) {
@@ -1345,7 +1347,11 @@ mod tests {
         };
         let (mut e, _rx, _hub) = engine_with(&dir.join("state"), Some(Box::new(spool)), KILL_BATCH);
         // The parent's segment, opened through its descriptor in /proc (the same memory file).
-        let fd = std::fs::File::options().read(true).write(true).open(segment).unwrap();
+        let fd = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .open(segment)
+            .unwrap();
         let seg = Segment::open(fd.into()).unwrap();
         let (_ours, theirs) = rustix::net::socketpair(
             rustix::net::AddressFamily::UNIX,
@@ -1381,7 +1387,11 @@ mod tests {
                 .args(["--ignored", "--exact", "engine::tests::engine_killed_child"])
                 .env(
                     KILL_ENV,
-                    format!("{}|{fd_path}|{}|{kill_at}", dir.path().display(), key_of(&p)),
+                    format!(
+                        "{}|{fd_path}|{}|{kill_at}",
+                        dir.path().display(),
+                        key_of(&p)
+                    ),
                 )
                 .stdout(std::process::Stdio::null())
                 .status()

@@ -15,7 +15,8 @@ use rustix::net::{
 /// Descriptors sent with one message at most (a segment and its connection).
 const MAX_FDS: usize = 2;
 
-/// Sends `state` (e.g. "READY=1") with `fds` to the service manager, if there is one.
+/// Sends `state` (e.g. "READY=1") with `fds` to the service manager, if there is one. Never waits: a
+/// manager that does not keep up gets an error (WouldBlock), not a stalled ingest thread.
 pub fn notify(state: &str, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
         return Ok(());
@@ -26,7 +27,9 @@ pub fn notify(state: &str, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
         None => SocketAddrUnix::new(path.as_str())?,
     };
     if fds.len() > MAX_FDS {
-        return Err(io::Error::other("too many descriptors for one notification"));
+        return Err(io::Error::other(
+            "too many descriptors for one notification",
+        ));
     }
     let socket = rustix::net::socket_with(
         AddressFamily::UNIX,
@@ -44,7 +47,7 @@ pub fn notify(state: &str, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
         &addr,
         &[IoSlice::new(state.as_bytes())],
         &mut control,
-        SendFlags::empty(),
+        SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
     )?;
     Ok(())
 }
@@ -59,8 +62,8 @@ pub fn fd_store_available() -> bool {
 /// How often systemd expects a watchdog ping from this process (`WatchdogSec=`), if it does.
 pub fn watchdog_interval() -> Option<Duration> {
     let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok()?;
-    let for_us = std::env::var("WATCHDOG_PID")
-        .map_or(true, |p| p.parse() == Ok(std::process::id()));
+    let for_us =
+        std::env::var("WATCHDOG_PID").map_or(true, |p| p.parse() == Ok(std::process::id()));
     (for_us && usec > 0).then(|| Duration::from_micros(usec))
 }
 

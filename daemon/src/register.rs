@@ -249,7 +249,10 @@ mod tests {
             let empty = rustix::fs::memfd_create("y", MemfdFlags::ALLOW_SEALING).unwrap();
             rustix::fs::fcntl_add_seals(&empty, REQUIRED_SEALS).unwrap();
             let (_, reply) = request(&path2, REQUEST, &[empty.as_fd()]);
-            assert!(reply.starts_with("ERR segment is invalid: size 0"), "{reply}");
+            assert!(
+                reply.starts_with("ERR segment is invalid: size 0"),
+                "{reply}"
+            );
             // A sound segment: attached, keyed by the kernel's view of the peer; a second descriptor
             // in the same message is ignored.
             let (_conn, reply) = request(&path2, REQUEST, &[seg.fd(), empty.as_fd()]);

@@ -65,7 +65,10 @@ impl Passed {
                 Err(e) => {
                     tracing::warn!(segment = %label, error = %e, "stored segment not restored");
                     let _ = notify::notify(
-                        &format!("FDSTOREREMOVE=1\nFDNAME={}", notify::segment_fd_name(&label)),
+                        &format!(
+                            "FDSTOREREMOVE=1\nFDNAME={}",
+                            notify::segment_fd_name(&label)
+                        ),
                         &[],
                     );
                     None

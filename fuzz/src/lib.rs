@@ -117,7 +117,10 @@ pub fn spool(data: &[u8]) {
 /// of the memory file it hands over, sealed as a plugin seals it.
 pub fn register(data: &[u8]) {
     use rustix::fs::MemfdFlags;
-    let split = data.iter().position(|&b| b == b'\n').map_or(data.len(), |i| i + 1);
+    let split = data
+        .iter()
+        .position(|&b| b == b'\n')
+        .map_or(data.len(), |i| i + 1);
     let (message, contents) = data.split_at(split);
     let fd = rustix::fs::memfd_create("fuzz", MemfdFlags::ALLOW_SEALING).expect("memfd");
     let mut written = 0;
@@ -219,7 +222,8 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
                 hostname: "node".into(),
                 job_id: "job".into(),
             };
-            let mut p = ncclscope_proto::Producer::new(Segment::create(&claims, 16).expect("segment"));
+            let mut p =
+                ncclscope_proto::Producer::new(Segment::create(&claims, 16).expect("segment"));
             for r in sample_records() {
                 p.push(&r);
             }
@@ -227,7 +231,10 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             rustix::io::pread(p.segment().fd(), &mut contents, 0).expect("read the segment");
             let mut seed = ncclscope::register::REQUEST.to_vec();
             seed.extend_from_slice(&contents);
-            vec![seed, b"REGISTER /dev/shm/ncclscope.1000.4242.987654\n".to_vec()]
+            vec![
+                seed,
+                b"REGISTER /dev/shm/ncclscope.1000.4242.987654\n".to_vec(),
+            ]
         }
         "config" => vec![
             include_bytes!("../../deploy/ncclscope.toml").to_vec(),

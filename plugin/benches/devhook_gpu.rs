@@ -250,13 +250,11 @@ fn finalize_and_read(plugin: &Plugin, comms: &[Comm], r: &mut Reader) {
 }
 
 fn verify(gpu: &Gpu, placement: &str, slots: &str, spin: u32) {
-    let plugin = Plugin::load(
-        &[
-            ("NCCLSCOPE_RING_MEMORY", placement),
-            ("NCCLSCOPE_RING_SLOTS", slots),
-            ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
-        ],
-    );
+    let plugin = Plugin::load(&[
+        ("NCCLSCOPE_RING_MEMORY", placement),
+        ("NCCLSCOPE_RING_SLOTS", slots),
+        ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
+    ]);
     let comms: Vec<Comm> = (0..2).map(|i| plugin.comm(0xc0 + i, 0)).collect();
     for c in &comms {
         assert!(
@@ -342,13 +340,11 @@ fn verify(gpu: &Gpu, placement: &str, slots: &str, spin: u32) {
 }
 
 fn overrun(gpu: &Gpu, placement: &str) {
-    let plugin = Plugin::load(
-        &[
-            ("NCCLSCOPE_RING_MEMORY", placement),
-            ("NCCLSCOPE_RING_SLOTS", "64"),
-            ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
-        ],
-    );
+    let plugin = Plugin::load(&[
+        ("NCCLSCOPE_RING_MEMORY", placement),
+        ("NCCLSCOPE_RING_SLOTS", "64"),
+        ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
+    ]);
     let comm = plugin.comm(0xbad, 0);
     assert!(!comm.hook.is_null());
     let mut reader = plugin.segment();
@@ -387,12 +383,10 @@ fn overrun(gpu: &Gpu, placement: &str) {
 }
 
 fn bench(gpu: &Gpu) {
-    let plugin = Plugin::load(
-        &[
-            ("NCCLSCOPE_RING_SLOTS", "4096"),
-            ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
-        ],
-    );
+    let plugin = Plugin::load(&[
+        ("NCCLSCOPE_RING_SLOTS", "4096"),
+        ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
+    ]);
     // SAFETY: no other thread of ours reads the environment; the plugin reads it in getDeviceHook.
     unsafe { std::env::set_var("NCCLSCOPE_RING_MEMORY", "host") };
     let host = plugin.comm(0xb1, 0);

@@ -88,8 +88,8 @@ impl Config {
         };
         let job_id = JOB_ID_SOURCES
             .iter()
-        .find_map(|name| var(name).filter(|v| !v.is_empty()))
-        .unwrap_or_else(|| "unknown".to_string());
+            .find_map(|name| var(name).filter(|v| !v.is_empty()))
+            .unwrap_or_else(|| "unknown".to_string());
         let mut segment_records = DEFAULT_CAPACITY;
         if let Some(v) = var("NCCLSCOPE_SEGMENT_RECORDS") {
             match parse_int(&v).filter(|n| n.is_power_of_two() && *n >= 16 && *n <= MAX_CAPACITY) {
@@ -168,15 +168,27 @@ mod tests {
         assert!(c.disabled);
         assert_eq!((c.event_mask, c.mask_explicit), (0x8046, true));
         assert_eq!(c.socket, PathBuf::from("/tmp/s.sock"));
-        assert_eq!(c.job_id, "42", "SLURM_JOB_ID wins over torchrun's and the Job's");
+        assert_eq!(
+            c.job_id, "42",
+            "SLURM_JOB_ID wins over torchrun's and the Job's"
+        );
         assert_eq!(c.segment_records, 1024);
         assert_eq!(config(&[("NCCLSCOPE_EVENT_MASK", "6")]).event_mask, 6);
-        let k8s = [("NCCLSCOPE_K8S_JOB_NAME", "train"), ("POD_NAME", "train-0-x7")];
+        let k8s = [
+            ("NCCLSCOPE_K8S_JOB_NAME", "train"),
+            ("POD_NAME", "train-0-x7"),
+        ];
         assert_eq!(config(&k8s).job_id, "train", "a pod's name is not a job id");
         assert_eq!(config(&k8s[1..]).job_id, "unknown");
-        let elastic = [("TORCHELASTIC_RUN_ID", "run-1"), ("NCCLSCOPE_K8S_JOB_NAME", "t")];
+        let elastic = [
+            ("TORCHELASTIC_RUN_ID", "run-1"),
+            ("NCCLSCOPE_K8S_JOB_NAME", "t"),
+        ];
         assert_eq!(config(&elastic).job_id, "run-1");
-        assert_eq!(config(&[("NCCLSCOPE_JOB_ID", "mine"), ("SLURM_JOB_ID", "42")]).job_id, "mine");
+        assert_eq!(
+            config(&[("NCCLSCOPE_JOB_ID", "mine"), ("SLURM_JOB_ID", "42")]).job_id,
+            "mine"
+        );
         let panic = config(&[("NCCLSCOPE_TEST_PANIC", "forward:300")]);
         assert_eq!(panic.test_panic_forward, Some(300));
     }

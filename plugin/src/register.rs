@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use rustix::io::Errno;
 use rustix::net::{
-    AddressFamily, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
-    SocketAddrUnix, SocketFlags, SocketType,
+    AddressFamily, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix,
+    SocketFlags, SocketType,
 };
 
 use crate::host;
@@ -323,7 +323,11 @@ mod tests {
         settle(&mut reg, &seg, Registration::held);
         let (listener, first, msg, inode) = daemon.join().unwrap();
         assert_eq!(msg, b"REGISTER\n");
-        assert_eq!(inode, seg.inode(), "the daemon maps the plugin's own segment");
+        assert_eq!(
+            inode,
+            seg.inode(),
+            "the daemon maps the plugin's own segment"
+        );
         // The daemon goes away: the plugin notices and sends the same segment to the next one.
         drop(first);
         let daemon = std::thread::spawn(move || {

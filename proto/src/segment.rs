@@ -231,11 +231,9 @@ impl Segment {
         if !capacity.is_power_of_two() || capacity > MAX_CAPACITY {
             return Err(SegmentError::Invalid(format!("capacity {capacity}")));
         }
-        let fd = rustix::fs::memfd_create(
-            "ncclscope",
-            MemfdFlags::ALLOW_SEALING | MemfdFlags::CLOEXEC,
-        )
-        .map_err(|e| io_err("memfd_create")(e.into()))?;
+        let fd =
+            rustix::fs::memfd_create("ncclscope", MemfdFlags::ALLOW_SEALING | MemfdFlags::CLOEXEC)
+                .map_err(|e| io_err("memfd_create")(e.into()))?;
         let len = segment_bytes(capacity);
         rustix::fs::ftruncate(&fd, len).map_err(|e| io_err("ftruncate")(e.into()))?;
         // Reserve the pages now: memory that runs out later would otherwise kill the writer with

@@ -913,7 +913,8 @@ fn daemon_fault_child() {
             "a sealed segment cannot shrink"
         );
         // The same bytes in a memory file without seals: refused before the daemon maps it.
-        let unsealed = rustix::fs::memfd_create("unsealed", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let unsealed =
+            rustix::fs::memfd_create("unsealed", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
         let mut bytes = vec![0u8; ncclscope_proto::segment::segment_bytes(1 << 16) as usize];
         rustix::io::pread(p.segment().fd(), &mut bytes, 0).unwrap();
         rustix::io::write(&unsealed, &bytes).unwrap();
@@ -1581,8 +1582,8 @@ async fn segments_of_real_nccl_kernels_become_one_instance_per_collective_and_re
     // Each recorded segment in a sealed memory file, as the plugin would have made it.
     for f in std::fs::read_dir(&unpacked).unwrap() {
         let bytes = std::fs::read(f.unwrap().path()).unwrap();
-        let fd = rustix::fs::memfd_create("ncclscope", rustix::fs::MemfdFlags::ALLOW_SEALING)
-            .unwrap();
+        let fd =
+            rustix::fs::memfd_create("ncclscope", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
         rustix::io::write(&fd, &bytes).unwrap();
         rustix::fs::fcntl_add_seals(&fd, ncclscope_proto::segment::REQUIRED_SEALS).unwrap();
         let (reply, _ended) = ncclscope_fakenccl::process::register(

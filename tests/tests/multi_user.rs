@@ -565,9 +565,7 @@ async fn another_users_process_claiming_a_job_lands_in_its_own_series_spool_and_
 /// once each, while another uid still registers; the refused segment is attached once its uid has room.
 #[test]
 fn the_segment_quota_refuses_one_uids_extra_segment_while_another_uid_registers() {
-    let mut node = Node::start("",
-        "[drain]\nmax_segments_per_uid = 2",
-    );
+    let mut node = Node::start("", "[drain]\nmax_segments_per_uid = 2");
     let a: Vec<usize> = (0..3)
         .map(|i| node.spawn(A, "hold", &format!("a{i}")))
         .collect();

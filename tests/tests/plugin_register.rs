@@ -74,7 +74,11 @@ fn hands_over_its_segment_once_a_daemon_appears_and_again_to_the_next_one() {
     let (mut first, seg) = accept(&listener, Duration::from_secs(5));
     let found_in = t1.elapsed();
     let cred = rustix::net::sockopt::socket_peercred(&first).unwrap();
-    assert_eq!(cred.pid.as_raw_nonzero().get() as u32, pid, "the rank's own");
+    assert_eq!(
+        cred.pid.as_raw_nonzero().get() as u32,
+        pid,
+        "the rank's own"
+    );
     assert_eq!(seg.file_uid(), rustix::process::getuid().as_raw());
     assert!(seg.head() > 0, "records written before any daemon listened");
     first.write_all(b"OK\n").unwrap();
@@ -86,7 +90,9 @@ fn hands_over_its_segment_once_a_daemon_appears_and_again_to_the_next_one() {
     let back_in = t2.elapsed();
     assert_eq!(again.inode(), seg.inode(), "the same memory file");
     second.write_all(b"OK\n").unwrap();
-    eprintln!("handed over {found_in:?} after the daemon appeared, again {back_in:?} after it left");
+    eprintln!(
+        "handed over {found_in:?} after the daemon appeared, again {back_in:?} after it left"
+    );
 
     // Held from then on: no third connection while the rank finishes, and its end ends the connection.
     let out = finish(&mut child.0);

@@ -67,12 +67,7 @@ impl Daemon {
             .args(["--api-socket".as_ref(), self.api().as_os_str()])
             .args(["--spool-dir".as_ref(), self.spool().as_os_str()])
             .args(["--state-dir".as_ref(), self.dir.join("state").as_os_str()])
-            .args([
-                "--prometheus-listen",
-                "",
-                "--otlp-endpoint",
-                "",
-            ])
+            .args(["--prometheus-listen", "", "--otlp-endpoint", ""])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

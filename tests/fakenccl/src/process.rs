@@ -15,8 +15,8 @@ use anyhow::{Context, bail};
 use ncclscope_proto::segment::{Claims, Consumer, Counter, Segment};
 use ncclscope_proto::{Record, StrId};
 use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage,
-    SendFlags,
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
 };
 
 use crate::report::Report;
@@ -118,7 +118,11 @@ pub struct Registrant {
 
 impl Registrant {
     /// Registers `segment` (the first time within `wait`, or panics) and keeps it registered.
-    pub fn start(socket: &std::path::Path, segment: &Segment, wait: std::time::Duration) -> Registrant {
+    pub fn start(
+        socket: &std::path::Path,
+        segment: &Segment,
+        wait: std::time::Duration,
+    ) -> Registrant {
         let fd = segment.fd().try_clone_to_owned().expect("dup");
         let (reply, first) = register(socket, fd.as_fd(), wait).expect("registration");
         assert_eq!(reply, "OK\n", "registration refused");

@@ -4,8 +4,8 @@
 //! `NCCLSCOPE_SOCKET` at it), takes the segments of N processes (default 1), and dumps each one once
 //! its process has ended (its connection closed), without consuming anything.
 
-use std::os::unix::net::UnixListener;
 use std::io::{Read, Write};
+use std::os::unix::net::UnixListener;
 
 use ncclscope_fakenccl::process::receive_segment;
 use ncclscope_proto::Record;
