@@ -1,5 +1,5 @@
 //! `ncclscope demo`: the whole system on one machine without a GPU. Starts a daemon in this process
-//! (temporary sockets, spool and shared-memory prefix), runs N simulated ranks as separate processes
+//! (temporary sockets and spool), runs N simulated ranks as separate processes
 //! that load the real plugin `.so` through the fake NCCL host and drive a training-step mix of
 //! collectives with one injected straggler, shows the live view (or progress lines off a terminal),
 //! names the straggler the daemon found, writes a Perfetto trace of the run and exports OTLP when
