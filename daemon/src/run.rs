@@ -110,10 +110,12 @@ fn restore(label: &str, fds: Vec<std::os::fd::OwnedFd>) -> anyhow::Result<Attach
     })
 }
 
+/// From uname, not /proc/sys: the hardened unit shows the daemon only process entries of /proc.
 fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into())
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// Starts the daemon on the current tokio runtime. Every socket is bound before this returns, so a

@@ -35,6 +35,9 @@ fn privileged() -> Option<std::sync::MutexGuard<'static, ()>> {
     Some(SERIAL.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
+/// A spooled instance: (pid, collective, seq, replay).
+type Instance = (u32, String, u64, u32);
+
 /// A daemon's directory: the socket directory every rank shares (`run/`), its state, spool and log.
 struct Node {
     dir: tempfile::TempDir,
@@ -257,7 +260,7 @@ impl Node {
 
     /// (pid, collective, seq, replay) of every instance of `job` in the spool, checking none is there
     /// twice; and how many there are per pid.
-    fn spooled(&self, job: &str) -> (BTreeSet<(u32, String, u64, u32)>, BTreeMap<u32, u64>) {
+    fn spooled(&self, job: &str) -> (BTreeSet<Instance>, BTreeMap<u32, u64>) {
         let key = (rustix::process::getuid().as_raw(), job.to_string());
         let mut set = BTreeSet::new();
         let mut per_pid = BTreeMap::new();
