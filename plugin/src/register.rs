@@ -162,21 +162,20 @@ impl Registration {
         };
     }
 
-    /// Waits (polling, at most `within`) until a daemon has the segment or none could be asked: a
-    /// process that ends takes its segment with it, so its last communicator's end gives a daemon
-    /// that is there the chance to take it first.
+    /// Waits (polling, at most `within`) until a daemon has the segment or none could be asked, trying
+    /// at once whatever the backoff: a process that ends takes its segment with it, so its last
+    /// communicator's end gives a daemon that is there the chance to take it first.
     pub fn settle(&mut self, segment: BorrowedFd<'_>, within: Duration) {
         let deadline = Instant::now() + within;
+        if let State::Idle(at) = &mut self.state {
+            *at = Instant::now();
+        }
         loop {
-            let now = Instant::now();
-            if matches!(self.state, State::Idle(at) if at <= now) {
-                self.poll(now, segment);
-            }
-            if !matches!(self.state, State::Asked(..)) || now >= deadline {
+            self.poll(Instant::now(), segment);
+            if !matches!(self.state, State::Asked(..)) || Instant::now() >= deadline {
                 return;
             }
             std::thread::sleep(Duration::from_millis(1));
-            self.poll(Instant::now(), segment);
         }
     }
 
@@ -337,6 +336,39 @@ mod tests {
         });
         settle(&mut reg, &seg, |r| r.held() && r.accepted == 2);
         assert_eq!(daemon.join().unwrap().1, seg.inode());
+    }
+
+    #[test]
+    fn settling_tries_at_once_despite_the_backoff_and_waits_for_the_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.sock");
+        let seg = Segment::create(
+            &Claims {
+                hostname: "h".into(),
+                job_id: "j".into(),
+            },
+            8,
+        )
+        .unwrap();
+        let mut reg = Registration::new(path.clone());
+        // No daemon: one failed attempt, then a backoff far in the future; settling returns at once.
+        reg.poll(Instant::now(), seg.fd());
+        reg.state = State::Idle(Instant::now() + Duration::from_secs(60));
+        let t0 = Instant::now();
+        reg.settle(seg.fd(), Duration::from_secs(1));
+        assert!(t0.elapsed() < Duration::from_millis(100));
+        // A daemon that appeared meanwhile and answers after 50 ms: taken now, not in 60 s.
+        let listener = UnixListener::bind(&path).unwrap();
+        let daemon = std::thread::spawn(move || {
+            let (mut s, _, _) = receive(&listener);
+            std::thread::sleep(Duration::from_millis(50));
+            s.write_all(b"OK\n").unwrap();
+            s
+        });
+        reg.state = State::Idle(Instant::now() + Duration::from_secs(60));
+        reg.settle(seg.fd(), Duration::from_secs(1));
+        assert!(reg.held(), "handed over before the process ends");
+        drop(daemon.join().unwrap());
     }
 
     #[test]
