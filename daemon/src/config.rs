@@ -19,7 +19,7 @@ pub struct Config {
     /// Unix socket where plugins register their segments (the plugin's `NCCLSCOPE_SOCKET`).
     pub socket: PathBuf,
     /// Per-segment state (string table, communicators, calibration, already-exported operations) that
-    /// lets a restarted daemon resume a segment. On tmpfs it lives exactly as long as the segments.
+    /// lets a restarted daemon resume a segment. On tmpfs: no segment outlives a reboot either.
     pub state_dir: PathBuf,
     /// Unix socket of the gRPC query API (`ncclscope top|stats|export`).
     pub api_socket: PathBuf,
