@@ -171,9 +171,10 @@ pub struct Engine {
     /// Segments detached as corrupt, refused if handed over again (the most recent
     /// `drain.max_segments`).
     broken: VecDeque<SegmentKey>,
-    /// Segments refused by `drain.max_segments_per_uid`, each counted once however often its plugin
-    /// retries (the most recent `drain.max_segments`); attached once its uid has room again.
-    over_quota: VecDeque<SegmentKey>,
+    /// Segments refused for want of room (`drain.max_segments`, or their uid's
+    /// `drain.max_segments_per_uid`), each counted once however often its plugin retries (the most
+    /// recent `drain.max_segments`); attached once there is room again.
+    refused: VecDeque<SegmentKey>,
     /// Resume state files not yet claimed by a segment: removed once [`STATE_CLAIM_WINDOW`] passed.
     unclaimed_states: Option<Vec<String>>,
     /// systemd's file descriptor store, where attached segments are kept across a restart.
@@ -244,7 +245,7 @@ impl Engine {
             collectives: 0,
             uid_budgets: HashMap::new(),
             broken: VecDeque::new(),
-            over_quota: VecDeque::new(),
+            refused: VecDeque::new(),
             unclaimed_states: None,
             fd_store: crate::notify::fd_store_available(),
             watchdog: crate::notify::watchdog_interval().map(|every| (every, now)),
@@ -302,6 +303,14 @@ impl Engine {
         }
     }
 
+    /// Counts a segment refused for want of room under `stage`, once however often it is retried.
+    fn count_refusal(&mut self, key: SegmentKey, stage: &'static str) {
+        if !self.refused.contains(&key) {
+            remember(&mut self.refused, key, self.cfg.drain.max_segments);
+            *self.daemon_lost.entry(stage).or_default() += 1;
+        }
+    }
+
     /// Pings systemd's watchdog when it is due (from the ingest loop: a stuck ingest stops the pings).
     fn watchdog(&mut self) {
         if let Some((every, last)) = &mut self.watchdog
@@ -334,7 +343,7 @@ impl Engine {
             return Err("the segment was detached as corrupt".into());
         }
         if self.segments.len() >= self.cfg.drain.max_segments {
-            *self.daemon_lost.entry("segments_refused").or_default() += 1;
+            self.count_refusal(key, "segments_refused");
             return Err(format!(
                 "daemon is at drain.max_segments = {}",
                 self.cfg.drain.max_segments
@@ -344,10 +353,7 @@ impl Engine {
         let uid = key.uid;
         let of_uid = self.segments.iter().filter(|s| s.key.uid == uid).count();
         if of_uid >= self.cfg.drain.max_segments_per_uid {
-            if !self.over_quota.contains(&key) {
-                remember(&mut self.over_quota, key, self.cfg.drain.max_segments);
-                *self.daemon_lost.entry("uid_segment_quota").or_default() += 1;
-            }
+            self.count_refusal(key, "uid_segment_quota");
             return Err(format!(
                 "uid {uid} already has {of_uid} segments attached (drain.max_segments_per_uid = {})",
                 self.cfg.drain.max_segments_per_uid
@@ -402,7 +408,7 @@ impl Engine {
             }
         }
         tracing::info!(segment = %label, pid = key.pid, uid, job = %claims.job_id, tail = consumer.segment().tail(), head = consumer.segment().head(), restored = conn.is_none(), "segment attached");
-        self.over_quota.retain(|k| *k != key);
+        self.refused.retain(|k| *k != key);
         if let Some(states) = &mut self.unclaimed_states {
             states.retain(|s| *s != label);
         }
@@ -1493,6 +1499,41 @@ mod tests {
             .map(|c| c.unwrap().seq)
             .collect();
         assert_eq!(spooled, (0..30).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn the_end_of_a_processs_connection_drains_then_drops_its_segment() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut p = producer(64);
+        write_dictionary(&mut p);
+        write_colls(&mut p, 0..5);
+        let (mut e, _rx, hub) = engine(dir.path());
+        let mut live = hub.subscribe();
+        let first = hand_over(&mut e, &p);
+        e.tick();
+        // Handed over again on a new connection (the plugin reconnected): the same segment, once.
+        let second = hand_over(&mut e, &p);
+        drop(first);
+        write_colls(&mut p, 5..10);
+        let t0 = Instant::now();
+        while t0.elapsed() < LIVENESS_EVERY * 2 {
+            e.tick();
+        }
+        assert_eq!(e.health().segments, 1, "still connected through the second");
+        // The process ends: what it wrote last is still delivered, then the segment is dropped.
+        write_colls(&mut p, 10..12);
+        drop(second);
+        let t0 = Instant::now();
+        while e.health().segments > 0 {
+            assert!(t0.elapsed() < Duration::from_secs(5), "segment not dropped");
+            e.tick();
+        }
+        let mut seen = Vec::new();
+        while let Ok(c) = live.try_recv() {
+            seen.push(c.inst.seq);
+        }
+        assert_eq!(seen, (0..12).collect::<Vec<_>>());
+        assert!(state::list(dir.path()).is_empty(), "resume state removed");
     }
 
     #[test]
