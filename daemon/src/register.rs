@@ -42,17 +42,16 @@ pub async fn serve(listener: UnixListener, engine: std_mpsc::Sender<Handover>) {
             }
         };
         let engine = engine.clone();
-        tokio::spawn(async move {
-            if let Err(e) = tokio::time::timeout(IO_TIMEOUT * 3, handle(stream, &engine)).await {
-                tracing::debug!(error = %e, "registration timed out");
-            }
-        });
+        tokio::spawn(async move { handle(stream, &engine).await });
     }
 }
 
 /// Why a handed-over segment was refused: the loss stage it is counted under, and the reply.
 type Refusal = (&'static str, String);
 
+/// Reads the request and answers it. Reading and writing are bounded by [`IO_TIMEOUT`]; the engine's
+/// verdict is awaited however long it takes: the plugin waits for it (the engine may already hold the
+/// connection as the segment's), so it must come.
 async fn handle(mut stream: UnixStream, engine: &std_mpsc::Sender<Handover>) {
     let received = tokio::time::timeout(IO_TIMEOUT, receive(&stream)).await;
     let reply = match received {

@@ -26,8 +26,6 @@ use crate::host;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 /// Longest wait between attempts: also bounds how long a rank waits for a restarted daemon.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
-/// How long a daemon may take to answer (one that restarts under socket activation answers late).
-const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the held connection is checked for its end.
 const CHECK_EVERY: Duration = Duration::from_millis(100);
 
@@ -88,8 +86,11 @@ impl Drop for Connection {
 enum State {
     /// Not connected; the next attempt is due then.
     Idle(Instant),
-    /// The descriptor was sent at that time; waiting for the daemon's answer.
-    Asked(Connection, Instant),
+    /// The descriptor was sent; waiting for the daemon's answer, however long it takes: a daemon that
+    /// is slow, or not yet started behind a socket-activated listener, answers late, and one that
+    /// goes away closes the connection. (Giving up would close a connection the daemon may have
+    /// taken for the segment's, which it would read as the process's end.)
+    Asked(Connection),
     /// Accepted and held; looked at again then.
     Held(Connection, Instant),
 }
@@ -129,14 +130,13 @@ impl Registration {
         self.state = match state {
             State::Idle(at) if now < at => State::Idle(at),
             State::Idle(_) => match self.ask(segment) {
-                Ok(conn) => State::Asked(conn, now),
+                Ok(conn) => State::Asked(conn),
                 Err(e) => self.failed(now, Outcome::Unreachable(e.to_string())),
             },
-            State::Asked(conn, since) => match conn.read(&mut self.reply) {
-                Ok(None) if now.duration_since(since) < REPLY_TIMEOUT => State::Asked(conn, since),
-                Ok(None) => self.failed(now, Outcome::Unreachable("no answer".into())),
+            State::Asked(conn) => match conn.read(&mut self.reply) {
+                Ok(None) => State::Asked(conn),
                 Ok(Some(0)) => self.failed(now, Outcome::Unreachable("closed".into())),
-                Ok(Some(_)) if !self.reply.contains(&b'\n') => State::Asked(conn, since),
+                Ok(Some(_)) if !self.reply.contains(&b'\n') => State::Asked(conn),
                 Ok(Some(_)) => match answer(&self.reply) {
                     Outcome::Accepted => self.accept(now, conn),
                     outcome => self.failed(now, outcome),
@@ -372,7 +372,7 @@ mod tests {
     }
 
     #[test]
-    fn a_refusal_or_a_silent_daemon_is_retried_without_blocking() {
+    fn a_silent_daemon_is_waited_for_without_blocking_and_a_refusal_retried() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("d.sock");
         let listener = UnixListener::bind(&path).unwrap();
@@ -388,13 +388,21 @@ mod tests {
         let t0 = Instant::now();
         reg.poll(t0, seg.fd());
         assert!(matches!(reg.state, State::Asked(..)));
-        // Nobody answers: each poll returns at once, and the attempt is given up after the timeout.
+        // Nobody answers yet: each poll returns at once, and keeps waiting.
         reg.poll(t0, seg.fd());
+        reg.poll(t0 + Duration::from_secs(60), seg.fd());
         assert!(t0.elapsed() < Duration::from_millis(50));
-        reg.poll(t0 + REPLY_TIMEOUT, seg.fd());
-        assert!(matches!(reg.state, State::Idle(_)));
-        let (_, msg, _) = receive(&listener);
-        assert_eq!(msg, b"REGISTER\n", "sent before it gave up");
+        assert!(matches!(reg.state, State::Asked(..)));
+        // The daemon gets to it late and refuses: retried after the backoff.
+        let (mut s, msg, _) = receive(&listener);
+        assert_eq!(msg, b"REGISTER\n");
+        s.write_all(b"ERR no\n").unwrap();
+        let t1 = Instant::now();
+        while matches!(reg.state, State::Asked(..)) {
+            assert!(t1.elapsed() < Duration::from_secs(5));
+            reg.poll(Instant::now(), seg.fd());
+        }
+        assert!(matches!(reg.state, State::Idle(at) if at > Instant::now()));
         assert_eq!(answer(b"ERR no\n"), Outcome::Refused("ERR no".into()));
         assert_eq!(answer(b"OK\n"), Outcome::Accepted);
     }

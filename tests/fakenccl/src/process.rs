@@ -135,15 +135,19 @@ impl Registrant {
                 loop {
                     // The daemon sends nothing after OK: this returns when the connection ends.
                     let _ = held.read(&mut [0u8; 16]);
-                    if stop.load(Ordering::Acquire) {
-                        return;
-                    }
-                    match register(&socket, fd.as_fd(), std::time::Duration::from_secs(60)) {
-                        Ok((reply, c)) if reply == "OK\n" => {
-                            *conn.lock().unwrap() = c.try_clone().ok();
-                            held = c;
+                    // Like the plugin, never give up: retry until accepted (or this "process" ends).
+                    loop {
+                        if stop.load(Ordering::Acquire) {
+                            return;
                         }
-                        _ => return,
+                        match register(&socket, fd.as_fd(), std::time::Duration::from_secs(1)) {
+                            Ok((reply, c)) if reply == "OK\n" => {
+                                *conn.lock().unwrap() = c.try_clone().ok();
+                                held = c;
+                                break;
+                            }
+                            _ => std::thread::sleep(std::time::Duration::from_millis(100)),
+                        }
                     }
                 }
             })
@@ -196,7 +200,6 @@ pub fn register(
         &mut control,
         SendFlags::NOSIGNAL,
     )?;
-    conn.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
     let mut reply = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(&conn), &mut reply)?;
     Ok((reply, conn))
