@@ -303,9 +303,11 @@ impl Engine {
         }
     }
 
-    /// Counts a segment refused for want of room under `stage`, once however often it is retried.
-    fn count_refusal(&mut self, key: SegmentKey, stage: &'static str) {
+    /// Counts (and logs) a segment refused for want of room under `stage`, once however often it is
+    /// retried.
+    fn count_refusal(&mut self, key: SegmentKey, stage: &'static str, why: &str) {
         if !self.refused.contains(&key) {
+            tracing::warn!(segment = %key, reason = %why, "segment refused; attached once there is room");
             remember(&mut self.refused, key, self.cfg.drain.max_segments);
             *self.daemon_lost.entry(stage).or_default() += 1;
         }
@@ -343,21 +345,23 @@ impl Engine {
             return Err("the segment was detached as corrupt".into());
         }
         if self.segments.len() >= self.cfg.drain.max_segments {
-            self.count_refusal(key, "segments_refused");
-            return Err(format!(
+            let why = format!(
                 "daemon is at drain.max_segments = {}",
                 self.cfg.drain.max_segments
-            ));
+            );
+            self.count_refusal(key, "segments_refused", &why);
+            return Err(why);
         }
         // The uid is the registering peer's (SO_PEERCRED), which created the memory file.
         let uid = key.uid;
         let of_uid = self.segments.iter().filter(|s| s.key.uid == uid).count();
         if of_uid >= self.cfg.drain.max_segments_per_uid {
-            self.count_refusal(key, "uid_segment_quota");
-            return Err(format!(
+            let why = format!(
                 "uid {uid} already has {of_uid} segments attached (drain.max_segments_per_uid = {})",
                 self.cfg.drain.max_segments_per_uid
-            ));
+            );
+            self.count_refusal(key, "uid_segment_quota", &why);
+            return Err(why);
         }
         let claims = segment.claims();
         let job: JobKey = (uid, claims.job_id.clone());

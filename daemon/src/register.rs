@@ -63,7 +63,8 @@ async fn handle(mut stream: UnixStream, engine: &std_mpsc::Sender<Handover>) {
     let text = match &reply {
         Ok(()) => "OK\n".to_string(),
         Err(reason) => {
-            tracing::warn!(reason = %reason, "registration refused");
+            // Logged where it was decided, once per segment: a refused plugin retries every 2 s.
+            tracing::debug!(reason = %reason, "registration refused");
             format!("ERR {}\n", reason.replace('\n', " "))
         }
     };
@@ -122,6 +123,7 @@ async fn register(
     let segment = match checked {
         Ok(s) => s,
         Err((stage, reason)) => {
+            tracing::warn!(pid, uid = cred.uid(), reason = %reason, "segment refused");
             let _ = engine.send(Handover::Refused(stage));
             return Err(reason);
         }
