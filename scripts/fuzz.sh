@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Bounded coverage-guided fuzzing (AFL++ through cargo-afl, stable Rust) of ncclscope's untrusted inputs:
 # segment records (alone, and streams of them through the daemon's assembler), spool files, the
-# registration line, the daemon configuration (fuzz/src/lib.rs).
+# registration (request and sealed memory file), the daemon configuration (fuzz/src/lib.rs).
 # FUZZ_SECONDS per target (default 12; 5 targets, about a minute). Installs cargo-afl from crates.io
 # and builds AFL++ once. Fails on a crash or hang; the failing inputs are left in
 # target/afl/out/TARGET/default/{crashes,hangs}: fix the cause, then copy them to fuzz/regressions/TARGET/

@@ -13,13 +13,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ncclscope::config::Config;
-use ncclscope::engine::{Engine, Outputs};
+use ncclscope::engine::{Engine, Outputs, SegmentKey};
 use ncclscope::hub::{Durable, Hub};
 use ncclscope::instance::Shared;
 use ncclscope::otlp::{self, ExportCounters, SpanItem};
 use ncclscope::spool::{Spool, SpoolLimits};
 use ncclscope_proto::api::{ChannelWork, Collective};
-use ncclscope_proto::segment::{self, Owner, Producer, Segment, SegmentName};
+use ncclscope_proto::segment::{Claims, Producer, Segment};
 use ncclscope_proto::{Record, StrId, TimingPath};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
@@ -70,12 +70,29 @@ fn fill(p: &mut Producer, seq0: u64, n: u64) -> u64 {
     records
 }
 
-/// A segment of `capacity` records named after (live) process `pid`.
-fn bench_segment(prefix: &str, pid: u32, capacity: u64) -> (SegmentName, Producer) {
-    let owner = Owner::of_process(pid, "bench".into(), "bench".into());
-    let name = owner.segment_name(prefix);
-    let p = Producer::new(Segment::create(&name, &owner, capacity).unwrap());
-    (name, p)
+/// A segment of `capacity` records, handed to `engine` as process `pid`'s; returns the producer and
+/// the process's end of its connection.
+fn bench_segment(engine: &mut Engine, pid: u32, capacity: u64) -> (Producer, std::os::fd::OwnedFd) {
+    let claims = Claims {
+        hostname: "bench".into(),
+        job_id: "bench".into(),
+    };
+    let p = Producer::new(Segment::create(&claims, capacity).unwrap());
+    let (ours, theirs) = rustix::net::socketpair(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::STREAM,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )
+    .unwrap();
+    let key = SegmentKey {
+        uid: rustix::process::getuid().as_raw(),
+        pid,
+        inode: p.segment().inode(),
+    };
+    let seg = Segment::open(p.segment().fd().try_clone_to_owned().unwrap()).unwrap();
+    engine.attach(key, seg, Some(theirs)).unwrap();
+    (p, ours)
 }
 
 /// What a rank announces before its collectives: the strings `fill` uses, its communicator and a
@@ -117,7 +134,6 @@ fn ingest(ranks: u64, spool: bool) -> (f64, f64) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = Config {
         state_dir: dir.path().join("state"),
-        shm_prefix: format!("ncclscope-bench-{}", std::process::id()),
         ..Config::default()
     };
     std::fs::create_dir_all(&cfg.state_dir).unwrap();
@@ -142,25 +158,10 @@ fn ingest(ranks: u64, spool: bool) -> (f64, f64) {
     let per_rank = 150_000 / ranks;
     let capacity = (per_rank * (2 + CHANNELS)).next_power_of_two();
     let mut producers = Vec::new();
-    // A segment is named after its (live) process: idle child processes stand in for the other ranks.
-    let mut stand_ins = Vec::new();
     for rank in 0..ranks {
-        let pid = if rank == 0 {
-            std::process::id()
-        } else {
-            let child = std::process::Command::new("sleep")
-                .arg("600")
-                .spawn()
-                .unwrap();
-            stand_ins.push(child);
-            stand_ins.last().unwrap().id()
-        };
-        let (name, mut p) = bench_segment(&cfg.shm_prefix, pid, capacity);
+        let (mut p, conn) = bench_segment(&mut engine, std::process::id() + rank as u32, capacity);
         prelude(&mut p, 7, rank as u32, ranks.max(8) as u32, rank as i32);
-        engine
-            .attach(name.clone(), Segment::open(&name).unwrap(), false)
-            .unwrap();
-        producers.push((name, p));
+        producers.push((conn, p));
     }
     let (mut records, mut wall, mut cpu) = (0u64, Duration::ZERO, Duration::ZERO);
     for round in 0..7 {
@@ -188,13 +189,6 @@ fn ingest(ranks: u64, spool: bool) -> (f64, f64) {
         7 * per_rank * ranks,
         "every collective assembled"
     );
-    for (name, _) in producers {
-        Segment::unlink(&name).unwrap();
-    }
-    for mut child in stand_ins {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
     (
         records as f64 / wall.as_secs_f64(),
         records as f64 / cpu.as_secs_f64(),
@@ -311,17 +305,20 @@ const RANKS: u64 = 64;
 const RECORDS_PER_SEC: u64 = 1_000_000;
 const RUN: Duration = Duration::from_secs(10);
 
-/// A simulated rank process: `prefix|socket|rank`, writing RECORDS_PER_SEC / RANKS records a second.
+/// A simulated rank process: `socket|rank`, writing RECORDS_PER_SEC / RANKS records a second.
 fn rank_child(spec: &str) {
-    let f: Vec<&str> = spec.split('|').collect();
-    let rank: u64 = f[2].parse().unwrap();
-    let (name, mut p) = bench_segment(f[0], std::process::id(), 1 << 16);
-    let mut s = std::os::unix::net::UnixStream::connect(f[1]).unwrap();
-    use std::io::{BufRead, Write};
-    writeln!(s, "REGISTER {name}").unwrap();
-    let mut reply = String::new();
-    std::io::BufReader::new(s).read_line(&mut reply).unwrap();
-    assert_eq!(reply, "OK\n");
+    let (socket, rank) = spec.split_once('|').unwrap();
+    let rank: u64 = rank.parse().unwrap();
+    let claims = Claims {
+        hostname: "bench".into(),
+        job_id: "bench".into(),
+    };
+    let mut p = Producer::new(Segment::create(&claims, 1 << 16).unwrap());
+    let _registered = ncclscope_fakenccl::process::Registrant::start(
+        std::path::Path::new(socket),
+        p.segment(),
+        Duration::from_secs(10),
+    );
     prelude(&mut p, 0xbe7c_0000 + rank / 8, (rank % 8) as u32, 8, 0);
     let colls_per_sec = RECORDS_PER_SEC as f64 / RANKS as f64 / (2 + CHANNELS) as f64;
     let t0 = Instant::now();
@@ -377,7 +374,6 @@ fn rss() {
     });
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().display();
-    let prefix = format!("ncclscope-benchrss-{}", std::process::id());
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -387,7 +383,7 @@ fn rss() {
     std::fs::write(
         &config,
         format!(
-            "socket = \"{d}/s.sock\"\napi_socket = \"{d}/api.sock\"\nshm_prefix = \"{prefix}\"\nstate_dir = \"{d}/state\"\n\
+            "socket = \"{d}/s.sock\"\napi_socket = \"{d}/api.sock\"\nstate_dir = \"{d}/state\"\n\
              [spool]\ndir = \"\"\n[otlp]\nendpoint = \"http://{addr}\"\nsample_ratio = 0.01\nmetrics_interval_ms = 3600000\n[prometheus]\nlisten = \"127.0.0.1:{port}\"\n"
         ),
     )
@@ -421,7 +417,7 @@ fn rss() {
     let ranks: Vec<_> = (0..RANKS)
         .map(|r| {
             std::process::Command::new(std::env::current_exe().unwrap())
-                .env(RANK_ENV, format!("{prefix}|{}|{r}", socket.display()))
+                .env(RANK_ENV, format!("{}|{r}", socket.display()))
                 .spawn()
                 .unwrap()
         })
@@ -447,9 +443,6 @@ fn rss() {
         rustix::process::Signal::TERM,
     );
     let _ = daemon.wait();
-    for name in segment::list(&prefix).unwrap_or_default() {
-        let _ = Segment::unlink(&name);
-    }
     let value = |name: &str| {
         metrics
             .lines()

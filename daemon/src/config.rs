@@ -18,10 +18,8 @@ pub const ENV_PREFIX: &str = "NCCLSCOPE_";
 pub struct Config {
     /// Unix socket where plugins register their segments (the plugin's `NCCLSCOPE_SOCKET`).
     pub socket: PathBuf,
-    /// Segment name prefix under /dev/shm (the plugin's `NCCLSCOPE_SHM_PREFIX`).
-    pub shm_prefix: String,
     /// Per-segment state (string table, communicators, calibration, already-exported operations) that
-    /// lets a restarted daemon resume a segment. On tmpfs it lives exactly as long as the segments.
+    /// lets a restarted daemon resume a segment. On tmpfs: no segment outlives a reboot either.
     pub state_dir: PathBuf,
     /// Unix socket of the gRPC query API (`ncclscope top|stats|export`).
     pub api_socket: PathBuf,
@@ -115,8 +113,6 @@ pub struct Drain {
     /// `max_segments`; that uid's registrations beyond it are refused (counted as
     /// `ncclscope_lost_total{stage="uid_segment_quota"}`).
     pub max_segments_per_uid: usize,
-    /// How often /dev/shm is rescanned for segments that never registered, in milliseconds (0: only at start).
-    pub rescan_interval_ms: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -172,7 +168,6 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             socket: PathBuf::from("/run/ncclscope/ncclscope.sock"),
-            shm_prefix: ncclscope_proto::segment::DEFAULT_PREFIX.to_string(),
             state_dir: PathBuf::from("/run/ncclscope/state"),
             api_socket: PathBuf::from(crate::api::DEFAULT_API_SOCKET),
             shutdown_timeout_ms: 5000,
@@ -194,7 +189,6 @@ impl Default for Drain {
             batch_records: 8192,
             max_segments: 1024,
             max_segments_per_uid: 64,
-            rescan_interval_ms: 5000,
         }
     }
 }
@@ -256,7 +250,6 @@ fn err(origin: impl Into<String>, message: impl Into<String>) -> ConfigError {
 #[derive(Clone, Debug, Default)]
 pub struct Overrides {
     pub socket: Option<PathBuf>,
-    pub shm_prefix: Option<String>,
     pub state_dir: Option<PathBuf>,
     pub api_socket: Option<PathBuf>,
     pub spool_dir: Option<PathBuf>,
@@ -294,9 +287,6 @@ impl Config {
         let f = flags.clone();
         if let Some(v) = f.socket {
             config.socket = v;
-        }
-        if let Some(v) = f.shm_prefix {
-            config.shm_prefix = v;
         }
         if let Some(v) = f.state_dir {
             config.state_dir = v;
@@ -420,9 +410,6 @@ impl Config {
                 format!("{:?} is not an address:port", self.prometheus.listen),
             ));
         }
-        if self.shm_prefix.is_empty() || self.shm_prefix.contains('/') {
-            return Err(err("shm_prefix", "must be non-empty and contain no '/'"));
-        }
         if self.socket.as_os_str().is_empty() {
             return Err(err("socket", "must not be empty"));
         }
@@ -524,12 +511,12 @@ mod tests {
     #[test]
     fn layers_apply_in_order_file_env_flags() {
         let c = load(
-            "shm_prefix = \"fromfile\"\n[otlp]\nendpoint = \"http://file:4317\"\nsample_ratio = 0.5\n[drain]\nbatch_records = 100\n",
+            "state_dir = \"/fromfile\"\n[otlp]\nendpoint = \"http://file:4317\"\nsample_ratio = 0.5\n[drain]\nbatch_records = 100\n",
             &[("NCCLSCOPE_OTLP_SAMPLE_RATIO", "0.25"), ("NCCLSCOPE_DRAIN_MAX_INTERVAL_MS", "20"), ("NCCLSCOPE_JOB_ID", "x")],
             Overrides { otlp_endpoint: Some("http://flag:4317".into()), ..Default::default() },
         )
         .unwrap();
-        assert_eq!(c.shm_prefix, "fromfile");
+        assert_eq!(c.state_dir, PathBuf::from("/fromfile"));
         assert_eq!(c.otlp.endpoint, "http://flag:4317");
         assert_eq!(c.otlp.sample_ratio, 0.25);
         assert_eq!(c.drain.batch_records, 100);

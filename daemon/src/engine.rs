@@ -15,6 +15,7 @@
 //! spooled, published or counted again.
 
 use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, mpsc as std_mpsc};
 use std::time::{Duration, Instant};
@@ -23,7 +24,7 @@ use ncclscope_proto::api::{
     Communicator, Health as ApiHealth, Job, ListJobsResponse, RankInfo, StatsResponse,
 };
 use ncclscope_proto::now_ns;
-use ncclscope_proto::segment::{self, Consumer, Counter, RawRead, Segment, SegmentName};
+use ncclscope_proto::segment::{Consumer, Counter, RawRead, Segment};
 use opentelemetry_proto::tonic::metrics::v1::Metric;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -37,11 +38,56 @@ use crate::spool::{JobKey, Origin, Position};
 use crate::state::{self, SegmentState};
 use crate::stats::Stats;
 
-/// A segment handed over by the registration socket, already opened and checked against its peer.
+/// Which process's segment: the uid and pid the kernel reported for the process that handed it over
+/// (the pid as seen from the daemon's PID namespace), and the memory file's inode, which tells a
+/// process's segments apart while they exist. Names its resume state and its entries in systemd's
+/// file descriptor store, as `<uid>.<pid>.<inode>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SegmentKey {
+    pub uid: u32,
+    pub pid: u32,
+    pub inode: u64,
+}
+
+impl std::fmt::Display for SegmentKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}.{}", self.uid, self.pid, self.inode)
+    }
+}
+
+impl std::str::FromStr for SegmentKey {
+    type Err = ();
+
+    fn from_str(s: &str) -> Result<SegmentKey, ()> {
+        let mut it = s.splitn(3, '.').map(|p| p.parse::<u64>().map_err(|_| ()));
+        let (uid, pid, inode) = (
+            it.next().ok_or(())??,
+            it.next().ok_or(())??,
+            it.next().ok_or(())??,
+        );
+        Ok(SegmentKey {
+            uid: u32::try_from(uid).map_err(|_| ())?,
+            pid: u32::try_from(pid).map_err(|_| ())?,
+            inode,
+        })
+    }
+}
+
+/// A segment handed over (by a registering process, or restored from systemd's file descriptor
+/// store), already checked against its peer, with the connection whose end means the process ended
+/// (`None`: it ended while no daemon ran).
 pub struct Attach {
-    pub name: SegmentName,
+    pub key: SegmentKey,
     pub segment: Segment,
-    pub reply: oneshot::Sender<Result<(), String>>,
+    pub conn: Option<OwnedFd>,
+    pub reply: Option<oneshot::Sender<Result<(), String>>>,
+}
+
+/// What the registration socket hands the engine.
+pub enum Handover {
+    Attach(Attach),
+    /// A segment refused before it was mapped, counted under this stage.
+    Refused(&'static str),
 }
 
 /// Where the engine sends what it produces besides the spool and the hub.
@@ -73,10 +119,15 @@ const DICT_SAVE_SHARE: u32 = 50;
 /// How far a job's spool may run past a segment's saved `spool_mark` before the state is saved again:
 /// bounds what a restarted engine reads back per segment.
 const MARK_LAG: u64 = 1 << 20;
+/// How long after start a resume state waits for its segment to be handed over again (plugins retry
+/// at least every 2 s) before it is taken for one whose process ended while no daemon ran.
+const STATE_CLAIM_WINDOW: Duration = Duration::from_secs(300);
 
 struct Attached {
-    name: SegmentName,
+    key: SegmentKey,
     label: String,
+    /// The registering process's connection; its end is the process's end.
+    conn: Option<OwnedFd>,
     /// The spool's key of the process's job: (uid, job id).
     job: JobKey,
     consumer: Consumer,
@@ -120,11 +171,18 @@ pub struct Engine {
     collectives: u64,
     /// Dictionary budget of each uid with segments attached (shared by its assemblers).
     uid_budgets: HashMap<u32, Arc<UidBudget>>,
-    /// Segments detached as corrupt; skipped by rescans while they exist.
-    broken: std::collections::HashSet<SegmentName>,
-    /// Segments refused by `drain.max_segments_per_uid` that still exist: each is counted once, and a
-    /// rescan attaches it once its uid has room again.
-    over_quota: std::collections::HashSet<SegmentName>,
+    /// Segments detached as corrupt, refused if handed over again (the most recent
+    /// `drain.max_segments`).
+    broken: VecDeque<SegmentKey>,
+    /// Segments refused for want of room (`drain.max_segments`, or their uid's
+    /// `drain.max_segments_per_uid`), each counted once however often its plugin retries (the most
+    /// recent `drain.max_segments`); attached once there is room again.
+    refused: VecDeque<SegmentKey>,
+    /// Resume state files not yet claimed by a segment: removed once [`STATE_CLAIM_WINDOW`] passed.
+    unclaimed_states: Option<Vec<String>>,
+    /// systemd's file descriptor store, where attached segments are kept across a restart.
+    fd_store: bool,
+    watchdog: Option<(Duration, Instant)>,
     /// Buffers reused by every tick (their capacity would otherwise be reallocated each time).
     reads: Vec<RawRead>,
     /// Instances completed and not yet delivered, and which segment's they are: runs of `completed`
@@ -135,7 +193,7 @@ pub struct Engine {
     last_liveness: Instant,
     last_snapshot: Instant,
     last_metrics_export: Instant,
-    last_rescan: Instant,
+    started: Instant,
 }
 
 fn add(a: &mut AssembleCounters, b: &AssembleCounters) {
@@ -170,10 +228,6 @@ impl Engine {
         out: Outputs,
     ) -> Engine {
         let now = Instant::now();
-        // A segment's owner may truncate it under our mapping: that must not kill the daemon.
-        if let Err(e) = segment::install_fault_guard() {
-            tracing::error!(error = %e, "cannot install the SIGBUS guard; a truncated segment would crash the daemon");
-        }
         Engine {
             stats: Stats::new(
                 cfg.aggregate.rolling_window_s * 1_000_000_000,
@@ -194,8 +248,11 @@ impl Engine {
             forced_commits: 0,
             collectives: 0,
             uid_budgets: HashMap::new(),
-            broken: Default::default(),
-            over_quota: Default::default(),
+            broken: VecDeque::new(),
+            refused: VecDeque::new(),
+            unclaimed_states: None,
+            fd_store: crate::notify::fd_store_available(),
+            watchdog: crate::notify::watchdog_interval().map(|every| (every, now)),
             reads: Vec::new(),
             completed: Vec::new(),
             completed_runs: Vec::new(),
@@ -203,22 +260,22 @@ impl Engine {
             last_liveness: now,
             last_snapshot: now,
             last_metrics_export: now,
-            last_rescan: now,
+            started: now,
         }
     }
 
     /// Drains until `stop` is set; then reads what is left (bounded by the shutdown timeout), commits
     /// and saves every segment's state. Operations still in flight stay uncommitted for the next daemon.
-    pub fn run(mut self, registrations: std_mpsc::Receiver<Attach>, stop: Arc<AtomicBool>) {
-        self.rescan();
+    pub fn run(mut self, registrations: std_mpsc::Receiver<Handover>, stop: Arc<AtomicBool>) {
+        self.unclaimed_states = Some(state::list(&self.cfg.state_dir));
         let min = Duration::from_millis(self.cfg.drain.min_interval_ms);
         let max = Duration::from_millis(self.cfg.drain.max_interval_ms);
         let mut interval = min;
         while !stop.load(Ordering::Acquire) {
-            while let Ok(a) = registrations.try_recv() {
-                let r = self.attach(a.name, a.segment, true);
-                let _ = a.reply.send(r);
+            while let Ok(h) = registrations.try_recv() {
+                self.hand_over(h);
             }
+            self.watchdog();
             let busy = self.tick();
             interval = if busy { min } else { (interval * 2).min(max) };
             std::thread::sleep(interval);
@@ -235,48 +292,92 @@ impl Engine {
         tracing::info!(segments = self.segments.len(), "ingest stopped");
     }
 
-    /// Attaches `segment` unless it is attached already. `registered`: came through the socket.
+    /// Takes what the registration socket (or the start-up restore) hands over.
+    pub fn hand_over(&mut self, h: Handover) {
+        match h {
+            Handover::Attach(a) => {
+                let r = self.attach(a.key, a.segment, a.conn);
+                if let Some(reply) = a.reply {
+                    let _ = reply.send(r);
+                } else if let Err(e) = r {
+                    tracing::warn!(segment = %a.key, error = %e, "restored segment not attached");
+                }
+            }
+            Handover::Refused(stage) => *self.daemon_lost.entry(stage).or_default() += 1,
+        }
+    }
+
+    /// Counts (and logs) a segment refused for want of room under `stage`, once however often it is
+    /// retried.
+    fn count_refusal(&mut self, key: SegmentKey, stage: &'static str, why: &str) {
+        if !self.refused.contains(&key) {
+            tracing::warn!(segment = %key, reason = %why, "segment refused; attached once there is room");
+            remember(&mut self.refused, key, self.cfg.drain.max_segments);
+            *self.daemon_lost.entry(stage).or_default() += 1;
+        }
+    }
+
+    /// Pings systemd's watchdog when it is due (from the ingest loop: a stuck ingest stops the pings).
+    fn watchdog(&mut self) {
+        if let Some((every, last)) = &mut self.watchdog
+            && last.elapsed() >= *every / 2
+        {
+            *last = Instant::now();
+            if let Err(e) = crate::notify::notify("WATCHDOG=1", &[]) {
+                tracing::warn!(error = %e, "watchdog ping failed");
+            }
+        }
+    }
+
+    /// Attaches `segment` of `key` unless it is attached already (then its connection is replaced:
+    /// the process reconnected). `conn`: the registering connection, `None` if the process ended.
     pub fn attach(
         &mut self,
-        name: SegmentName,
+        key: SegmentKey,
         segment: Segment,
-        registered: bool,
+        conn: Option<OwnedFd>,
     ) -> Result<(), String> {
-        let label = name.to_string();
-        if self.segments.iter().any(|s| s.name == name) {
+        let label = key.to_string();
+        if let Some(s) = self.segments.iter_mut().find(|s| s.key == key) {
+            if conn.is_some() {
+                s.exited = false;
+                s.conn = conn;
+            }
             return Ok(());
         }
+        if self.broken.contains(&key) {
+            return Err("the segment was detached as corrupt".into());
+        }
         if self.segments.len() >= self.cfg.drain.max_segments {
-            *self.daemon_lost.entry("segments_refused").or_default() += 1;
-            return Err(format!(
+            let why = format!(
                 "daemon is at drain.max_segments = {}",
                 self.cfg.drain.max_segments
-            ));
+            );
+            self.count_refusal(key, "segments_refused", &why);
+            return Err(why);
         }
-        // The uid is the object's owner as the kernel reports it (fstat), which the registration
-        // socket and the rescan checked against the peer, the name and the header.
-        let uid = segment.file_uid();
-        let of_uid = self.segments.iter().filter(|s| s.name.uid == uid).count();
+        // The uid is the registering peer's (SO_PEERCRED), which created the memory file.
+        let uid = key.uid;
+        let of_uid = self.segments.iter().filter(|s| s.key.uid == uid).count();
         if of_uid >= self.cfg.drain.max_segments_per_uid {
-            if self.over_quota.insert(name) {
-                *self.daemon_lost.entry("uid_segment_quota").or_default() += 1;
-            }
-            return Err(format!(
+            let why = format!(
                 "uid {uid} already has {of_uid} segments attached (drain.max_segments_per_uid = {})",
                 self.cfg.drain.max_segments_per_uid
-            ));
+            );
+            self.count_refusal(key, "uid_segment_quota", &why);
+            return Err(why);
         }
-        let owner = segment.owner();
-        let job: JobKey = (uid, owner.job_id.clone());
+        let claims = segment.claims();
+        let job: JobKey = (uid, claims.job_id.clone());
         self.uid_budgets.retain(|_, b| Arc::strong_count(b) > 1);
         let budget = (self.uid_budgets.entry(uid))
             .or_insert_with(|| UidBudget::new(self.cfg.limits.uid_max_dictionary))
             .clone();
         let mut asm = Assembler::new(
-            owner.pid,
+            key.pid,
             uid,
-            owner.job_id.clone(),
-            owner.hostname.clone(),
+            claims.job_id.clone(),
+            claims.hostname.clone(),
             self.cfg.aggregate.max_pending_ops,
         )
         .with_limits(self.cfg.limits.clone())
@@ -291,7 +392,7 @@ impl Engine {
                 if let Some(spool) = &self.spool {
                     // Spooled by the previous daemon after it saved this state: recorded already.
                     match spool.recorded_since(&job, st.spool_mark) {
-                        Ok(origins) => mark_recorded(&mut delivered, &name, tail, origins),
+                        Ok(origins) => mark_recorded(&mut delivered, &key, tail, origins),
                         Err(e) => {
                             tracing::warn!(segment = %label, error = %e, "cannot read the spool back; what it holds past the saved state may be recorded twice");
                             *self.daemon_lost.entry("spool_unreadable").or_default() += 1;
@@ -314,12 +415,28 @@ impl Engine {
                 *self.daemon_lost.entry("resume_state_missing").or_default() += 1;
             }
         }
-        tracing::info!(segment = %label, pid = owner.pid, uid, job = %owner.job_id, tail = consumer.segment().tail(), head = consumer.segment().head(), registered, "segment attached");
-        self.over_quota.remove(&name);
+        tracing::info!(segment = %label, pid = key.pid, uid, job = %claims.job_id, tail = consumer.segment().tail(), head = consumer.segment().head(), restored = conn.is_none(), "segment attached");
+        self.refused.retain(|k| *k != key);
+        if let Some(states) = &mut self.unclaimed_states {
+            states.retain(|s| *s != label);
+        }
+        if self.fd_store {
+            // Kept across a restart by systemd: the memory file, and the connection whose end tells
+            // the next daemon that the process ended (systemd drops a stored socket once it hangs up).
+            let fds: Vec<_> = std::iter::once(consumer.segment().fd())
+                .chain(conn.as_ref().map(|c| c.as_fd()))
+                .collect();
+            let name = crate::notify::segment_fd_name(&label);
+            if let Err(e) = crate::notify::notify(&format!("FDSTORE=1\nFDNAME={name}"), &fds) {
+                tracing::warn!(segment = %label, error = %e, "cannot keep the segment in systemd's file descriptor store");
+            }
+        }
         let read_upto = consumer.segment().tail();
+        let exited = conn.is_none();
         self.segments.push(Attached {
-            name,
+            key,
             label,
+            conn,
             job,
             consumer,
             asm,
@@ -335,69 +452,35 @@ impl Engine {
             dict_saved_at: Instant::now(),
             dict_save_cost: Duration::ZERO,
             spool_mark,
-            exited: false,
+            exited,
         });
         self.refresh_local_ranks();
         Ok(())
     }
 
-    /// Finds segments with our prefix that are not attached (start-up recovery, and processes that
-    /// never managed to register).
-    fn rescan(&mut self) {
-        self.last_rescan = Instant::now();
-        let names = match segment::list(&self.cfg.shm_prefix) {
-            Ok(n) => n,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot scan {}", segment::SHM_DIR);
-                return;
-            }
-        };
-        for name in names.iter().cloned() {
-            if self.segments.iter().any(|s| s.name == name) || self.broken.contains(&name) {
-                continue;
-            }
-            match Segment::open(&name) {
-                Ok(seg) => {
-                    let owner = seg.owner();
-                    if seg.file_uid() != owner.uid || owner.uid != name.uid || owner.pid != name.pid
-                    {
-                        tracing::warn!(segment = %name, "owner in the header does not match the object or its name; ignored");
-                        continue;
-                    }
-                    let refused_before = self.over_quota.contains(&name);
-                    if let Err(e) = self.attach(name, seg, false)
-                        && !refused_before
-                    {
-                        tracing::warn!(error = %e, "segment not attached");
-                    }
+    /// Marks the segments whose process ended: the kernel closed its end of the registration
+    /// connection (a forked child does not keep it: the plugin closes the child's copy).
+    fn check_ended(&mut self) {
+        let mut buf = [0u8; 64];
+        for seg in &mut self.segments {
+            let Some(conn) = &seg.conn else { continue };
+            match rustix::net::recv(conn, &mut buf, rustix::net::RecvFlags::DONTWAIT) {
+                // The plugin sends nothing after its request: anything else is ignored.
+                Ok((_, 1..)) | Err(rustix::io::Errno::AGAIN) => {}
+                Ok((_, 0)) | Err(_) => {
+                    seg.exited = true;
+                    seg.conn = None;
                 }
-                Err(segment::SegmentError::NotReady { .. }) => {}
-                Err(e) => tracing::warn!(error = %e, "segment ignored"),
             }
         }
-        // Resume state of segments that no longer exist (removed while no daemon ran). A segment that
-        // exists but is not attached (not ready, refused) keeps its state for a later attach.
-        let existing: Vec<String> = names.iter().map(SegmentName::to_string).collect();
-        for stale in state::list(&self.cfg.state_dir) {
-            if !existing.contains(&stale)
-                && SegmentName::parse(&stale).is_some_and(|n| n.prefix == self.cfg.shm_prefix)
-            {
+        // Resume state of segments that were not handed over again after a restart: their process
+        // ended while no daemon ran, and their segment with it.
+        if self.started.elapsed() >= STATE_CLAIM_WINDOW
+            && let Some(states) = self.unclaimed_states.take()
+        {
+            for stale in states {
                 state::remove(&self.cfg.state_dir, &stale);
             }
-        }
-        self.broken.retain(|n| names.contains(n));
-        self.over_quota.retain(|n| names.contains(n));
-        // A corrupt segment whose process is gone will never be read again: remove it.
-        let dead: Vec<SegmentName> = self
-            .broken
-            .iter()
-            .filter(|n| !segment::owner_alive(n))
-            .cloned()
-            .collect();
-        for n in dead {
-            let _ = Segment::unlink(&n);
-            state::remove(&self.cfg.state_dir, &n.to_string());
-            self.broken.remove(&n);
         }
     }
 
@@ -428,11 +511,6 @@ impl Engine {
                 self.reads.clear();
                 let n = match seg.consumer.read_raw(want, &mut self.reads) {
                     Ok(n) => n,
-                    Err(e @ segment::SegmentError::Truncated { .. }) => {
-                        tracing::error!(segment = %seg.label, pid = seg.name.pid, error = %e, "segment truncated by its owner; detached as corrupt");
-                        broken.push(i);
-                        break;
-                    }
                     Err(e) => {
                         tracing::error!(segment = %seg.label, error = %e, "corrupt segment detached");
                         broken.push(i);
@@ -465,16 +543,13 @@ impl Engine {
         if self.last_sweep.elapsed() >= SWEEP_EVERY {
             self.last_sweep = Instant::now();
             let timeout = self.cfg.aggregate.op_timeout_ms * 1_000_000;
-            let check_alive = self.last_liveness.elapsed() >= LIVENESS_EVERY;
-            if check_alive {
+            if self.last_liveness.elapsed() >= LIVENESS_EVERY {
                 self.last_liveness = Instant::now();
+                self.check_ended();
             }
             for i in 0..self.segments.len() {
                 let seg = &mut self.segments[i];
                 seg.asm.sweep(now, timeout, &mut self.completed);
-                if check_alive && !seg.exited && !segment::owner_alive(&seg.name) {
-                    seg.exited = true;
-                }
                 if seg.exited && seg.consumer.pending() == 0 {
                     seg.asm.finish_all(&mut self.completed);
                 }
@@ -490,19 +565,14 @@ impl Engine {
         for i in broken.into_iter().rev() {
             let seg = self.segments.remove(i);
             *self.daemon_lost.entry("corrupt_segment").or_default() += 1;
-            // Not re-attached by the next scan: its cursors cannot be trusted.
-            self.broken.insert(seg.name.clone());
+            // Not attached again if handed over again: its cursors cannot be trusted.
+            remember(&mut self.broken, seg.key, self.cfg.drain.max_segments);
+            self.forget(&seg);
             self.retire(seg);
         }
         self.collect_acks();
         self.commit_all(false);
         self.reap();
-        if self.last_rescan.elapsed()
-            >= Duration::from_millis(self.cfg.drain.rescan_interval_ms.max(1))
-            && self.cfg.drain.rescan_interval_ms > 0
-        {
-            self.rescan();
-        }
         if self.last_snapshot.elapsed() >= SNAPSHOT_EVERY {
             self.snapshot(false);
         }
@@ -546,15 +616,15 @@ impl Engine {
                 .flat_map(|(i, range)| {
                     let seg = &self.segments[*i];
                     let names = seg.asm.names();
-                    let name = &seg.name;
+                    let key = &seg.key;
                     completed[range.clone()]
                         .iter()
                         .filter(|c| c.prior & done::RECORDED == 0)
                         .map(move |c| {
                             let origin = Origin {
-                                uid: name.uid,
-                                pid: name.pid,
-                                start_ticks: name.start_ticks,
+                                uid: key.uid,
+                                pid: key.pid,
+                                inode: key.inode,
                                 op_id: c.op_id,
                                 first_pos: c.first_pos,
                             };
@@ -707,15 +777,24 @@ impl Engine {
                     &mut self.daemon_lost,
                     &mut self.forced_commits,
                 );
-                if let Err(e) = Segment::unlink(&seg.name) {
-                    tracing::warn!(segment = %seg.label, error = %e, "unlink failed");
-                }
-                state::remove(&self.cfg.state_dir, &seg.label);
-                tracing::info!(segment = %seg.label, "process exited; segment drained and removed");
+                self.forget(&seg);
+                tracing::info!(segment = %seg.label, "process exited; segment drained and dropped");
                 self.retire(seg);
                 self.refresh_local_ranks();
             } else {
                 i += 1;
+            }
+        }
+    }
+
+    /// Removes what would bring a detached segment back: its resume state and its descriptors in
+    /// systemd's store. The mapping and the memory file go with the [`Attached`] value.
+    fn forget(&self, seg: &Attached) {
+        state::remove(&self.cfg.state_dir, &seg.label);
+        if self.fd_store {
+            let name = crate::notify::segment_fd_name(&seg.label);
+            if let Err(e) = crate::notify::notify(&format!("FDSTOREREMOVE=1\nFDNAME={name}"), &[]) {
+                tracing::warn!(segment = %seg.label, error = %e, "cannot remove the segment from systemd's file descriptor store");
             }
         }
     }
@@ -772,6 +851,15 @@ impl Engine {
             ("rank_series_limit", self.stats.rank_series_refused),
         ] {
             lost.insert(stage.into(), n);
+        }
+        // Refusals at the boundary, exported from the start (not only once one happened).
+        for stage in [
+            "corrupt_segment",
+            "segment_unsealed",
+            "segment_invalid",
+            "segment_foreign",
+        ] {
+            lost.insert(stage.into(), 0);
         }
         for (k, v) in &self.daemon_lost {
             lost.insert(k.to_string(), *v);
@@ -925,6 +1013,14 @@ fn finish_commit(consumer: &mut Consumer, state_tail: u64) -> bool {
     true
 }
 
+/// Adds `key` to a bounded list of remembered segments, forgetting the oldest past `max`.
+fn remember(list: &mut VecDeque<SegmentKey>, key: SegmentKey, max: usize) {
+    if list.len() >= max.max(1) {
+        list.pop_front();
+    }
+    list.push_back(key);
+}
+
 /// Whether a segment's saved spool mark is missing or far enough behind the spool's `end` that the
 /// state should be saved again (`end`: `None` without a spool).
 fn mark_stale(mark: Option<Position>, end: Option<Position>) -> bool {
@@ -939,7 +1035,7 @@ fn mark_stale(mark: Option<Position>, end: Option<Position>) -> bool {
 /// restored `delivered` list; operations before `tail` are committed and never read again.
 fn mark_recorded(
     delivered: &mut Vec<(u64, u64, u8)>,
-    name: &SegmentName,
+    key: &SegmentKey,
     tail: u64,
     origins: Vec<Origin>,
 ) {
@@ -949,9 +1045,7 @@ fn mark_recorded(
         .map(|(i, d)| (d.0, i))
         .collect();
     for o in origins {
-        if (o.uid, o.pid, o.start_ticks) != (name.uid, name.pid, name.start_ticks)
-            || o.first_pos < tail
-        {
+        if (o.uid, o.pid, o.inode) != (key.uid, key.pid, key.inode) || o.first_pos < tail {
             continue;
         }
         match known.get(&o.op_id) {
@@ -1081,7 +1175,8 @@ fn save_state(
 mod tests {
     use super::*;
     use crate::spool::{Spool, SpoolLimits};
-    use ncclscope_proto::segment::{Owner, Producer};
+    use ncclscope_proto::Claims;
+    use ncclscope_proto::segment::Producer;
     use ncclscope_proto::{Record, StrId, TimingPath};
 
     /// The job "j" of the test's own uid (the owner of the segments it creates).
@@ -1089,22 +1184,17 @@ mod tests {
         (rustix::process::getuid().as_raw(), "j".into())
     }
 
-    fn engine(
-        dir: &std::path::Path,
-        prefix: &str,
-    ) -> (Engine, watch::Receiver<Arc<String>>, Arc<Hub>) {
-        engine_with(dir, prefix, None, Config::default().drain.batch_records)
+    fn engine(dir: &std::path::Path) -> (Engine, watch::Receiver<Arc<String>>, Arc<Hub>) {
+        engine_with(dir, None, Config::default().drain.batch_records)
     }
 
     fn engine_with(
         dir: &std::path::Path,
-        prefix: &str,
         spool: Option<Box<dyn Durable>>,
         batch_records: usize,
     ) -> (Engine, watch::Receiver<Arc<String>>, Arc<Hub>) {
         let mut cfg = Config {
             state_dir: dir.to_path_buf(),
-            shm_prefix: prefix.into(),
             ..Config::default()
         };
         cfg.drain.batch_records = batch_records;
@@ -1121,13 +1211,36 @@ mod tests {
         (Engine::new(Arc::new(cfg), hub.clone(), spool, out), rx, hub)
     }
 
-    fn producer(prefix: &str) -> (SegmentName, Producer) {
-        let owner = Owner::of_process(std::process::id(), "h".into(), "j".into());
-        let name = owner.segment_name(prefix);
-        (
-            name.clone(),
-            Producer::new(Segment::create(&name, &owner, 64).unwrap()),
+    /// A segment of job "j" written by this process, as a plugin's.
+    fn producer(capacity: u64) -> Producer {
+        let claims = Claims {
+            hostname: "h".into(),
+            job_id: "j".into(),
+        };
+        Producer::new(Segment::create(&claims, capacity).unwrap())
+    }
+
+    fn key_of(p: &Producer) -> SegmentKey {
+        SegmentKey {
+            uid: rustix::process::getuid().as_raw(),
+            pid: std::process::id(),
+            inode: p.segment().inode(),
+        }
+    }
+
+    /// Hands `p`'s segment to `e` as the registration socket does; returns this side of the
+    /// connection (dropping it is the process's end).
+    fn hand_over(e: &mut Engine, p: &Producer) -> OwnedFd {
+        let (ours, theirs) = rustix::net::socketpair(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::STREAM,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
         )
+        .unwrap();
+        let seg = Segment::open(p.segment().fd().try_clone_to_owned().unwrap()).unwrap();
+        e.attach(key_of(p), seg, Some(theirs)).unwrap();
+        ours
     }
 
     /// Strings and the communicator `write_colls`'s records refer to.
@@ -1179,8 +1292,7 @@ mod tests {
     #[test]
     fn a_ring_over_half_full_commits_past_an_open_operation_and_drops_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let prefix = format!("ncclscope-enginetest-forced-{}", std::process::id());
-        let (_name, mut p) = producer(&prefix);
+        let mut p = producer(64);
         write_dictionary(&mut p);
         let open = Record::CollStart {
             comm: 0,
@@ -1198,8 +1310,8 @@ mod tests {
             captured: false,
         };
         assert!(p.push(&open));
-        let (mut e, _rx, _hub) = engine(dir.path(), &prefix);
-        e.rescan();
+        let (mut e, _rx, _hub) = engine(dir.path());
+        let _conn = hand_over(&mut e, &p);
         // 40 rounds of 8 collectives: 640 records through a 64-record ring.
         for round in 0..40 {
             write_colls(&mut p, round * 8..round * 8 + 8);
@@ -1226,13 +1338,13 @@ mod tests {
     #[test]
     fn a_restarted_engine_resumes_from_the_saved_state_without_duplicates() {
         let dir = tempfile::tempdir().unwrap();
-        let prefix = format!("ncclscope-enginetest-{}", std::process::id());
-        let (name, mut p) = producer(&prefix);
+        let mut p = producer(64);
+        let name = key_of(&p);
         write_dictionary(&mut p);
         write_colls(&mut p, 0..10);
-        let (mut e1, _rx1, hub1) = engine(dir.path(), &prefix);
+        let (mut e1, _rx1, hub1) = engine(dir.path());
         let mut live = hub1.subscribe();
-        e1.rescan();
+        let _conn1 = hand_over(&mut e1, &p);
         e1.tick();
         e1.commit_all(true);
         let mut seen = Vec::new();
@@ -1254,9 +1366,9 @@ mod tests {
         // are not read again; only the saved state still knows them.
         drop(e1);
         write_colls(&mut p, 20..40);
-        let (mut e2, _rx2, hub2) = engine(dir.path(), &prefix);
+        let (mut e2, _rx2, hub2) = engine(dir.path());
         let mut live = hub2.subscribe();
-        e2.rescan();
+        let _conn2 = hand_over(&mut e2, &p);
         e2.tick();
         let mut seen = Vec::new();
         while let Ok(c) = live.try_recv() {
@@ -1272,7 +1384,6 @@ mod tests {
             (20..40).collect::<Vec<_>>(),
             "nothing twice, nothing missing"
         );
-        Segment::unlink(&name).unwrap();
     }
 
     const KILL_ENV: &str = "NCCLSCOPE_TEST_ENGINE_KILL";
@@ -1317,21 +1428,29 @@ mod tests {
     #[ignore = "child process of a_daemon_killed_between_spooling_and_saving_state_records_nothing_twice"]
     fn engine_killed_child() {
         let spec = std::env::var(KILL_ENV).expect("run by the kill test");
-        let (dir, rest) = spec.split_once('|').unwrap();
-        let (prefix, kill_at) = rest.split_once('|').unwrap();
-        let dir = std::path::Path::new(dir);
+        let f: Vec<&str> = spec.split('|').collect();
+        let (dir, segment, key, kill_at) = (std::path::Path::new(f[0]), f[1], f[2], f[3]);
         let spool = KillAfterAppend {
             spool: Spool::open(dir.join("spool"), SpoolLimits::default()).unwrap(),
             appends: 0,
             kill_at: kill_at.parse().unwrap(),
         };
-        let (mut e, _rx, _hub) = engine_with(
-            &dir.join("state"),
-            prefix,
-            Some(Box::new(spool)),
-            KILL_BATCH,
-        );
-        e.rescan();
+        let (mut e, _rx, _hub) = engine_with(&dir.join("state"), Some(Box::new(spool)), KILL_BATCH);
+        // The parent's segment, opened through its descriptor in /proc (the same memory file).
+        let fd = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .open(segment)
+            .unwrap();
+        let seg = Segment::open(fd.into()).unwrap();
+        let (_ours, theirs) = rustix::net::socketpair(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::STREAM,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        e.attach(key.parse().unwrap(), seg, Some(theirs)).unwrap();
         for _ in 0..100 {
             e.tick();
             e.commit_all(true);
@@ -1347,15 +1466,22 @@ mod tests {
         for kill_at in [1, 2] {
             let dir = tempfile::tempdir().unwrap();
             std::fs::create_dir_all(dir.path().join("state")).unwrap();
-            let prefix = format!("ncclscope-enginekill{kill_at}-{}", std::process::id());
-            let (name, mut p) = producer(&prefix);
+            let mut p = producer(64);
             write_dictionary(&mut p);
             write_colls(&mut p, 0..10);
+            let fd_path = format!("/proc/{}/fd/{}", std::process::id(), {
+                use std::os::fd::AsRawFd;
+                p.segment().fd().as_raw_fd()
+            });
             let status = std::process::Command::new(std::env::current_exe().unwrap())
                 .args(["--ignored", "--exact", "engine::tests::engine_killed_child"])
                 .env(
                     KILL_ENV,
-                    format!("{}|{prefix}|{kill_at}", dir.path().display()),
+                    format!(
+                        "{}|{fd_path}|{}|{kill_at}",
+                        dir.path().display(),
+                        key_of(&p)
+                    ),
                 )
                 .stdout(std::process::Stdio::null())
                 .status()
@@ -1374,14 +1500,10 @@ mod tests {
             // The process goes on; a new engine takes over from what the killed one left.
             write_colls(&mut p, 10..20);
             let spool = Spool::open(dir.path().join("spool"), SpoolLimits::default()).unwrap();
-            let (mut e, rx, hub) = engine_with(
-                &dir.path().join("state"),
-                &prefix,
-                Some(Box::new(spool)),
-                KILL_BATCH,
-            );
+            let (mut e, rx, hub) =
+                engine_with(&dir.path().join("state"), Some(Box::new(spool)), KILL_BATCH);
             let mut live = hub.subscribe();
-            e.rescan();
+            let _conn = hand_over(&mut e, &p);
             while e.tick() {}
             e.commit_all(true);
             e.snapshot(true);
@@ -1403,7 +1525,6 @@ mod tests {
                 .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
                 .sum();
             assert_eq!(counted, (20 - before) as f64, "{text}");
-            Segment::unlink(&name).unwrap();
         }
     }
 
@@ -1412,16 +1533,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let state_dir = dir.path().join("state");
         std::fs::create_dir_all(&state_dir).unwrap();
-        let prefix = format!("ncclscope-enginetail-{}", std::process::id());
-        let owner = Owner::of_process(std::process::id(), "h".into(), "j".into());
-        let name = owner.segment_name(&prefix);
-        let mut p = Producer::new(Segment::create(&name, &owner, 1024).unwrap());
+        let mut p = producer(1024);
         write_dictionary(&mut p);
         write_colls(&mut p, 0..10);
         let spool =
             || Box::new(Spool::open(dir.path().join("spool"), SpoolLimits::default()).unwrap());
-        let (mut e1, _rx1, _hub1) = engine_with(&state_dir, &prefix, Some(spool()), 8192);
-        e1.rescan();
+        let (mut e1, _rx1, _hub1) = engine_with(&state_dir, Some(spool()), 8192);
+        let _conn1 = hand_over(&mut e1, &p);
         e1.tick();
         e1.commit_all(true);
         write_colls(&mut p, 10..20);
@@ -1436,12 +1554,12 @@ mod tests {
         save_state(&state_dir, &mut e1.segments[0], target, end).unwrap();
         // ... and the daemon is killed before the tail is committed.
         drop(e1);
-        assert_eq!(Segment::open(&name).unwrap().tail(), committed);
+        assert_eq!(p.segment().tail(), committed);
 
         write_colls(&mut p, 20..30);
-        let (mut e2, _rx2, hub2) = engine_with(&state_dir, &prefix, Some(spool()), 8192);
+        let (mut e2, _rx2, hub2) = engine_with(&state_dir, Some(spool()), 8192);
         let mut live = hub2.subscribe();
-        e2.rescan();
+        let _conn2 = hand_over(&mut e2, &p);
         assert_eq!(
             e2.segments[0].consumer.segment().tail(),
             target,
@@ -1465,16 +1583,49 @@ mod tests {
             .map(|c| c.unwrap().seq)
             .collect();
         assert_eq!(spooled, (0..30).collect::<Vec<_>>());
-        Segment::unlink(&name).unwrap();
+    }
+
+    #[test]
+    fn the_end_of_a_processs_connection_drains_then_drops_its_segment() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut p = producer(64);
+        write_dictionary(&mut p);
+        write_colls(&mut p, 0..5);
+        let (mut e, _rx, hub) = engine(dir.path());
+        let mut live = hub.subscribe();
+        let first = hand_over(&mut e, &p);
+        e.tick();
+        // Handed over again on a new connection (the plugin reconnected): the same segment, once.
+        let second = hand_over(&mut e, &p);
+        drop(first);
+        write_colls(&mut p, 5..10);
+        let t0 = Instant::now();
+        while t0.elapsed() < LIVENESS_EVERY * 2 {
+            e.tick();
+        }
+        assert_eq!(e.health().segments, 1, "still connected through the second");
+        // The process ends: what it wrote last is still delivered, then the segment is dropped.
+        write_colls(&mut p, 10..12);
+        drop(second);
+        let t0 = Instant::now();
+        while e.health().segments > 0 {
+            assert!(t0.elapsed() < Duration::from_secs(5), "segment not dropped");
+            e.tick();
+        }
+        let mut seen = Vec::new();
+        while let Ok(c) = live.try_recv() {
+            seen.push(c.inst.seq);
+        }
+        assert_eq!(seen, (0..12).collect::<Vec<_>>());
+        assert!(state::list(dir.path()).is_empty(), "resume state removed");
     }
 
     #[test]
     fn a_corrupt_segment_is_detached_counted_and_not_reattached() {
         let dir = tempfile::tempdir().unwrap();
-        let prefix = format!("ncclscope-enginecorrupt-{}", std::process::id());
-        let (name, mut p) = producer(&prefix);
-        let (mut e, _rx, _hub) = engine(dir.path(), &prefix);
-        e.rescan();
+        let mut p = producer(64);
+        let (mut e, _rx, _hub) = engine(dir.path());
+        let _conn = hand_over(&mut e, &p);
         assert_eq!(e.health().segments, 1);
         // Someone else consumes and commits behind the engine's back, so the producer's cursor runs
         // more than a ring ahead of the engine's read cursor: corrupt.
@@ -1484,7 +1635,7 @@ mod tests {
                 host_ns: 0,
             });
         }
-        let raw = Segment::open(&name).unwrap();
+        let raw = Segment::open(p.segment().fd().try_clone_to_owned().unwrap()).unwrap();
         let mut c = Consumer::new(raw);
         c.read(64, &mut Vec::new()).unwrap();
         c.commit(64);
@@ -1497,18 +1648,19 @@ mod tests {
         e.tick();
         assert_eq!(e.health().segments, 0);
         assert_eq!(e.health().lost.get("corrupt_segment"), Some(&1));
-        e.rescan();
-        assert_eq!(e.health().segments, 0, "not re-attached");
-        Segment::unlink(&name).unwrap();
+        let seg = Segment::open(p.segment().fd().try_clone_to_owned().unwrap()).unwrap();
+        let again = e.attach(key_of(&p), seg, None);
+        assert_eq!(again, Err("the segment was detached as corrupt".into()));
+        assert_eq!(e.health().segments, 0, "not attached again");
     }
 
     #[test]
     fn a_dictionary_that_keeps_changing_is_saved_at_a_bounded_rate_and_restart_safe() {
         let dir = tempfile::tempdir().unwrap();
-        let prefix = format!("ncclscope-enginedict-{}", std::process::id());
-        let (name, mut p) = producer(&prefix);
-        let (mut e, _rx, _hub) = engine(dir.path(), &prefix);
-        e.rescan();
+        let mut p = producer(64);
+        let name = key_of(&p);
+        let (mut e, _rx, _hub) = engine(dir.path());
+        let _conn = hand_over(&mut e, &p);
         // A new string on every tick, for 200 ms.
         let (mut saves, mut last) = (0, None);
         let t0 = Instant::now();
@@ -1533,6 +1685,5 @@ mod tests {
         let st = state::load(dir.path(), &name.to_string()).unwrap().unwrap();
         assert_eq!(st.tail, p.segment().tail());
         assert!(st.dictionary.strings.len() as u64 >= st.tail);
-        Segment::unlink(&name).unwrap();
     }
 }

@@ -1,5 +1,6 @@
 //! The ncclscope daemon and operator tools.
 
+pub mod activation;
 pub mod api;
 pub mod assemble;
 pub mod bandwidth;

@@ -1,20 +1,28 @@
-//! The registration socket: a plugin connects, writes `REGISTER <segment-name>\n`, and gets `OK\n` or
-//! `ERR <reason>\n`. The peer's pid and uid come from SO_PEERCRED, never from what it says: a segment is
-//! accepted only if its name, its shared-memory object's owner and its header all agree with the peer.
+//! The registration socket: a plugin connects and sends one `REGISTER\n` message carrying its segment's
+//! descriptor (SCM_RIGHTS), and gets `OK\n` or `ERR <reason>\n`. Who the segment belongs to is what the
+//! kernel says about the peer (SO_PEERCRED: its uid, and its pid as seen from the daemon's PID
+//! namespace), never what the segment or the message says; the memory file must have been created by
+//! that uid, be sealed against resizing and have the size its header declares, or it is refused and
+//! counted before it is mapped. The connection then stays open until the process ends: that end is
+//! how the engine learns the process is gone.
 
+use std::io::IoSliceMut;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
 
-use ncclscope_proto::segment::{Segment, SegmentError, SegmentName};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use ncclscope_proto::segment::{Segment, SegmentError};
+use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::oneshot;
 
-use crate::engine::Attach;
+use crate::engine::{Attach, Handover, SegmentKey};
 
-/// Longest request line accepted.
-const MAX_LINE: usize = 512;
+/// The message a plugin sends with its descriptor.
+pub const REQUEST: &[u8] = b"REGISTER\n";
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Binds the registration socket, mode 0666: every user's NCCL processes register.
@@ -23,7 +31,7 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
 }
 
 /// Accepts registrations until the task is dropped.
-pub async fn serve(listener: UnixListener, prefix: String, engine: std_mpsc::Sender<Attach>) {
+pub async fn serve(listener: UnixListener, engine: std_mpsc::Sender<Handover>) {
     loop {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -33,201 +41,246 @@ pub async fn serve(listener: UnixListener, prefix: String, engine: std_mpsc::Sen
                 continue;
             }
         };
-        let prefix = prefix.clone();
         let engine = engine.clone();
-        tokio::spawn(async move {
-            if let Err(e) =
-                tokio::time::timeout(IO_TIMEOUT * 3, handle(stream, &prefix, &engine)).await
-            {
-                tracing::debug!(error = %e, "registration timed out");
-            }
-        });
+        tokio::spawn(async move { handle(stream, &engine).await });
     }
 }
 
-async fn handle(stream: UnixStream, prefix: &str, engine: &std_mpsc::Sender<Attach>) {
-    let cred = stream.peer_cred();
-    let (read, mut write) = stream.into_split();
-    let mut line = String::new();
-    let mut reader = BufReader::new(read.take(MAX_LINE as u64));
-    let read = tokio::time::timeout(IO_TIMEOUT, reader.read_line(&mut line)).await;
-    if matches!(read, Ok(Ok(0))) {
-        return; // connected and closed without a request: a liveness probe
-    }
-    let reply = match (cred, read) {
-        (Ok(cred), Ok(Ok(_))) => match cred.pid() {
-            Some(pid) => register(line.trim_end(), pid as u32, cred.uid(), prefix, engine).await,
-            None => Err("peer pid unavailable".to_string()),
-        },
-        (Err(e), _) => Err(format!("no peer credentials: {e}")),
-        (_, Ok(Err(e))) => Err(format!("read: {e}")),
-        (_, Err(_)) => Err("timed out reading the request".into()),
+/// Why a handed-over segment was refused: the loss stage it is counted under, and the reply.
+type Refusal = (&'static str, String);
+
+/// Reads the request and answers it. Reading and writing are bounded by [`IO_TIMEOUT`]; the engine's
+/// verdict is awaited however long it takes: the plugin waits for it (the engine may already hold the
+/// connection as the segment's), so it must come.
+async fn handle(mut stream: UnixStream, engine: &std_mpsc::Sender<Handover>) {
+    let received = tokio::time::timeout(IO_TIMEOUT, receive(&stream)).await;
+    let reply = match received {
+        Ok(Ok(None)) => return, // connected and closed without a request: a liveness probe
+        Ok(Ok(Some((message, fd)))) => register(&stream, &message, fd, engine).await,
+        Ok(Err(e)) => Err(format!("read: {e}")),
+        Err(_) => Err("timed out reading the request".into()),
     };
     let text = match &reply {
         Ok(()) => "OK\n".to_string(),
         Err(reason) => {
-            tracing::warn!(request = %line.trim_end(), reason = %reason, "registration refused");
+            // Logged where it was decided, once per segment: a refused plugin retries every 2 s.
+            tracing::debug!(reason = %reason, "registration refused");
             format!("ERR {}\n", reason.replace('\n', " "))
         }
     };
-    let _ = tokio::time::timeout(IO_TIMEOUT, write.write_all(text.as_bytes())).await;
+    let _ = tokio::time::timeout(IO_TIMEOUT, stream.write_all(text.as_bytes())).await;
 }
 
-/// The segment a request line (`REGISTER <segment-name>`, newline removed) names, if it is one of
-/// this daemon's prefix. Untrusted input: any line gets a clear error.
-pub fn parse_request(line: &str, prefix: &str) -> Result<SegmentName, String> {
-    let name = line
-        .strip_prefix("REGISTER ")
-        .ok_or("expected `REGISTER <segment-name>`")?;
-    let name = SegmentName::parse(name).ok_or_else(|| format!("{name:?} is not a segment name"))?;
-    if name.prefix != prefix {
-        return Err(format!(
-            "prefix {:?} is not this daemon's ({prefix:?})",
-            name.prefix
-        ));
+/// The request and the one descriptor it carried (`None` if the peer closed without sending).
+/// Descriptors beyond the first are closed.
+async fn receive(stream: &UnixStream) -> std::io::Result<Option<(Vec<u8>, Option<OwnedFd>)>> {
+    let mut buf = [0u8; 64];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    loop {
+        stream.readable().await?;
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let got = stream.try_io(Interest::READABLE, || {
+            rustix::net::recvmsg(
+                stream.as_fd(),
+                &mut [IoSliceMut::new(&mut buf)],
+                &mut control,
+                RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC,
+            )
+            .map_err(Into::into)
+        });
+        let msg = match got {
+            Ok(msg) => msg,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        let mut fds = control.drain().flat_map(|m| match m {
+            RecvAncillaryMessage::ScmRights(fds) => fds.collect(),
+            _ => Vec::new(),
+        });
+        let fd = fds.next();
+        drop(fds);
+        if msg.bytes == 0 && fd.is_none() {
+            return Ok(None);
+        }
+        return Ok(Some((buf[..msg.bytes].to_vec(), fd)));
     }
-    Ok(name)
 }
 
 async fn register(
-    line: &str,
-    pid: u32,
-    uid: u32,
-    prefix: &str,
-    engine: &std_mpsc::Sender<Attach>,
+    stream: &UnixStream,
+    message: &[u8],
+    fd: Option<OwnedFd>,
+    engine: &std_mpsc::Sender<Handover>,
 ) -> Result<(), String> {
-    let name = parse_request(line, prefix)?;
-    if name.pid != pid || name.uid != uid {
-        return Err(format!(
-            "segment names pid {} uid {}, peer is pid {pid} uid {uid}",
-            name.pid, name.uid
-        ));
-    }
-    let seg = Segment::open(&name).map_err(|e| match e {
-        SegmentError::NotReady { .. } => "segment not initialised yet".to_string(),
-        e => e.to_string(),
-    })?;
-    let owner = seg.owner();
-    if seg.file_uid() != uid {
-        return Err(format!(
-            "shared memory object is owned by uid {}, peer is uid {uid}",
-            seg.file_uid()
-        ));
-    }
-    if owner.uid != uid || owner.pid != pid {
-        return Err(format!(
-            "segment header says pid {} uid {}, peer is pid {pid} uid {uid}",
-            owner.pid, owner.uid
-        ));
-    }
+    let cred = stream
+        .peer_cred()
+        .map_err(|e| format!("no peer credentials: {e}"))?;
+    let pid = cred
+        .pid()
+        .filter(|p| *p > 0)
+        .ok_or("peer pid unavailable (in no PID namespace the daemon can see)")?;
+    let checked = check(message, fd, cred.uid());
+    let segment = match checked {
+        Ok(s) => s,
+        Err((stage, reason)) => {
+            tracing::warn!(pid, uid = cred.uid(), reason = %reason, "segment refused");
+            let _ = engine.send(Handover::Refused(stage));
+            return Err(reason);
+        }
+    };
+    let key = SegmentKey {
+        uid: cred.uid(),
+        pid: pid as u32,
+        inode: segment.inode(),
+    };
+    // The engine holds its own copy of the connection, to see it end; this one answers.
+    let conn = stream
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| format!("cannot hold the connection: {e}"))?;
     let (tx, rx) = oneshot::channel();
     engine
-        .send(Attach {
-            name,
-            segment: seg,
-            reply: tx,
-        })
+        .send(Handover::Attach(Attach {
+            key,
+            segment,
+            conn: Some(conn),
+            reply: Some(tx),
+        }))
         .map_err(|_| "daemon is shutting down".to_string())?;
     rx.await
         .map_err(|_| "daemon is shutting down".to_string())?
 }
 
+/// The segment a request hands over, if it may be attached for a peer of `uid`. Untrusted input:
+/// anything else gets a clear refusal.
+pub fn check(message: &[u8], fd: Option<OwnedFd>, uid: u32) -> Result<Segment, Refusal> {
+    let invalid = |reason: String| ("segment_invalid", reason);
+    if message != REQUEST {
+        return Err(invalid("expected `REGISTER` with a descriptor".into()));
+    }
+    let fd = fd.ok_or_else(|| invalid("no descriptor came with the request".into()))?;
+    // Before mapping anything: a file another user created is theirs, whoever hands it over.
+    let owner = rustix::fs::fstat(&fd)
+        .map_err(|e| invalid(format!("fstat: {e}")))?
+        .st_uid;
+    if owner != uid {
+        return Err((
+            "segment_foreign",
+            format!("the segment was created by uid {owner}, the peer is uid {uid}"),
+        ));
+    }
+    Segment::open(fd).map_err(|e| match e {
+        e @ SegmentError::Unsealed(_) => ("segment_unsealed", e.to_string()),
+        e => invalid(e.to_string()),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ncclscope_proto::segment::{Owner, process_start_ticks};
+    use ncclscope_proto::Claims;
+    use ncclscope_proto::segment::REQUIRED_SEALS;
+    use rustix::fs::{MemfdFlags, SealFlags};
+    use std::io::{BufRead, BufReader, IoSlice};
+    use std::os::fd::BorrowedFd;
+    use std::os::unix::net::UnixStream as StdStream;
 
-    async fn request(path: &Path, line: &str) -> String {
-        let mut s = UnixStream::connect(path).await.unwrap();
-        s.write_all(line.as_bytes()).await.unwrap();
+    fn claims() -> Claims {
+        Claims {
+            hostname: "h".into(),
+            job_id: "j".into(),
+        }
+    }
+
+    /// Sends `message` with `fds` like the plugin does, and returns the daemon's answer.
+    fn request(path: &Path, message: &[u8], fds: &[BorrowedFd<'_>]) -> (StdStream, String) {
+        let s = StdStream::connect(path).unwrap();
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+        let mut control = rustix::net::SendAncillaryBuffer::new(&mut space);
+        if !fds.is_empty() {
+            control.push(rustix::net::SendAncillaryMessage::ScmRights(fds));
+        }
+        rustix::net::sendmsg(
+            &s,
+            &[IoSlice::new(message)],
+            &mut control,
+            rustix::net::SendFlags::empty(),
+        )
+        .unwrap();
         let mut reply = String::new();
-        BufReader::new(s).read_line(&mut reply).await.unwrap();
-        reply
+        BufReader::new(&s).read_line(&mut reply).unwrap();
+        (s, reply)
     }
 
     #[tokio::test]
-    async fn refuses_what_the_peer_does_not_own_and_hands_over_what_it_does() {
+    async fn refuses_what_is_unsealed_or_malformed_and_hands_over_what_is_sound() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("reg.sock");
-        let prefix = format!("ncclscope-regtest-{}", std::process::id());
-        let (tx, rx) = std_mpsc::channel::<Attach>();
+        let (tx, rx) = std_mpsc::channel::<Handover>();
+        tokio::spawn(serve(bind(&path).unwrap(), tx));
         let engine = std::thread::spawn(move || {
-            let a = rx.recv().unwrap();
-            let name = a.name.clone();
-            a.reply.send(Ok(())).unwrap();
-            name
+            let mut refused = Vec::new();
+            for h in rx {
+                match h {
+                    Handover::Refused(stage) => refused.push(stage),
+                    Handover::Attach(a) => {
+                        a.reply.unwrap().send(Ok(())).unwrap();
+                        return (a.key, refused);
+                    }
+                }
+            }
+            panic!("no attach");
         });
-        tokio::spawn(serve(bind(&path).unwrap(), prefix.clone(), tx));
-        let pid = std::process::id();
-        let uid = rustix::process::getuid().as_raw();
-        let start_ticks = process_start_ticks(pid).unwrap();
-        let owner = |pid| Owner {
-            pid,
-            uid,
-            start_ticks,
-            hostname: "h".into(),
-            job_id: "j".into(),
-        };
-        // Another process's segment (by name and header): refused, whatever the caller claims.
-        let theirs = SegmentName {
-            prefix: prefix.clone(),
-            uid,
-            pid: pid + 1,
-            start_ticks,
-        };
-        Segment::create(&theirs, &owner(pid + 1), 8).unwrap();
-        let reply = request(&path, &format!("REGISTER {theirs}\n")).await;
-        assert!(
-            reply.starts_with("ERR ") && reply.contains(&format!("peer is pid {pid}")),
-            "{reply}"
+        let path2 = path.clone();
+        let (key, refused, inode) = tokio::task::spawn_blocking(move || {
+            // Shaped like a segment but unsealed: the owner could truncate it under the daemon.
+            let unsealed = rustix::fs::memfd_create("x", MemfdFlags::ALLOW_SEALING).unwrap();
+            rustix::fs::ftruncate(&unsealed, 4096).unwrap();
+            let (_, reply) = request(&path2, REQUEST, &[unsealed.as_fd()]);
+            assert!(reply.starts_with("ERR segment is not sealed"), "{reply}");
+            rustix::fs::fcntl_add_seals(&unsealed, REQUIRED_SEALS - SealFlags::GROW).unwrap();
+            let (_, reply) = request(&path2, REQUEST, &[unsealed.as_fd()]);
+            assert!(reply.starts_with("ERR segment is not sealed"), "{reply}");
+            // No descriptor, another message, a sealed file that is no segment.
+            let (_, reply) = request(&path2, REQUEST, &[]);
+            assert!(reply.starts_with("ERR no descriptor"), "{reply}");
+            let seg = Segment::create(&claims(), 8).unwrap();
+            let (_, reply) = request(&path2, b"REGISTER /dev/shm/x\n", &[seg.fd()]);
+            assert!(reply.starts_with("ERR expected"), "{reply}");
+            let empty = rustix::fs::memfd_create("y", MemfdFlags::ALLOW_SEALING).unwrap();
+            rustix::fs::fcntl_add_seals(&empty, REQUIRED_SEALS).unwrap();
+            let (_, reply) = request(&path2, REQUEST, &[empty.as_fd()]);
+            assert!(
+                reply.starts_with("ERR segment is invalid: size 0"),
+                "{reply}"
+            );
+            // A sound segment: attached, keyed by the kernel's view of the peer; a second descriptor
+            // in the same message is ignored.
+            let (_conn, reply) = request(&path2, REQUEST, &[seg.fd(), empty.as_fd()]);
+            assert_eq!(reply, "OK\n");
+            let (key, refused) = engine.join().unwrap();
+            (key, refused, seg.inode())
+        })
+        .await
+        .unwrap();
+        assert_eq!(
+            refused,
+            [
+                "segment_unsealed",
+                "segment_unsealed",
+                "segment_invalid",
+                "segment_invalid",
+                "segment_invalid"
+            ]
         );
-        // Our name but a header that names someone else.
-        let lying = SegmentName {
-            prefix: prefix.clone(),
-            uid,
-            pid,
-            start_ticks: start_ticks + 1,
-        };
-        Segment::create(&lying, &owner(pid + 1), 8).unwrap();
-        let reply = request(&path, &format!("REGISTER {lying}\n")).await;
-        assert!(reply.starts_with("ERR segment header says"), "{reply}");
-        // Another daemon's prefix, garbage, a missing segment.
-        let other = SegmentName {
-            prefix: "someone-else".into(),
-            uid,
-            pid,
-            start_ticks,
-        };
-        assert!(
-            request(&path, &format!("REGISTER {other}\n"))
-                .await
-                .starts_with("ERR prefix")
+        assert_eq!(
+            key,
+            SegmentKey {
+                uid: rustix::process::getuid().as_raw(),
+                pid: std::process::id(),
+                inode,
+            }
         );
-        assert!(request(&path, "HELLO\n").await.starts_with("ERR expected"));
-        let missing = SegmentName {
-            prefix: prefix.clone(),
-            uid,
-            pid,
-            start_ticks: start_ticks + 2,
-        };
-        assert!(
-            request(&path, &format!("REGISTER {missing}\n"))
-                .await
-                .starts_with("ERR ")
-        );
-        // Ours: handed to the engine, then OK.
-        let ours = SegmentName {
-            prefix: prefix.clone(),
-            uid,
-            pid,
-            start_ticks,
-        };
-        Segment::create(&ours, &owner(pid), 8).unwrap();
-        assert_eq!(request(&path, &format!("REGISTER {ours}\n")).await, "OK\n");
-        assert_eq!(engine.join().unwrap(), ours);
-        for n in [theirs, lying, ours] {
-            Segment::unlink(&n).unwrap();
-        }
         // A live daemon's socket is not taken over.
         assert!(bind(&path).is_err());
     }

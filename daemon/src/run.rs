@@ -13,11 +13,11 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::config::Config;
-use crate::engine::{Engine, Outputs};
+use crate::engine::{Attach, Engine, Handover, Outputs, SegmentKey};
 use crate::hub::{Durable, Hub};
 use crate::otlp::{self, ExportCounters};
 use crate::spool::{Spool, SpoolLimits};
-use crate::{api, prometheus, register};
+use crate::{activation, api, notify, prometheus, register};
 
 /// A started daemon.
 pub struct Running {
@@ -30,16 +30,92 @@ pub struct Running {
     shutdown_timeout: Duration,
     /// Where the Prometheus endpoint listens (the actual port when the config said port 0).
     pub prometheus_addr: Option<SocketAddr>,
-    pub socket: PathBuf,
+    /// The registration socket this daemon bound (`None`: systemd's, which outlives the daemon).
+    pub socket: Option<PathBuf>,
     pub api_socket: PathBuf,
     /// Export outcomes, for callers that want to report them.
     pub export_counters: Arc<ExportCounters>,
 }
 
+/// What systemd passed at start: the registration socket, and the segments (with their connections)
+/// the previous daemon kept in the file descriptor store.
+struct Passed {
+    registration: Option<std::os::fd::OwnedFd>,
+    segments: Vec<Handover>,
+}
+
+impl Passed {
+    fn take() -> Passed {
+        let mut registration = None;
+        let mut stored: std::collections::BTreeMap<String, Vec<std::os::fd::OwnedFd>> =
+            Default::default();
+        for (name, fd) in activation::take() {
+            if name == activation::REGISTRATION_FD_NAME {
+                registration = Some(fd);
+            } else if let Some(label) = name.strip_prefix(notify::SEGMENT_FD_PREFIX) {
+                stored.entry(label.to_string()).or_default().push(fd);
+            } else {
+                tracing::warn!(name = %name, "unexpected descriptor from systemd; closed");
+            }
+        }
+        let segments = stored
+            .into_iter()
+            .filter_map(|(label, fds)| match restore(&label, fds) {
+                Ok(a) => Some(Handover::Attach(a)),
+                Err(e) => {
+                    tracing::warn!(segment = %label, error = %e, "stored segment not restored");
+                    let _ = notify::notify(
+                        &format!(
+                            "FDSTOREREMOVE=1\nFDNAME={}",
+                            notify::segment_fd_name(&label)
+                        ),
+                        &[],
+                    );
+                    None
+                }
+            })
+            .collect();
+        Passed {
+            registration,
+            segments,
+        }
+    }
+}
+
+/// A segment the previous daemon stored under `label`: its memory file, checked again as at
+/// registration, and its connection if systemd still holds it (it drops one that hung up: the
+/// process ended meanwhile).
+fn restore(label: &str, fds: Vec<std::os::fd::OwnedFd>) -> anyhow::Result<Attach> {
+    use rustix::fs::FileType;
+    let key: SegmentKey = label
+        .parse()
+        .map_err(|()| anyhow::anyhow!("not a segment key"))?;
+    let (mut memfd, mut conn) = (None, None);
+    for fd in fds {
+        let stat = rustix::fs::fstat(&fd)?;
+        match FileType::from_raw_mode(stat.st_mode) {
+            FileType::Socket => conn = Some(fd),
+            FileType::RegularFile if stat.st_ino == key.inode && stat.st_uid == key.uid => {
+                memfd = Some(fd)
+            }
+            _ => anyhow::bail!("a stored descriptor is neither its memory file nor a socket"),
+        }
+    }
+    let segment = ncclscope_proto::Segment::open(memfd.context("no memory file")?)?;
+    Ok(Attach {
+        key,
+        segment,
+        conn,
+        reply: None,
+    })
+}
+
+/// From uname, not /proc/sys: the hardened unit shows the daemon only process entries of /proc.
 fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into())
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// Starts the daemon on the current tokio runtime. Every socket is bound before this returns, so a
@@ -70,7 +146,17 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
         let reader = spool.reader();
         (Some(Box::new(spool)), Some(reader))
     };
-    let registration = register::bind(&cfg.socket)?;
+    let passed = Passed::take();
+    let socket_activated = passed.registration.is_some();
+    let registration = match passed.registration {
+        Some(fd) => {
+            let listener = std::os::unix::net::UnixListener::from(fd);
+            listener.set_nonblocking(true)?;
+            tokio::net::UnixListener::from_std(listener)
+                .context("the registration socket systemd passed")?
+        }
+        None => register::bind(&cfg.socket)?,
+    };
     let api_listener = api::bind(&cfg.api_socket)?;
     let prometheus_listener = if cfg.prometheus.listen.is_empty() {
         None
@@ -114,6 +200,9 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
         )))
     };
     let (reg_tx, reg_rx) = std::sync::mpsc::channel();
+    for restored in passed.segments {
+        let _ = reg_tx.send(restored);
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let engine = Engine::new(cfg.clone(), hub.clone(), spool, outputs);
     let engine = {
@@ -122,11 +211,7 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
             .name("ncclscope-ingest".into())
             .spawn(move || engine.run(reg_rx, stop))?
     };
-    let mut listeners = vec![tokio::spawn(register::serve(
-        registration,
-        cfg.shm_prefix.clone(),
-        reg_tx,
-    ))];
+    let mut listeners = vec![tokio::spawn(register::serve(registration, reg_tx))];
     if let Some(l) = prometheus_listener {
         listeners.push(tokio::spawn(prometheus::serve(l, prom_rx)));
     }
@@ -145,7 +230,7 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
         api: Some(api),
         shutdown_timeout: cfg.shutdown_timeout(),
         prometheus_addr,
-        socket: cfg.socket.clone(),
+        socket: (!socket_activated).then(|| cfg.socket.clone()),
         api_socket: cfg.api_socket.clone(),
         export_counters,
     })
@@ -180,7 +265,9 @@ impl Running {
         if let Some(api) = self.api.take() {
             let _ = tokio::time::timeout(self.shutdown_timeout, api).await;
         }
-        let _ = std::fs::remove_file(&self.socket);
+        if let Some(socket) = &self.socket {
+            let _ = std::fs::remove_file(socket);
+        }
         let _ = std::fs::remove_file(&self.api_socket);
         Ok(())
     }

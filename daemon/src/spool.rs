@@ -50,7 +50,8 @@ pub type JobKey = (u32, String);
 pub struct Origin {
     pub uid: u32,
     pub pid: u32,
-    pub start_ticks: u64,
+    /// The inode of its memory file (see `engine::SegmentKey`).
+    pub inode: u64,
     /// The operation's id and the stream position of its first record.
     pub op_id: u64,
     pub first_pos: u64,
@@ -60,7 +61,7 @@ impl Origin {
     fn encode(&self, buf: &mut Vec<u8>) {
         buf.extend_from_slice(&self.uid.to_le_bytes());
         buf.extend_from_slice(&self.pid.to_le_bytes());
-        buf.extend_from_slice(&self.start_ticks.to_le_bytes());
+        buf.extend_from_slice(&self.inode.to_le_bytes());
         buf.extend_from_slice(&self.op_id.to_le_bytes());
         buf.extend_from_slice(&self.first_pos.to_le_bytes());
     }
@@ -71,7 +72,7 @@ impl Origin {
         Origin {
             uid: u32_at(0),
             pid: u32_at(4),
-            start_ticks: u64_at(8),
+            inode: u64_at(8),
             op_id: u64_at(16),
             first_pos: u64_at(24),
         }
@@ -980,7 +981,7 @@ mod tests {
         let from = |op_id| Origin {
             uid: 1,
             pid: 2,
-            start_ticks: 3,
+            inode: 3,
             op_id,
             first_pos: op_id * 10,
         };

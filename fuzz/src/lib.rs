@@ -1,9 +1,10 @@
 //! Fuzz targets for what ncclscope reads from other processes and from operators: a segment record
-//! and a stream of them applied to the daemon's assembler (written by any local process), a spool file (on disk across crashes), a registration request line
-//! (from any local process) and the daemon's configuration (TOML file and environment). Each target
-//! asserts what a user relies on, beyond "no panic": decoding is the inverse of encoding, a repaired
-//! spool reads back cleanly and can be appended to, an accepted registration names a segment of this
-//! daemon's prefix, an accepted configuration reloads to itself.
+//! and a stream of them applied to the daemon's assembler (written by any local process), a spool file (on disk across crashes), a registration (a
+//! request and the memory file it hands over, from any local process) and the daemon's configuration
+//! (TOML file and environment). Each target asserts what a user relies on, beyond "no panic": decoding
+//! is the inverse of encoding, a repaired spool reads back cleanly and can be appended to, an accepted
+//! registration is a well-formed segment whose every record can be read, an accepted configuration
+//! reloads to itself.
 //!
 //! `scripts/fuzz.sh` runs them under AFL++ (coverage-guided, stable Rust); the inputs it found that
 //! failed are kept in `fuzz/regressions/TARGET/` and run, with the seeds, by this crate's tests.
@@ -14,7 +15,8 @@ use ncclscope::config::{Config, Overrides};
 use ncclscope::spool::{Origin, Spool, SpoolLimits, SpoolReader};
 use ncclscope_proto::api::Collective;
 use ncclscope_proto::record::RECORD_WORDS;
-use ncclscope_proto::{Record, SegmentName, StrId, TimingPath};
+use ncclscope_proto::segment::segment_bytes;
+use ncclscope_proto::{Claims, Consumer, Record, Segment, StrId, TimingPath};
 
 /// A target: takes any input; panics when the property it checks does not hold.
 pub type Target = fn(&[u8]);
@@ -111,16 +113,35 @@ pub fn spool(data: &[u8]) {
     assert_eq!(after.last(), Some(&next));
 }
 
-/// A registration request line, as the daemon reads it (UTF-8, newline removed).
+/// A registration: the request (up to and including the first newline) and, after it, the contents
+/// of the memory file it hands over, sealed as a plugin seals it.
 pub fn register(data: &[u8]) {
-    let Ok(line) = std::str::from_utf8(data) else {
-        return;
-    };
-    if let Ok(name) = ncclscope::register::parse_request(line, "ncclscope") {
-        assert_eq!(name.prefix, "ncclscope");
-        let text = name.to_string();
-        assert!(!text.contains('/'), "{text:?} leaves /dev/shm");
-        assert_eq!(SegmentName::parse(&text), Some(name));
+    use rustix::fs::MemfdFlags;
+    let split = data
+        .iter()
+        .position(|&b| b == b'\n')
+        .map_or(data.len(), |i| i + 1);
+    let (message, contents) = data.split_at(split);
+    let fd = rustix::fs::memfd_create("fuzz", MemfdFlags::ALLOW_SEALING).expect("memfd");
+    let mut written = 0;
+    while written < contents.len() {
+        written += rustix::io::write(&fd, &contents[written..]).expect("write");
+    }
+    rustix::fs::fcntl_add_seals(&fd, ncclscope_proto::segment::REQUIRED_SEALS).expect("seal");
+    let uid = rustix::process::getuid().as_raw();
+    if let Ok(seg) = ncclscope::register::check(message, Some(fd), uid) {
+        assert_eq!(message, ncclscope::register::REQUEST);
+        assert_eq!(
+            segment_bytes(seg.capacity()),
+            contents.len() as u64,
+            "the sealed size is the declared one"
+        );
+        let mut consumer = Consumer::new(seg);
+        let mut out = Vec::new();
+        while let Ok(n @ 1..) = consumer.read(4096, &mut out) {
+            assert!(n <= 4096);
+            out.clear();
+        }
     }
 }
 
@@ -175,7 +196,7 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             let origin = Origin {
                 uid: 1000,
                 pid: 42,
-                start_ticks: 7,
+                inode: 7,
                 op_id: 3,
                 first_pos: 9,
             };
@@ -196,10 +217,25 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
                 .flat_map(|w| w.to_le_bytes())
                 .collect(),
         ],
-        "register" => vec![
-            b"REGISTER ncclscope.1000.4242.987654".to_vec(),
-            b"REGISTER other.0.1.2".to_vec(),
-        ],
+        "register" => {
+            let claims = Claims {
+                hostname: "node".into(),
+                job_id: "job".into(),
+            };
+            let mut p =
+                ncclscope_proto::Producer::new(Segment::create(&claims, 16).expect("segment"));
+            for r in sample_records() {
+                p.push(&r);
+            }
+            let mut contents = vec![0u8; segment_bytes(16) as usize];
+            rustix::io::pread(p.segment().fd(), &mut contents, 0).expect("read the segment");
+            let mut seed = ncclscope::register::REQUEST.to_vec();
+            seed.extend_from_slice(&contents);
+            vec![
+                seed,
+                b"REGISTER /dev/shm/ncclscope.1000.4242.987654\n".to_vec(),
+            ]
+        }
         "config" => vec![
             include_bytes!("../../deploy/ncclscope.toml").to_vec(),
             b"[otlp]\nsample_ratio = 0.5\n\0NCCLSCOPE_OTLP_ENDPOINT=http://127.0.0.1:4317\n"

@@ -80,14 +80,11 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let plugin = Plugin::load(
-        "drain",
-        &[
-            ("NCCLSCOPE_RING_MEMORY", "cpu"),
-            ("NCCLSCOPE_RING_SLOTS", "131072"),
-            ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
-        ],
-    );
+    let plugin = Plugin::load(&[
+        ("NCCLSCOPE_RING_MEMORY", "cpu"),
+        ("NCCLSCOPE_RING_SLOTS", "131072"),
+        ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
+    ]);
     let comm = plugin.comm(0xd1a1, 0);
     assert!(
         !comm.hook.is_null(),
@@ -202,5 +199,4 @@ fn main() {
         "segment_ring_full_records: {}",
         reader.counter(Counter::RingFull)
     );
-    reader.unlink();
 }

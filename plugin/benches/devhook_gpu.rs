@@ -250,14 +250,11 @@ fn finalize_and_read(plugin: &Plugin, comms: &[Comm], r: &mut Reader) {
 }
 
 fn verify(gpu: &Gpu, placement: &str, slots: &str, spin: u32) {
-    let plugin = Plugin::load(
-        &format!("verify-{placement}"),
-        &[
-            ("NCCLSCOPE_RING_MEMORY", placement),
-            ("NCCLSCOPE_RING_SLOTS", slots),
-            ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
-        ],
-    );
+    let plugin = Plugin::load(&[
+        ("NCCLSCOPE_RING_MEMORY", placement),
+        ("NCCLSCOPE_RING_SLOTS", slots),
+        ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
+    ]);
     let comms: Vec<Comm> = (0..2).map(|i| plugin.comm(0xc0 + i, 0)).collect();
     for c in &comms {
         assert!(
@@ -340,18 +337,14 @@ fn verify(gpu: &Gpu, placement: &str, slots: &str, spin: u32) {
         && c.bad_content == 0
         && accounted(&reader) == events;
     println!("{tag}: {}", if ok { "PASS" } else { "FAIL" });
-    reader.unlink();
 }
 
 fn overrun(gpu: &Gpu, placement: &str) {
-    let plugin = Plugin::load(
-        &format!("overrun-{placement}"),
-        &[
-            ("NCCLSCOPE_RING_MEMORY", placement),
-            ("NCCLSCOPE_RING_SLOTS", "64"),
-            ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
-        ],
-    );
+    let plugin = Plugin::load(&[
+        ("NCCLSCOPE_RING_MEMORY", placement),
+        ("NCCLSCOPE_RING_SLOTS", "64"),
+        ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
+    ]);
     let comm = plugin.comm(0xbad, 0);
     assert!(!comm.hook.is_null());
     let mut reader = plugin.segment();
@@ -387,17 +380,13 @@ fn overrun(gpu: &Gpu, placement: &str) {
             "FAIL"
         }
     );
-    reader.unlink();
 }
 
 fn bench(gpu: &Gpu) {
-    let plugin = Plugin::load(
-        "bench",
-        &[
-            ("NCCLSCOPE_RING_SLOTS", "4096"),
-            ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
-        ],
-    );
+    let plugin = Plugin::load(&[
+        ("NCCLSCOPE_RING_SLOTS", "4096"),
+        ("NCCLSCOPE_SEGMENT_RECORDS", "4194304"),
+    ]);
     // SAFETY: no other thread of ours reads the environment; the plugin reads it in getDeviceHook.
     unsafe { std::env::set_var("NCCLSCOPE_RING_MEMORY", "host") };
     let host = plugin.comm(0xb1, 0);
@@ -533,11 +522,10 @@ fn bench(gpu: &Gpu) {
     println!("bench_events_drained_meanwhile: {}", reader.check.works * 2);
     println!("bench_bad_content: {}", reader.check.bad_content);
     finalize_and_read(&plugin, &[host, device], &mut reader);
-    reader.unlink();
 }
 
 fn calibration(gpu: &Gpu, secs: u64) {
-    let plugin = Plugin::load("calib", &[("NCCLSCOPE_RING_MEMORY", "host")]);
+    let plugin = Plugin::load(&[("NCCLSCOPE_RING_MEMORY", "host")]);
     let comm = plugin.comm(0xca1, 0);
     assert!(!comm.hook.is_null());
     let mut reader = plugin.segment();
@@ -591,7 +579,6 @@ fn calibration(gpu: &Gpu, secs: u64) {
             "FAIL"
         }
     );
-    reader.unlink();
 }
 
 fn main() {

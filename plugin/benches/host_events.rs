@@ -113,11 +113,12 @@ fn measure(threads: usize, bursty: bool, f: &(dyn Fn(u64) + Sync)) -> f64 {
 }
 
 fn main() {
-    let prefix = format!("ncclscope-bench-{}", std::process::id());
-    // SAFETY: set before any other thread exists; read once by the plugin at its first init.
+    // Takes the plugin's segment in the daemon's place, to read its loss counters at the end.
+    let catcher = ncclscope_fakenccl::process::Catcher::start();
+    // SAFETY: set before the plugin reads it (once, at its first init); the catcher's thread does not
+    // read the environment.
     unsafe {
-        std::env::set_var("NCCLSCOPE_SHM_PREFIX", &prefix);
-        std::env::set_var("NCCLSCOPE_SOCKET", "/nonexistent/ncclscope-bench.sock");
+        std::env::set_var("NCCLSCOPE_SOCKET", catcher.socket());
         // Coll | P2p: no KernelCh children, so each Coll's handle is freed at its stop.
         std::env::set_var("NCCLSCOPE_EVENT_MASK", "6");
     }
@@ -154,13 +155,12 @@ fn main() {
     }
     // SAFETY: finalize of the context init returned.
     unsafe { (VT.finalize)(ctx.0) };
-    for name in ncclscope_proto::segment::list(&prefix).unwrap_or_default() {
-        let seg = ncclscope_proto::Segment::open(&name).expect("bench segment");
-        for c in ncclscope_proto::Counter::ALL {
-            if seg.counter(c) > 0 {
-                println!("segment_counter_{}: {}", c.name(), seg.counter(c));
-            }
+    let seg = catcher
+        .wait(std::time::Duration::from_secs(10))
+        .expect("bench segment");
+    for c in ncclscope_proto::Counter::ALL {
+        if seg.counter(c) > 0 {
+            println!("segment_counter_{}: {}", c.name(), seg.counter(c));
         }
-        let _ = ncclscope_proto::Segment::unlink(&name);
     }
 }

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use ncclscope_proto::Record;
 use ncclscope_proto::record::RECORD_WORDS;
-use ncclscope_proto::segment::{Consumer, Owner, Producer, Segment, SegmentName};
+use ncclscope_proto::segment::{Claims, Consumer, Producer, Segment};
 
 const RECORDS: u64 = 2_000_000;
 /// Alternating rounds per transport; the median is reported (the machine is shared and noisy).
@@ -44,8 +44,13 @@ fn consume(role: &str, target: &str) {
     let mut got = 0u64;
     match role {
         "shm" => {
-            let name = SegmentName::parse(target).expect("segment name");
-            let mut c = Consumer::new(Segment::open(&name).expect("open segment"));
+            // The parent's segment through its descriptor in /proc: the same memory file.
+            let fd = std::fs::File::options()
+                .read(true)
+                .write(true)
+                .open(target)
+                .expect("open segment");
+            let mut c = Consumer::new(Segment::open(fd.into()).expect("map segment"));
             println!("ready");
             let mut out = Vec::with_capacity(4096);
             while got < RECORDS {
@@ -113,11 +118,16 @@ fn finish(
 }
 
 fn shm() -> f64 {
-    let pid = std::process::id();
-    let owner = Owner::of_process(pid, "bench".into(), "bench".into());
-    let name = owner.segment_name(&format!("ncclscope-bench-tput-{pid}"));
-    let seg = Segment::create(&name, &owner, 1 << 16).expect("create segment");
-    let (child, out) = spawn("shm", &name.to_string());
+    let claims = Claims {
+        hostname: "bench".into(),
+        job_id: "bench".into(),
+    };
+    let seg = Segment::create(&claims, 1 << 16).expect("create segment");
+    let path = format!("/proc/{}/fd/{}", std::process::id(), {
+        use std::os::fd::AsRawFd;
+        seg.fd().as_raw_fd()
+    });
+    let (child, out) = spawn("shm", &path);
     let mut p = Producer::new(seg);
     let t = Instant::now();
     for i in 0..RECORDS {
@@ -127,9 +137,7 @@ fn shm() -> f64 {
         }
         p.push(&record(i));
     }
-    let rate = finish(child, out, t);
-    let _ = Segment::unlink(&name);
-    rate
+    finish(child, out, t)
 }
 
 fn socket(batched: bool) -> f64 {

@@ -4,12 +4,22 @@
 
 use std::path::PathBuf;
 
-use ncclscope_proto::segment::{DEFAULT_CAPACITY, DEFAULT_PREFIX, MAX_CAPACITY};
+use ncclscope_proto::segment::{DEFAULT_CAPACITY, MAX_CAPACITY};
 
 use crate::abi::event;
 
 /// Events requested when `NCCLSCOPE_EVENT_MASK` is not set: Coll | P2p | KernelCh.
 pub const DEFAULT_EVENT_MASK: i32 = (event::COLL | event::P2P | event::KERNEL_CH) as i32;
+/// Where the job id comes from, first set wins: ours, Slurm's, torchrun's (the same on every node of
+/// one run), and a Kubernetes Job or JobSet name passed in through the downward API (the pod's
+/// `batch.kubernetes.io/job-name` or `jobset.sigs.k8s.io/jobset-name` label). Not `POD_NAME`: it
+/// differs per pod, so it would split one job's ranks into many jobs.
+pub const JOB_ID_SOURCES: [&str; 4] = [
+    "NCCLSCOPE_JOB_ID",
+    "SLURM_JOB_ID",
+    "TORCHELASTIC_RUN_ID",
+    "NCCLSCOPE_K8S_JOB_NAME",
+];
 /// Where the daemon listens when `NCCLSCOPE_SOCKET` is not set.
 pub const DEFAULT_SOCKET: &str = "/run/ncclscope/ncclscope.sock";
 
@@ -23,9 +33,7 @@ pub struct Config {
     pub mask_explicit: bool,
     /// `NCCLSCOPE_SOCKET`.
     pub socket: PathBuf,
-    /// `NCCLSCOPE_SHM_PREFIX`.
-    pub shm_prefix: String,
-    /// `NCCLSCOPE_JOB_ID`, else `SLURM_JOB_ID`, else `POD_NAME` / `KUBERNETES_POD_NAME`, else "unknown".
+    /// The first of [`JOB_ID_SOURCES`] that is set, else "unknown".
     pub job_id: String,
     /// `NCCLSCOPE_SEGMENT_RECORDS`: ring capacity of the segment, a power of two.
     pub segment_records: u64,
@@ -78,27 +86,10 @@ impl Config {
             Some(s) if !s.is_empty() => PathBuf::from(s),
             _ => PathBuf::from(DEFAULT_SOCKET),
         };
-        let shm_prefix = match var("NCCLSCOPE_SHM_PREFIX") {
-            None => DEFAULT_PREFIX.to_string(),
-            Some(p) if valid_prefix(&p) => p,
-            Some(p) => {
-                invalid(
-                    "NCCLSCOPE_SHM_PREFIX",
-                    &p,
-                    "expected 1-64 characters, no '/' or NUL",
-                );
-                DEFAULT_PREFIX.to_string()
-            }
-        };
-        let job_id = [
-            "NCCLSCOPE_JOB_ID",
-            "SLURM_JOB_ID",
-            "POD_NAME",
-            "KUBERNETES_POD_NAME",
-        ]
-        .iter()
-        .find_map(|name| var(name).filter(|v| !v.is_empty()))
-        .unwrap_or_else(|| "unknown".to_string());
+        let job_id = JOB_ID_SOURCES
+            .iter()
+            .find_map(|name| var(name).filter(|v| !v.is_empty()))
+            .unwrap_or_else(|| "unknown".to_string());
         let mut segment_records = DEFAULT_CAPACITY;
         if let Some(v) = var("NCCLSCOPE_SEGMENT_RECORDS") {
             match parse_int(&v).filter(|n| n.is_power_of_two() && *n >= 16 && *n <= MAX_CAPACITY) {
@@ -122,7 +113,6 @@ impl Config {
             event_mask,
             mask_explicit,
             socket,
-            shm_prefix,
             job_id,
             segment_records,
             test_panic_forward,
@@ -137,10 +127,6 @@ fn parse_int(s: &str) -> Option<u64> {
         Some(hex) => u64::from_str_radix(hex, 16).ok(),
         None => s.parse().ok(),
     }
-}
-
-fn valid_prefix(p: &str) -> bool {
-    !p.is_empty() && p.len() <= 64 && !p.contains(['/', '\0'])
 }
 
 #[cfg(test)]
@@ -162,7 +148,6 @@ mod tests {
         assert_eq!(c.event_mask, 0x46);
         assert!(!c.mask_explicit);
         assert_eq!(c.socket, PathBuf::from(DEFAULT_SOCKET));
-        assert_eq!(c.shm_prefix, "ncclscope");
         assert_eq!(c.job_id, "unknown");
         assert_eq!(c.segment_records, DEFAULT_CAPACITY);
         assert_eq!(c.test_panic_forward, None);
@@ -175,19 +160,35 @@ mod tests {
             ("NCCLSCOPE_DISABLE", "1"),
             ("NCCLSCOPE_EVENT_MASK", "0x8046"),
             ("NCCLSCOPE_SOCKET", "/tmp/s.sock"),
-            ("NCCLSCOPE_SHM_PREFIX", "test-x"),
             ("SLURM_JOB_ID", "42"),
-            ("POD_NAME", "pod"),
+            ("TORCHELASTIC_RUN_ID", "run-1"),
+            ("NCCLSCOPE_K8S_JOB_NAME", "train"),
             ("NCCLSCOPE_SEGMENT_RECORDS", "1024"),
         ]);
         assert!(c.disabled);
         assert_eq!((c.event_mask, c.mask_explicit), (0x8046, true));
         assert_eq!(c.socket, PathBuf::from("/tmp/s.sock"));
-        assert_eq!(c.shm_prefix, "test-x");
-        assert_eq!(c.job_id, "42", "SLURM_JOB_ID wins over the pod name");
+        assert_eq!(
+            c.job_id, "42",
+            "SLURM_JOB_ID wins over torchrun's and the Job's"
+        );
         assert_eq!(c.segment_records, 1024);
         assert_eq!(config(&[("NCCLSCOPE_EVENT_MASK", "6")]).event_mask, 6);
-        assert_eq!(config(&[("KUBERNETES_POD_NAME", "p1")]).job_id, "p1");
+        let k8s = [
+            ("NCCLSCOPE_K8S_JOB_NAME", "train"),
+            ("POD_NAME", "train-0-x7"),
+        ];
+        assert_eq!(config(&k8s).job_id, "train", "a pod's name is not a job id");
+        assert_eq!(config(&k8s[1..]).job_id, "unknown");
+        let elastic = [
+            ("TORCHELASTIC_RUN_ID", "run-1"),
+            ("NCCLSCOPE_K8S_JOB_NAME", "t"),
+        ];
+        assert_eq!(config(&elastic).job_id, "run-1");
+        assert_eq!(
+            config(&[("NCCLSCOPE_JOB_ID", "mine"), ("SLURM_JOB_ID", "42")]).job_id,
+            "mine"
+        );
         let panic = config(&[("NCCLSCOPE_TEST_PANIC", "forward:300")]);
         assert_eq!(panic.test_panic_forward, Some(300));
     }
@@ -197,16 +198,14 @@ mod tests {
         let c = config(&[
             ("NCCLSCOPE_DISABLE", "yes"),
             ("NCCLSCOPE_EVENT_MASK", "-1"),
-            ("NCCLSCOPE_SHM_PREFIX", "a/b"),
             ("NCCLSCOPE_SEGMENT_RECORDS", "1000"),
             ("NCCLSCOPE_TEST_PANIC", "drain"),
         ]);
         assert!(!c.disabled);
         assert_eq!((c.event_mask, c.mask_explicit), (DEFAULT_EVENT_MASK, false));
-        assert_eq!(c.shm_prefix, "ncclscope");
         assert_eq!(c.segment_records, DEFAULT_CAPACITY);
         assert_eq!(c.test_panic_forward, None);
-        assert_eq!(c.warnings.len(), 5, "{:?}", c.warnings);
+        assert_eq!(c.warnings.len(), 4, "{:?}", c.warnings);
         assert!(c.warnings[1].contains("NCCLSCOPE_EVENT_MASK"));
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! NCCL threads push [`Event`]s into a bounded lock-free queue and return; this thread turns them into
 //! records (interning NCCL's static strings on the way), drains the device-hook rings, flushes the loss
-//! counters into the segment header, heartbeats the segment and registers it with the daemon. When there
+//! counters into the segment header, heartbeats the segment and hands it to the daemon (again after a
+//! daemon restart). When there
 //! is nothing to do it sleeps, 1 ms growing to 20 ms; NCCL threads wake it early when the queue fills up.
 
 use std::collections::HashMap;
@@ -25,6 +26,9 @@ const CLOCK_BASELINE: Duration = Duration::from_millis(20);
 const SWEEP_PERIOD: Duration = Duration::from_secs(1);
 const MIN_IDLE: Duration = Duration::from_millis(1);
 const MAX_IDLE: Duration = Duration::from_millis(20);
+/// Longest the last communicator's end waits for a daemon to take the segment (within NCCL's
+/// `finalize` wait, [`crate::profiler`]'s 2 s).
+const REGISTER_SETTLE: Duration = Duration::from_secs(1);
 /// Events handled per batch before the thread looks at the device rings and the heartbeat again.
 const BATCH: usize = 4096;
 /// Device-hook records held back while the host events queued before them are written (see `run`);
@@ -177,8 +181,7 @@ impl Sink for Forwarder {
 
 impl Forwarder {
     pub fn new(plugin: &'static Plugin, producer: Producer) -> Forwarder {
-        let registration =
-            Registration::new(plugin.config.socket.clone(), producer.segment().name());
+        let registration = Registration::new(plugin.config.socket.clone());
         Forwarder {
             plugin,
             producer,
@@ -223,7 +226,8 @@ impl Forwarder {
 
     /// The thread's body; runs for the life of the process. A panic in it latches the plugin off (every
     /// entry point returns at once, `finalize` included) and is counted in the segment, which is then
-    /// closed: the daemon drains what was written and reports the loss.
+    /// closed; the thread lives on only to keep the segment with a daemon (the segment ends with the
+    /// process that holds it), so the daemon drains what was written and reports the loss.
     pub fn run(mut self) {
         if catch_unwind(AssertUnwindSafe(|| self.forward_forever())).is_ok() {
             return;
@@ -237,6 +241,13 @@ impl Forwarder {
         segment.count(Counter::ForwardPanic, lost);
         self.plugin.flush_counters(segment);
         segment.close();
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            loop {
+                self.registration
+                    .poll(Instant::now(), self.producer.segment().fd());
+                std::thread::sleep(MAX_IDLE * 5);
+            }
+        }));
     }
 
     fn forward_forever(&mut self) {
@@ -245,6 +256,9 @@ impl Forwarder {
         let mut idle = MIN_IDLE;
         let mut forwarded = 0u64;
         loop {
+            // First: a daemon that is there gets the segment before anything else can go wrong.
+            self.registration
+                .poll(Instant::now(), self.producer.segment().fd());
             let mut work = 0;
             while let Some(event) = self.plugin.queue.pop() {
                 self.forward(event);
@@ -265,7 +279,6 @@ impl Forwarder {
             self.plugin.flush_counters(self.producer.segment());
             self.producer.segment().beat();
             let now = Instant::now();
-            self.registration.poll(now);
             if now >= self.sweep_due {
                 self.clock.refresh();
                 self.plugin.sweep(self.clock.stamp_ago(ORPHAN_AGE));
@@ -324,6 +337,10 @@ impl Forwarder {
                 devhook::finalize_comm(comm, &mut *self);
                 let host_ns = self.clock.to_ns(host_ns);
                 self.producer.push(&Record::CommEnd { comm, host_ns });
+                if self.plugin.live_comms() == 0 {
+                    self.registration
+                        .settle(self.producer.segment().fd(), REGISTER_SETTLE);
+                }
                 self.plugin.comm_ended(table, self.producer.segment());
                 return;
             }

@@ -13,7 +13,7 @@ use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
-use ncclscope_proto::segment::{Owner, Segment};
+use ncclscope_proto::segment::{Claims, Segment};
 use ncclscope_proto::{Counter, Producer, Record, TimingPath};
 
 use crate::abi::{Logger, event};
@@ -192,6 +192,12 @@ static FORKED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn forked_child() {
     FORKED.store(true, Ordering::Relaxed);
+    // The daemon learns that the process ended when its connection closes: a child must not keep it.
+    if let Some(fd) = crate::register::take_connection_fd() {
+        // SAFETY: `fd` is the parent's connection, inherited by this child, where no thread owns it
+        // (fork copies only the calling thread); close is async-signal-safe.
+        unsafe { libc::close(fd) };
+    }
 }
 
 thread_local! {
@@ -299,14 +305,16 @@ impl Plugin {
             .nodename()
             .to_string_lossy()
             .into_owned();
-        let owner = Owner::of_process(std::process::id(), hostname, config.job_id.clone());
-        let name = owner.segment_name(&config.shm_prefix);
-        let segment = match Segment::create(&name, &owner, config.segment_records) {
+        let claims = Claims {
+            hostname,
+            job_id: config.job_id.clone(),
+        };
+        let segment = match Segment::create(&claims, config.segment_records) {
             Ok(s) => s,
             Err(e) => {
                 host::log(
                     true,
-                    &format!("cannot create the shared-memory segment ({e}); profiling disabled"),
+                    &format!("cannot create the segment ({e}); profiling disabled"),
                 );
                 return None;
             }
@@ -314,7 +322,7 @@ impl Plugin {
         host::log(
             false,
             &format!(
-                "plugin {} loaded as ncclProfiler_v{abi} by NCCL {}{}; segment /dev/shm/{name}, mask {:#x}",
+                "plugin {} loaded as ncclProfiler_v{abi} by NCCL {}{}; job {}, mask {:#x}",
                 env!("CARGO_PKG_VERSION"),
                 host.version_text(),
                 if host.is_rfc() {
@@ -322,6 +330,7 @@ impl Plugin {
                 } else {
                     ""
                 },
+                config.job_id,
                 config.event_mask
             ),
         );
@@ -358,7 +367,6 @@ impl Plugin {
                     true,
                     &format!("cannot start the forwarding thread ({e}); profiling disabled"),
                 );
-                let _ = Segment::unlink(&name);
                 None
             }
         }
@@ -733,11 +741,16 @@ impl Plugin {
     }
 
     /// The forwarding thread wrote the communicator's end. Closes the segment when it was the last one.
+    /// Communicators initialized and not yet finalized.
+    pub fn live_comms(&self) -> u32 {
+        self.live_comms.load(Ordering::Acquire)
+    }
+
     pub fn comm_ended(&self, table: u32, segment: &Segment) {
         if let Some(slot) = self.comms.get(table as usize) {
             slot.ended.store(true, Ordering::Release);
         }
-        if self.live_comms.load(Ordering::Acquire) == 0 {
+        if self.live_comms() == 0 {
             self.flush_counters(segment);
             segment.close();
         }

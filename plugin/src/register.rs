@@ -1,24 +1,107 @@
-//! Registration with the node daemon: one `REGISTER <segment-name>\n` line on its Unix socket, answered
-//! by `OK\n` or `ERR <reason>\n`. Done from the forwarding thread only, with short timeouts, retried with
-//! exponential backoff while no daemon listens. The daemon also finds segments by scanning /dev/shm, so
-//! a failed registration delays discovery; it loses nothing.
+//! Registration with the node daemon: one `REGISTER\n` message on its Unix socket that carries the
+//! segment's descriptor (SCM_RIGHTS), answered by `OK\n` or `ERR <reason>\n`. The connection is then
+//! held for the life of the process: the kernel closes it when the process ends, which is how the
+//! daemon learns of the end; when the daemon goes away instead, the plugin sees it close, reconnects
+//! and sends the descriptor again, so a restarted daemon resumes the segment where the old one
+//! committed. A rank that starts before any daemon keeps writing into its ring and keeps trying.
+//!
+//! Everything here runs on the forwarding thread and never blocks: the socket is non-blocking, the
+//! reply is looked for on later polls, and a dead connection is noticed by a non-blocking read.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::UnixStream;
+use std::io::IoSlice;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
+
+use rustix::io::Errno;
+use rustix::net::{
+    AddressFamily, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix,
+    SocketFlags, SocketType,
+};
 
 use crate::host;
 
-const IO_TIMEOUT: Duration = Duration::from_millis(100);
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
-const MAX_BACKOFF: Duration = Duration::from_secs(10);
+/// Longest wait between attempts: also bounds how long a rank waits for a restarted daemon.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// How often the held connection is checked for its end.
+const CHECK_EVERY: Duration = Duration::from_millis(100);
+
+/// The held connection's descriptor number, or -1: a forked child closes its copy (see
+/// [`take_connection_fd`]) so that the daemon sees the connection end with the process that registered.
+static CONNECTION_FD: AtomicI32 = AtomicI32::new(-1);
+
+/// The connection's descriptor number, forgotten here: for a forked child to close its inherited copy.
+pub fn take_connection_fd() -> Option<i32> {
+    Some(CONNECTION_FD.swap(-1, Ordering::Relaxed)).filter(|fd| *fd >= 0)
+}
+
+/// A connection to the daemon, published in [`CONNECTION_FD`] while it is open.
+struct Connection(OwnedFd);
+
+impl Connection {
+    fn open(path: &std::path::Path) -> std::io::Result<Connection> {
+        let fd = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::STREAM,
+            SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+            None,
+        )?;
+        // A daemon whose backlog is full answers EAGAIN: unreachable for now.
+        rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)?;
+        CONNECTION_FD.store(fd.as_raw_fd(), Ordering::Relaxed);
+        Ok(Connection(fd))
+    }
+
+    /// Whatever the daemon sent, without waiting: `Ok(None)` if nothing is there, `Ok(Some(0))` at
+    /// the end of the connection.
+    fn read(&self, into: &mut Vec<u8>) -> std::io::Result<Option<usize>> {
+        let mut buf = [0u8; 256];
+        match rustix::net::recv(&self.0, &mut buf, RecvFlags::DONTWAIT) {
+            Ok((_, n)) => {
+                let room = buf.len().saturating_sub(into.len());
+                into.extend_from_slice(&buf[..n.min(room)]);
+                Ok(Some(n))
+            }
+            Err(Errno::AGAIN) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        // Before the descriptor is closed (the field drops after this) and its number reused.
+        let _ = CONNECTION_FD.compare_exchange(
+            self.0.as_raw_fd(),
+            -1,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+    }
+}
+
+enum State {
+    /// Not connected; the next attempt is due then.
+    Idle(Instant),
+    /// The descriptor was sent; waiting for the daemon's answer, however long it takes: a daemon that
+    /// is slow, or not yet started behind a socket-activated listener, answers late, and one that
+    /// goes away closes the connection. (Giving up would close a connection the daemon may have
+    /// taken for the segment's, which it would read as the process's end.)
+    Asked(Connection),
+    /// Accepted and held; looked at again then.
+    Held(Connection, Instant),
+}
 
 pub struct Registration {
     socket: PathBuf,
-    line: String,
-    next_attempt: Option<Instant>,
+    state: State,
     backoff: Duration,
+    reply: Vec<u8>,
+    /// Times the daemon accepted the segment (more than once: it restarted meanwhile).
+    accepted: u32,
 }
 
 /// What the daemon said, or why it could not be asked.
@@ -30,137 +113,297 @@ enum Outcome {
 }
 
 impl Registration {
-    pub fn new(socket: PathBuf, segment_name: &str) -> Registration {
+    pub fn new(socket: PathBuf) -> Registration {
         Registration {
             socket,
-            line: format!("REGISTER {segment_name}\n"),
-            next_attempt: Some(Instant::now()),
+            state: State::Idle(Instant::now()),
             backoff: FIRST_BACKOFF,
+            reply: Vec::new(),
+            accepted: 0,
         }
     }
 
-    /// Tries to register if an attempt is due. Cheap when nothing is due.
-    pub fn poll(&mut self, now: Instant) {
-        let Some(at) = self.next_attempt else { return };
-        if now < at {
-            return;
-        }
-        match self.attempt() {
-            Outcome::Accepted => {
-                host::log(
-                    false,
-                    &format!("registered with the daemon at {}", self.socket.display()),
-                );
-                self.next_attempt = None;
-            }
-            outcome => {
-                if let Outcome::Refused(reason) = &outcome {
-                    host::log_once(
-                        "register-refused",
-                        true,
-                        &format!("the daemon refused the segment: {reason}"),
-                    );
-                } else if let Outcome::Unreachable(why) = &outcome {
-                    host::log_once(
-                        "register-unreachable",
-                        false,
-                        &format!(
-                            "no daemon at {} ({why}); retrying in the background",
-                            self.socket.display()
-                        ),
-                    );
+    /// Moves the registration on if something is due: connects and sends `segment`, reads the answer,
+    /// or checks that the held connection is still there. Cheap when nothing is due.
+    pub fn poll(&mut self, now: Instant, segment: BorrowedFd<'_>) {
+        let state = std::mem::replace(&mut self.state, State::Idle(now));
+        self.state = match state {
+            State::Idle(at) if now < at => State::Idle(at),
+            State::Idle(_) => match self.ask(segment) {
+                Ok(conn) => State::Asked(conn),
+                Err(e) => self.failed(now, Outcome::Unreachable(e.to_string())),
+            },
+            State::Asked(conn) => match conn.read(&mut self.reply) {
+                Ok(None) => State::Asked(conn),
+                Ok(Some(0)) => self.failed(now, Outcome::Unreachable("closed".into())),
+                Ok(Some(_)) if !self.reply.contains(&b'\n') => State::Asked(conn),
+                Ok(Some(_)) => match answer(&self.reply) {
+                    Outcome::Accepted => self.accept(now, conn),
+                    outcome => self.failed(now, outcome),
+                },
+                Err(e) => self.failed(now, Outcome::Unreachable(e.to_string())),
+            },
+            State::Held(conn, at) if now < at => State::Held(conn, at),
+            State::Held(conn, _) => {
+                self.reply.clear();
+                match conn.read(&mut self.reply) {
+                    Ok(None) | Ok(Some(1..)) => State::Held(conn, now + CHECK_EVERY),
+                    Ok(Some(0)) | Err(_) => {
+                        host::log_once(
+                            "register-lost",
+                            false,
+                            "the daemon went away; sending the segment again once one listens",
+                        );
+                        self.backoff = FIRST_BACKOFF;
+                        State::Idle(now)
+                    }
                 }
-                self.next_attempt = Some(now + self.backoff);
-                self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
             }
+        };
+    }
+
+    /// Waits (polling, at most `within`) until a daemon has the segment or none could be asked, trying
+    /// at once whatever the backoff: a process that ends takes its segment with it, so its last
+    /// communicator's end gives a daemon that is there the chance to take it first.
+    pub fn settle(&mut self, segment: BorrowedFd<'_>, within: Duration) {
+        let deadline = Instant::now() + within;
+        if let State::Idle(at) = &mut self.state {
+            *at = Instant::now();
         }
+        loop {
+            self.poll(Instant::now(), segment);
+            if !matches!(self.state, State::Asked(..)) || Instant::now() >= deadline {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Connects and sends the descriptor (a few bytes: they fit in an empty socket buffer at once).
+    fn ask(&mut self, segment: BorrowedFd<'_>) -> std::io::Result<Connection> {
+        let conn = Connection::open(&self.socket)?;
+        let fds = [segment];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        control.push(SendAncillaryMessage::ScmRights(&fds));
+        let sent = rustix::net::sendmsg(
+            conn.0.as_fd(),
+            &[IoSlice::new(b"REGISTER\n")],
+            &mut control,
+            SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
+        )?;
+        if sent != b"REGISTER\n".len() {
+            return Err(std::io::Error::other("short send"));
+        }
+        self.reply.clear();
+        Ok(conn)
+    }
+
+    fn accept(&mut self, now: Instant, conn: Connection) -> State {
+        self.accepted += 1;
+        let again = if self.accepted > 1 { "again " } else { "" };
+        host::log(
+            false,
+            &format!(
+                "segment registered {again}with the daemon at {}",
+                self.socket.display()
+            ),
+        );
+        self.backoff = FIRST_BACKOFF;
+        State::Held(conn, now + CHECK_EVERY)
+    }
+
+    fn failed(&mut self, now: Instant, outcome: Outcome) -> State {
+        match &outcome {
+            Outcome::Refused(reason) => host::log_once(
+                "register-refused",
+                true,
+                &format!("the daemon refused the segment: {reason}"),
+            ),
+            Outcome::Unreachable(why) => host::log_once(
+                "register-unreachable",
+                false,
+                &format!(
+                    "no daemon at {} ({why}); retrying in the background",
+                    self.socket.display()
+                ),
+            ),
+            Outcome::Accepted => {}
+        }
+        let at = now + self.backoff;
+        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+        State::Idle(at)
     }
 
     #[cfg(test)]
-    fn registered(&self) -> bool {
-        self.next_attempt.is_none()
-    }
-
-    fn attempt(&self) -> Outcome {
-        let stream = match connect(&self.socket) {
-            Ok(s) => s,
-            Err(e) => return Outcome::Unreachable(e.to_string()),
-        };
-        let exchange = || -> std::io::Result<String> {
-            stream.set_read_timeout(Some(IO_TIMEOUT))?;
-            stream.set_write_timeout(Some(IO_TIMEOUT))?;
-            (&stream).write_all(self.line.as_bytes())?;
-            let mut reply = String::new();
-            BufReader::new(&stream).take(256).read_line(&mut reply)?;
-            Ok(reply)
-        };
-        match exchange() {
-            Ok(reply) if reply.trim_end() == "OK" => Outcome::Accepted,
-            Ok(reply) if reply.starts_with("ERR") => Outcome::Refused(reply.trim_end().to_string()),
-            Ok(reply) => Outcome::Unreachable(format!("unexpected reply {reply:?}")),
-            Err(e) => Outcome::Unreachable(e.to_string()),
-        }
+    fn held(&self) -> bool {
+        matches!(self.state, State::Held(..))
     }
 }
 
-/// Connects without blocking: a daemon whose backlog is full counts as unreachable for now.
-fn connect(path: &std::path::Path) -> std::io::Result<UnixStream> {
-    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-    let fd = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::STREAM,
-        SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
-        None,
-    )?;
-    rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)?;
-    let stream = UnixStream::from(fd);
-    stream.set_nonblocking(false)?;
-    Ok(stream)
+fn answer(reply: &[u8]) -> Outcome {
+    let line = String::from_utf8_lossy(reply);
+    let line = line.split('\n').next().unwrap_or_default();
+    if line == "OK" {
+        Outcome::Accepted
+    } else if line.starts_with("ERR") {
+        Outcome::Refused(line.to_string())
+    } else {
+        Outcome::Unreachable(format!("unexpected reply {line:?}"))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::net::UnixListener;
+    use ncclscope_proto::{Claims, Segment};
+    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage};
+    use std::io::{IoSliceMut, Write};
+    use std::os::unix::net::{UnixListener, UnixStream};
+
+    /// Accepts one registration like the daemon: the message and the descriptor it carries.
+    fn receive(listener: &UnixListener) -> (UnixStream, Vec<u8>, OwnedFd) {
+        let (s, _) = listener.accept().unwrap();
+        let mut buf = [0u8; 64];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let msg = rustix::net::recvmsg(
+            &s,
+            &mut [IoSliceMut::new(&mut buf)],
+            &mut control,
+            RecvFlags::empty(),
+        )
+        .unwrap();
+        let fd = control
+            .drain()
+            .find_map(|m| match m {
+                RecvAncillaryMessage::ScmRights(mut fds) => fds.next(),
+                _ => None,
+            })
+            .expect("a descriptor");
+        (s, buf[..msg.bytes].to_vec(), fd)
+    }
+
+    fn settle(reg: &mut Registration, seg: &Segment, until: impl Fn(&Registration) -> bool) {
+        let t0 = Instant::now();
+        while !until(reg) {
+            assert!(t0.elapsed() < Duration::from_secs(10), "never settled");
+            reg.poll(Instant::now(), seg.fd());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 
     #[test]
-    fn registers_once_the_daemon_answers_and_backs_off_while_it_does_not() {
-        let dir = std::env::temp_dir().join(format!("ncclscope-reg-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("d.sock");
-        let _ = std::fs::remove_file(&path);
-        let mut reg = Registration::new(path.clone(), "ncclscope.1.2.3");
+    fn hands_over_the_descriptor_holds_the_connection_and_hands_it_over_again_after_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.sock");
+        let seg = Segment::create(
+            &Claims {
+                hostname: "h".into(),
+                job_id: "j".into(),
+            },
+            8,
+        )
+        .unwrap();
+        let mut reg = Registration::new(path.clone());
         let t0 = Instant::now();
-        reg.poll(t0);
-        assert!(!reg.registered());
-        assert_eq!(reg.next_attempt, Some(t0 + FIRST_BACKOFF));
-        reg.poll(t0 + Duration::from_millis(150));
+        reg.poll(t0, seg.fd());
+        assert!(matches!(reg.state, State::Idle(at) if at == t0 + FIRST_BACKOFF));
+        reg.poll(t0 + Duration::from_millis(150), seg.fd());
         assert_eq!(reg.backoff, FIRST_BACKOFF * 4);
 
         let listener = UnixListener::bind(&path).unwrap();
         let daemon = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            let mut line = String::new();
-            BufReader::new(&s).read_line(&mut line).unwrap();
+            let (mut s, msg, fd) = receive(&listener);
             s.write_all(b"OK\n").unwrap();
-            line
+            let inode = Segment::open(fd).unwrap().inode();
+            (listener, s, msg, inode)
         });
-        reg.poll(t0 + Duration::from_secs(1));
-        assert!(reg.registered());
-        assert_eq!(daemon.join().unwrap(), "REGISTER ncclscope.1.2.3\n");
-        std::fs::remove_dir_all(&dir).unwrap();
+        settle(&mut reg, &seg, Registration::held);
+        let (listener, first, msg, inode) = daemon.join().unwrap();
+        assert_eq!(msg, b"REGISTER\n");
+        assert_eq!(
+            inode,
+            seg.inode(),
+            "the daemon maps the plugin's own segment"
+        );
+        // The daemon goes away: the plugin notices and sends the same segment to the next one.
+        drop(first);
+        let daemon = std::thread::spawn(move || {
+            let (mut s, _, fd) = receive(&listener);
+            s.write_all(b"OK\n").unwrap();
+            (s, Segment::open(fd).unwrap().inode())
+        });
+        settle(&mut reg, &seg, |r| r.held() && r.accepted == 2);
+        assert_eq!(daemon.join().unwrap().1, seg.inode());
     }
 
     #[test]
-    fn a_silent_daemon_times_out() {
-        let dir = std::env::temp_dir().join(format!("ncclscope-reg-silent-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("d.sock");
-        let _listener = UnixListener::bind(&path).unwrap();
-        let reg = Registration::new(path, "x.1.2.3");
-        let t = Instant::now();
-        assert!(matches!(reg.attempt(), Outcome::Unreachable(_)));
-        assert!(t.elapsed() < Duration::from_secs(5));
-        std::fs::remove_dir_all(&dir).unwrap();
+    fn settling_tries_at_once_despite_the_backoff_and_waits_for_the_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.sock");
+        let seg = Segment::create(
+            &Claims {
+                hostname: "h".into(),
+                job_id: "j".into(),
+            },
+            8,
+        )
+        .unwrap();
+        let mut reg = Registration::new(path.clone());
+        // No daemon: one failed attempt, then a backoff far in the future; settling returns at once.
+        reg.poll(Instant::now(), seg.fd());
+        reg.state = State::Idle(Instant::now() + Duration::from_secs(60));
+        let t0 = Instant::now();
+        reg.settle(seg.fd(), Duration::from_secs(1));
+        assert!(t0.elapsed() < Duration::from_millis(100));
+        // A daemon that appeared meanwhile and answers after 50 ms: taken now, not in 60 s.
+        let listener = UnixListener::bind(&path).unwrap();
+        let daemon = std::thread::spawn(move || {
+            let (mut s, _, _) = receive(&listener);
+            std::thread::sleep(Duration::from_millis(50));
+            s.write_all(b"OK\n").unwrap();
+            s
+        });
+        reg.state = State::Idle(Instant::now() + Duration::from_secs(60));
+        reg.settle(seg.fd(), Duration::from_secs(1));
+        assert!(reg.held(), "handed over before the process ends");
+        drop(daemon.join().unwrap());
+    }
+
+    #[test]
+    fn a_silent_daemon_is_waited_for_without_blocking_and_a_refusal_retried() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let seg = Segment::create(
+            &Claims {
+                hostname: "h".into(),
+                job_id: "j".into(),
+            },
+            8,
+        )
+        .unwrap();
+        let mut reg = Registration::new(path);
+        let t0 = Instant::now();
+        reg.poll(t0, seg.fd());
+        assert!(matches!(reg.state, State::Asked(..)));
+        // Nobody answers yet: each poll returns at once, and keeps waiting.
+        reg.poll(t0, seg.fd());
+        reg.poll(t0 + Duration::from_secs(60), seg.fd());
+        assert!(t0.elapsed() < Duration::from_millis(50));
+        assert!(matches!(reg.state, State::Asked(..)));
+        // The daemon gets to it late and refuses: retried after the backoff.
+        let (mut s, msg, _) = receive(&listener);
+        assert_eq!(msg, b"REGISTER\n");
+        s.write_all(b"ERR no\n").unwrap();
+        let t1 = Instant::now();
+        while matches!(reg.state, State::Asked(..)) {
+            assert!(t1.elapsed() < Duration::from_secs(5));
+            reg.poll(Instant::now(), seg.fd());
+        }
+        assert!(matches!(reg.state, State::Idle(at) if at > Instant::now()));
+        assert_eq!(answer(b"ERR no\n"), Outcome::Refused("ERR no".into()));
+        assert_eq!(answer(b"OK\n"), Outcome::Accepted);
     }
 }

@@ -13,12 +13,10 @@ bin="$(readlink -f "${BIN:?directory with ncclscope, fakenccl-rank and the plugi
 replays=${REPLAYS:-100}
 out="${OUT:-$(mktemp -d)}/graph-lag-$replays"
 mkdir -p "$out/state" "$out/spool"
-prefix="ncclscope-lag-$$"
 port=$((20000 + $$ % 20000))
 cat >"$out/ncclscope.toml" <<TOML
 socket = "$out/ncclscope.sock"
 api_socket = "$out/api.sock"
-shm_prefix = "$prefix"
 state_dir = "$out/state"
 [otlp]
 endpoint = ""
@@ -30,11 +28,11 @@ job_series = true
 TOML
 NCCLSCOPE_LOG=warn "$bin/ncclscope" daemon --config "$out/ncclscope.toml" 2>"$out/daemon.log" &
 daemon=$!
-trap 'kill $daemon 2>/dev/null || true; rm -f /dev/shm/$prefix.*' EXIT
+trap 'kill $daemon 2>/dev/null || true' EXIT
 sleep 1
 pids=()
 for rank in 0 1; do
-    NCCLSCOPE_RING_MEMORY=cpu NCCLSCOPE_SHM_PREFIX=$prefix NCCLSCOPE_SOCKET="$out/ncclscope.sock" NCCLSCOPE_JOB_ID=graph-lag \
+    NCCLSCOPE_RING_MEMORY=cpu NCCLSCOPE_SOCKET="$out/ncclscope.sock" NCCLSCOPE_JOB_ID=graph-lag \
         "$bin/fakenccl-rank" --plugin "$bin/libnccl_profiler_ncclscope.so" --kind rfc --colls 4 --channels 4 \
         --graph-ops 50 --graph-channels 8 --replays "$replays" --eager-between 2 --gpu-lag \
         --kernel-ns 20000 --interval-us 100 --rank $rank --nranks 2 \
@@ -42,9 +40,9 @@ for rank in 0 1; do
     pids+=($!)
 done
 wait "${pids[@]}"
-# Until the daemon has removed both segments (everything drained and delivered), at most 60 s.
+# Until the daemon has dropped both segments (everything drained and delivered), at most 60 s.
 for _ in $(seq 600); do
-    ls /dev/shm/$prefix.* >/dev/null 2>&1 || break
+    curl -s "127.0.0.1:$port/metrics" | grep -qx 'ncclscope_segments 0' && break
     sleep 0.1
 done
 sleep 1.5  # the Prometheus text is refreshed every second

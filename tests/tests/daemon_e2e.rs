@@ -7,13 +7,14 @@
 //! GPU times and a known calibration, so the test can check every span's times to the nanosecond.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
-use ncclscope_proto::segment::{self, Counter, Owner, Producer, Segment, SegmentName};
+use ncclscope_fakenccl::process::Registrant;
+use ncclscope_proto::segment::{self, Claims, Counter, Producer, Segment};
 use ncclscope_proto::{Record, StrId, TimingPath};
 use ncclscope_tests::attr;
 
@@ -39,21 +40,24 @@ fn records_per_rank(ncolls: u64) -> u64 {
     4 + 1 + 1 + ncolls * (2 + CHANNELS) + 1
 }
 
-/// The rank process, run by the tests below through `RANK_ENV` = "prefix|socket|rank|nranks|ncolls|pace_us".
+/// The rank process, run by the tests below through `RANK_ENV` = "socket|rank|nranks|ncolls|pace_us".
+/// Like the plugin, it hands its segment over again whenever the daemon goes away.
 #[test]
 #[ignore = "child process of the daemon end-to-end tests"]
 fn daemon_rank_child() {
     let spec = std::env::var(RANK_ENV).expect("run by the daemon e2e tests");
     let f: Vec<&str> = spec.split('|').collect();
-    let (prefix, socket) = (f[0], Path::new(f[1]));
-    let rank: u32 = f[2].parse().unwrap();
-    let nranks: u32 = f[3].parse().unwrap();
-    let ncolls: u64 = f[4].parse().unwrap();
-    let pace = Duration::from_micros(f[5].parse().unwrap());
-    let owner = Owner::of_process(std::process::id(), "testhost".into(), JOB.into());
-    let name = owner.segment_name(prefix);
-    let mut p = Producer::new(Segment::create(&name, &owner, 1 << 14).unwrap());
-    register(socket, &name);
+    let socket = Path::new(f[0]);
+    let rank: u32 = f[1].parse().unwrap();
+    let nranks: u32 = f[2].parse().unwrap();
+    let ncolls: u64 = f[3].parse().unwrap();
+    let pace = Duration::from_micros(f[4].parse().unwrap());
+    let claims = Claims {
+        hostname: "testhost".into(),
+        job_id: JOB.into(),
+    };
+    let mut p = Producer::new(Segment::create(&claims, 1 << 14).unwrap());
+    let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
     // A loss the plugin would have counted: it must reach the daemon's loss metrics.
     p.segment().count(Counter::QueueFull, rank as u64 + 1);
     for (id, text) in [
@@ -146,24 +150,24 @@ const BURST_ENV: &str = "NCCLSCOPE_TEST_BURST";
 
 /// A process that writes a recorded segment's records into its own small live segment at a pace,
 /// as the plugin forwards a burst of graph replays, run by the test below through `BURST_ENV` =
-/// "prefix|socket|recorded segment name|capacity|records per millisecond".
+/// "socket|recorded segment file|capacity|records per millisecond".
 #[test]
 #[ignore = "child process of the daemon end-to-end tests"]
 fn recorded_burst_child() {
     let spec = std::env::var(BURST_ENV).expect("run by the daemon e2e tests");
     let f: Vec<&str> = spec.split('|').collect();
-    let (prefix, socket) = (f[0], Path::new(f[1]));
-    let recorded = SegmentName::parse(f[2]).unwrap();
-    let capacity: u64 = f[3].parse().unwrap();
-    let per_ms: usize = f[4].parse().unwrap();
-    let mut consumer = segment::Consumer::new(Segment::open(&recorded).unwrap());
+    let socket = Path::new(f[0]);
+    let capacity: u64 = f[2].parse().unwrap();
+    let per_ms: usize = f[3].parse().unwrap();
+    let mut consumer = segment::Consumer::new(sealed_copy(Path::new(f[1])));
     let mut records = Vec::new();
     while consumer.read(4096, &mut records).unwrap() > 0 {}
-    let recorded_owner = consumer.segment().owner();
-    let owner = Owner::of_process(std::process::id(), "testhost".into(), recorded_owner.job_id);
-    let name = owner.segment_name(prefix);
-    let mut p = Producer::new(Segment::create(&name, &owner, capacity).unwrap());
-    register(socket, &name);
+    let claims = Claims {
+        hostname: "testhost".into(),
+        job_id: consumer.segment().claims().job_id,
+    };
+    let mut p = Producer::new(Segment::create(&claims, capacity).unwrap());
+    let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
     for chunk in records.chunks(per_ms) {
         let started = Instant::now();
         for (_, r) in chunk {
@@ -174,31 +178,22 @@ fn recorded_burst_child() {
     p.segment().close();
 }
 
-/// Registers like the plugin: `REGISTER <name>`, retrying while the daemon is not there yet.
-fn register(socket: &Path, name: &SegmentName) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) {
-            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-            writeln!(s, "REGISTER {name}").unwrap();
-            let mut reply = String::new();
-            BufReader::new(s).read_line(&mut reply).unwrap();
-            assert_eq!(reply, "OK\n", "registration refused");
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "daemon socket {} never appeared",
-            socket.display()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+/// A recorded segment file in a sealed memory file, as the plugin would have made it.
+fn sealed_copy(path: &Path) -> Segment {
+    let fd = sealed_memfd(&std::fs::read(path).unwrap());
+    Segment::open(fd).unwrap()
+}
+
+fn sealed_memfd(bytes: &[u8]) -> std::os::fd::OwnedFd {
+    let fd = rustix::fs::memfd_create("ncclscope", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::io::write(&fd, bytes).unwrap();
+    rustix::fs::fcntl_add_seals(&fd, ncclscope_proto::segment::REQUIRED_SEALS).unwrap();
+    fd
 }
 
 /// A daemon, its rank processes and their segments, all cleaned up on drop (even on failure).
 struct Harness {
     dir: tempfile::TempDir,
-    prefix: String,
     config: PathBuf,
     prometheus: String,
     /// Given on the command line (`--otlp-endpoint`), as an operator pointing at a collector would.
@@ -216,25 +211,22 @@ fn free_port() -> u16 {
 }
 
 impl Harness {
-    fn new(tag: &str, otlp_endpoint: &str) -> Harness {
+    fn new(otlp_endpoint: &str) -> Harness {
         let dir = tempfile::tempdir().unwrap();
-        let prefix = format!("ncclscope-test-{tag}-{}", std::process::id());
         let prometheus = format!("127.0.0.1:{}", free_port());
         let config = dir.path().join("ncclscope.toml");
         let d = dir.path().display();
         std::fs::write(
             &config,
             format!(
-                "socket = \"{d}/ncclscope.sock\"\napi_socket = \"{d}/api.sock\"\nshm_prefix = \"{prefix}\"\n\
+                "socket = \"{d}/ncclscope.sock\"\napi_socket = \"{d}/api.sock\"\n\
                  state_dir = \"{d}/state\"\n[spool]\ndir = \"{d}/spool\"\n[otlp]\n\
-                 batch_timeout_ms = 50\nmetrics_interval_ms = 500\n[prometheus]\nlisten = \"{prometheus}\"\njob_series = true\n\
-                 [drain]\nrescan_interval_ms = 200\n"
+                 batch_timeout_ms = 50\nmetrics_interval_ms = 500\n[prometheus]\nlisten = \"{prometheus}\"\njob_series = true\n"
             ),
         )
         .unwrap();
         Harness {
             dir,
-            prefix,
             config,
             prometheus,
             otlp_endpoint: otlp_endpoint.to_string(),
@@ -275,8 +267,7 @@ impl Harness {
     fn start_ranks(&mut self, nranks: u32, ncolls: u64, pace_us: u64) {
         for rank in 0..nranks {
             let spec = format!(
-                "{}|{}|{rank}|{nranks}|{ncolls}|{pace_us}",
-                self.prefix,
+                "{}|{rank}|{nranks}|{ncolls}|{pace_us}",
                 self.socket().display()
             );
             let child = Command::new(std::env::current_exe().unwrap())
@@ -301,8 +292,10 @@ impl Harness {
         }
     }
 
+    /// Segments the daemon holds (its `ncclscope_segments`; nothing else can hold one after its
+    /// process ended).
     fn segments_left(&self) -> usize {
-        segment::list(&self.prefix).unwrap().len()
+        sample(&self.metrics(), "ncclscope_segments").map_or(usize::MAX, |n| n as usize)
     }
 
     fn metrics(&self) -> String {
@@ -324,9 +317,6 @@ impl Drop for Harness {
         for c in self.ranks.iter_mut().chain(self.daemon.as_mut()) {
             let _ = c.kill();
             let _ = c.wait();
-        }
-        for name in segment::list(&self.prefix).unwrap_or_default() {
-            let _ = Segment::unlink(&name);
         }
     }
 }
@@ -370,7 +360,7 @@ async fn all_ranks_of_a_collective_share_one_trace_with_calibrated_times_and_not
     const NRANKS: u32 = 4;
     const NCOLLS: u64 = 40;
     let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new("e2e", &collector.endpoint());
+    let mut h = Harness::new(&collector.endpoint());
     h.start_daemon();
     h.start_ranks(NRANKS, NCOLLS, 0);
     h.wait_ranks();
@@ -543,7 +533,7 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
     const NRANKS: u32 = 3;
     const NCOLLS: u64 = 1500;
     let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new("restart", &collector.endpoint());
+    let mut h = Harness::new(&collector.endpoint());
     h.start_daemon();
     h.start_ranks(NRANKS, NCOLLS, 1000);
     let mut spans = Vec::new();
@@ -563,7 +553,7 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
         .filter_map(Result::ok)
         .count() as u64;
     std::thread::sleep(Duration::from_millis(300));
-    // The second daemon finds the segments by scanning /dev/shm (the ranks registered only once).
+    // The ranks see their connections end and hand their segments to the second daemon.
     h.start_daemon();
     h.wait_ranks();
     let expected: BTreeSet<(u32, u64)> = (0..NRANKS)
@@ -685,7 +675,7 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
     const NCOLLS: u32 = 30;
     const P2PS: u32 = 4;
     let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new("fakenccl", &collector.endpoint());
+    let mut h = Harness::new(&collector.endpoint());
     h.start_daemon();
     let rank_bin = ncclscope_fakenccl::process::rank_binary().unwrap();
     let mut children = Vec::new();
@@ -713,7 +703,6 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
                 ])
                 .args(["--rank", &rank.to_string(), "--nranks", &NRANKS.to_string()])
                 .args(["--comm-hash", &comm_hash.to_string()])
-                .env("NCCLSCOPE_SHM_PREFIX", &h.prefix)
                 .env("NCCLSCOPE_SOCKET", h.socket())
                 .env("NCCLSCOPE_JOB_ID", "fake-job")
                 // No GPU here: the hook's rings in plain memory, written as the device would.
@@ -884,9 +873,10 @@ fn drained_with_nothing_lost(h: &Harness, expected: usize, stages: &[&str]) -> S
 
 const FAULT_ENV: &str = "NCCLSCOPE_TEST_FAULT";
 
-/// A misbehaving process, run by the tests below through `FAULT_ENV` = "mode|prefix|socket|seconds".
-/// `truncate`: registers, writes a communicator and 100 complete collectives, then shrinks its segment
-/// to nothing under the daemon's mapping and lives on for `seconds`. The others register and, for
+/// A misbehaving process, run by the tests below through `FAULT_ENV` = "mode|socket|seconds".
+/// `truncate`: registers, writes a communicator and 100 complete collectives, then tries to shrink its
+/// segment under the daemon's mapping (the seals refuse it), hands over a memory file that is not
+/// sealed (the daemon refuses it), and lives on for `seconds`. The others register and, for
 /// `seconds`, write valid records as fast as their ring takes them, each made to grow the daemon's
 /// state or work. `churn`: new communicators, strings, re-definitions, device-function names and
 /// devices, communicator ends, operations of refused communicators, kernel records for one operation
@@ -898,12 +888,14 @@ const FAULT_ENV: &str = "NCCLSCOPE_TEST_FAULT";
 fn daemon_fault_child() {
     let spec = std::env::var(FAULT_ENV).expect("run by the daemon fault tests");
     let f: Vec<&str> = spec.split('|').collect();
-    let (mode, prefix, socket) = (f[0], f[1], Path::new(f[2]));
-    let run = Duration::from_secs(f[3].parse().unwrap());
-    let owner = Owner::of_process(std::process::id(), "testhost".into(), format!("{mode}-job"));
-    let name = owner.segment_name(prefix);
-    let mut p = Producer::new(Segment::create(&name, &owner, 1 << 16).unwrap());
-    register(socket, &name);
+    let (mode, socket) = (f[0], Path::new(f[1]));
+    let run = Duration::from_secs(f[2].parse().unwrap());
+    let claims = Claims {
+        hostname: "testhost".into(),
+        job_id: format!("{mode}-job"),
+    };
+    let mut p = Producer::new(Segment::create(&claims, 1 << 16).unwrap());
+    let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
     let comm = |comm: u32, comm_hash: u64, cuda_dev: i32, path| Record::Comm {
         comm,
         comm_hash,
@@ -960,15 +952,24 @@ fn daemon_fault_child() {
             });
         }
         std::thread::sleep(Duration::from_millis(500));
-        let shm = rustix::shm::open(
-            format!("/{name}").as_str(),
-            rustix::shm::OFlags::RDWR,
-            rustix::fs::Mode::empty(),
+        assert_eq!(
+            rustix::fs::ftruncate(p.segment().fd(), 0),
+            Err(rustix::io::Errno::PERM),
+            "a sealed segment cannot shrink"
+        );
+        // The same bytes in a memory file without seals: refused before the daemon maps it.
+        let unsealed =
+            rustix::fs::memfd_create("unsealed", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let mut bytes = vec![0u8; ncclscope_proto::segment::segment_bytes(1 << 16) as usize];
+        rustix::io::pread(p.segment().fd(), &mut bytes, 0).unwrap();
+        rustix::io::write(&unsealed, &bytes).unwrap();
+        let (reply, _) = ncclscope_fakenccl::process::register(
+            socket,
+            std::os::fd::AsFd::as_fd(&unsealed),
+            Duration::from_secs(5),
         )
         .unwrap();
-        rustix::fs::ftruncate(&shm, 0).unwrap();
-        // The producer's own mapping is gone too: touching it now would fault this process.
-        std::mem::forget(p);
+        assert!(reply.starts_with("ERR segment is not sealed"), "{reply}");
         std::thread::sleep(run);
         return;
     }
@@ -1047,11 +1048,7 @@ fn daemon_fault_child() {
 
 impl Harness {
     fn start_fault(&mut self, mode: &str, seconds: u64) {
-        let spec = format!(
-            "{mode}|{}|{}|{seconds}",
-            self.prefix,
-            self.socket().display()
-        );
+        let spec = format!("{mode}|{}|{seconds}", self.socket().display());
         let child = Command::new(std::env::current_exe().unwrap())
             .args([
                 "--ignored",
@@ -1113,11 +1110,12 @@ fn wait_job(h: &Harness, total: u64, timeout: Duration) -> Duration {
     t.elapsed()
 }
 
-/// Issue 11, item 3: a process that truncates its registered segment under the daemon's mapping.
+/// Issue 11, item 3, issue 21: a process cannot truncate its registered segment under the daemon's
+/// mapping (sealed), and one that hands over a memory file without the seals is refused and counted.
 #[test]
-fn a_segment_truncated_by_its_owner_is_detached_and_the_daemon_ingests_on() {
+fn a_segment_cannot_be_truncated_under_the_daemon_and_an_unsealed_one_is_refused() {
     const NCOLLS: u64 = 2000;
-    let mut h = Harness::new("truncate", "");
+    let mut h = Harness::new("");
     h.start_daemon();
     h.start_fault("truncate", 3);
     h.start_ranks(2, NCOLLS, 1000);
@@ -1128,15 +1126,13 @@ fn a_segment_truncated_by_its_owner_is_detached_and_the_daemon_ingests_on() {
         )
     };
     let deadline = Instant::now() + Duration::from_secs(20);
-    while metric(&h, "corrupt_segment") != Some(1.0) && Instant::now() < deadline {
-        assert!(h.daemon_alive(), "the daemon died (SIGBUS)");
+    while metric(&h, "segment_unsealed") != Some(1.0) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert_eq!(metric(&h, "corrupt_segment"), Some(1.0), "{}", h.metrics());
-    assert!(h.daemon_alive(), "the daemon survives the truncation");
-    // What the truncating process wrote before it truncated was delivered.
+    assert_eq!(metric(&h, "segment_unsealed"), Some(1.0), "{}", h.metrics());
+    // The sealed segment was delivered whole; nothing is corrupt.
     let text = h.metrics();
-    let truncated: f64 = text
+    let delivered: f64 = text
         .lines()
         .filter(|l| {
             l.starts_with("ncclscope_rank_collectives_total{")
@@ -1144,12 +1140,13 @@ fn a_segment_truncated_by_its_owner_is_detached_and_the_daemon_ingests_on() {
         })
         .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
         .sum();
-    assert_eq!(truncated, 100.0, "{text}");
+    assert_eq!(delivered, 100.0, "{text}");
+    assert_eq!(metric(&h, "corrupt_segment"), Some(0.0));
     h.wait_ranks();
     let took = wait_job(&h, 2 * NCOLLS, Duration::from_secs(30));
     eprintln!("truncate: well-behaved ranks complete {took:?} after they exited");
     assert!(h.daemon_alive());
-    // The truncated segment is removed once its process is gone.
+    // Every segment is dropped once its process is gone.
     let deadline = Instant::now() + Duration::from_secs(30);
     while h.segments_left() > 0 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
@@ -1164,7 +1161,7 @@ fn a_segment_truncated_by_its_owner_is_detached_and_the_daemon_ingests_on() {
 fn a_hostile_segment_is_bounded_and_does_not_starve_the_others() {
     const NCOLLS: u64 = 4000;
     const HOSTILE_SECS: u64 = 12;
-    let mut h = Harness::new("hostile", "");
+    let mut h = Harness::new("");
     // Operations that never stop time out early in the run, not in the middle of the RSS samples;
     // the dictionary limits are reached within the first seconds even on a loaded machine.
     let mut config = std::fs::OpenOptions::new()
@@ -1257,7 +1254,7 @@ async fn a_panic_in_the_plugins_forwarding_thread_latches_it_off_and_is_counted(
     const COLLS: u32 = 400;
     const PANIC_AFTER: u32 = 300;
     let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new("fwdpanic", &collector.endpoint());
+    let mut h = Harness::new(&collector.endpoint());
     h.start_daemon();
     let out = Command::new(ncclscope_fakenccl::process::rank_binary().unwrap())
         .args(["--kind", "v5", "--comms", &COMMS.to_string()])
@@ -1265,7 +1262,6 @@ async fn a_panic_in_the_plugins_forwarding_thread_latches_it_off_and_is_counted(
         // Finalize well after the panic: it must then return at once (while the thread is still
         // alive, finalize waits for it as it always did).
         .args(["--interval-us", "100", "--hold-ms", "500"])
-        .env("NCCLSCOPE_SHM_PREFIX", &h.prefix)
         .env("NCCLSCOPE_SOCKET", h.socket())
         .env("NCCLSCOPE_JOB_ID", "panic-job")
         .env("NCCLSCOPE_TEST_PANIC", format!("forward:{PANIC_AFTER}"))
@@ -1355,7 +1351,7 @@ async fn graph_replays(label: &str, timing: &[&str]) {
     const REPLAYS: u32 = 6;
     const GRAPH_OPS: u64 = 50;
     let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new(label, &collector.endpoint());
+    let mut h = Harness::new(&collector.endpoint());
     h.start_daemon();
     let rank_bin = ncclscope_fakenccl::process::rank_binary().unwrap();
     let children: Vec<Child> = (0..NRANKS)
@@ -1372,7 +1368,6 @@ async fn graph_replays(label: &str, timing: &[&str]) {
                 .args(timing)
                 .args(["--rank", &rank.to_string(), "--nranks", &NRANKS.to_string()])
                 .args(["--comm-hash", &0x3333_0000_0000_0000u64.to_string()])
-                .env("NCCLSCOPE_SHM_PREFIX", &h.prefix)
                 .env("NCCLSCOPE_SOCKET", h.socket())
                 .env("NCCLSCOPE_JOB_ID", "graph-job")
                 .env("NCCLSCOPE_RING_MEMORY", "cpu")
@@ -1490,7 +1485,7 @@ async fn a_daemon_killed_mid_replay_resumes_the_graph_template() {
     const NRANKS: u32 = 2;
     const REPLAYS: u32 = 30;
     let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new("graph-restart", &collector.endpoint());
+    let mut h = Harness::new(&collector.endpoint());
     h.start_daemon();
     let rank_bin = ncclscope_fakenccl::process::rank_binary().unwrap();
     let children: Vec<Child> = (0..NRANKS)
@@ -1502,7 +1497,6 @@ async fn a_daemon_killed_mid_replay_resumes_the_graph_template() {
                 .args(["--kernel-ns", "5000", "--interval-us", "40000"])
                 .args(["--rank", &rank.to_string(), "--nranks", &NRANKS.to_string()])
                 .args(["--comm-hash", &0x4444_0000_0000_0000u64.to_string()])
-                .env("NCCLSCOPE_SHM_PREFIX", &h.prefix)
                 .env("NCCLSCOPE_SOCKET", h.socket())
                 .env("NCCLSCOPE_JOB_ID", "graph-restart-job")
                 .env("NCCLSCOPE_RING_MEMORY", "cpu")
@@ -1606,22 +1600,17 @@ async fn a_daemon_killed_mid_replay_resumes_the_graph_template() {
 
 /// Segments the plugin wrote on real NCCL 2.30.7 with the device-hook RFC (tests/data/README.md: two
 /// ranks on one H200 in one process, eager launches and a 50-op graph replayed 6 and 100 times),
-/// found by the real daemon as it finds segments left while no daemon ran. Every collective of every
-/// replay is one instance on each rank, both ranks' in one trace with one root, no id shared by two
-/// instances (NCCL numbers collectives per type: AllGather 0 is not AllReduce 0), and each replayed
-/// operation's exec time is the same every replay (within the GPU's jitter). Blocks of one kernel
-/// need not run at once there (two ranks x 64 channels on one GPU): the daemon that assumed they did
-/// delivered 548 of the 656 instances of the 6-replay case.
+/// handed to the real daemon as a plugin hands its segment over, by processes that then end. Every
+/// collective of every replay is one instance on each rank, both ranks' in one trace with one root, no
+/// id shared by two instances (NCCL numbers collectives per type: AllGather 0 is not AllReduce 0), and
+/// each replayed operation's exec time is the same every replay (within the GPU's jitter). Blocks of
+/// one kernel need not run at once there (two ranks x 64 channels on one GPU): the daemon that assumed
+/// they did delivered 548 of the 656 instances of the 6-replay case.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn segments_of_real_nccl_kernels_become_one_instance_per_collective_and_replay() {
-    // The segments name uid 0, as the daemon checks against their owner: the files must be root's.
-    if !rustix::process::getuid().is_root() {
-        eprintln!("skipped: the recorded segments are uid 0's; run as root");
-        return;
-    }
     const INSTANCES: usize = 2 * (28 + 50 * 6) + 2 * (4 + 100 * 50);
     let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new("real", &collector.endpoint());
+    let mut h = Harness::new(&collector.endpoint());
     let data = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("data/rfc-nccl-2.30.7-2ranks-one-process.tar.xz");
     let unpacked = h.dir.path().join("real");
@@ -1634,17 +1623,18 @@ async fn segments_of_real_nccl_kernels_become_one_instance_per_collective_and_re
         .status()
         .unwrap();
     assert!(tar.success(), "tar -xJf {}", data.display());
-    for f in std::fs::read_dir(&unpacked).unwrap() {
-        let f = f.unwrap();
-        let name = SegmentName::parse(f.file_name().to_str().unwrap()).unwrap();
-        let ours = SegmentName {
-            prefix: h.prefix.clone(),
-            ..name
-        };
-        let to = Path::new(segment::SHM_DIR).join(ours.to_string());
-        std::fs::copy(f.path(), &to).unwrap();
-    }
     h.start_daemon();
+    // Each recorded segment in a sealed memory file, as the plugin would have made it.
+    for f in std::fs::read_dir(&unpacked).unwrap() {
+        let fd = sealed_memfd(&std::fs::read(f.unwrap().path()).unwrap());
+        let (reply, _ended) = ncclscope_fakenccl::process::register(
+            &h.socket(),
+            std::os::fd::AsFd::as_fd(&fd),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert_eq!(reply, "OK\n");
+    }
     let mut spans = Vec::new();
     let is_rank_span = |s: &ExportedSpan| s.name.ends_with(" rank");
     collect(&mut collector, &mut spans, Duration::from_secs(120), |s| {
@@ -1733,7 +1723,7 @@ async fn a_burst_of_real_graph_replays_longer_than_the_ring_is_delivered_without
     }
     const INSTANCES: usize = 2 * (4 + 100 * 50);
     let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new("burst", &collector.endpoint());
+    let mut h = Harness::new(&collector.endpoint());
     let unpacked = h.dir.path().join("real");
     std::fs::create_dir(&unpacked).unwrap();
     let data = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -1753,15 +1743,12 @@ async fn a_burst_of_real_graph_replays_longer_than_the_ring_is_delivered_without
         .next()
         .unwrap()
         .unwrap();
-    // Under a prefix the daemon does not scan: only the child's live segment is ingested.
-    let recorded = SegmentName {
-        prefix: format!("{}-recorded", h.prefix),
-        ..SegmentName::parse(file.file_name().to_str().unwrap()).unwrap()
-    };
-    let shm = Path::new(segment::SHM_DIR).join(recorded.to_string());
-    std::fs::copy(file.path(), &shm).unwrap();
     h.start_daemon();
-    let spec = format!("{}|{}|{recorded}|16384|40", h.prefix, h.socket().display());
+    let spec = format!(
+        "{}|{}|16384|40",
+        h.socket().display(),
+        file.path().display()
+    );
     let child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--ignored",
@@ -1776,7 +1763,6 @@ async fn a_burst_of_real_graph_replays_longer_than_the_ring_is_delivered_without
         .unwrap();
     h.ranks.push(child);
     h.wait_ranks();
-    let _ = std::fs::remove_file(&shm);
     let mut spans = Vec::new();
     collect(&mut collector, &mut spans, Duration::from_secs(120), |s| {
         s.iter().filter(|s| s.name.ends_with(" rank")).count() >= INSTANCES

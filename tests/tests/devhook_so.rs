@@ -9,9 +9,9 @@ use std::ffi::{CString, c_void};
 use std::time::{Duration, Instant};
 
 use ncclscope_fakenccl::nccl::{DevEvent, HookFn, RfcVtable};
-use ncclscope_fakenccl::process::{Cleanup, unique_prefix};
+use ncclscope_fakenccl::process::Catcher;
 use ncclscope_proto::Record;
-use ncclscope_proto::segment::{self, Consumer, Counter, Segment};
+use ncclscope_proto::segment::{Consumer, Counter};
 
 fn set(k: &str, v: &str) {
     // SAFETY: this test is the only thread of its process touching the environment; the plugin reads it
@@ -48,10 +48,8 @@ fn comm(v7: &RfcVtable, hash: u64) -> Comm {
 
 #[test]
 fn simulation_hook_is_explicit_and_its_events_are_accounted_exactly() {
-    let prefix = unique_prefix("devhook");
-    let _cleanup = Cleanup(prefix.clone());
-    set("NCCLSCOPE_SHM_PREFIX", &prefix);
-    set("NCCLSCOPE_SOCKET", &format!("/nonexistent-{prefix}/sock"));
+    let catcher = Catcher::start();
+    set("NCCLSCOPE_SOCKET", catcher.socket().to_str().unwrap());
     let path = ncclscope_fakenccl::plugin_path().unwrap();
     // SAFETY: loading the plugin runs nothing that needs us.
     let lib = unsafe { libloading::Library::new(&path) }.unwrap();
@@ -129,11 +127,8 @@ fn simulation_hook_is_explicit_and_its_events_are_accounted_exactly() {
     unsafe { (v7.base.finalize)(c.ctx) };
 
     // Read the segment until the communicator's end record (finalize drains its rings first).
-    let name = segment::list(&prefix)
-        .unwrap()
-        .pop()
-        .expect("the plugin's segment");
-    let mut consumer = Consumer::new(Segment::open(&name).unwrap());
+    let seg = catcher.wait(Duration::from_secs(10)).unwrap();
+    let mut consumer = Consumer::new(seg);
     let (mut records, mut buf) = (Vec::new(), Vec::new());
     let deadline = Instant::now() + Duration::from_secs(60);
     while !records

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use ncclscope::assemble::{Assembler, Completed, done};
-use ncclscope_fakenccl::process::{Cleanup, read_only_segment, run_rank, unique_prefix};
+use ncclscope_fakenccl::process::{Catcher, run_rank};
 use ncclscope_proto::Record;
 
 /// Every record applied by one assembler; what it delivered and its counters.
@@ -88,8 +88,7 @@ fn timed<'a>(
 
 #[test]
 fn a_restart_at_any_commit_point_of_a_graph_run_delivers_the_same_instances() {
-    let prefix = unique_prefix("graph-restart");
-    let _cleanup = Cleanup(prefix.clone());
+    let catcher = Catcher::start();
     let args = [
         "--kind",
         "rfc",
@@ -108,8 +107,8 @@ fn a_restart_at_any_commit_point_of_a_graph_run_delivers_the_same_instances() {
         "--interval-us",
         "2000",
     ];
-    let run = run_rank(&prefix, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
-    let records = read_only_segment(&prefix).unwrap().records;
+    let run = run_rank(&catcher, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
+    let records = catcher.only_segment().unwrap().records;
     let (whole, out) = assemble_whole(&records);
     let want = instances(out.iter());
     assert_eq!(want.len(), 2 + 10 * 21, "{}", run.stderr);
@@ -130,8 +129,7 @@ fn a_restart_at_any_commit_point_of_a_graph_run_delivers_the_same_instances() {
 /// their host events are in the segment before the replay's work items.
 #[test]
 fn replays_on_a_lagging_gpu_are_attributed_exactly_and_restart_anywhere() {
-    let prefix = unique_prefix("graph-lag");
-    let _cleanup = Cleanup(prefix.clone());
+    let catcher = Catcher::start();
     let args = [
         "--kind",
         "rfc",
@@ -153,8 +151,8 @@ fn replays_on_a_lagging_gpu_are_attributed_exactly_and_restart_anywhere() {
         "--interval-us",
         "100",
     ];
-    let run = run_rank(&prefix, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
-    let records = read_only_segment(&prefix).unwrap().records;
+    let run = run_rank(&catcher, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
+    let records = catcher.only_segment().unwrap().records;
     // What the rank produced: (collective, seq, replay) -> exec.
     let produced: BTreeMap<(String, u64, u32), u64> = (run.report.comms[0].instances())
         .map(|((f, seq, r), op)| ((f.to_string(), seq, r), op.hook_exec_ns().unwrap()))

@@ -9,7 +9,7 @@
 //! with `proto::Producer` the records the plugin writes on the stock KernelCh path.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -17,7 +17,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
-use ncclscope_proto::segment::{self, Owner, Producer, Segment};
+use ncclscope_fakenccl::process::register;
+use ncclscope_proto::segment::{Claims, Producer, Segment};
 use ncclscope_proto::{Record, StrId, TimingPath};
 use ncclscope_tests::attr;
 
@@ -41,32 +42,55 @@ fn gpu_times(uid: u32, rank: u32, seq: u64) -> (u64, u64) {
     (start, start + exec)
 }
 
-/// The user process, `CHILD_ENV` = "rank|prefix|socket|shared_dir|rank|nranks" (writes NCOLLS
-/// collectives of JOB on COMM_HASH, the ranks of one uid meeting at a barrier) or
-/// "hold|prefix|socket|shared_dir|tag" (registers an empty segment, prints the daemon's reply, and
-/// keeps the segment until `shared_dir/release.<tag>` exists).
+/// The user process, `CHILD_ENV` = "rank|socket|shared_dir|rank|nranks" (writes NCOLLS collectives
+/// of JOB on COMM_HASH, the ranks of one uid meeting at a barrier), "hold|socket|shared_dir|tag"
+/// (registers an empty segment, prints the daemon's reply; if refused, retries every 200 ms as the
+/// plugin does and prints the reply that accepts it; keeps the segment until
+/// `shared_dir/release.<tag>` exists), or "foreign|socket|shared_dir|uid" (run as root: creates a
+/// segment, becomes `uid` and hands it over, prints the reply).
 #[test]
 #[ignore = "child process of the multi-user tests"]
 fn multi_user_child() {
     let spec = std::env::var(CHILD_ENV).expect("run by the multi-user tests");
     let f: Vec<&str> = spec.split('|').collect();
-    let (prefix, socket, shared) = (f[1], Path::new(f[2]), Path::new(f[3]));
+    let (socket, shared) = (Path::new(f[1]), Path::new(f[2]));
+    let claims = Claims {
+        hostname: "testhost".into(),
+        job_id: JOB.into(),
+    };
+    let mut p = Producer::new(Segment::create(&claims, 1 << 12).unwrap());
+    if f[0] == "foreign" {
+        // The registering thread's credentials are what the kernel reports to the daemon.
+        let uid = rustix::process::Uid::from_raw(f[3].parse().unwrap());
+        rustix::thread::set_thread_uid(uid).unwrap();
+        let (reply, _conn) = register(socket, p.segment().fd(), Duration::from_secs(30)).unwrap();
+        println!("REPLY {}", reply.trim_end());
+        return;
+    }
     let uid = rustix::process::getuid().as_raw();
-    let owner = Owner::of_process(std::process::id(), "testhost".into(), JOB.into());
-    let name = owner.segment_name(prefix);
-    let mut p = Producer::new(Segment::create(&name, &owner, 1 << 12).unwrap());
-    let reply = register(socket, &name.to_string());
+    let (reply, conn) = register(socket, p.segment().fd(), Duration::from_secs(30)).unwrap();
     if f[0] == "hold" {
         println!("REPLY {}", reply.trim_end());
         std::io::stdout().flush().unwrap();
-        let release = shared.join(format!("release.{}", f[4]));
-        while !release.exists() && !shared.join("release.all").exists() {
+        let release = shared.join(format!("release.{}", f[3]));
+        let released = || release.exists() || shared.join("release.all").exists();
+        let (mut reply, mut _conn) = (reply, conn);
+        while reply != "OK\n" && !released() {
+            std::thread::sleep(Duration::from_millis(200));
+            (reply, _conn) = register(socket, p.segment().fd(), Duration::from_secs(30)).unwrap();
+            if reply == "OK\n" {
+                println!("REPLY {}", reply.trim_end());
+                std::io::stdout().flush().unwrap();
+            }
+        }
+        while !released() {
             std::thread::sleep(Duration::from_millis(20));
         }
         return;
     }
     assert_eq!(reply, "OK\n");
-    let (rank, nranks): (u32, u32) = (f[4].parse().unwrap(), f[5].parse().unwrap());
+    let _conn = conn;
+    let (rank, nranks): (u32, u32) = (f[3].parse().unwrap(), f[4].parse().unwrap());
     for (id, text) in [(1, "AllReduce"), (2, "ncclFloat32")] {
         assert!(p.push(&Record::str(StrId(id), text.as_bytes())));
     }
@@ -135,40 +159,22 @@ fn multi_user_child() {
     p.segment().close();
 }
 
-/// `REGISTER <name>` on the daemon's socket, retried while it is not there yet; the reply line.
-fn register(socket: &Path, name: &str) -> String {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) {
-            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-            writeln!(s, "REGISTER {name}").unwrap();
-            let mut reply = String::new();
-            BufReader::new(s).read_line(&mut reply).unwrap();
-            return reply;
-        }
-        assert!(Instant::now() < deadline, "no daemon socket");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// A daemon (root) on sockets every user can reach, and the user processes; cleaned up on drop.
 struct Node {
     dir: tempfile::TempDir,
-    prefix: String,
     prometheus: String,
     daemon: Child,
     children: Vec<Child>,
 }
 
 impl Node {
-    fn start(tag: &str, otlp_endpoint: &str, extra_config: &str) -> Node {
+    fn start(otlp_endpoint: &str, extra_config: &str) -> Node {
         let dir = tempfile::tempdir().unwrap();
         // Users reach the sockets and their shared directory; the daemon's state and spool stay its own.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let shared = dir.path().join("shared");
         std::fs::create_dir(&shared).unwrap();
         std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
-        let prefix = format!("ncclscope-mu-{tag}-{}", std::process::id());
         let prometheus = format!(
             "127.0.0.1:{}",
             std::net::TcpListener::bind("127.0.0.1:0")
@@ -182,7 +188,7 @@ impl Node {
         std::fs::write(
             &config,
             format!(
-                "socket = \"{d}/reg.sock\"\napi_socket = \"{d}/api.sock\"\nshm_prefix = \"{prefix}\"\n\
+                "socket = \"{d}/reg.sock\"\napi_socket = \"{d}/api.sock\"\n\
                  state_dir = \"{d}/state\"\n{extra_config}\n[spool]\ndir = \"{d}/spool\"\n\
                  [otlp]\nendpoint = \"{otlp_endpoint}\"\nbatch_timeout_ms = 50\n\
                  [prometheus]\nlisten = \"{prometheus}\"\n"
@@ -198,7 +204,6 @@ impl Node {
             .unwrap();
         let node = Node {
             dir,
-            prefix,
             prometheus,
             daemon,
             children: Vec::new(),
@@ -218,8 +223,7 @@ impl Node {
     /// Starts this test binary as `uid`'s process with `spec` after the mode.
     fn spawn(&mut self, uid: u32, mode: &str, rest: &str) -> usize {
         let spec = format!(
-            "{mode}|{}|{}|{}|{rest}",
-            self.prefix,
+            "{mode}|{}|{}|{rest}",
             self.path("reg.sock").display(),
             self.path("shared").display()
         );
@@ -324,9 +328,6 @@ impl Drop for Node {
             let _ = c.kill();
             let _ = c.wait();
         }
-        for name in segment::list(&self.prefix).unwrap_or_default() {
-            let _ = Segment::unlink(&name);
-        }
     }
 }
 
@@ -337,7 +338,7 @@ impl Drop for Node {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_users_process_claiming_a_job_lands_in_its_own_series_spool_and_traces() {
     let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut node = Node::start("claim", &collector.endpoint(), "");
+    let mut node = Node::start(&collector.endpoint(), "");
     node.spawn(A, "rank", "0|2");
     node.spawn(A, "rank", "1|2");
     node.spawn(B, "rank", "0|2");
@@ -564,11 +565,7 @@ async fn another_users_process_claiming_a_job_lands_in_its_own_series_spool_and_
 /// once each, while another uid still registers; the refused segment is attached once its uid has room.
 #[test]
 fn the_segment_quota_refuses_one_uids_extra_segment_while_another_uid_registers() {
-    let mut node = Node::start(
-        "quota",
-        "",
-        "[drain]\nmax_segments_per_uid = 2\nrescan_interval_ms = 100",
-    );
+    let mut node = Node::start("", "[drain]\nmax_segments_per_uid = 2");
     let a: Vec<usize> = (0..3)
         .map(|i| node.spawn(A, "hold", &format!("a{i}")))
         .collect();
@@ -591,27 +588,38 @@ fn the_segment_quota_refuses_one_uids_extra_segment_while_another_uid_registers(
     let b = node.spawn(B, "hold", "b0");
     assert_eq!(node.reply(b), "OK");
     node.wait_metric("ncclscope_segments", 3.0);
-    // Rescans (every 100 ms) retry the refused segment but count it once.
-    std::thread::sleep(Duration::from_millis(500));
+    // The refused process retries (every 200 ms, as the plugin does) but is counted once.
+    std::thread::sleep(Duration::from_millis(1000));
     node.wait_metric("ncclscope_lost_total{stage=\"uid_segment_quota\"}", 1.0);
-    // One of A's attached processes exits: once the daemon removed its segment, a rescan attaches the
-    // refused one (2 of A's again, 1 of B's).
+    // One of A's attached processes exits: once the daemon dropped its segment, the refused one's
+    // retry is accepted (2 of A's again, 1 of B's).
     let i = replies.iter().position(|r| r == "OK").unwrap();
+    let r = replies.iter().position(|r| r != "OK").unwrap();
     std::fs::write(node.path(&format!("shared/release.a{i}")), b"").unwrap();
     assert!(node.children[a[i]].wait().unwrap().success());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while segment::list(&node.prefix).unwrap().len() > 3 {
-        assert!(
-            Instant::now() < deadline,
-            "the exited process's segment was not removed"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    // Past the next statistics snapshot (every second), which follows the rescan (every 100 ms).
+    assert_eq!(node.reply(a[r]), "OK", "accepted once its uid had room");
+    // Past the next statistics snapshot (every second).
     std::thread::sleep(Duration::from_millis(1500));
     node.wait_metric("ncclscope_segments", 3.0);
     node.wait_metric("ncclscope_lost_total{stage=\"uid_segment_quota\"}", 1.0);
     eprintln!(
         "quota: A's replies {replies:?}; B's OK; refusals counted 1; attached after room: 3 segments"
     );
+}
+
+/// A memory file one user created, handed over by a process running as another (root's segment,
+/// registered once the registering thread became A): refused before the daemon maps it, and counted.
+/// Whoever holds the descriptor, the file stays its creator's.
+#[test]
+fn a_segment_handed_over_by_another_uid_is_refused_and_counted() {
+    let mut node = Node::start("", "");
+    let c = node.spawn(0, "foreign", &A.to_string());
+    let reply = node.reply(c);
+    assert_eq!(
+        reply,
+        format!("ERR the segment was created by uid 0, the peer is uid {A}")
+    );
+    node.wait_all();
+    node.wait_metric("ncclscope_lost_total{stage=\"segment_foreign\"}", 1.0);
+    node.wait_metric("ncclscope_segments", 0.0);
 }

@@ -3,7 +3,7 @@
 //! against what the host emitted (see `ncclscope_fakenccl::check`).
 
 use ncclscope_fakenccl::check::{Expect, check};
-use ncclscope_fakenccl::process::{Cleanup, read_only_segment, run_rank, unique_prefix};
+use ncclscope_fakenccl::process::{Catcher, run_rank};
 use ncclscope_proto::{Counter, Record};
 
 /// Three communicators on three threads, collectives (half symmetric) and p2p, plus calls to ignore.
@@ -23,16 +23,15 @@ const WORKLOAD: &[&str] = &[
 const MASK_WITH_PHASES: (&str, &str) = ("NCCLSCOPE_EVENT_MASK", "0x8046");
 
 fn host_roundtrip(kind: &str, v7_fields: bool) {
-    let prefix = unique_prefix(kind);
-    let _cleanup = Cleanup(prefix.clone());
+    let catcher = Catcher::start();
     let mut args = vec!["--kind", kind];
     args.extend_from_slice(WORKLOAD);
-    let run = run_rank(&prefix, &args, &[MASK_WITH_PHASES]).unwrap();
+    let run = run_rank(&catcher, &args, &[MASK_WITH_PHASES]).unwrap();
     assert_eq!(
         run.report.mask, 0x8046,
         "init sets the mask from NCCLSCOPE_EVENT_MASK"
     );
-    let seg = read_only_segment(&prefix).unwrap();
+    let seg = catcher.only_segment().unwrap();
     let summary = check(
         &run.report,
         &seg,
@@ -76,15 +75,14 @@ fn nccl_2_32_through_v7_reads_v7_fields_and_kernel_phases() {
 #[test]
 fn rfc_host_gets_v6_reads_and_the_device_hook_path() {
     // 112-byte descriptors behind `ncclProfiler_v7`: a v7-field read would hit the guard page.
-    let prefix = unique_prefix("rfc");
-    let _cleanup = Cleanup(prefix.clone());
+    let catcher = Catcher::start();
     let mut args = vec!["--kind", "rfc"];
     args.extend_from_slice(WORKLOAD);
     // Default mask: the plugin may drop KernelCh once its hook is active.
-    let run = run_rank(&prefix, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
+    let run = run_rank(&catcher, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
     assert_eq!(run.report.symbol, "ncclProfiler_v7");
     assert!(run.stderr.contains("device-hook RFC"), "{}", run.stderr);
-    let seg = read_only_segment(&prefix).unwrap();
+    let seg = catcher.only_segment().unwrap();
     let summary = check(&run.report, &seg, Expect::FINALIZED)
         .unwrap_or_else(|e| panic!("{e:#}\nplugin log:\n{}", run.stderr));
     let hooked = run.report.comms.iter().all(|c| c.has_hook);
@@ -136,12 +134,11 @@ const GRAPH_WORKLOAD: &[&str] = &[
 
 #[test]
 fn rfc_host_graph_capture_is_flagged_and_every_replay_item_follows_its_host_events() {
-    let prefix = unique_prefix("rfc-graph");
-    let _cleanup = Cleanup(prefix.clone());
+    let catcher = Catcher::start();
     let mut args = vec!["--kind", "rfc"];
     args.extend_from_slice(GRAPH_WORKLOAD);
-    let run = run_rank(&prefix, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
-    let seg = read_only_segment(&prefix).unwrap();
+    let run = run_rank(&catcher, &args, &[("NCCLSCOPE_RING_MEMORY", "cpu")]).unwrap();
+    let seg = catcher.only_segment().unwrap();
     let summary = check(&run.report, &seg, Expect::FINALIZED)
         .unwrap_or_else(|e| panic!("{e:#}\nplugin log:\n{}", run.stderr));
     assert!(run.report.comms[0].has_hook);
@@ -187,12 +184,11 @@ fn rfc_host_graph_capture_is_flagged_and_every_replay_item_follows_its_host_even
 
 #[test]
 fn stock_path_replay_kernel_ch_is_counted_not_joined_to_a_stale_handle() {
-    let prefix = unique_prefix("v6-graph");
-    let _cleanup = Cleanup(prefix.clone());
+    let catcher = Catcher::start();
     let mut args = vec!["--kind", "v6"];
     args.extend_from_slice(GRAPH_WORKLOAD);
-    let run = run_rank(&prefix, &args, &[]).unwrap();
-    let seg = read_only_segment(&prefix).unwrap();
+    let run = run_rank(&catcher, &args, &[]).unwrap();
+    let seg = catcher.only_segment().unwrap();
     // check() compares replay_kernel_ch with the replays' KernelCh events and finds no KernelCh
     // record for them.
     let summary = check(&run.report, &seg, Expect::FINALIZED)
@@ -203,11 +199,10 @@ fn stock_path_replay_kernel_ch_is_counted_not_joined_to_a_stale_handle() {
 
 #[test]
 fn v7_symbol_on_an_nccl_of_unknown_version_reads_only_v6_fields() {
-    let prefix = unique_prefix("v7-unknown");
-    let _cleanup = Cleanup(prefix.clone());
+    let catcher = Catcher::start();
     let mut args = vec!["--kind", "v7", "--version", "0"];
     args.extend_from_slice(WORKLOAD);
-    let run = run_rank(&prefix, &args, &[MASK_WITH_PHASES]).unwrap();
+    let run = run_rank(&catcher, &args, &[MASK_WITH_PHASES]).unwrap();
     assert!(
         run.stderr.contains("reading v6 descriptor fields only"),
         "{}",
@@ -220,7 +215,7 @@ fn v7_symbol_on_an_nccl_of_unknown_version_reads_only_v6_fields() {
         1,
         "logged once"
     );
-    let seg = read_only_segment(&prefix).unwrap();
+    let seg = catcher.only_segment().unwrap();
     let summary = check(&run.report, &seg, Expect::FINALIZED).unwrap();
     assert_eq!(summary.kernel_phase, 0);
     let noise: u64 = run.report.comms.iter().map(|c| c.ignored).sum();
@@ -230,11 +225,10 @@ fn v7_symbol_on_an_nccl_of_unknown_version_reads_only_v6_fields() {
 
 #[test]
 fn a_full_segment_drops_and_counts_every_lost_record() {
-    let prefix = unique_prefix("full");
-    let _cleanup = Cleanup(prefix.clone());
+    let catcher = Catcher::start();
     // One communicator so the 12 distinct strings all fit in the first 64 records.
     let run = run_rank(
-        &prefix,
+        &catcher,
         &[
             "--kind",
             "v6",
@@ -248,7 +242,7 @@ fn a_full_segment_drops_and_counts_every_lost_record() {
         &[("NCCLSCOPE_SEGMENT_RECORDS", "64")],
     )
     .unwrap();
-    let seg = read_only_segment(&prefix).unwrap();
+    let seg = catcher.only_segment().unwrap();
     assert_eq!(seg.capacity, 64);
     assert_eq!(seg.records.len(), 64);
     let strings = seg.strings().unwrap().len() as u64;
@@ -276,17 +270,16 @@ fn a_full_segment_drops_and_counts_every_lost_record() {
 
 #[test]
 fn disabled_plugin_returns_an_empty_mask_and_creates_nothing() {
-    let prefix = unique_prefix("off");
-    let _cleanup = Cleanup(prefix.clone());
+    let catcher = Catcher::start();
     let run = run_rank(
-        &prefix,
+        &catcher,
         &["--kind", "v5", "--colls", "3"],
         &[("NCCLSCOPE_DISABLE", "1")],
     )
     .unwrap();
     assert_eq!(run.report.mask, 0);
     assert!(run.report.comms.iter().all(|c| !c.has_context));
-    assert!(ncclscope_proto::segment::list(&prefix).unwrap().is_empty());
+    assert_eq!(catcher.count(), 0, "no segment handed over");
     assert!(
         run.stderr.contains("disabled by NCCLSCOPE_DISABLE=1"),
         "{}",
@@ -296,10 +289,9 @@ fn disabled_plugin_returns_an_empty_mask_and_creates_nothing() {
 
 #[test]
 fn invalid_settings_are_logged_once_and_defaults_used() {
-    let prefix = unique_prefix("badenv");
-    let _cleanup = Cleanup(prefix.clone());
+    let catcher = Catcher::start();
     let run = run_rank(
-        &prefix,
+        &catcher,
         &["--kind", "v5", "--comms", "2", "--colls", "3"],
         &[
             ("NCCLSCOPE_EVENT_MASK", "lots"),
@@ -320,16 +312,15 @@ fn invalid_settings_are_logged_once_and_defaults_used() {
             .count(),
         1
     );
-    let seg = read_only_segment(&prefix).unwrap();
+    let seg = catcher.only_segment().unwrap();
     check(&run.report, &seg, Expect::FINALIZED).unwrap();
 }
 
 #[test]
-fn a_rank_that_never_finalizes_leaves_an_open_segment_with_its_records() {
-    let prefix = unique_prefix("crash");
-    let _cleanup = Cleanup(prefix.clone());
+fn a_rank_that_never_finalizes_hands_over_an_open_segment_with_its_records() {
+    let catcher = Catcher::start();
     let run = run_rank(
-        &prefix,
+        &catcher,
         &[
             "--kind",
             "v5",
@@ -342,9 +333,9 @@ fn a_rank_that_never_finalizes_leaves_an_open_segment_with_its_records() {
         &[],
     )
     .unwrap();
-    let seg = read_only_segment(&prefix).unwrap();
+    let seg = catcher.only_segment().unwrap();
     assert!(!seg.closed);
-    assert!(!ncclscope_proto::segment::owner_alive(&seg.name));
+    assert!(seg.ended, "its connection ended with the process");
     check(
         &run.report,
         &seg,
@@ -359,15 +350,14 @@ fn a_rank_that_never_finalizes_leaves_an_open_segment_with_its_records() {
 
 #[test]
 fn simulation_maps_the_stock_path_gpu_clock_to_host_time() {
-    let prefix = unique_prefix("simclock");
-    let _cleanup = Cleanup(prefix.clone());
+    let catcher = Catcher::start();
     let run = run_rank(
-        &prefix,
+        &catcher,
         &["--kind", "v5", "--colls", "20"],
         &[("NCCLSCOPE_RING_MEMORY", "cpu")],
     )
     .unwrap();
-    let seg = read_only_segment(&prefix).unwrap();
+    let seg = catcher.only_segment().unwrap();
     check(&run.report, &seg, Expect::FINALIZED).unwrap();
     let Some(Record::Calibration {
         offset_ns,
@@ -402,12 +392,11 @@ fn kernel_events_from_a_concurrent_proxy_thread_keep_their_parents() {
     // NCCL's proxy/profiler thread reports KernelCh (after the Coll has stopped) while the application
     // thread already starts the next operations: parents must stay valid and ids must not mix up.
     for kind in ["v5", "v7"] {
-        let prefix = unique_prefix(&format!("async-{kind}"));
-        let _cleanup = Cleanup(prefix.clone());
+        let catcher = Catcher::start();
         let mut args = vec!["--kind", kind, "--async-kernels"];
         args.extend_from_slice(WORKLOAD);
-        let run = run_rank(&prefix, &args, &[MASK_WITH_PHASES]).unwrap();
-        let seg = read_only_segment(&prefix).unwrap();
+        let run = run_rank(&catcher, &args, &[MASK_WITH_PHASES]).unwrap();
+        let seg = catcher.only_segment().unwrap();
         let v7_fields = kind == "v7";
         let summary = check(
             &run.report,
@@ -429,10 +418,9 @@ fn kernel_events_from_a_concurrent_proxy_thread_keep_their_parents() {
 
 #[test]
 fn a_child_forked_after_init_is_not_profiled_and_the_parent_is_unaffected() {
-    let prefix = unique_prefix("fork");
-    let _cleanup = Cleanup(prefix.clone());
+    let catcher = Catcher::start();
     let run = run_rank(
-        &prefix,
+        &catcher,
         &[
             "--kind",
             "v6",
@@ -450,6 +438,6 @@ fn a_child_forked_after_init_is_not_profiled_and_the_parent_is_unaffected() {
         "{}",
         run.stderr
     );
-    let seg = read_only_segment(&prefix).unwrap();
+    let seg = catcher.only_segment().unwrap();
     check(&run.report, &seg, Expect::FINALIZED).unwrap();
 }

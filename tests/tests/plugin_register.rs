@@ -1,15 +1,16 @@
-//! Registration with the daemon over its Unix socket (`REGISTER <segment-name>\n` -> `OK\n`), done from
-//! the plugin's forwarding thread with retries, while NCCL keeps running and the segment keeps filling.
+//! Registration with the daemon over its Unix socket (`REGISTER\n` with the segment's descriptor ->
+//! `OK\n`), done from the plugin's forwarding thread with retries while NCCL keeps running and the
+//! segment keeps filling, and done again when the daemon goes away.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixListener;
+use std::io::Write;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ncclscope_fakenccl::check::{Expect, check};
-use ncclscope_fakenccl::process::{Cleanup, rank_binary, read_only_segment, unique_prefix};
+use ncclscope_fakenccl::process::{rank_binary, read_segment, receive_segment};
 use ncclscope_fakenccl::report::Report;
-use ncclscope_proto::SegmentName;
+use ncclscope_proto::Segment;
 
 /// Kills the child if the test fails before it exits.
 struct Child(std::process::Child);
@@ -21,10 +22,26 @@ impl Drop for Child {
     }
 }
 
+/// Accepts the next registration within `within`: the connection and the segment it handed over.
+fn accept(listener: &UnixListener, within: Duration) -> (UnixStream, Segment) {
+    let t0 = Instant::now();
+    let conn = loop {
+        match listener.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                assert!(t0.elapsed() < within, "the plugin never registered");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("accept: {e}"),
+        }
+    };
+    conn.set_nonblocking(false).unwrap();
+    let seg = Segment::open(receive_segment(&conn).unwrap()).unwrap();
+    (conn, seg)
+}
+
 #[test]
-fn registers_after_the_daemon_appears_and_keeps_working_meanwhile() {
-    let prefix = unique_prefix("register");
-    let _cleanup = Cleanup(prefix.clone());
+fn hands_over_its_segment_once_a_daemon_appears_and_again_to_the_next_one() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("ncclscope.sock");
     let child = Command::new(rank_binary().unwrap())
@@ -40,7 +57,6 @@ fn registers_after_the_daemon_appears_and_keeps_working_meanwhile() {
             "--hold-ms",
             "3000",
         ])
-        .env("NCCLSCOPE_SHM_PREFIX", &prefix)
         .env("NCCLSCOPE_SOCKET", &socket)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -49,60 +65,42 @@ fn registers_after_the_daemon_appears_and_keeps_working_meanwhile() {
     let mut child = Child(child);
     let pid = child.0.id();
 
-    // No daemon yet: the rank runs and its segment fills.
-    let t0 = Instant::now();
-    while ncclscope_proto::segment::list(&prefix).unwrap().is_empty() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "no segment appeared"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    // No daemon yet: the rank runs and writes into its segment meanwhile.
     std::thread::sleep(Duration::from_millis(300));
-
-    // The daemon appears; the plugin's backoff brings it back within a few seconds.
+    // The daemon appears; the plugin's backoff (at most 2 s) brings the segment to it.
     let listener = UnixListener::bind(&socket).unwrap();
     listener.set_nonblocking(true).unwrap();
     let t1 = Instant::now();
-    let mut stream = loop {
-        match listener.accept() {
-            Ok((s, _)) => break s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                assert!(
-                    t1.elapsed() < Duration::from_secs(15),
-                    "the plugin never registered"
-                );
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) => panic!("accept: {e}"),
-        }
-    };
-    stream.set_nonblocking(false).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line).unwrap();
-    let name = line
-        .strip_prefix("REGISTER ")
-        .and_then(|n| n.strip_suffix('\n'))
-        .expect("REGISTER line");
-    let name = SegmentName::parse(name).unwrap_or_else(|| panic!("bad segment name in {line:?}"));
-    assert_eq!((name.prefix.as_str(), name.pid), (prefix.as_str(), pid));
-    assert_eq!(name.uid, rustix::process::getuid().as_raw());
+    let (mut first, seg) = accept(&listener, Duration::from_secs(5));
+    let found_in = t1.elapsed();
+    let cred = rustix::net::sockopt::socket_peercred(&first).unwrap();
     assert_eq!(
-        ncclscope_proto::segment::list(&prefix).unwrap(),
-        vec![name.clone()]
+        cred.pid.as_raw_nonzero().get() as u32,
+        pid,
+        "the rank's own"
     );
-    stream.write_all(b"OK\n").unwrap();
-    drop(stream);
+    assert_eq!(seg.file_uid(), rustix::process::getuid().as_raw());
+    assert!(seg.head() > 0, "records written before any daemon listened");
+    first.write_all(b"OK\n").unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    // That daemon goes away: the plugin hands the same segment to the next one.
+    drop(first);
+    let t2 = Instant::now();
+    let (mut second, again) = accept(&listener, Duration::from_secs(5));
+    let back_in = t2.elapsed();
+    assert_eq!(again.inode(), seg.inode(), "the same memory file");
+    second.write_all(b"OK\n").unwrap();
+    eprintln!(
+        "handed over {found_in:?} after the daemon appeared, again {back_in:?} after it left"
+    );
 
-    // Registered once: no second connection while the rank finishes.
+    // Held from then on: no third connection while the rank finishes, and its end ends the connection.
     let out = finish(&mut child.0);
-    assert!(listener.accept().is_err(), "registered twice");
+    assert!(listener.accept().is_err(), "registered a third time");
     let report: Report = serde_json::from_slice(&out.0).unwrap();
-    assert!(out.1.contains("registered with the daemon"), "{}", out.1);
-    let seg = read_only_segment(&prefix).unwrap();
+    assert!(out.1.contains("segment registered again"), "{}", out.1);
+    let seg = read_segment(again, &second).unwrap();
+    assert!(seg.ended);
     check(&report, &seg, Expect::FINALIZED).unwrap();
 }
 

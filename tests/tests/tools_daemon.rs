@@ -25,12 +25,10 @@ fn ncclscope_bin() -> PathBuf {
     bin
 }
 
-/// A daemon process with its own sockets, spool, state and shm prefix; killed (and its segments
-/// unlinked) on drop.
+/// A daemon process with its own sockets, spool and state; killed on drop.
 struct Daemon {
     child: Option<Child>,
     dir: PathBuf,
-    prefix: String,
 }
 
 impl Daemon {
@@ -44,13 +42,12 @@ impl Daemon {
         self.dir.join("spool")
     }
 
-    fn start(dir: &Path, prefix: &str) -> Daemon {
+    fn start(dir: &Path) -> Daemon {
         // An empty configuration file: the test must not pick up the machine's /etc/ncclscope.
         std::fs::write(dir.join("empty.toml"), "").unwrap();
         let mut d = Daemon {
             child: None,
             dir: dir.to_path_buf(),
-            prefix: prefix.to_string(),
         };
         d.spawn();
         d
@@ -70,14 +67,7 @@ impl Daemon {
             .args(["--api-socket".as_ref(), self.api().as_os_str()])
             .args(["--spool-dir".as_ref(), self.spool().as_os_str()])
             .args(["--state-dir".as_ref(), self.dir.join("state").as_os_str()])
-            .args([
-                "--shm-prefix",
-                &self.prefix,
-                "--prometheus-listen",
-                "",
-                "--otlp-endpoint",
-                "",
-            ])
+            .args(["--prometheus-listen", "", "--otlp-endpoint", ""])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -125,9 +115,6 @@ impl Drop for Daemon {
             let _ = c.kill();
             let _ = c.wait();
         }
-        for name in ncclscope_proto::segment::list(&self.prefix).unwrap_or_default() {
-            let _ = ncclscope_proto::Segment::unlink(&name);
-        }
     }
 }
 
@@ -156,7 +143,6 @@ fn run_ranks(d: &Daemon, job: &str, nranks: u32, seconds: u64, straggler: u32) -
                     "3000",
                 ])
                 .env("NCCLSCOPE_SOCKET", d.socket())
-                .env("NCCLSCOPE_SHM_PREFIX", &d.prefix)
                 .env("NCCLSCOPE_RING_MEMORY", "cpu") // simulation: no GPU; CPU rings, simulated GPU clock
                 .env("NCCLSCOPE_JOB_ID", job)
                 .stdout(Stdio::piped())
@@ -237,8 +223,7 @@ fn perfetto_instances(path: &Path) -> BTreeSet<(u64, String, u64)> {
 #[test]
 fn tools_against_a_running_daemon() {
     let dir = tempfile::tempdir().unwrap();
-    let prefix = format!("ncst{}", std::process::id());
-    let mut d = Daemon::start(dir.path(), &prefix);
+    let mut d = Daemon::start(dir.path());
     let job = "tools-e2e";
     let produced = run_ranks(&d, job, 3, 4, 1);
     let total: u64 = produced.iter().sum();

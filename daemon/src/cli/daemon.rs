@@ -16,9 +16,6 @@ pub struct Args {
     /// Registration socket for plugins.
     #[arg(long)]
     pub socket: Option<PathBuf>,
-    /// Segment name prefix under /dev/shm.
-    #[arg(long)]
-    pub shm_prefix: Option<String>,
     /// Directory for per-segment resume state.
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
@@ -49,7 +46,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .init();
     let overrides = Overrides {
         socket: args.socket,
-        shm_prefix: args.shm_prefix,
         state_dir: args.state_dir,
         api_socket: args.api_socket,
         spool_dir: args.spool_dir,
@@ -64,7 +60,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .build()?;
     runtime.block_on(async move {
         let running = crate::run::start(config, Arc::new(Hub::default())).await?;
-        if let Err(e) = crate::notify::notify("READY=1") {
+        if let Err(e) = crate::notify::notify("READY=1", &[]) {
             tracing::warn!(error = %e, "could not notify systemd");
         }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -73,7 +69,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => {},
         }
         tracing::info!("stopping: draining segments and flushing exports");
-        let _ = crate::notify::notify("STOPPING=1");
+        let _ = crate::notify::notify("STOPPING=1", &[]);
         running.stop().await
     })
 }

@@ -1,5 +1,5 @@
 //! `ncclscope demo`: the whole system on one machine without a GPU. Starts a daemon in this process
-//! (temporary sockets, spool and shared-memory prefix), runs N simulated ranks as separate processes
+//! (temporary sockets and spool), runs N simulated ranks as separate processes
 //! that load the real plugin `.so` through the fake NCCL host and drive a training-step mix of
 //! collectives with one injected straggler, shows the live view (or progress lines off a terminal),
 //! names the straggler the daemon found, writes a Perfetto trace of the run and exports OTLP when
@@ -154,18 +154,6 @@ impl Drop for Ranks {
     }
 }
 
-/// Unlinks the demo's shared-memory segments when it ends, however it ends (short of a kill): the
-/// daemon removes drained segments of exited processes, but not once it has been stopped.
-struct SegmentCleanup(String);
-
-impl Drop for SegmentCleanup {
-    fn drop(&mut self) {
-        for name in ncclscope_proto::segment::list(&self.0).unwrap_or_default() {
-            let _ = ncclscope_proto::Segment::unlink(&name);
-        }
-    }
-}
-
 pub fn run(args: Args) -> anyhow::Result<()> {
     let plugin = find_plugin(args.path)?;
     let tmp = tempfile::Builder::new()
@@ -204,7 +192,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         socket: tmp.path().join("ncclscope.sock"),
         api_socket: tmp.path().join("api.sock"),
         state_dir: tmp.path().join("state"),
-        shm_prefix: format!("ncclscope-demo-{pid}"),
         spool: crate::config::Spool {
             dir: tmp.path().join("spool"),
             ..defaults.spool
@@ -301,7 +288,6 @@ fn drive(run: &Run<'_>) -> anyhow::Result<Vec<ncclscope_proto::api::RankStats>> 
         tty,
     } = *run;
     let epoch_ns = sim_rank::monotonic_ns() + 1_000_000_000; // one second for the ranks to start
-    let _segments = SegmentCleanup(config.shm_prefix.clone());
     let log_file = std::fs::File::create(log)?;
     let exe = std::env::current_exe()?;
     let mut children = Vec::new();
@@ -329,7 +315,6 @@ fn drive(run: &Run<'_>) -> anyhow::Result<Vec<ncclscope_proto::api::RankStats>> 
             ])
             .args(["--path", args.path.name()])
             .env("NCCLSCOPE_SOCKET", &config.socket)
-            .env("NCCLSCOPE_SHM_PREFIX", &config.shm_prefix)
             .env("NCCLSCOPE_RING_MEMORY", "cpu") // simulation: no GPU; CPU rings, simulated GPU clock
             .env("NCCLSCOPE_JOB_ID", job)
             .env_remove("NCCLSCOPE_DISABLE")

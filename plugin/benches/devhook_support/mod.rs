@@ -6,16 +6,18 @@
 
 use std::ffi::{CString, c_int, c_void};
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ncclscope_fakenccl::nccl::RfcVtable;
-use ncclscope_proto::segment::{Consumer, Counter, Segment};
+use ncclscope_fakenccl::process::Catcher;
+use ncclscope_proto::segment::{Consumer, Counter};
 use ncclscope_proto::{Record, segment};
 
 pub struct Plugin {
     _lib: libloading::Library,
     v7: &'static RfcVtable,
-    pub prefix: String,
+    /// Takes the segment in the daemon's place.
+    catcher: Catcher,
 }
 
 /// The plugin .so built next to this benchmark (target/<profile>/), or argv[1] when it names a .so.
@@ -35,13 +37,12 @@ pub fn plugin_path() -> PathBuf {
 }
 
 impl Plugin {
-    /// Loads the .so with its segment under a private prefix and no daemon.
-    pub fn load(tag: &str, vars: &[(&str, &str)]) -> Plugin {
-        let prefix = format!("ncclscope-bench-{tag}-{}", std::process::id());
-        // SAFETY: set before the plugin (or any other thread of ours) reads the environment.
+    /// Loads the .so, registering its segment with a catcher in this process instead of a daemon.
+    pub fn load(vars: &[(&str, &str)]) -> Plugin {
+        let catcher = Catcher::start();
+        // SAFETY: set before the plugin reads the environment; the catcher's thread does not read it.
         unsafe {
-            std::env::set_var("NCCLSCOPE_SHM_PREFIX", &prefix);
-            std::env::set_var("NCCLSCOPE_SOCKET", format!("/nonexistent-{prefix}/sock"));
+            std::env::set_var("NCCLSCOPE_SOCKET", catcher.socket());
             for (k, v) in vars {
                 std::env::set_var(k, v);
             }
@@ -59,7 +60,7 @@ impl Plugin {
         Plugin {
             _lib: lib,
             v7,
-            prefix,
+            catcher,
         }
     }
 
@@ -87,27 +88,16 @@ impl Plugin {
         unsafe { (self.v7.base.finalize)(comm.ctx) };
     }
 
-    /// The segment the plugin created (it appears at the first init).
+    /// The segment the plugin created (created at the first init, handed over soon after).
     pub fn segment(&self) -> Reader {
-        let t0 = Instant::now();
-        loop {
-            let name = segment::list(&self.prefix)
-                .ok()
-                .and_then(|v| v.into_iter().next());
-            if let Some((name, Ok(seg))) = name.map(|n| (n.clone(), Segment::open(&n))) {
-                return Reader {
-                    consumer: Consumer::new(seg),
-                    buf: Vec::new(),
-                    check: Check::default(),
-                    name,
-                };
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "no segment with prefix {}",
-                self.prefix
-            );
-            std::thread::sleep(Duration::from_millis(5));
+        let seg = self
+            .catcher
+            .wait(Duration::from_secs(10))
+            .expect("the plugin's segment");
+        Reader {
+            consumer: Consumer::new(seg),
+            buf: Vec::new(),
+            check: Check::default(),
         }
     }
 }
@@ -185,7 +175,6 @@ pub struct Reader {
     consumer: Consumer,
     buf: Vec<segment::Read>,
     pub check: Check,
-    pub name: segment::SegmentName,
 }
 
 impl Reader {
@@ -207,10 +196,6 @@ impl Reader {
 
     pub fn counter(&self, c: Counter) -> u64 {
         self.consumer.segment().counter(c)
-    }
-
-    pub fn unlink(&self) {
-        let _ = Segment::unlink(&self.name);
     }
 }
 

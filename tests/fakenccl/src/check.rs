@@ -49,9 +49,9 @@ pub struct Summary {
 
 pub fn check(report: &Report, seg: &Contents, expect: Expect) -> anyhow::Result<Summary> {
     ensure!(
-        seg.owner.pid == report.pid,
-        "segment pid {} != rank pid {}",
-        seg.owner.pid,
+        seg.pid == report.pid,
+        "segment handed over by pid {} != rank pid {}",
+        seg.pid,
         report.pid
     );
     let strings = seg.strings()?;

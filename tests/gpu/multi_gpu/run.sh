@@ -17,7 +17,7 @@ repeats="${2:-3}"
 out="${OUT:-$(mktemp -d)}"
 work="$(mktemp -d)"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # multicast stays off
-export NCCLSCOPE_SHM_PREFIX="ncclscope-gpu-$$" NCCLSCOPE_SOCKET="$work/ncclscope.sock"
+export NCCLSCOPE_SOCKET="$work/ncclscope.sock"
 ngpu=$(nvidia-smi -L | wc -l)
 ranks=$(( ngpu >= 2 ? 2 : 1 ))
 echo "GPUs: $ngpu, ranks: $ranks"; nvidia-smi -L
@@ -33,7 +33,7 @@ for _ in $(seq 50); do [ -s "$out/spans.jsonl" ] && break; sleep 0.1; done
 endpoint="$(head -n 1 "$out/spans.jsonl" | cut -d' ' -f2)"
 daemon=""
 start_daemon() {
-  "$bin/ncclscope" daemon --socket "$NCCLSCOPE_SOCKET" --api-socket "$work/api.sock" --shm-prefix "$NCCLSCOPE_SHM_PREFIX" \
+  "$bin/ncclscope" daemon --socket "$NCCLSCOPE_SOCKET" --api-socket "$work/api.sock" \
     --state-dir "$work/state" --spool-dir "$work/spool" --otlp-endpoint "$endpoint" --prometheus-listen "" \
     2>> "$out/daemon.log" &
   daemon=$!
@@ -41,7 +41,7 @@ start_daemon() {
   echo "daemon did not start"; tail "$out/daemon.log"; exit 1
 }
 stop_daemon() { [ -n "$daemon" ] && kill "$daemon" && wait "$daemon"; daemon=""; rm -f "$work/api.sock"; }
-trap 'stop_daemon; kill $sink 2>/dev/null; rm -f /dev/shm/$NCCLSCOPE_SHM_PREFIX.*' EXIT
+trap 'stop_daemon; kill $sink 2>/dev/null' EXIT
 
 port=29511
 for rep in $(seq "$repeats"); do

@@ -41,20 +41,19 @@ rc=$?
 log "sanity rc=$rc $(tail -n 1 "$out/sanity.txt")"
 [ $rc = 0 ] || { log "the driver fails without the plugin: only the torch case runs"; cases=(torch); }
 
-export NCCLSCOPE_SHM_PREFIX="ncclscope-rfc-$$" NCCLSCOPE_SOCKET="$work/ncclscope.sock"
+export NCCLSCOPE_SOCKET="$work/ncclscope.sock"
 plugin="$bin/libnccl_profiler_ncclscope.so"
 "$bin/otlp-sink" --seconds 3000 > "$out/spans.jsonl" 2> "$work/sink.err" < /dev/null &
 sink=$!
 for _ in $(seq 50); do [ -s "$out/spans.jsonl" ] && break; sleep 0.1; done
 endpoint="$(head -n 1 "$out/spans.jsonl" | cut -d' ' -f2)"
 metrics_port=29611
-"$bin/ncclscope" daemon --socket "$NCCLSCOPE_SOCKET" --api-socket "$work/api.sock" --shm-prefix "$NCCLSCOPE_SHM_PREFIX" \
+"$bin/ncclscope" daemon --socket "$NCCLSCOPE_SOCKET" --api-socket "$work/api.sock" \
   --state-dir "$work/state" --spool-dir "$work/spool" --otlp-endpoint "$endpoint" \
   --prometheus-listen "127.0.0.1:$metrics_port" > /dev/null 2> "$out/daemon.log" < /dev/null &
 daemon=$!
 finish() {
   kill "$daemon" "$sink" 2>/dev/null
-  rm -f /dev/shm/"$NCCLSCOPE_SHM_PREFIX".*
   [ -n "${OUT:-}" ] && tar czf "$OUT/rfc-nccl.tar.gz" -C "$work" results
 }
 trap finish EXIT

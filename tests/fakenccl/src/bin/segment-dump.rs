@@ -1,32 +1,44 @@
 //! Prints the records of ncclscope segments, one line each (for checking a real NCCL run by hand).
 //!
-//! `segment-dump [PREFIX]` dumps every segment under /dev/shm with that prefix (default "ncclscope")
-//! without consuming anything.
+//! `segment-dump SOCKET [N]` listens on SOCKET in the daemon's place (point the ranks'
+//! `NCCLSCOPE_SOCKET` at it), takes the segments of N processes (default 1), and dumps each one once
+//! its process has ended (its connection closed), without consuming anything.
 
+use std::io::{Read, Write};
+use std::os::unix::net::UnixListener;
+
+use ncclscope_fakenccl::process::receive_segment;
 use ncclscope_proto::Record;
-use ncclscope_proto::segment::{self, Consumer, Counter, Segment};
+use ncclscope_proto::segment::{Consumer, Counter, Segment};
 
 fn main() -> anyhow::Result<()> {
-    let prefix = std::env::args()
-        .nth(1)
-        .unwrap_or_else(|| segment::DEFAULT_PREFIX.to_string());
-    let names = segment::list(&prefix)?;
-    if names.is_empty() {
-        anyhow::bail!("no segment named {prefix}.* under {}", segment::SHM_DIR);
+    let mut args = std::env::args().skip(1);
+    let Some(socket) = args.next() else {
+        anyhow::bail!("usage: segment-dump SOCKET [N]");
+    };
+    let n: usize = args.next().map_or(Ok(1), |a| a.parse())?;
+    let _ = std::fs::remove_file(&socket);
+    let listener = UnixListener::bind(&socket)?;
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let (mut conn, _) = listener.accept()?;
+        let seg = Segment::open(receive_segment(&conn)?)?;
+        conn.write_all(b"OK\n")?;
+        held.push((seg, conn));
     }
-    for name in names {
-        let seg = Segment::open(&name)?;
-        let owner = seg.owner();
+    for (i, (seg, mut conn)) in held.into_iter().enumerate() {
+        // The plugin never writes after its registration: this returns when the process has ended.
+        let _ = conn.read(&mut [0u8; 16]);
+        let claims = seg.claims();
         println!(
-            "segment {name}: pid {} uid {} host {} job {} capacity {} head {} closed {} alive {}",
-            owner.pid,
-            owner.uid,
-            owner.hostname,
-            owner.job_id,
+            "segment {i}: inode {} uid {} host {} job {} capacity {} head {} closed {}",
+            seg.inode(),
+            seg.file_uid(),
+            claims.hostname,
+            claims.job_id,
             seg.capacity(),
             seg.head(),
             seg.is_closed(),
-            segment::owner_alive(&name)
         );
         for c in Counter::ALL {
             println!("  counter {} = {}", c.name(), seg.counter(c));
@@ -48,5 +60,6 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
+    let _ = std::fs::remove_file(&socket);
     Ok(())
 }
