@@ -127,6 +127,56 @@ pub struct Dictionary {
     /// Graph templates and their replay cursors as of the committed tail.
     #[serde(default)]
     pub templates: Vec<Template>,
+    /// [`P2pSeqs`] as of the committed tail: (comm, peer, function string id, next number).
+    #[serde(default)]
+    pub p2p_seqs: Vec<(u32, i32, u16, u64)>,
+}
+
+/// Send/Recv numbering per (communicator, peer, function). NCCL gives p2p no sequence number, and
+/// delivers each pair's transfers in order: the k-th Send from rank a to b and the k-th Recv at b from
+/// a are one transfer, so both sides derive the same instance identity from k. Restart-safe as the
+/// templates are: the numbers as of the committed tail are saved, the changes since then replayed.
+#[derive(Default)]
+struct P2pSeqs {
+    next: Map<(u32, i32, u16), u64>,
+    /// (record position, key) of each number given past the committed tail, oldest first.
+    since_tail: VecDeque<(u64, (u32, i32, u16))>,
+}
+
+/// Distinct (comm, peer, function) numbered at most; beyond it, a p2p keeps the plugin's op id,
+/// unique in its process, so it pairs with nothing rather than with the wrong transfer.
+const MAX_P2P_KEYS: usize = 1 << 16;
+
+impl P2pSeqs {
+    fn take(&mut self, pos: u64, key: (u32, i32, u16), op_id: u64) -> u64 {
+        if self.next.len() >= MAX_P2P_KEYS && !self.next.contains_key(&key) {
+            return op_id;
+        }
+        self.since_tail.push_back((pos, key));
+        let n = self.next.entry(key).or_insert(0);
+        *n += 1;
+        *n - 1
+    }
+
+    /// Forgets the history before `tail`; whether anything went (the saved numbers are then stale).
+    fn prune(&mut self, tail: u64) -> bool {
+        let before = self.since_tail.len();
+        while self.since_tail.front().is_some_and(|e| e.0 < tail) {
+            self.since_tail.pop_front();
+        }
+        self.since_tail.len() != before
+    }
+
+    /// The numbers as of the committed tail (after [`Self::prune`] up to it).
+    fn at_tail(&self) -> Vec<(u32, i32, u16, u64)> {
+        let mut at = self.next.clone();
+        for (_, key) in &self.since_tail {
+            *at.get_mut(key).expect("numbered") -= 1;
+        }
+        let mut v: Vec<_> = at.into_iter().map(|((c, p, f), n)| (c, p, f, n)).collect();
+        v.sort_unstable();
+        v
+    }
 }
 
 /// Captured operations one communicator's template holds at most.
@@ -214,12 +264,9 @@ pub struct Template {
 
 impl Template {
     fn push(&mut self, mut op: CapturedOp) {
-        if let Some(prev) = self
-            .ops
-            .iter()
-            .rev()
-            .find(|o| o.func == op.func && o.is_p2p == op.is_p2p)
-        {
+        if let Some(prev) = self.ops.iter().rev().find(|o| {
+            o.func == op.func && o.is_p2p == op.is_p2p && (!o.is_p2p || o.peer == op.peer)
+        }) {
             op.seq = op.seq.max(prev.seq.saturating_add(1));
         }
         let index = self.ops.len() as u32;
@@ -670,11 +717,17 @@ pub struct Assembler {
     names: Arc<Names>,
     func_names: Map<u32, u16>,
     calibrations: Map<i32, Calibration>,
+    /// (record position, device, its calibration before) of each change past the committed tail,
+    /// oldest first: the saved state holds the calibrations as of the tail, so an instance read
+    /// again after a restart is timed as it was the first time. At most [`MAX_MARKS`]. A device's
+    /// first calibration is saved at once: what is read again before it waits for it, as it did.
+    calibrations_since_tail: VecDeque<(u64, i32, Calibration)>,
     comms: Map<u32, CommInfo>,
     /// Device-hook path: per (comm, channel), the operations awaiting work there, oldest first.
     waiting: Map<(u32, u8), Lane>,
     /// Device-hook path: per communicator, its captured operations and replay cursors.
     templates: Map<u32, Template>,
+    p2p_seqs: P2pSeqs,
     /// Work items a daemon before a restart settled, at or after the tail it committed: position ->
     /// (comm, dropped as ambiguous; else joined to an eager operation that lies before the tail).
     /// Read again, they are not attributed again.
@@ -720,9 +773,11 @@ impl Assembler {
             names: Arc::new(Names::new(uid, job_id, host)),
             func_names: Map::default(),
             calibrations: Map::default(),
+            calibrations_since_tail: VecDeque::new(),
             comms: Map::default(),
             waiting: Map::default(),
             templates: Map::default(),
+            p2p_seqs: P2pSeqs::default(),
             settled: Map::default(),
             holds: Map::default(),
             ops: Map::default(),
@@ -798,6 +853,12 @@ impl Assembler {
             .filter(|t| !t.ops.is_empty())
             .map(|t| (t.comm, t.restored()))
             .collect();
+        self.p2p_seqs = P2pSeqs {
+            next: (dict.p2p_seqs.into_iter())
+                .map(|(c, p, f, n)| ((c, p, f), n))
+                .collect(),
+            since_tail: VecDeque::new(),
+        };
         self.prior = delivered
             .into_iter()
             .map(|(id, pos, flags)| (id, (pos, flags)))
@@ -820,13 +881,20 @@ impl Assembler {
                 .map(|(id, text)| (id.0, text.to_string()))
                 .collect(),
             func_names: self.func_names.iter().map(|(k, v)| (*k, *v)).collect(),
-            calibrations: self.calibrations.iter().map(|(k, v)| (*k, *v)).collect(),
+            calibrations: {
+                let mut at = self.calibrations.clone();
+                for &(_, dev, before) in self.calibrations_since_tail.iter().rev() {
+                    at.insert(dev, before);
+                }
+                at.into_iter().collect()
+            },
             comms: self.comms.values().cloned().collect(),
             templates: self
                 .templates
                 .values()
                 .map(|t| t.at(self.committed))
                 .collect(),
+            p2p_seqs: self.p2p_seqs.at_tail(),
         };
         // Items settled before a restart and not committed since, also for a template captured
         // after the tail (its operations are read again, the items' owners are not).
@@ -953,7 +1021,15 @@ impl Assembler {
             self.settled.retain(|&pos, _| pos >= tail);
         }
         self.committed = self.committed.max(tail);
-        let mut moved = false;
+        let mut moved = self.p2p_seqs.prune(tail);
+        while self
+            .calibrations_since_tail
+            .front()
+            .is_some_and(|c| c.0 < tail)
+        {
+            self.calibrations_since_tail.pop_front();
+            moved = true;
+        }
         for t in self.templates.values_mut() {
             while t.marks.front().is_some_and(|m| m.0 < tail) {
                 t.marks.pop_front();
@@ -1050,6 +1126,10 @@ impl Assembler {
                 match self.calibrations.get_mut(&cuda_dev) {
                     Some(c) if *c == cal => {}
                     Some(c) => {
+                        if self.calibrations_since_tail.len() >= MAX_MARKS {
+                            self.calibrations_since_tail.pop_front();
+                        }
+                        self.calibrations_since_tail.push_back((pos, cuda_dev, *c));
                         *c = cal;
                         self.dictionary_changed = true;
                     }
@@ -1209,12 +1289,13 @@ impl Assembler {
                 host_ns,
                 captured,
             } => {
+                let seq = self.p2p_seqs.take(pos, (comm, peer, func.0), id);
                 if captured {
                     self.capture(
                         comm,
                         CapturedOp {
                             pos,
-                            seq: id,
+                            seq,
                             is_p2p: true,
                             func: func.0,
                             datatype: datatype.0,
@@ -1233,8 +1314,7 @@ impl Assembler {
                     comm,
                     first_pos: pos,
                     is_p2p: true,
-                    // P2p has no NCCL sequence number: the plugin's process-unique, increasing op id.
-                    seq: id,
+                    seq,
                     func,
                     datatype,
                     algo: StrId(0),
@@ -2910,6 +2990,81 @@ mod tests {
         assert_eq!(c.func(), "AllReduce");
         assert!(!b.prune_prior(7), "no replay cursor");
         assert!(b.prior.is_empty());
+    }
+
+    /// NCCL numbers no p2p: each (peer, function) is numbered in order, so the k-th Send from a to
+    /// b and the k-th Recv at b from a get the same number, and a restarted daemon that reads the
+    /// records after its committed tail again gives them the numbers they had.
+    #[test]
+    fn p2p_is_numbered_per_peer_and_function_and_a_restart_resumes_at_the_tail() {
+        let p2p = |id, func, peer| Record::P2pStart {
+            comm: 0,
+            id,
+            func: StrId(func),
+            datatype: StrId(2),
+            count: 8,
+            peer,
+            n_channels: 0,
+            host_ns: 1000,
+            captured: false,
+        };
+        let mut recs = prelude(TimingPath::KernelCh);
+        recs.extend([s(10, "Send"), s(11, "Recv")]);
+        let tail = recs.len() as u64 + 4; // the third p2p's first record
+        for (id, func, peer) in [(100, 10, 2), (101, 10, 3), (102, 11, 2), (103, 10, 2)] {
+            recs.push(p2p(id, func, peer));
+            recs.push(Record::OpStop {
+                comm: 0,
+                id,
+                host_ns: 1000,
+            });
+        }
+        let numbers = |out: &[Completed]| -> Vec<(i32, u64)> {
+            out.iter().map(|c| (c.coll.peer, c.coll.seq)).collect()
+        };
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
+        let out = feed(&mut a, &recs);
+        assert_eq!(numbers(&out), [(2, 0), (3, 0), (2, 0), (2, 1)]);
+        assert!(
+            a.prune_prior(tail),
+            "numbers given before the tail: the saved state changes"
+        );
+        let mut b = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
+        b.restore(a.dictionary(), []);
+        let mut again = Vec::new();
+        for (pos, r) in recs.iter().enumerate().skip(tail as usize) {
+            b.apply(pos as u64, r, 0, &mut again);
+        }
+        assert_eq!(numbers(&again), [(2, 0), (2, 1)]);
+    }
+
+    /// The state saved for a tail holds the calibrations in effect there: a change read after the
+    /// tail is read again after a restart, and the instances before it keep the times they had.
+    #[test]
+    fn the_saved_calibration_is_the_one_in_effect_at_the_tail() {
+        let mut recs = prelude(TimingPath::KernelCh);
+        let tail = recs.len() as u64;
+        recs.push(Record::Calibration {
+            cuda_dev: 0,
+            offset_ns: 2_000_000,
+            error_ns: 250,
+            drift_ppb: 0,
+            host_ns: 0,
+        });
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
+        feed(&mut a, &recs);
+        let offsets = |a: &Assembler| -> Vec<(i32, i64)> {
+            (a.dictionary().calibrations.iter())
+                .map(|(dev, c)| (*dev, c.offset_ns))
+                .collect()
+        };
+        let _ = a.prune_prior(tail);
+        assert_eq!(offsets(&a), [(0, 1_000_000)]);
+        assert!(
+            a.prune_prior(tail + 1),
+            "the change is committed: save the state again"
+        );
+        assert_eq!(offsets(&a), [(0, 2_000_000)]);
     }
 
     #[test]

@@ -1261,23 +1261,28 @@ mod tests {
         });
     }
 
+    /// The CollStart of `write_colls`'s collective `seq` (op id seq + 1, no kernel work).
+    fn coll_start(seq: u64) -> Record {
+        Record::CollStart {
+            comm: 0,
+            id: seq + 1,
+            seq,
+            func: StrId(1),
+            datatype: StrId(2),
+            algo: StrId(0),
+            proto: StrId(0),
+            count: 1,
+            root: -1,
+            n_channels: 0,
+            n_warps: 0,
+            host_ns: 10,
+            captured: false,
+        }
+    }
+
     fn write_colls(p: &mut Producer, seqs: std::ops::Range<u64>) {
         for seq in seqs {
-            p.push(&Record::CollStart {
-                comm: 0,
-                id: seq + 1,
-                seq,
-                func: StrId(1),
-                datatype: StrId(2),
-                algo: StrId(0),
-                proto: StrId(0),
-                count: 1,
-                root: -1,
-                n_channels: 0,
-                n_warps: 0,
-                host_ns: 10,
-                captured: false,
-            });
+            p.push(&coll_start(seq));
             p.push(&Record::OpStop {
                 comm: 0,
                 id: seq + 1,
@@ -1294,22 +1299,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut p = producer(64);
         write_dictionary(&mut p);
-        let open = Record::CollStart {
-            comm: 0,
-            id: 1_000_000,
-            seq: 1_000_000,
-            func: StrId(1),
-            datatype: StrId(2),
-            algo: StrId(0),
-            proto: StrId(0),
-            count: 1,
-            root: -1,
-            n_channels: 0,
-            n_warps: 0,
-            host_ns: 10,
-            captured: false,
-        };
-        assert!(p.push(&open));
+        assert!(p.push(&coll_start(999_999)));
         let (mut e, _rx, _hub) = engine(dir.path());
         let _conn = hand_over(&mut e, &p);
         // 40 rounds of 8 collectives: 640 records through a 64-record ring.

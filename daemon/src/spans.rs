@@ -59,8 +59,17 @@ pub fn type_key(func: &str) -> u64 {
     })
 }
 
-/// [`collective_key`] of an instance.
+/// The instance's identity within its communicator: [`collective_key`] of a collective; for a p2p,
+/// the transfer's (sender, receiver, number), the same on its Send and its Recv side (the assembler
+/// numbers each (peer, function) in order).
 pub fn instance_key(c: InstanceRef) -> u64 {
+    if c.is_p2p {
+        let (from, to) = match c.func() {
+            "Recv" => (c.peer as u32, c.rank),
+            _ => (c.rank, c.peer as u32),
+        };
+        return collective_key("p2p", mix((from as u64) << 32 | to as u64, c.seq), c.replay);
+    }
     collective_key(c.func(), c.seq, c.replay)
 }
 
@@ -262,6 +271,35 @@ mod tests {
         assert_ne!(k("AllReduce", 2, 1), k("AllReduce", 2, 2));
         assert_ne!(k("AllReduce", 2, 1), k("AllReduce", 3, 1));
         assert_ne!(k("AllReduce", 2, 0), k("AllReduce", 2, 1));
+    }
+
+    /// A transfer's Send and Recv sides share one trace; other pairs, numbers or directions do not.
+    #[test]
+    fn a_p2p_transfer_is_one_instance_on_both_sides() {
+        let side = |func: &str, rank: u32, peer: i32, seq: u64| {
+            Shared::from(&ncclscope_proto::api::Collective {
+                func: func.into(),
+                comm_hash: 5,
+                seq,
+                rank,
+                peer,
+                nranks: 4,
+                is_p2p: true,
+                ..Default::default()
+            })
+        };
+        let key = |c: Shared| instance_key(c.view());
+        assert_eq!(key(side("Send", 0, 1, 3)), key(side("Recv", 1, 0, 3)));
+        assert_ne!(key(side("Send", 0, 1, 3)), key(side("Send", 2, 3, 3)));
+        assert_ne!(key(side("Send", 0, 1, 3)), key(side("Send", 1, 0, 3)));
+        assert_ne!(key(side("Send", 0, 1, 3)), key(side("Recv", 0, 1, 3)));
+        assert_ne!(key(side("Send", 0, 1, 3)), key(side("Send", 0, 1, 4)));
+        let (mut send, mut recv) = (Vec::new(), Vec::new());
+        spans_of(side("Send", 0, 1, 3).view(), false, &mut send);
+        spans_of(side("Recv", 1, 0, 3).view(), false, &mut recv);
+        assert_eq!((send.len(), recv.len()), (1, 1), "no root for a p2p");
+        assert_eq!(send[0].trace_id, recv[0].trace_id);
+        assert_ne!(send[0].span_id, recv[0].span_id);
     }
 
     #[test]
