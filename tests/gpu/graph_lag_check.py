@@ -8,7 +8,8 @@ import sys
 
 
 def produced(report_path):
-    """(pid, seq, replay) -> exec ns of every eager or replayed operation with device work."""
+    """(pid, collective, seq, replay) -> exec ns of every eager or replayed operation with device work
+    (NCCL numbers collectives per type: AllGather 0 is not AllReduce 0)."""
     report = json.load(open(report_path))
     ops = report["comms"][0]["ops"]
     capture_seq = next(o["seq"] for o in ops if o["captured"])
@@ -22,7 +23,7 @@ def produced(report_path):
             seq = capture_seq + index[op["replay"]] - 1
         else:
             seq = op["seq"]
-        out[(report["pid"], seq, op["replay"])] = max(i["gpu_stop"] - i["gpu_start"] for i in op["hook_items"])
+        out[(report["pid"], op["func"], seq, op["replay"])] = max(i["gpu_stop"] - i["gpu_start"] for i in op["hook_items"])
     return out
 
 
@@ -35,7 +36,7 @@ def attrs(span):
 
 
 def delivered(export_path):
-    """(pid, seq, replay) -> [(exec ns, timing source)] of every rank span in the export."""
+    """(pid, collective, seq, replay) -> [(exec ns, timing source)] of every rank span in the export."""
     out = {}
     for line in open(export_path):
         req = json.loads(line)
@@ -45,7 +46,8 @@ def delivered(export_path):
                     a = attrs(span)
                     if "nccl.rank" not in a or "process.pid" not in a:
                         continue
-                    key = (int(a["process.pid"]), int(a["nccl.seq"]), int(a.get("nccl.replay", 0)))
+                    key = (int(a["process.pid"]), a["nccl.collective"], int(a["nccl.seq"]),
+                           int(a.get("nccl.replay", 0)))
                     out.setdefault(key, []).append((int(a["nccl.exec_ns"]), a.get("nccl.timing_source")))
     return out
 
