@@ -312,62 +312,143 @@ impl Config {
 
     /// Checks ranges and relations between keys.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let positive = [
-            ("drain.min_interval_ms", self.drain.min_interval_ms),
-            ("drain.max_interval_ms", self.drain.max_interval_ms),
-            ("drain.batch_records", self.drain.batch_records as u64),
-            ("drain.max_segments", self.drain.max_segments as u64),
+        // Every count, size and duration: at least 1 and at most a bound far above any real node's
+        // need, so that no accepted value overflows the arithmetic done with it (a queue allocated
+        // whole, hours turned into seconds, milliseconds into nanoseconds).
+        const MINUTE_MS: u64 = 60_000;
+        const HOUR_MS: u64 = 60 * MINUTE_MS;
+        let bounded = [
+            (
+                "drain.min_interval_ms",
+                self.drain.min_interval_ms,
+                MINUTE_MS,
+            ),
+            (
+                "drain.max_interval_ms",
+                self.drain.max_interval_ms,
+                MINUTE_MS,
+            ),
+            (
+                "drain.batch_records",
+                self.drain.batch_records as u64,
+                1 << 24,
+            ),
+            (
+                "drain.max_segments",
+                self.drain.max_segments as u64,
+                1 << 16,
+            ),
             (
                 "drain.max_segments_per_uid",
                 self.drain.max_segments_per_uid as u64,
+                1 << 16,
             ),
-            ("aggregate.op_timeout_ms", self.aggregate.op_timeout_ms),
+            (
+                "aggregate.op_timeout_ms",
+                self.aggregate.op_timeout_ms,
+                HOUR_MS,
+            ),
             (
                 "aggregate.max_pending_ops",
                 self.aggregate.max_pending_ops as u64,
+                1 << 24,
             ),
-            ("aggregate.max_series", self.aggregate.max_series as u64),
+            (
+                "aggregate.max_series",
+                self.aggregate.max_series as u64,
+                1 << 24,
+            ),
             (
                 "aggregate.rolling_window_s",
                 self.aggregate.rolling_window_s,
+                86_400,
             ),
-            ("otlp.queue_spans", self.otlp.queue_spans as u64),
-            ("otlp.batch_spans", self.otlp.batch_spans as u64),
-            ("otlp.batch_timeout_ms", self.otlp.batch_timeout_ms),
-            ("otlp.max_attempts", self.otlp.max_attempts as u64),
-            ("otlp.request_timeout_ms", self.otlp.request_timeout_ms),
-            ("otlp.metrics_interval_ms", self.otlp.metrics_interval_ms),
-            ("shutdown_timeout_ms", self.shutdown_timeout_ms),
-            ("spool.max_bytes", self.spool.max_bytes),
-            ("spool.max_bytes_per_uid", self.spool.max_bytes_per_uid),
-            ("spool.max_age_hours", self.spool.max_age_hours),
-            ("limits.max_comms", self.limits.max_comms as u64),
-            ("limits.max_strings", self.limits.max_strings as u64),
-            ("limits.max_func_names", self.limits.max_func_names as u64),
-            ("limits.max_devices", self.limits.max_devices as u64),
-            ("limits.max_early_works", self.limits.max_early_works as u64),
-            ("limits.max_rank_series", self.limits.max_rank_series as u64),
-            ("limits.max_job_series", self.limits.max_job_series as u64),
+            ("otlp.queue_spans", self.otlp.queue_spans as u64, 1 << 24),
+            ("otlp.batch_spans", self.otlp.batch_spans as u64, 1 << 16),
+            (
+                "otlp.batch_timeout_ms",
+                self.otlp.batch_timeout_ms,
+                MINUTE_MS,
+            ),
+            ("otlp.max_attempts", self.otlp.max_attempts as u64, 100),
+            (
+                "otlp.request_timeout_ms",
+                self.otlp.request_timeout_ms,
+                10 * MINUTE_MS,
+            ),
+            (
+                "otlp.metrics_interval_ms",
+                self.otlp.metrics_interval_ms,
+                HOUR_MS,
+            ),
+            (
+                "shutdown_timeout_ms",
+                self.shutdown_timeout_ms,
+                10 * MINUTE_MS,
+            ),
+            ("spool.max_bytes", self.spool.max_bytes, 1 << 50),
+            (
+                "spool.max_bytes_per_uid",
+                self.spool.max_bytes_per_uid,
+                1 << 50,
+            ),
+            (
+                "spool.max_age_hours",
+                self.spool.max_age_hours,
+                10 * 366 * 24,
+            ),
+            ("limits.max_comms", self.limits.max_comms as u64, 1 << 20),
+            (
+                "limits.max_strings",
+                self.limits.max_strings as u64,
+                u16::MAX as u64,
+            ),
+            (
+                "limits.max_func_names",
+                self.limits.max_func_names as u64,
+                1 << 20,
+            ),
+            (
+                "limits.max_devices",
+                self.limits.max_devices as u64,
+                1 << 12,
+            ),
+            (
+                "limits.max_early_works",
+                self.limits.max_early_works as u64,
+                1 << 24,
+            ),
+            (
+                "limits.max_rank_series",
+                self.limits.max_rank_series as u64,
+                1 << 24,
+            ),
+            (
+                "limits.max_job_series",
+                self.limits.max_job_series as u64,
+                1 << 24,
+            ),
             (
                 "limits.uid_max_dictionary",
                 self.limits.uid_max_dictionary as u64,
+                1 << 24,
             ),
         ];
-        for (key, v) in positive {
-            if v == 0 {
-                return Err(err(key, "must be greater than 0"));
+        for (key, v, max) in bounded {
+            if !(1..=max).contains(&v) {
+                return Err(err(key, format!("must be between 1 and {max}")));
             }
+        }
+        if self.aggregate.skew_window_ms > HOUR_MS {
+            return Err(err(
+                "aggregate.skew_window_ms",
+                format!("must be at most {HOUR_MS}"),
+            ));
         }
         if self.drain.max_interval_ms < self.drain.min_interval_ms {
             return Err(err(
                 "drain.max_interval_ms",
                 "must be >= drain.min_interval_ms",
-            ));
-        }
-        if self.limits.max_strings > u16::MAX as usize {
-            return Err(err(
-                "limits.max_strings",
-                format!("must be <= {} (string ids are 16-bit)", u16::MAX),
             ));
         }
         if self.drain.max_segments_per_uid > self.drain.max_segments {
@@ -577,6 +658,39 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.origin, "prometheus.listen");
+    }
+
+    /// Values that used to pass and then panic at start, abort at the first span, or wrap and delete
+    /// the spool at the next restart are refused at load, naming the key.
+    #[test]
+    fn values_beyond_sane_bounds_are_refused_before_they_overflow() {
+        for (file, key) in [
+            (
+                "[otlp]\nqueue_spans = 2305843009213693952\n",
+                "otlp.queue_spans",
+            ),
+            (
+                "[otlp]\nqueue_spans = 1099511627776\nbatch_spans = 1099511627776\n",
+                "otlp.queue_spans",
+            ),
+            (
+                "[spool]\nmax_age_hours = 5124095576030432\n",
+                "spool.max_age_hours",
+            ),
+            (
+                "[aggregate]\nop_timeout_ms = 18446744073709551\n",
+                "aggregate.op_timeout_ms",
+            ),
+            (
+                "[aggregate]\nskew_window_ms = 18446744073709551\n",
+                "aggregate.skew_window_ms",
+            ),
+            ("[limits]\nmax_strings = 70000\n", "limits.max_strings"),
+            ("[drain]\nbatch_records = 0\n", "drain.batch_records"),
+        ] {
+            let e = load(file, &[], Overrides::default()).unwrap_err();
+            assert_eq!(e.origin, key, "{file}: {e}");
+        }
     }
 
     #[test]
