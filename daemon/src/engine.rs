@@ -135,8 +135,8 @@ struct Attached {
     read_upto: u64,
     acked: Arc<AtomicU64>,
     next_emit: u64,
-    /// Completed operations queued for export, oldest first: (emit number, first record, op id).
-    unacked: VecDeque<(u64, u64, u64)>,
+    /// Completed operations queued for export and not yet acknowledged.
+    unacked: Unacked,
     /// Operations this daemon delivered whose records are not yet committed: id -> (pos, sinks).
     delivered: HashMap<u64, (u64, u8), foldhash::fast::RandomState>,
     last_commit: Instant,
@@ -152,6 +152,58 @@ struct Attached {
     /// The spool position in the saved state.
     spool_mark: Option<Position>,
     exited: bool,
+}
+
+/// Spans queued for export and not yet acknowledged, in emit order (the exporter acknowledges a
+/// prefix), with the first records of their operations counted: operations complete out of start
+/// order (another communicator, a longer kernel), so the oldest emitted is not always the one whose
+/// records come first, and the tail must wait on the latter.
+#[derive(Default)]
+struct Unacked {
+    /// (emit number, first record, op id).
+    queue: VecDeque<(u64, u64, u64)>,
+    first_pos: std::collections::BTreeMap<u64, u32>,
+}
+
+impl Unacked {
+    fn push(&mut self, emit_no: u64, first_pos: u64, op_id: u64) {
+        self.queue.push_back((emit_no, first_pos, op_id));
+        *self.first_pos.entry(first_pos).or_default() += 1;
+    }
+
+    /// The op id of the oldest span if the exporter acknowledged it (`acked` and all before).
+    fn pop_acked(&mut self, acked: u64) -> Option<u64> {
+        let &(emit_no, pos, id) = self.queue.front()?;
+        if emit_no > acked {
+            return None;
+        }
+        self.queue.pop_front();
+        self.uncount(pos);
+        Some(id)
+    }
+
+    fn oldest_pos(&self) -> Option<u64> {
+        self.first_pos.keys().next().copied()
+    }
+
+    /// Stops waiting on spans whose operations' records lie before `pos` (a forced commit).
+    fn forget_before(&mut self, pos: u64) {
+        self.queue.retain(|&(_, p, _)| p >= pos);
+        self.first_pos = self.first_pos.split_off(&pos);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    fn uncount(&mut self, pos: u64) {
+        if let Some(n) = self.first_pos.get_mut(&pos) {
+            *n -= 1;
+            if *n == 0 {
+                self.first_pos.remove(&pos);
+            }
+        }
+    }
 }
 
 pub struct Engine {
@@ -443,7 +495,7 @@ impl Engine {
             read_upto,
             acked: Arc::new(AtomicU64::new(0)),
             next_emit: 1,
-            unacked: VecDeque::new(),
+            unacked: Unacked::default(),
             delivered: HashMap::default(),
             last_commit: Instant::now(),
             dirty: false,
@@ -704,7 +756,7 @@ impl Engine {
                                     seg.next_emit += 1;
                                     // Records a forced commit already freed cannot be read again.
                                     if c.first_pos >= seg.consumer.segment().tail() {
-                                        seg.unacked.push_back((emit_no, c.first_pos, c.op_id));
+                                        seg.unacked.push(emit_no, c.first_pos, c.op_id);
                                     }
                                 }
                                 Err(_) => {
@@ -728,11 +780,7 @@ impl Engine {
     fn collect_acks(&mut self) {
         for seg in &mut self.segments {
             let acked = seg.acked.load(Ordering::Acquire);
-            while let Some(&(emit_no, _, id)) = seg.unacked.front() {
-                if emit_no > acked {
-                    break;
-                }
-                seg.unacked.pop_front();
+            while let Some(id) = seg.unacked.pop_acked(acked) {
                 if let Some(e) = seg.delivered.get_mut(&id) {
                     e.1 |= done::EXPORTED;
                     seg.dirty = true;
@@ -1071,7 +1119,7 @@ fn commit(
     if let Some(p) = seg.asm.oldest_pending_pos(tail) {
         target = target.min(p);
     }
-    if let Some(&(_, p, _)) = seg.unacked.front() {
+    if let Some(p) = seg.unacked.oldest_pos() {
         target = target.min(p);
     }
     // Over half full, the producer is about to drop records (a burst of graph replays, a slow
@@ -1102,7 +1150,7 @@ fn commit(
         return;
     }
     if forcing {
-        seg.unacked.retain(|&(_, p, _)| p >= target);
+        seg.unacked.forget_before(target);
         *forced += 1;
     }
     seg.delivered.retain(|_, (pos, _)| *pos >= target);
@@ -1654,6 +1702,62 @@ mod tests {
         // and counted; the one that never started has nothing to deliver.
         let lost = e.health().lost;
         assert_eq!(lost["incomplete"], 2, "{lost:?}");
+    }
+
+    /// Spans are at-least-once across a kill: an operation that started first but finished after
+    /// another (here on another communicator) keeps the tail at its first record until its span is
+    /// acknowledged, although it was emitted second.
+    #[test]
+    fn the_tail_waits_on_the_unacknowledged_operation_whose_records_come_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config {
+            state_dir: dir.path().to_path_buf(),
+            ..Config::default()
+        };
+        let (spans, _unread) = mpsc::channel(16);
+        let out = Outputs {
+            spans: Some(spans),
+            metrics: None,
+            export_counters: Arc::default(),
+            prometheus: watch::channel(Arc::new(String::new())).0,
+        };
+        let mut e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out);
+        let mut p = producer(64);
+        write_dictionary(&mut p);
+        p.push(&Record::Comm {
+            comm: 1,
+            comm_hash: 6,
+            rank: 0,
+            nranks: 1,
+            nnodes: 1,
+            cuda_dev: 0,
+            name: StrId(0),
+            nccl_version: 0,
+            path: TimingPath::KernelCh,
+            host_ns: 0,
+        });
+        let first = p.segment().head();
+        p.push(&coll_start(0));
+        let mut other = coll_start(1);
+        if let Record::CollStart { comm, .. } = &mut other {
+            *comm = 1;
+        }
+        p.push(&other);
+        p.push(&Record::OpStop {
+            comm: 1,
+            id: 2,
+            host_ns: 20,
+        });
+        p.push(&Record::OpStop {
+            comm: 0,
+            id: 1,
+            host_ns: 30,
+        });
+        let _conn = hand_over(&mut e, &p);
+        e.tick();
+        e.commit_all(true);
+        assert_eq!(e.health().collectives, 2);
+        assert_eq!(p.segment().tail(), first, "neither span acknowledged");
     }
 
     #[test]
