@@ -4,7 +4,8 @@
 //! already delivered, so a restarted daemon neither misreads nor double-counts what it re-reads
 //! (together with the spool's record of what it holds from the saved position on).
 
-use std::io;
+use std::io::{self, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -47,7 +48,16 @@ pub fn load(dir: &Path, segment: &str) -> io::Result<Option<SegmentState>> {
 pub fn store(dir: &Path, state: &SegmentState) -> io::Result<()> {
     let final_path = path(dir, &state.segment);
     let tmp = final_path.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec(state).map_err(io::Error::other)?)?;
+    // 0600 whatever the umask: a state names a user's job, communicators and strings.
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    f.write_all(&serde_json::to_vec(state).map_err(io::Error::other)?)?;
+    drop(f);
     std::fs::rename(&tmp, &final_path)
 }
 
@@ -84,6 +94,15 @@ mod tests {
             ..Default::default()
         };
         store(dir.path(), &s).unwrap();
+        let mode = std::fs::metadata(path(dir.path(), "p.1.2.3"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(
+            mode & 0o777,
+            0o600,
+            "the daemon's alone, whatever the umask"
+        );
         assert_eq!(load(dir.path(), "p.1.2.3").unwrap(), Some(s));
         assert_eq!(list(dir.path()), vec!["p.1.2.3".to_string()]);
         assert_eq!(load(dir.path(), "p.1.2.4").unwrap(), None);

@@ -505,6 +505,13 @@ async fn all_ranks_of_a_collective_share_one_trace_with_calibrated_times_and_not
     // Exited processes' segments are drained and removed.
     assert_eq!(h.segments_left(), 0);
 
+    // SIGHUP and SIGUSR1 (logrotate, an operator expecting a reload) are logged and ignored.
+    let pid = rustix::process::Pid::from_raw(h.daemon.as_ref().unwrap().id() as i32).unwrap();
+    for sig in [rustix::process::Signal::HUP, rustix::process::Signal::USR1] {
+        rustix::process::kill_process(pid, sig).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(h.daemon_alive(), "SIGHUP or SIGUSR1 stopped the daemon");
     // SIGTERM: drain, flush, exit cleanly.
     let mut daemon = h.signal_daemon(rustix::process::Signal::TERM);
     let status = wait_timeout(&mut daemon, Duration::from_secs(20));

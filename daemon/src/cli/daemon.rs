@@ -63,10 +63,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         if let Err(e) = crate::notify::notify("READY=1", &[]) {
             tracing::warn!(error = %e, "could not notify systemd");
         }
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = term.recv() => {},
-            _ = tokio::signal::ctrl_c() => {},
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())?;
+        // Their default action kills the process undrained: a stray `kill -HUP` (logrotate, an
+        // operator expecting a reload) must not cost what the rings hold.
+        let mut hup = signal(SignalKind::hangup())?;
+        let mut usr1 = signal(SignalKind::user_defined1())?;
+        loop {
+            tokio::select! {
+                _ = term.recv() => break,
+                _ = tokio::signal::ctrl_c() => break,
+                _ = hup.recv() => tracing::info!("SIGHUP ignored: the configuration is read at start; restart to apply a new one"),
+                _ = usr1.recv() => tracing::info!("SIGUSR1 ignored"),
+            }
         }
         tracing::info!("stopping: draining segments and flushing exports");
         let _ = crate::notify::notify("STOPPING=1", &[]);
