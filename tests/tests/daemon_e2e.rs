@@ -1802,3 +1802,34 @@ async fn a_burst_of_real_graph_replays_longer_than_the_ring_is_delivered_without
     }
     assert_eq!(instances.len(), INSTANCES);
 }
+
+/// Issue 22, item 3: a collector that accepts TCP and never answers. The spans wait for it (bounded,
+/// counted when dropped), but the rings keep moving: every collective reaches the metrics and the
+/// spool, and no rank loses a record (each rank process asserts `ring_full` 0 itself). 2 ranks x
+/// 10,000 collectives (80,000 records) through 16 Ki-record rings, while every export request hangs
+/// for its 5 s timeout.
+#[test]
+fn a_collector_that_never_answers_costs_the_spool_and_the_metrics_nothing() {
+    const NCOLLS: u64 = 10_000;
+    let hung = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", hung.local_addr().unwrap());
+    // Accepts every connection and holds it, reading nothing, answering nothing.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in hung.incoming() {
+            held.push(c);
+        }
+    });
+    let mut h = Harness::new(&endpoint);
+    h.start_daemon();
+    h.start_ranks(2, NCOLLS, 200);
+    h.wait_ranks();
+    wait_job(&h, 2 * NCOLLS, Duration::from_secs(60));
+    let text = h.metrics();
+    assert_eq!(
+        sample(&text, "ncclscope_lost_total{stage=\"ring_full\"}"),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(sample(&text, "ncclscope_spans_exported_total"), Some(0.0));
+}
