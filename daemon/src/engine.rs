@@ -126,6 +126,9 @@ const STATE_CLAIM_WINDOW: Duration = Duration::from_secs(300);
 struct Attached {
     key: SegmentKey,
     label: String,
+    /// The highest value each plugin counter of the segment has shown. Its owner writes the header:
+    /// a counter it lowers, or wraps, lowers nothing here.
+    plugin_lost: PluginLost,
     /// The registering process's connection; its end is the process's end.
     conn: Option<OwnedFd>,
     /// The spool's key of the process's job: (uid, job id).
@@ -152,6 +155,18 @@ struct Attached {
     /// The spool position in the saved state.
     spool_mark: Option<Position>,
     exited: bool,
+}
+
+/// One segment's (or uid's) plugin counters, by [`Counter`].
+type PluginLost = [u64; Counter::ALL.len()];
+
+impl Attached {
+    fn observe_plugin_counters(&mut self) {
+        for c in Counter::ALL {
+            let v = &mut self.plugin_lost[c as usize];
+            *v = (*v).max(self.consumer.segment().counter(c));
+        }
+    }
 }
 
 /// Spans queued for export and not yet acknowledged, in emit order (the exporter acknowledges a
@@ -215,7 +230,8 @@ pub struct Engine {
     out: Outputs,
     started_ns: u64,
     /// Plugin counters and assembler counters of segments already reaped.
-    reaped_plugin: [u64; Counter::ALL.len()],
+    /// Plugin counters of segments already reaped, per uid.
+    reaped_plugin: HashMap<u32, PluginLost>,
     reaped_asm: AssembleCounters,
     daemon_lost: HashMap<&'static str, u64>,
     /// Commits past open operations or unacknowledged spans because the ring was over half full.
@@ -294,7 +310,7 @@ impl Engine {
             spool,
             out,
             started_ns: now_ns(),
-            reaped_plugin: [0; Counter::ALL.len()],
+            reaped_plugin: HashMap::new(),
             reaped_asm: AssembleCounters::default(),
             daemon_lost: HashMap::new(),
             forced_commits: 0,
@@ -505,6 +521,7 @@ impl Engine {
             dict_save_cost: Duration::ZERO,
             spool_mark,
             exited,
+            plugin_lost: [0; Counter::ALL.len()],
         });
         self.refresh_local_ranks();
         Ok(())
@@ -582,6 +599,7 @@ impl Engine {
                 }
             }
             busy |= left == 0;
+            seg.observe_plugin_counters();
             comms_changed |= seg.asm.take_comms_changed();
             self.end_run(i);
             // With many busy segments, deliver while what was assembled is still in cache.
@@ -847,9 +865,14 @@ impl Engine {
         }
     }
 
-    fn retire(&mut self, seg: Attached) {
-        for c in Counter::ALL {
-            self.reaped_plugin[c as usize] += seg.consumer.segment().counter(c);
+    fn retire(&mut self, mut seg: Attached) {
+        seg.observe_plugin_counters();
+        let reaped = self
+            .reaped_plugin
+            .entry(seg.key.uid)
+            .or_insert([0; Counter::ALL.len()]);
+        for (r, v) in reaped.iter_mut().zip(seg.plugin_lost) {
+            *r = r.saturating_add(v);
         }
         add(&mut self.reaped_asm, &seg.asm.counters);
     }
@@ -857,18 +880,30 @@ impl Engine {
     /// The daemon's health: plugin counters of every segment seen plus the daemon's own.
     pub fn health(&self) -> Health {
         let mut asm = self.reaped_asm;
-        let mut plugin = self.reaped_plugin;
+        // Saturating: one uid's counters can raise the node's figures to the maximum, never wrap
+        // them below another uid's.
+        let mut by_uid = self.reaped_plugin.clone();
         let mut max_cal = 0u32;
         for s in &self.segments {
             add(&mut asm, &s.asm.counters);
-            for c in Counter::ALL {
-                plugin[c as usize] += s.consumer.segment().counter(c);
+            let sum = by_uid.entry(s.key.uid).or_insert([0; Counter::ALL.len()]);
+            for (t, v) in sum.iter_mut().zip(s.plugin_lost) {
+                *t = t.saturating_add(v);
             }
             max_cal = max_cal.max(s.asm.max_calibration_error_ns());
         }
         let mut lost = std::collections::BTreeMap::new();
+        let mut plugin_lost_by_uid = std::collections::BTreeMap::new();
         for c in Counter::ALL {
-            lost.insert(c.name().to_string(), plugin[c as usize]);
+            let mut node = 0u64;
+            for (&uid, counters) in &by_uid {
+                let v = counters[c as usize];
+                node = node.saturating_add(v);
+                if v > 0 {
+                    plugin_lost_by_uid.insert((uid, c.name()), v);
+                }
+            }
+            lost.insert(c.name().to_string(), node);
         }
         let ec = &self.out.export_counters;
         lost.insert(
@@ -924,6 +959,7 @@ impl Engine {
             dev_work: asm.dev_work,
             dev_joined: asm.dev_joined,
             forced_commits: self.forced_commits,
+            plugin_lost_by_uid,
         }
     }
 
@@ -1758,6 +1794,55 @@ mod tests {
         e.commit_all(true);
         assert_eq!(e.health().collectives, 2);
         assert_eq!(p.segment().tail(), first, "neither span acknowledged");
+    }
+
+    /// Loss counters come from headers their owners write: one uid's segment can raise the node's
+    /// figure to the maximum but never wrap it below another uid's, and a counter its owner lowers
+    /// lowers nothing; each uid's own figure is kept apart.
+    #[test]
+    fn no_segment_can_lower_or_wrap_another_uids_loss_counters() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut e, _rx, _hub) = engine(dir.path());
+        let (victim, hostile) = (producer(64), producer(64));
+        let mut conns = Vec::new();
+        for (p, uid) in [(&victim, 1001), (&hostile, 1002)] {
+            let (ours, theirs) = rustix::net::socketpair(
+                rustix::net::AddressFamily::UNIX,
+                rustix::net::SocketType::STREAM,
+                rustix::net::SocketFlags::CLOEXEC,
+                None,
+            )
+            .unwrap();
+            let key = SegmentKey { uid, ..key_of(p) };
+            let seg = Segment::open(p.segment().fd().try_clone_to_owned().unwrap()).unwrap();
+            e.attach(key, seg, Some(theirs)).unwrap();
+            conns.push(ours);
+        }
+        victim.segment().count(Counter::RingFull, 7);
+        hostile.segment().count(Counter::RingFull, u64::MAX - 3);
+        e.tick();
+        let h = e.health();
+        assert_eq!(h.lost["ring_full"], u64::MAX, "saturated, not wrapped to 3");
+        assert_eq!(h.plugin_lost_by_uid[&(1001, "ring_full")], 7);
+        // The hostile owner winds its counter back (wrapping add): nothing goes down.
+        hostile.segment().count(Counter::RingFull, u64::MAX - 10);
+        e.tick();
+        let h = e.health();
+        assert_eq!(h.plugin_lost_by_uid[&(1002, "ring_full")], u64::MAX - 3);
+        assert_eq!(h.plugin_lost_by_uid[&(1001, "ring_full")], 7);
+        // Both processes end: their figures stay, per uid.
+        drop(conns);
+        let t0 = Instant::now();
+        while e.health().segments > 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "segments not dropped"
+            );
+            e.tick();
+        }
+        let h = e.health();
+        assert_eq!(h.plugin_lost_by_uid[&(1001, "ring_full")], 7);
+        assert_eq!(h.lost["ring_full"], u64::MAX);
     }
 
     #[test]

@@ -78,6 +78,8 @@ pub struct Health {
     pub dev_joined: u64,
     /// Commits past open operations or unacknowledged spans because a ring was over half full.
     pub forced_commits: u64,
+    /// Non-zero plugin counters per (uid, stage): whose processes reported the loss.
+    pub plugin_lost_by_uid: BTreeMap<(u32, &'static str), u64>,
 }
 
 fn comm_label(hash: u64) -> String {
@@ -193,6 +195,18 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
         lost.push(vec![("stage", stage.clone())], *v as f64);
     }
     out.push(lost);
+    let mut by_uid = Family::new(
+        "ncclscope_plugin_lost_total",
+        "Events the plugins of one uid's processes reported lost, per stage (non-zero only)",
+        Kind::Counter,
+    );
+    for (&(uid, stage), v) in &health.plugin_lost_by_uid {
+        by_uid.push(
+            vec![("uid", uid.to_string()), ("stage", stage.to_string())],
+            *v as f64,
+        );
+    }
+    out.push(by_uid);
     out.push(counter(
         "ncclscope_spans_exported_total",
         "Spans accepted by the OTLP receiver",
