@@ -1315,6 +1315,11 @@ mod tests {
     /// Hands `p`'s segment to `e` as the registration socket does; returns this side of the
     /// connection (dropping it is the process's end).
     fn hand_over(e: &mut Engine, p: &Producer) -> OwnedFd {
+        hand_over_as(e, p, key_of(p))
+    }
+
+    /// [`hand_over`] with the identity the registration socket would have taken from the peer.
+    fn hand_over_as(e: &mut Engine, p: &Producer, key: SegmentKey) -> OwnedFd {
         let (ours, theirs) = rustix::net::socketpair(
             rustix::net::AddressFamily::UNIX,
             rustix::net::SocketType::STREAM,
@@ -1323,8 +1328,17 @@ mod tests {
         )
         .unwrap();
         let seg = Segment::open(p.segment().fd().try_clone_to_owned().unwrap()).unwrap();
-        e.attach(key_of(p), seg, Some(theirs)).unwrap();
+        e.attach(key, seg, Some(theirs)).unwrap();
         ours
+    }
+
+    /// Ticks until every segment whose process ended is drained and dropped.
+    fn tick_until_dropped(e: &mut Engine) {
+        let t0 = Instant::now();
+        while e.health().segments > 0 {
+            assert!(t0.elapsed() < Duration::from_secs(5), "segment not dropped");
+            e.tick();
+        }
     }
 
     /// Strings and the communicator `write_colls`'s records refer to.
@@ -1716,11 +1730,7 @@ mod tests {
             }
         }
         drop(conn);
-        let t0 = Instant::now();
-        while e.health().segments > 0 {
-            assert!(t0.elapsed() < Duration::from_secs(5), "segment not dropped");
-            e.tick();
-        }
+        tick_until_dropped(&mut e);
         let mut seen = Vec::new();
         while let Ok(c) = live.try_recv() {
             seen.push(c.inst.seq);
@@ -1806,17 +1816,7 @@ mod tests {
         let (victim, hostile) = (producer(64), producer(64));
         let mut conns = Vec::new();
         for (p, uid) in [(&victim, 1001), (&hostile, 1002)] {
-            let (ours, theirs) = rustix::net::socketpair(
-                rustix::net::AddressFamily::UNIX,
-                rustix::net::SocketType::STREAM,
-                rustix::net::SocketFlags::CLOEXEC,
-                None,
-            )
-            .unwrap();
-            let key = SegmentKey { uid, ..key_of(p) };
-            let seg = Segment::open(p.segment().fd().try_clone_to_owned().unwrap()).unwrap();
-            e.attach(key, seg, Some(theirs)).unwrap();
-            conns.push(ours);
+            conns.push(hand_over_as(&mut e, p, SegmentKey { uid, ..key_of(p) }));
         }
         victim.segment().count(Counter::RingFull, 7);
         hostile.segment().count(Counter::RingFull, u64::MAX - 3);
@@ -1867,11 +1867,7 @@ mod tests {
         // The process ends: what it wrote last is still delivered, then the segment is dropped.
         write_colls(&mut p, 10..12);
         drop(second);
-        let t0 = Instant::now();
-        while e.health().segments > 0 {
-            assert!(t0.elapsed() < Duration::from_secs(5), "segment not dropped");
-            e.tick();
-        }
+        tick_until_dropped(&mut e);
         let mut seen = Vec::new();
         while let Ok(c) = live.try_recv() {
             seen.push(c.inst.seq);
