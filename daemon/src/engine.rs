@@ -1345,9 +1345,14 @@ mod tests {
     fn write_dictionary(p: &mut Producer) {
         p.push(&Record::str(StrId(1), b"AllReduce"));
         p.push(&Record::str(StrId(2), b"ncclFloat32"));
-        p.push(&Record::Comm {
-            comm: 0,
-            comm_hash: 5,
+        p.push(&comm_record(0, 5));
+    }
+
+    /// A one-rank communicator on the KernelCh path.
+    fn comm_record(comm: u32, comm_hash: u64) -> Record {
+        Record::Comm {
+            comm,
+            comm_hash,
             rank: 0,
             nranks: 1,
             nnodes: 1,
@@ -1356,7 +1361,7 @@ mod tests {
             nccl_version: 0,
             path: TimingPath::KernelCh,
             host_ns: 0,
-        });
+        }
     }
 
     /// The CollStart of `write_colls`'s collective `seq` (op id seq + 1, no kernel work).
@@ -1770,18 +1775,7 @@ mod tests {
         let mut e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out);
         let mut p = producer(64);
         write_dictionary(&mut p);
-        p.push(&Record::Comm {
-            comm: 1,
-            comm_hash: 6,
-            rank: 0,
-            nranks: 1,
-            nnodes: 1,
-            cuda_dev: 0,
-            name: StrId(0),
-            nccl_version: 0,
-            path: TimingPath::KernelCh,
-            host_ns: 0,
-        });
+        p.push(&comm_record(1, 6));
         let first = p.segment().head();
         p.push(&coll_start(0));
         let mut other = coll_start(1);
