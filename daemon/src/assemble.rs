@@ -993,16 +993,11 @@ impl Assembler {
         let held = (self.holds.values())
             .filter(|h| !h.items.is_empty() && h.first_pos >= from)
             .map(|h| h.first_pos);
-        let open = match self.by_pos.front() {
-            Some(&(pos, _)) if pos >= from => Some(pos),
-            Some(_) => (self.by_pos.iter())
-                .filter(|&&(pos, id)| {
-                    pos >= from && self.ops.get(&id).is_some_and(|o| o.first_pos == pos)
-                })
-                .map(|&(pos, _)| pos)
-                .min(),
-            None => None,
-        };
+        // `by_pos` is in position order: skip what lies before `from`, then its first live entry.
+        let after = self.by_pos.partition_point(|&(pos, _)| pos < from);
+        let open = (self.by_pos.range(after..))
+            .find(|&&(pos, id)| self.ops.get(&id).is_some_and(|o| o.first_pos == pos))
+            .map(|&(pos, _)| pos);
         open.into_iter().chain(held).min()
     }
 

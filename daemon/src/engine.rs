@@ -1163,7 +1163,8 @@ fn commit(
     // and save the state as often as that takes. They are delivered as usual; only a daemon
     // restarted before they finish would not read them again.
     let capacity = seg.consumer.segment().capacity();
-    let pressed = seg.consumer.segment().head() - tail > capacity / 2;
+    // The head is the producer's word: saturating, so a head behind the tail is not "full".
+    let pressed = seg.consumer.segment().head().saturating_sub(tail) > capacity / 2;
     let forcing = pressed && target < seg.read_upto;
     if forcing {
         target = seg.read_upto;
@@ -1320,16 +1321,21 @@ mod tests {
 
     /// [`hand_over`] with the identity the registration socket would have taken from the peer.
     fn hand_over_as(e: &mut Engine, p: &Producer, key: SegmentKey) -> OwnedFd {
-        let (ours, theirs) = rustix::net::socketpair(
+        let (ours, theirs) = connection();
+        let seg = Segment::open(p.segment().fd().try_clone_to_owned().unwrap()).unwrap();
+        e.attach(key, seg, Some(theirs)).unwrap();
+        ours
+    }
+
+    /// Both ends of a registration connection: (the process's, the daemon's).
+    fn connection() -> (OwnedFd, OwnedFd) {
+        rustix::net::socketpair(
             rustix::net::AddressFamily::UNIX,
             rustix::net::SocketType::STREAM,
             rustix::net::SocketFlags::CLOEXEC,
             None,
         )
-        .unwrap();
-        let seg = Segment::open(p.segment().fd().try_clone_to_owned().unwrap()).unwrap();
-        e.attach(key, seg, Some(theirs)).unwrap();
-        ours
+        .unwrap()
     }
 
     /// Ticks until every segment whose process ended is drained and dropped.
@@ -1536,13 +1542,7 @@ mod tests {
             .open(segment)
             .unwrap();
         let seg = Segment::open(fd.into()).unwrap();
-        let (_ours, theirs) = rustix::net::socketpair(
-            rustix::net::AddressFamily::UNIX,
-            rustix::net::SocketType::STREAM,
-            rustix::net::SocketFlags::CLOEXEC,
-            None,
-        )
-        .unwrap();
+        let (_ours, theirs) = connection();
         e.attach(key.parse().unwrap(), seg, Some(theirs)).unwrap();
         for _ in 0..100 {
             e.tick();

@@ -284,6 +284,14 @@ mod tests {
         (s, buf[..msg.bytes].to_vec(), fd)
     }
 
+    fn segment() -> Segment {
+        let claims = Claims {
+            hostname: "h".into(),
+            job_id: "j".into(),
+        };
+        Segment::create(&claims, 8).unwrap()
+    }
+
     fn settle(reg: &mut Registration, seg: &Segment, until: impl Fn(&Registration) -> bool) {
         let t0 = Instant::now();
         while !until(reg) {
@@ -297,14 +305,7 @@ mod tests {
     fn hands_over_the_descriptor_holds_the_connection_and_hands_it_over_again_after_a_restart() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("d.sock");
-        let seg = Segment::create(
-            &Claims {
-                hostname: "h".into(),
-                job_id: "j".into(),
-            },
-            8,
-        )
-        .unwrap();
+        let seg = segment();
         let mut reg = Registration::new(path.clone());
         let t0 = Instant::now();
         reg.poll(t0, seg.fd());
@@ -342,14 +343,7 @@ mod tests {
     fn settling_tries_at_once_despite_the_backoff_and_waits_for_the_answer() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("d.sock");
-        let seg = Segment::create(
-            &Claims {
-                hostname: "h".into(),
-                job_id: "j".into(),
-            },
-            8,
-        )
-        .unwrap();
+        let seg = segment();
         let mut reg = Registration::new(path.clone());
         // No daemon: one failed attempt, then a backoff far in the future; settling returns at once.
         reg.poll(Instant::now(), seg.fd());
@@ -376,14 +370,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("d.sock");
         let listener = UnixListener::bind(&path).unwrap();
-        let seg = Segment::create(
-            &Claims {
-                hostname: "h".into(),
-                job_id: "j".into(),
-            },
-            8,
-        )
-        .unwrap();
+        let seg = segment();
         let mut reg = Registration::new(path);
         let t0 = Instant::now();
         reg.poll(t0, seg.fd());
