@@ -203,6 +203,10 @@ pub struct CapturedOp {
     pub root: i32,
     pub peer: i32,
     pub n_channels: u8,
+    /// Host time of its capture. A replay runs after its graph was captured and launched: a work item
+    /// that started before this is not a replay of it (0 in states saved before it was kept: no bound).
+    #[serde(default)]
+    pub captured_ns: u64,
     /// The funcId its work items carried in the replays attributed so far (u32::MAX: they differed).
     /// A replayed operation runs the same device function every time: a work item with another
     /// funcId is not its.
@@ -1242,6 +1246,7 @@ impl Assembler {
                             root,
                             peer: -1,
                             n_channels,
+                            captured_ns: host_ns,
                             func_id: None,
                         },
                     );
@@ -1300,6 +1305,7 @@ impl Assembler {
                             root: -1,
                             peer,
                             n_channels,
+                            captured_ns: host_ns,
                             func_id: None,
                         },
                     );
@@ -1524,8 +1530,7 @@ impl Assembler {
             }
         }
         let index = list.get(next.pos as usize).copied();
-        let fits =
-            index.is_some_and(|i| self.work_matches_captured(work.func_id, &t.ops[i as usize]));
+        let fits = index.is_some_and(|i| self.replay_can_own(comm, work, &t.ops[i as usize]));
         (stored, next, index, fits)
     }
 
@@ -1699,7 +1704,7 @@ impl Assembler {
                 let Some(op) = list.get(i).map(|&k| &t.ops[k as usize]) else {
                     return false;
                 };
-                self.work_matches_captured(work.func_id, op)
+                self.replay_can_own(comm, work, op)
                     && (p.learned.iter()).all(|&(place, f)| place != i || f == work.func_id)
             }
             Owner::Ambiguous => false,
@@ -2202,6 +2207,17 @@ impl Assembler {
     /// ends the function's name (`..._LL`, `_LL128`, `_SIMPLE`) is the operation's, when these are
     /// known. A template's operations of one collective differ mostly by protocol (chosen by size):
     /// without this, an item one place off would fit.
+    /// Whether `work` of `comm` can be a replay of `op`: its function fits (see
+    /// [`Self::work_matches_captured`]) and it did not start before `op` was captured. The second
+    /// separates warm-up collectives from the first replay when both run the same functions in the
+    /// same order (PyTorch warms up the very calls it then captures).
+    fn replay_can_own(&self, comm: u32, work: &Work, op: &CapturedOp) -> bool {
+        self.work_matches_captured(work.func_id, op)
+            && self
+                .started_by(comm, work)
+                .is_none_or(|t| op.captured_ns <= t)
+    }
+
     fn work_matches_captured(&self, func_id: u32, op: &CapturedOp) -> bool {
         const PROTOS: [&str; 3] = ["LL", "LL128", "SIMPLE"];
         if !self.work_matches(func_id, StrId(op.func))
@@ -3781,6 +3797,69 @@ mod tests {
         assert!(out[0].coll.channels.is_empty());
         let c = &a.counters;
         assert_eq!((c.dev_ambiguous, c.dev_joined, c.incomplete), (5, 0, 1));
+        assert_eq!((a.pending(), a.early_works), (0, 0));
+    }
+
+    /// PyTorch's pattern: the very calls it then captures are warmed up eagerly (all-reduce,
+    /// broadcast, twice), synchronized, captured, and the graph replayed. The plugin forwards host
+    /// events first, so the warm-up's items are read after the capture, and every item fits both
+    /// the warm-up and a replay (same functions, same order). Only time decides: the warm-up ran
+    /// before the capture, and no replay of an operation can start before it was captured.
+    #[test]
+    fn warm_up_collectives_that_the_graph_repeats_are_not_taken_for_its_first_replay() {
+        let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 100);
+        let mut recs = hook_prelude();
+        recs.push(s(11, "Broadcast"));
+        let at = |mut r: Record, ns: u64| {
+            if let Record::CollStart { host_ns, .. } = &mut r {
+                *host_ns = ns;
+            }
+            r
+        };
+        let warm_up = [(1, 0, 1), (2, 0, 11), (3, 1, 1), (4, 1, 11)];
+        for (id, seq, func) in warm_up {
+            recs.push(at(captured(id, seq, func, 1), 1_000_000 + id * 1000));
+            if let Some(Record::CollStart { captured, .. }) = recs.last_mut() {
+                *captured = false;
+            }
+            recs.push(Record::OpStop {
+                comm: 0,
+                id,
+                host_ns: 1_000_500 + id * 1000,
+            });
+        }
+        // Captured at host 3 ms (NCCL's seq not advanced under capture).
+        recs.push(at(captured(100, 2, 1, 1), 3_000_000));
+        recs.push(at(captured(101, 2, 11, 1), 3_000_100));
+        // The warm-up's items: GPU 0.2 ms = host 1.2 ms, before the capture.
+        for (wc, func_id) in [(0, 42), (1, 43), (2, 42), (3, 43)] {
+            recs.push(dev(0, func_id, wc, 200_000 + wc * 10_000, 100 + wc));
+        }
+        // Two replays from GPU 5 ms = host 6 ms.
+        for (wc, func_id) in [(4, 42), (5, 43), (6, 42), (7, 43)] {
+            recs.push(dev(0, func_id, wc, 5_000_000 + wc * 10_000, 200 + wc));
+        }
+        let out = feed(&mut a, &recs);
+        assert_eq!(
+            sorted(got(&out)),
+            sorted(vec![
+                (0, 0, 100),
+                (0, 0, 101),
+                (1, 0, 102),
+                (1, 0, 103),
+                (2, 1, 204),
+                (2, 1, 205),
+                (2, 2, 206),
+                (2, 2, 207),
+            ]),
+            "the warm-up device-timed, each replay its own"
+        );
+        let c = &a.counters;
+        assert_eq!((c.dev_work, c.dev_joined), (8, 8));
+        assert_eq!(
+            (c.dev_ambiguous, c.dev_unattributed, c.dev_mismatch),
+            (0, 0, 0)
+        );
         assert_eq!((a.pending(), a.early_works), (0, 0));
     }
 

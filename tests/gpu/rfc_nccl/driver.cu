@@ -8,6 +8,8 @@
 // Every case prints one line "ops=<per rank> ..." for the checker.
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <signal.h>
+#include <unistd.h>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -80,6 +82,15 @@ static void destroy(cudaGraphExec_t exec) {
     CK(cudaGraphExecDestroy(exec));
 }
 
+// A teardown that hangs costs TEARDOWN_S seconds (default 10), not the case's whole time limit: the
+// ops line is already out, and the plugin has forwarded everything (the daemon drains at exit).
+static void teardown_hung(int) {
+    static const char msg[] = "driver: teardown hung, exiting\n";
+    ssize_t ignored = write(2, msg, sizeof msg - 1);
+    (void)ignored;
+    _exit(9);
+}
+
 int main(int argc, char** argv) {
     if (argc < 2) { fprintf(stderr, "usage: driver eager|graph|cost ...\n"); return 1; }
     int devs[R] = {0, 0};
@@ -125,6 +136,7 @@ int main(int argc, char** argv) {
         int ops = atoi(argv[2]), replays = atoi(argv[4]);
         size_t bytes = strtoull(argv[3], nullptr, 10);
         cudaGraphExec_t exec = capture([&] { for (int i = 0; i < ops; i++) launch(ALL_REDUCE, bytes); });
+        fprintf(stderr, "driver: captured\n");
         cudaEvent_t a, b;
         CK(cudaEventCreate(&a));
         CK(cudaEventCreate(&b));
@@ -147,6 +159,15 @@ int main(int argc, char** argv) {
         return 1;
     }
     fflush(stdout);
+    signal(SIGALRM, teardown_hung);
+    alarm(getenv("TEARDOWN_S") ? atoi(getenv("TEARDOWN_S")) : 10);
+    // Both ranks live in this thread: finalize them in one group, then destroy.
+    ncclResult_t fin = ncclGroupStart();
+    for (int r = 0; r < R && fin == ncclSuccess; r++) fin = ncclCommFinalize(comms[r]);
+    ncclResult_t end = ncclGroupEnd();
+    if (fin != ncclSuccess || end != ncclSuccess)
+        fprintf(stderr, "driver: grouped finalize: %s / %s\n", ncclGetErrorString(fin), ncclGetErrorString(end));
     for (int r = 0; r < R; r++) NK(ncclCommDestroy(comms[r]));
+    fprintf(stderr, "driver: communicators destroyed\n");
     return 0;
 }

@@ -5,13 +5,15 @@
 #   graph6     a graph of 50 mixed collectives, 6 replays, a synchronize and 4 eager collectives after each
 #   burstN     the same graph replayed N times back to back (the CPU far ahead of the GPU)
 #   torch      PyTorch, 2 processes: torch.cuda.graph of 30 collectives, 20 replays (torch_graphs.py)
+#   torchraw   the same without the daemon: segment-dump saves both processes' segments (raw/*.seg.xz,
+#              test data for the CPU tests, see tests/data/README.md)
 #   cost       a graph of 200 all-reduces at 8 B, 1 MiB and 16 MiB: no plugin, device ring (default),
 #              host-mapped ring, NCCL's own KernelCh path; 3 processes each, interleaved; medians
 # For the GPU machine, which has no cargo. Build here and carry .carry/ holding
-#   ncclscope libnccl_profiler_ncclscope.so otlp-sink libnccl.so.2.xz
+#   ncclscope libnccl_profiler_ncclscope.so otlp-sink segment-dump libnccl.so.2.xz
 #   (source scripts/install-nvcc.sh; cargo build --release -p ncclscope-plugin -p ncclscope \
-#    -p ncclscope-tests --bin otlp-sink; cp the three + ../shared/reference/rfc-nccl/libnccl.so.2.xz)
-#   bash tests/gpu/rfc_nccl/run.sh [CASES...]     (default: eager graph6 burst100 burst300 cost torch)
+#    -p ncclscope-tests -p ncclscope-fakenccl --bins; cp the four + ../shared/reference/rfc-nccl/libnccl.so.2.xz)
+#   bash tests/gpu/rfc_nccl/run.sh [CASES...]     (default: all of the above)
 # Needs nvcc and PyTorch's nvidia-nccl-cu13 wheel (for nccl.h) there. Results under WORK (default a temporary directory), packed into $OUT/rfc-nccl.tar.gz at the end.
 # Every process runs under a hard time limit: a hang costs its limit, never the session.
 set -uo pipefail
@@ -21,7 +23,7 @@ work="${WORK:-$(mktemp -d)}"
 out="$work/results"
 mkdir -p "$out"
 cases=("$@")
-[ ${#cases[@]} -gt 0 ] || cases=(eager graph6 burst100 burst300 cost torch)
+[ ${#cases[@]} -gt 0 ] || cases=(eager graph6 burst100 burst300 cost torch torchraw)
 log() { echo "$(date +%T) $*" | tee -a "$out/steps.txt"; }
 limited() { local s=$1; shift; timeout -s KILL "$s" "$@"; }  # limited SECONDS COMMAND...
 
@@ -90,10 +92,11 @@ cost() {
           host) env+=(NCCL_PROFILER_PLUGIN="$plugin" NCCLSCOPE_RING_MEMORY=host) ;;
           kernelch) env+=(NCCL_PROFILER_PLUGIN="$plugin" NCCL_RFC_DEVHOOK_DISABLE=1) ;;
         esac
-        line="$(env "${env[@]}" timeout -s KILL "${COST_LIMIT:-20}" "$work/driver" cost 200 "$bytes" 20 2>>"$out/cost.err" < /dev/null)"
+        line="$(env "${env[@]}" TEARDOWN_S=3 timeout -s KILL "${COST_LIMIT:-20}" "$work/driver" cost 200 "$bytes" 20 2>>"$out/cost.err" < /dev/null)"
         rc=$?
         echo "$cfg $bytes $rep $line" >> "$out/cost.txt"
-        [ $rc = 0 ] || { log "cost $cfg $bytes: rc=$rc, stopping the cost runs"; return; }
+        # A teardown that hung (rc 9) still measured; no figure at all stops the cost runs.
+        [[ $line == *us_per_op=* ]] || { log "cost $cfg $bytes: rc=$rc, no figure, stopping the cost runs"; return; }
       done
     done
     log "cost repeat $rep done"
@@ -108,6 +111,17 @@ for c in "${cases[@]}"; do
     burst*) traced "$c" "${GRAPH_LIMIT:-40}" "$work/driver" graph 50 "${c#burst}" 0 0 ;;
     cost) cost ;;
     torch) LD_PRELOAD="$work/nccl/libnccl.so.2" traced torch "${TORCH_LIMIT:-60}" python3 "$here/torch_graphs.py" 30 20 ;;
+    torchraw)
+      mkdir -p "$out/raw"
+      limited $(( ${TORCH_LIMIT:-60} + 10 )) "$bin/segment-dump" "$work/dump.sock" 2 "$out/raw" \
+        > "$out/torchraw.dump" 2>&1 < /dev/null &
+      dump=$!
+      for _ in $(seq 50); do [ -S "$work/dump.sock" ] && break; sleep 0.1; done
+      NCCLSCOPE_SOCKET="$work/dump.sock" LD_PRELOAD="$work/nccl/libnccl.so.2" traced torchraw \
+        "${TORCH_LIMIT:-60}" python3 "$here/torch_graphs.py" 30 20
+      wait "$dump"
+      log "torchraw: $(tr '\n' ' ' < "$out/torchraw.dump")"
+      xz -T0 "$out"/raw/*.seg ;;
     *) log "unknown case $c"; status=1 ;;
   esac
 done

@@ -6,9 +6,11 @@ line "ops=<per rank>" for check.py.
   python3 torch_graphs.py CAPTURED REPLAYS
 """
 
+import faulthandler
 import os
 import sys
 import tempfile
+import threading
 
 import torch
 import torch.distributed as dist
@@ -46,7 +48,11 @@ def rank_main(rank, store, captured, replays):
     if rank == 0:
         print(f"torch {torch.__version__} nccl {torch.cuda.nccl.version()} ops={EAGER + captured * replays}",
               flush=True)
+    # A teardown that hangs costs 10 s, not the case's time limit; where it hung goes to stderr.
+    faulthandler.dump_traceback_later(8)
+    threading.Timer(10, lambda: os._exit(9)).start()
     dist.destroy_process_group()
+    os._exit(0)
 
 
 def main():

@@ -1,10 +1,12 @@
 //! Prints the records of ncclscope segments, one line each (for checking a real NCCL run by hand).
 //!
-//! `segment-dump SOCKET [N]` listens on SOCKET in the daemon's place (point the ranks'
+//! `segment-dump SOCKET [N [DIR]]` listens on SOCKET in the daemon's place (point the ranks'
 //! `NCCLSCOPE_SOCKET` at it), takes the segments of N processes (default 1), and dumps each one once
-//! its process has ended (its connection closed), without consuming anything.
+//! its process has ended (its connection closed), without consuming anything. With DIR, each
+//! segment's bytes are saved there as `<job>.<i>.seg` instead (test data, see tests/data).
 
 use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixListener;
 
 use ncclscope_fakenccl::process::receive_segment;
@@ -14,22 +16,37 @@ use ncclscope_proto::segment::{Consumer, Counter, Segment};
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let Some(socket) = args.next() else {
-        anyhow::bail!("usage: segment-dump SOCKET [N]");
+        anyhow::bail!("usage: segment-dump SOCKET [N [DIR]]");
     };
     let n: usize = args.next().map_or(Ok(1), |a| a.parse())?;
+    let save = args.next().map(std::path::PathBuf::from);
     let _ = std::fs::remove_file(&socket);
     let listener = UnixListener::bind(&socket)?;
     let mut held = Vec::new();
     for _ in 0..n {
         let (mut conn, _) = listener.accept()?;
-        let seg = Segment::open(receive_segment(&conn)?)?;
+        let fd = receive_segment(&conn)?;
+        let file = std::fs::File::from(fd.try_clone()?);
+        let seg = Segment::open(fd)?;
         conn.write_all(b"OK\n")?;
-        held.push((seg, conn));
+        held.push((seg, file, conn));
     }
-    for (i, (seg, mut conn)) in held.into_iter().enumerate() {
+    for (i, (seg, file, mut conn)) in held.into_iter().enumerate() {
         // The plugin never writes after its registration: this returns when the process has ended.
         let _ = conn.read(&mut [0u8; 16]);
         let claims = seg.claims();
+        if let Some(dir) = &save {
+            let mut bytes = vec![0u8; file.metadata()?.len() as usize];
+            file.read_exact_at(&mut bytes, 0)?;
+            let path = dir.join(format!("{}.{i}.seg", claims.job_id));
+            std::fs::write(&path, bytes)?;
+            println!(
+                "segment {i}: saved {} (head {})",
+                path.display(),
+                seg.head()
+            );
+            continue;
+        }
         println!(
             "segment {i}: inode {} uid {} host {} job {} capacity {} head {} closed {}",
             seg.inode(),
