@@ -75,6 +75,10 @@ struct Args {
     graph_ops: u32,
     #[arg(long, default_value_t = 0)]
     replays: u32,
+    /// Before the capture, run the graph's operations once eagerly, as PyTorch warms up the calls
+    /// it then captures: the same device functions in the same order as every replay.
+    #[arg(long)]
+    warm_up: bool,
     /// Eager 8 B all-reduces (the graph's first device function) after each replay.
     #[arg(long, default_value_t = 1)]
     eager_between: u32,
@@ -226,6 +230,10 @@ fn run_comm(host: &std::sync::Arc<Host>, args: &Args, i: u32) -> anyhow::Result<
     if args.graph_ops > 0 {
         let channels = args.graph_channels.unwrap_or(args.channels);
         let eager = graph_coll(0, channels, args.kernel_ns, args.graph_bytes_per_ns);
+        for n in 0..args.graph_ops * args.warm_up as u32 {
+            let spec = graph_coll(n, channels, args.kernel_ns, args.graph_bytes_per_ns);
+            ops.push(comm.collective(&spec));
+        }
         comm.begin_capture();
         for n in 0..args.graph_ops {
             let spec = graph_coll(n, channels, args.kernel_ns, args.graph_bytes_per_ns);
