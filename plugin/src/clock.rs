@@ -4,7 +4,7 @@
 //! ~30 ns). Every `host_ns` in the segment is CLOCK_REALTIME either way.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ncclscope_proto::now_ns;
 
@@ -43,6 +43,12 @@ fn ticks() -> u64 {
     now_ns()
 }
 
+/// The first baseline of the tick rate. Re-anchored after 1, 2, 4, ... ms (up to [`MAX_PERIOD`]), a
+/// stamp is never further from its anchor than the rate's baseline is long, so the rate's error
+/// (the reading's ~50 ns over the baseline) stays below ~100 ns from the first millisecond on.
+const FIRST_BASELINE: Duration = Duration::from_millis(1);
+const MAX_PERIOD: Duration = Duration::from_secs(1);
+
 /// Stamps -> CLOCK_REALTIME: a linear map anchored at a recent (ticks, realtime) pair, with the tick
 /// rate measured over the longest baseline seen. Owned by the forwarding thread.
 pub struct Converter {
@@ -51,6 +57,10 @@ pub struct Converter {
     anchor: (u64, u64),
     /// ns per tick, 32.32 fixed point.
     rate: u64,
+    /// Whether `rate` was measured (over at least [`FIRST_BASELINE`]).
+    measured: bool,
+    period: Duration,
+    next_refresh: Instant,
 }
 
 /// (ticks, realtime ns) read as close together as possible: the tightest of a few brackets.
@@ -68,8 +78,7 @@ fn pair() -> (u64, u64) {
 }
 
 impl Converter {
-    /// Takes the first anchor; the tick rate is known after the first [`Converter::refresh`] (the
-    /// forwarding thread waits a few ms before it so the baseline is long enough).
+    /// Takes the first anchor; the tick rate is known [`FIRST_BASELINE`] later ([`Converter::ready`]).
     pub fn start() -> Converter {
         let tsc = TSC.load(Ordering::Relaxed);
         let first = if tsc { pair() } else { (0, 0) };
@@ -78,12 +87,32 @@ impl Converter {
             first,
             anchor: first,
             rate: 1 << 32,
+            measured: !tsc,
+            period: FIRST_BASELINE,
+            next_refresh: Instant::now() + FIRST_BASELINE,
         }
     }
 
-    /// Re-anchors at the current time and re-measures the rate from the first anchor (forwarding thread,
-    /// about once a second), so NTP steps and slews of CLOCK_REALTIME are followed.
-    pub fn refresh(&mut self) {
+    /// Whether stamps can be converted yet (the tick rate is measured; always without the TSC).
+    pub fn ready(&self) -> bool {
+        self.measured
+    }
+
+    /// Refreshes when due: after 1, 2, 4, ... ms, then every [`MAX_PERIOD`]. Called by the
+    /// forwarding thread on every pass.
+    pub fn tick(&mut self, now: Instant) {
+        if now < self.next_refresh {
+            return;
+        }
+        self.refresh();
+        self.measured = true;
+        self.period = (self.period * 2).min(MAX_PERIOD);
+        self.next_refresh = now + self.period;
+    }
+
+    /// Re-anchors at the current time and re-measures the rate from the first anchor, so NTP steps
+    /// and slews of CLOCK_REALTIME are followed.
+    fn refresh(&mut self) {
         if !self.tsc {
             return;
         }
@@ -127,9 +156,12 @@ mod tests {
     fn stamps_convert_to_realtime() {
         init();
         let mut conv = Converter::start();
-        std::thread::sleep(Duration::from_millis(20));
-        conv.refresh();
+        assert_eq!(conv.ready(), !TSC.load(Ordering::Relaxed));
+        std::thread::sleep(FIRST_BASELINE);
+        conv.tick(Instant::now());
+        assert!(conv.ready());
         for _ in 0..3 {
+            conv.tick(Instant::now());
             let before = now_ns();
             let s = stamp();
             let after = now_ns();

@@ -5,6 +5,8 @@
 //! counters into the segment header, heartbeats the segment and hands it to the daemon (again after a
 //! daemon restart). When there
 //! is nothing to do it sleeps, 1 ms growing to 20 ms; NCCL threads wake it early when the queue fills up.
+//! It empties NCCL's queue from its first moment; for the first millisecond, until the TSC rate is
+//! measured, the events wait in the thread's own buffer.
 
 use std::collections::HashMap;
 use std::ffi::{CStr, c_char};
@@ -20,8 +22,6 @@ use crate::profiler::{self, ORPHAN_AGE, Plugin};
 use crate::register::Registration;
 use crate::sink::Sink;
 
-/// The forwarding thread's pause at start-up, the first baseline of the TSC rate.
-const CLOCK_BASELINE: Duration = Duration::from_millis(20);
 /// How often the handle pool is swept for operations whose KernelCh children never came.
 const SWEEP_PERIOD: Duration = Duration::from_secs(1);
 const MIN_IDLE: Duration = Duration::from_millis(1);
@@ -150,8 +150,10 @@ pub struct Forwarder {
     strings: Interner,
     registration: Registration,
     sweep_due: Instant,
-    /// NCCL threads' stamps -> CLOCK_REALTIME; refreshed with the sweep.
+    /// NCCL threads' stamps -> CLOCK_REALTIME.
     clock: Converter,
+    /// Events taken off NCCL's queue before the clock could convert their stamps (the first ms).
+    early: Vec<Event>,
     /// While the rings are drained: their records, written after the host events queued before them.
     holding: bool,
     held: Vec<Record>,
@@ -189,6 +191,7 @@ impl Forwarder {
             registration,
             sweep_due: Instant::now() + SWEEP_PERIOD,
             clock: Converter::start(),
+            early: Vec::new(),
             holding: false,
             held: Vec::with_capacity(HELD),
         }
@@ -233,7 +236,7 @@ impl Forwarder {
             return;
         }
         profiler::fail("the forwarding thread");
-        let mut lost = 1;
+        let mut lost = 1 + self.early.len() as u64;
         while self.plugin.queue.pop().is_some() {
             lost += 1;
         }
@@ -251,14 +254,27 @@ impl Forwarder {
     }
 
     fn forward_forever(&mut self) {
-        std::thread::sleep(CLOCK_BASELINE);
-        self.clock.refresh();
         let mut idle = MIN_IDLE;
         let mut forwarded = 0u64;
         loop {
             // First: a daemon that is there gets the segment before anything else can go wrong.
             self.registration
                 .poll(Instant::now(), self.producer.segment().fd());
+            self.clock.tick(Instant::now());
+            if !self.clock.ready() {
+                // NCCL's queue is emptied from the first moment; the events wait here for the
+                // clock (and the rings for them: a work item follows its operation's host event).
+                while self.early.len() < crate::profiler::QUEUE_EVENTS
+                    && let Some(event) = self.plugin.queue.pop()
+                {
+                    self.early.push(event);
+                }
+                std::thread::sleep(Duration::from_micros(100));
+                continue;
+            }
+            for event in std::mem::take(&mut self.early) {
+                self.forward(event);
+            }
             let mut work = 0;
             while let Some(event) = self.plugin.queue.pop() {
                 self.forward(event);
@@ -280,7 +296,6 @@ impl Forwarder {
             self.producer.segment().beat();
             let now = Instant::now();
             if now >= self.sweep_due {
-                self.clock.refresh();
                 self.plugin.sweep(self.clock.stamp_ago(ORPHAN_AGE));
                 self.sweep_due = now + SWEEP_PERIOD;
             }
