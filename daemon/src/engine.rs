@@ -264,30 +264,6 @@ pub struct Engine {
     started: Instant,
 }
 
-fn add(a: &mut AssembleCounters, b: &AssembleCounters) {
-    a.records += b.records;
-    a.decode_errors += b.decode_errors;
-    a.kernel_unjoined += b.kernel_unjoined;
-    a.dev_work += b.dev_work;
-    a.dev_joined += b.dev_joined;
-    a.incomplete += b.incomplete;
-    a.pending_overflow += b.pending_overflow;
-    a.uncalibrated += b.uncalibrated;
-    a.host_anchored += b.host_anchored;
-    a.unknown_comm += b.unknown_comm;
-    a.comm_limit += b.comm_limit;
-    a.string_limit += b.string_limit;
-    a.func_name_limit += b.func_name_limit;
-    a.device_limit += b.device_limit;
-    a.channel_limit += b.channel_limit;
-    a.early_work_limit += b.early_work_limit;
-    a.uid_limit += b.uid_limit;
-    a.dev_unattributed += b.dev_unattributed;
-    a.dev_mismatch += b.dev_mismatch;
-    a.dev_ambiguous += b.dev_ambiguous;
-    a.template_full += b.template_full;
-}
-
 impl Engine {
     pub fn new(
         cfg: Arc<Config>,
@@ -874,7 +850,7 @@ impl Engine {
         for (r, v) in reaped.iter_mut().zip(seg.plugin_lost) {
             *r = r.saturating_add(v);
         }
-        add(&mut self.reaped_asm, &seg.asm.counters);
+        self.reaped_asm.add(&seg.asm.counters);
     }
 
     /// The daemon's health: plugin counters of every segment seen plus the daemon's own.
@@ -885,7 +861,7 @@ impl Engine {
         let mut by_uid = self.reaped_plugin.clone();
         let mut max_cal = 0u32;
         for s in &self.segments {
-            add(&mut asm, &s.asm.counters);
+            asm.add(&s.asm.counters);
             let sum = by_uid.entry(s.key.uid).or_insert([0; Counter::ALL.len()]);
             for (t, v) in sum.iter_mut().zip(s.plugin_lost) {
                 *t = t.saturating_add(v);
@@ -910,31 +886,17 @@ impl Engine {
             "export_dropped".into(),
             ec.spans_dropped.load(Ordering::Relaxed),
         );
-        lost.insert("kernel_unjoined".into(), asm.kernel_unjoined);
-        lost.insert(
-            "dev_unjoined".into(),
-            asm.dev_work - asm.dev_joined - asm.dev_unattributed - asm.dev_ambiguous,
-        );
-        lost.insert("dev_unattributed".into(), asm.dev_unattributed);
-        lost.insert("dev_ambiguous".into(), asm.dev_ambiguous);
-        lost.insert("dev_mismatch".into(), asm.dev_mismatch);
-        lost.insert("template_full".into(), asm.template_full);
-        lost.insert("incomplete".into(), asm.incomplete);
-        lost.insert("pending_overflow".into(), asm.pending_overflow);
-        lost.insert("unknown_comm".into(), asm.unknown_comm);
-        lost.insert("uncalibrated".into(), asm.uncalibrated);
-        for (stage, n) in [
-            ("comm_limit", asm.comm_limit),
-            ("string_limit", asm.string_limit),
-            ("func_name_limit", asm.func_name_limit),
-            ("device_limit", asm.device_limit),
-            ("channel_limit", asm.channel_limit),
-            ("early_work_limit", asm.early_work_limit),
-            ("uid_limit", asm.uid_limit),
-            ("rank_series_limit", self.stats.rank_series_refused),
-        ] {
+        for (stage, n) in asm.losses() {
             lost.insert(stage.into(), n);
         }
+        lost.insert(
+            "dev_unjoined".into(),
+            (asm.dev_work)
+                .saturating_sub(asm.dev_joined)
+                .saturating_sub(asm.dev_unattributed)
+                .saturating_sub(asm.dev_ambiguous),
+        );
+        lost.insert("rank_series_limit".into(), self.stats.rank_series_refused);
         // Refusals at the boundary, exported from the start (not only once one happened).
         for stage in [
             "corrupt_segment",
