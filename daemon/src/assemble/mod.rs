@@ -41,7 +41,14 @@ use crate::config::Limits;
 use crate::instance::{Instance, Names};
 
 mod counters;
+mod graph;
+mod hold;
+mod lanes;
 pub use counters::AssembleCounters;
+pub use graph::{CapturedOp, Cursor, MAX_TEMPLATE_OPS, Template};
+use graph::{MAX_MARKS, replay_id};
+use hold::{Candidate, Hold, MAX_HOLD_EAGER, Owner};
+use lanes::{Lane, MAX_EARLY_WORKS, Work};
 
 /// Sinks a previous daemon already delivered an operation to (persisted in the segment state).
 pub mod done {
@@ -136,343 +143,6 @@ impl P2pSeqs {
         let mut v: Vec<_> = at.into_iter().map(|((c, p, f), n)| (c, p, f, n)).collect();
         v.sort_unstable();
         v
-    }
-}
-
-/// Captured operations one communicator's template holds at most.
-pub const MAX_TEMPLATE_OPS: usize = 4096;
-/// Cursor changes remembered for the commit point (see [`Template::marks`]), about as many as the
-/// default segment holds records; beyond it the oldest go (a restart from a tail older than that would
-/// resume the cursors from the oldest one kept).
-const MAX_MARKS: usize = 1 << 16;
-
-/// A Coll/P2p captured into a CUDA graph: what its replayed instances are built from.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CapturedOp {
-    /// Stream position of its host event.
-    pub pos: u64,
-    /// NCCL's seq, made unique per function within the template: NCCL does not advance a captured
-    /// collective's seqNumber unless KernelCh is in the mask, so several may share one.
-    pub seq: u64,
-    pub is_p2p: bool,
-    pub func: u16,
-    pub datatype: u16,
-    pub algo: u16,
-    pub proto: u16,
-    pub count: u64,
-    pub root: i32,
-    pub peer: i32,
-    pub n_channels: u8,
-    /// Host time of its capture. A replay runs after its graph was captured and launched: a work item
-    /// that started before this is not a replay of it (0 in states saved before it was kept: no bound).
-    #[serde(default)]
-    pub captured_ns: u64,
-    /// The funcId its work items carried in the replays attributed so far (u32::MAX: they differed).
-    /// A replayed operation runs the same device function every time: a work item with another
-    /// funcId is not its.
-    #[serde(default)]
-    pub func_id: Option<u32>,
-}
-
-/// Where the replays stand on one channel.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Cursor {
-    /// Next position in the channel's captured operations; 0 between replays.
-    pub pos: u32,
-    /// Index of the current (or last) replay on the channel; 0 before the first.
-    pub replay: u32,
-    /// workCounter of the last item attributed to a replay.
-    pub last_wc: u64,
-}
-
-/// One communicator's captured operations in capture order and its replay cursors. Graphs captured
-/// one after another form one template: replays must come in capture order (one graph, or several
-/// replayed in the order they were captured).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct Template {
-    pub comm: u32,
-    pub ops: Vec<CapturedOp>,
-    /// (channel, cursor) of every channel the captured operations use.
-    pub cursors: Vec<(u8, Cursor)>,
-    /// Per channel: indices of the captured operations that use it.
-    #[serde(skip)]
-    by_channel: Vec<Vec<u32>>,
-    /// (record position, channel, cursor before that record moved it), oldest first: the cursors as
-    /// they were at any later commit point.
-    #[serde(skip)]
-    marks: VecDeque<(u64, u8, Cursor)>,
-    /// (replay, captured index, instance id) of replayed instances opened, oldest first.
-    #[serde(skip)]
-    open: VecDeque<(u32, u32, u64)>,
-    /// (record position, first position of the eager operation it joined) of work items that went
-    /// to eager operations, oldest first: see [`Template::eager_items`].
-    #[serde(skip)]
-    eager_marks: VecDeque<(u64, u64)>,
-    /// Work items at or after the committed tail that joined an eager operation starting before it:
-    /// read again after a restart, they must not reach the cursors (their operation is not).
-    #[serde(default)]
-    pub eager_items: Vec<u64>,
-    /// (record position, position of the hold's first item) of work items dropped as ambiguous
-    /// (see [`Hold`]), oldest first.
-    #[serde(skip)]
-    ambiguous_marks: VecDeque<(u64, u64)>,
-    /// Work items at or after the committed tail dropped as ambiguous in a hold that began before it:
-    /// read again after a restart, they are dropped again (the cursor is saved as the drop left it).
-    #[serde(default)]
-    pub ambiguous_items: Vec<u64>,
-    /// Per channel: workCounter of the latest item read (any owner), so a gap is counted in items
-    /// lost. Not persisted: after a restart the first item of a channel finds no gap.
-    #[serde(skip)]
-    seen_wc: Vec<Option<u64>>,
-}
-
-impl Template {
-    fn push(&mut self, mut op: CapturedOp) {
-        if let Some(prev) = self.ops.iter().rev().find(|o| {
-            o.func == op.func && o.is_p2p == op.is_p2p && (!o.is_p2p || o.peer == op.peer)
-        }) {
-            op.seq = op.seq.max(prev.seq.saturating_add(1));
-        }
-        let index = self.ops.len() as u32;
-        let n = (op.n_channels as usize).min(64);
-        if self.by_channel.len() < n {
-            // A channel joining the template counts replays from those channel 0 has completed.
-            let done = self
-                .cursors
-                .iter()
-                .find(|(c, _)| *c == 0)
-                .map_or(0, |(_, c)| c.replay.saturating_sub((c.pos > 0) as u32));
-            for ch in self.by_channel.len()..n {
-                if !self.cursors.iter().any(|(c, _)| *c as usize == ch) {
-                    self.cursors.push((
-                        ch as u8,
-                        Cursor {
-                            replay: done,
-                            ..Default::default()
-                        },
-                    ));
-                }
-            }
-            self.by_channel.resize_with(n, Vec::new);
-        }
-        for ch in &mut self.by_channel[..n] {
-            ch.push(index);
-        }
-        self.ops.push(op);
-    }
-
-    /// Remembers that the cursor of `ch` was `before` until the record at `pos` moved it. Kept in
-    /// position order: items held at a replay boundary are attributed after later records.
-    fn mark(&mut self, pos: u64, ch: u8, before: Cursor) {
-        if self.marks.len() >= MAX_MARKS {
-            self.marks.pop_front();
-        }
-        let i = self.marks.partition_point(|m| m.0 <= pos);
-        self.marks.insert(i, (pos, ch, before));
-    }
-
-    /// Remembers that the work item at `pos` joined the eager operation starting at `owner`.
-    fn eager_mark(&mut self, pos: u64, owner: u64) {
-        if self.eager_marks.len() >= MAX_MARKS {
-            self.eager_marks.pop_front();
-        }
-        let i = self.eager_marks.partition_point(|m| m.0 <= pos);
-        self.eager_marks.insert(i, (pos, owner));
-    }
-
-    /// Remembers that the work item at `pos` was dropped as ambiguous by a hold that began at `first`.
-    fn ambiguous_mark(&mut self, pos: u64, first: u64) {
-        if self.ambiguous_marks.len() >= MAX_MARKS {
-            self.ambiguous_marks.pop_front();
-        }
-        let i = self.ambiguous_marks.partition_point(|m| m.0 <= pos);
-        self.ambiguous_marks.insert(i, (pos, first));
-    }
-
-    /// Notes the item of workCounter `wc` on `ch`; returns how many items the channel lost before it.
-    fn saw(&mut self, ch: u8, wc: u64) -> u64 {
-        if self.seen_wc.len() <= ch as usize {
-            self.seen_wc.resize(ch as usize + 1, None);
-        }
-        let prev = self.seen_wc[ch as usize].replace(wc);
-        prev.map_or(0, |p| wc.wrapping_sub(p).wrapping_sub(1))
-    }
-
-    /// Moves the cursor of `ch` past `n` lost items of its replays, across replay boundaries; the
-    /// item at `pos`, of workCounter `wc`, found the gap.
-    fn skip_lost(&mut self, pos: u64, ch: u8, n: u64, wc: u64) {
-        let len = self.by_channel.get(ch as usize).map_or(0, Vec::len) as u64;
-        if len == 0 {
-            return;
-        }
-        let before = *self.cursor(ch);
-        let c = self.cursor(ch);
-        // Items of the channel's replays gone by: whole replays, less what the current one lacks.
-        let consumed =
-            (c.replay as u64 * len).saturating_sub(if c.pos > 0 { len - c.pos as u64 } else { 0 });
-        let after = consumed.saturating_add(n);
-        c.replay = after.div_ceil(len).min(u32::MAX as u64) as u32;
-        c.pos = (after % len) as u32;
-        c.last_wc = wc.wrapping_sub(1);
-        self.mark(pos, ch, before);
-    }
-
-    fn cursor(&mut self, ch: u8) -> &mut Cursor {
-        let i = match self.cursors.iter().position(|(c, _)| *c == ch) {
-            Some(i) => i,
-            None => {
-                self.cursors.push((ch, Cursor::default()));
-                self.cursors.len() - 1
-            }
-        };
-        &mut self.cursors[i].1
-    }
-
-    /// The template as it was at stream position `tail`: operations captured before it, cursors
-    /// before the first change at or after it.
-    fn at(&self, tail: u64) -> Template {
-        let mut t = Template {
-            comm: self.comm,
-            ops: self.ops.iter().filter(|o| o.pos < tail).cloned().collect(),
-            cursors: self.cursors.clone(),
-            eager_items: self
-                .eager_marks
-                .iter()
-                .filter(|&&(pos, owner)| pos >= tail && owner < tail)
-                .map(|&(pos, _)| pos)
-                .collect(),
-            ambiguous_items: (self.ambiguous_marks.iter())
-                .filter(|&&(pos, first)| pos >= tail && first < tail)
-                .map(|&(pos, _)| pos)
-                .collect(),
-            ..Default::default()
-        };
-        for &(pos, ch, before) in self.marks.iter().rev() {
-            if pos >= tail
-                && let Some(c) = t.cursors.iter_mut().find(|(c, _)| *c == ch)
-            {
-                c.1 = before;
-            }
-        }
-        t.cursors.sort_unstable_by_key(|(ch, _)| *ch);
-        t
-    }
-
-    /// Rebuilds what is not persisted.
-    fn restored(mut self) -> Template {
-        let ops = std::mem::take(&mut self.ops);
-        for op in ops {
-            // Seqs were made unique when first captured: push keeps them.
-            self.push(op);
-        }
-        self
-    }
-}
-
-/// The instance id of replay `replay` of captured operation `index` of communicator `comm`. Bit 31 is
-/// set, which the ids of the plugin's eager operations never have (pool index < 2^16); captured
-/// operations' ids do, but those never become instances themselves.
-fn replay_id(comm: u32, index: u32, replay: u32) -> u64 {
-    (replay as u64) << 32 | 1 << 31 | ((comm as u64 & 0x7fff) << 16) | (index as u64 & 0xffff)
-}
-
-/// Device-hook work items that arrived before their operation's host event was read.
-const MAX_EARLY_WORKS: usize = 1024;
-
-#[derive(Clone, Copy, Debug)]
-struct Work {
-    func_id: u32,
-    gpu_start: u64,
-    gpu_stop: u64,
-}
-
-/// One (communicator, channel) on the device-hook path: operations awaiting their work item there,
-/// and work items awaiting their operation, both oldest first.
-#[derive(Debug, Default)]
-struct Lane {
-    ops: std::collections::VecDeque<u64>,
-    works: std::collections::VecDeque<Work>,
-}
-
-/// Eager operations, at most, that a [`Hold`] places among replays.
-const MAX_HOLD_EAGER: usize = 64;
-
-/// An eager operation a [`Hold`] places, as it was when it joined the hold.
-#[derive(Clone, Copy, Debug)]
-struct Candidate {
-    id: u64,
-    /// Its first record position: ids are reused once an operation is closed.
-    first_pos: u64,
-    func: StrId,
-    enqueue_ns: u64,
-}
-
-/// Who owns a held work item in one [`Parse`].
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Owner {
-    /// The hold's k-th eager candidate.
-    Eager(usize),
-    /// The i-th captured operation on the channel in the b-th replay the hold saw begin (b >= 1).
-    Replay(usize, u32),
-    /// Parses that reach the same state own it differently: it can never be decided.
-    Ambiguous,
-}
-
-/// One way to read a hold's items: each is the next eager candidate or the next operation of a
-/// replay's block (a replay's operations on a channel run back to back, eager operations in launch
-/// order).
-#[derive(Clone, Debug)]
-struct Parse {
-    /// Eager candidates consumed.
-    k: usize,
-    /// Place in the current replay's block; 0 at a boundary.
-    r: usize,
-    /// Replays begun.
-    blocks: u32,
-    /// (place in the block, funcId) of the captured operations whose funcId is not known yet: the
-    /// parse's first item for each; a later block must carry the same.
-    learned: Vec<(usize, u32)>,
-    /// Owner of each held item, in order.
-    owners: VecDeque<Owner>,
-}
-
-/// Work items of one (communicator, channel) held from a replay boundary where both an eager
-/// operation waiting there and the template's first operation on the channel fit the first item.
-/// The CPU runs ahead of the GPU: an eager operation enqueued right after a graph launch already
-/// waits when the replay's first item is read, though its own item comes after the replay's. Every
-/// parse of the items (see [`Parse`]) that fits them is followed; the front items are attributed as
-/// soon as all parses agree on them, and parses that reach the same state are merged, the items they
-/// disagree on becoming ambiguous (dropped and counted, `dev_ambiguous`). The hold ends when one
-/// parse is left and no item is held; the cursor and the lane then continue from its state.
-#[derive(Debug)]
-struct Hold {
-    /// The lane's waiting eager operations, in launch order; operations enqueued during the hold
-    /// join at the end.
-    eager: Vec<Candidate>,
-    /// Captured operations on the channel: a replay's block.
-    len: usize,
-    /// The channel's cursor when the hold began (a boundary).
-    cursor: Cursor,
-    /// Record position of the hold's first item: it holds the commit point until the hold ends, so
-    /// a restarted daemon reads the hold again whole.
-    first_pos: u64,
-    /// workCounter of the latest item (a gap is a lost item: a place any owner fits).
-    last_wc: u64,
-    /// Items not attributed yet: (record position, workCounter, work; None for a lost one).
-    items: VecDeque<(u64, u64, Option<Work>)>,
-    /// The parses that fit every item so far, in distinct states.
-    parses: Vec<Parse>,
-    /// When the latest item was read.
-    last_ns: u64,
-    /// When the hold's first item still held was read: a hold older than the operation timeout
-    /// whose items keep coming drops them, so that it does not hold the commit point for long.
-    started_ns: u64,
-}
-
-impl Hold {
-    /// Items held that were read (not lost).
-    fn held(&self) -> usize {
-        self.items.iter().filter(|i| i.2.is_some()).count()
     }
 }
 
@@ -1617,58 +1287,9 @@ impl Assembler {
             .iter()
             .find(|(c, _)| *c == key.1)
             .map_or_else(Cursor::default, |c| c.1);
-        let hold = Hold {
-            eager: Vec::new(),
-            len,
-            cursor,
-            first_pos: pos,
-            last_wc: wc.wrapping_sub(1),
-            items: VecDeque::new(),
-            parses: vec![Parse {
-                k: 0,
-                r: 0,
-                blocks: 0,
-                learned: Vec::new(),
-                owners: VecDeque::new(),
-            }],
-            last_ns: now_ns,
-            started_ns: now_ns,
-        };
+        let hold = Hold::new(len, cursor, pos, wc, now_ns);
         self.holds.insert(key, hold);
         self.hold_item(key, pos, wc, work, now_ns, out);
-    }
-
-    /// Whether `owner` can own `work` in parse `p` (None: a lost item, which any owner can).
-    fn fits(
-        &self,
-        (comm, ch): (u32, u8),
-        hold: &Hold,
-        p: &Parse,
-        owner: Owner,
-        work: Option<&Work>,
-    ) -> bool {
-        let Some(work) = work else {
-            return true;
-        };
-        match owner {
-            Owner::Eager(k) => {
-                let c = &hold.eager[k];
-                self.work_matches(work.func_id, c.func)
-                    && self
-                        .started_by(comm, work)
-                        .is_none_or(|t| c.enqueue_ns <= t)
-            }
-            Owner::Replay(i, _) => {
-                let t = &self.templates[&comm];
-                let list = t.by_channel.get(ch as usize).map_or(&[][..], Vec::as_slice);
-                let Some(op) = list.get(i).map(|&k| &t.ops[k as usize]) else {
-                    return false;
-                };
-                self.replay_can_own(comm, work, op)
-                    && (p.learned.iter()).all(|&(place, f)| place != i || f == work.func_id)
-            }
-            Owner::Ambiguous => false,
-        }
     }
 
     /// Adds a work item (and a lost one for each workCounter skipped) to the hold of its (comm, ch),
@@ -1716,99 +1337,16 @@ impl Assembler {
             }
             return;
         }
+        let fit = ChannelFit { asm: self, key };
         for lost in 1..=skipped {
             let wc = hold.last_wc.wrapping_add(lost);
-            self.step(key, &mut hold, pos, wc, None);
+            hold.step(pos, wc, None, &fit);
         }
-        self.step(key, &mut hold, pos, wc, Some(work));
+        hold.step(pos, wc, Some(work), &fit);
         hold.last_wc = wc;
         hold.last_ns = now_ns;
         self.early_works += 1;
         self.commit_agreed(key, hold, now_ns, out);
-    }
-
-    /// Advances every parse by one item; merges parses that reach the same state.
-    fn step(&self, key: (u32, u8), hold: &mut Hold, pos: u64, wc: u64, work: Option<Work>) {
-        hold.items.push_back((pos, wc, work));
-        let blocks = hold.parses.iter().map(|p| p.blocks).max().unwrap_or(0);
-        self.advance(key, hold, work.as_ref());
-        if hold.parses.is_empty() {
-            // No parse fits (an item lost unseen, a graph the template does not describe): the
-            // channel lost its place. What is held is dropped, the candidates lose their item here,
-            // and the parses start again at every place of a replay's block.
-            hold.cursor.replay += blocks;
-            let (k, held) = (hold.eager.len(), hold.items.len() - 1);
-            hold.parses = (0..hold.len.max(1))
-                .map(|r| Parse {
-                    k,
-                    r,
-                    blocks: (r > 0) as u32,
-                    learned: Vec::new(),
-                    owners: std::iter::repeat_n(Owner::Ambiguous, held).collect(),
-                })
-                .collect();
-            self.advance(key, hold, work.as_ref());
-        }
-    }
-
-    /// Advances every parse by the latest item; merges parses that reach the same state.
-    fn advance(&self, key: (u32, u8), hold: &mut Hold, work: Option<&Work>) {
-        let work = work.copied();
-        let mut next: Vec<Parse> = Vec::with_capacity(hold.parses.len() + 1);
-        let parses = std::mem::take(&mut hold.parses);
-        for p in parses {
-            let mut options = [None, None];
-            if p.r > 0 {
-                options[0] = Some(Owner::Replay(p.r, p.blocks));
-            } else {
-                if p.k < hold.eager.len() {
-                    options[0] = Some(Owner::Eager(p.k));
-                }
-                options[1] = Some(Owner::Replay(0, p.blocks + 1));
-            }
-            let fitting: Vec<Owner> = (options.into_iter().flatten())
-                .filter(|&o| self.fits(key, hold, &p, o, work.as_ref()))
-                .collect();
-            for owner in fitting {
-                let mut q = p.clone();
-                match owner {
-                    Owner::Eager(_) => q.k += 1,
-                    Owner::Replay(i, b) => {
-                        q.blocks = b;
-                        q.r = if i + 1 == hold.len { 0 } else { i + 1 };
-                        if let Some(w) = &work
-                            && q.learned.iter().all(|l| l.0 != i)
-                            && self.captured_func_id(key, i).is_none()
-                        {
-                            q.learned.push((i, w.func_id));
-                        }
-                    }
-                    Owner::Ambiguous => {}
-                }
-                q.owners.push_back(owner);
-                let state = |o: &Parse| (o.k, o.r, o.blocks);
-                match next.iter_mut().find(|o| state(o) == state(&q)) {
-                    Some(o) => {
-                        // The same state reached two ways: what they disagree on is undecidable.
-                        for (a, b) in o.owners.iter_mut().zip(&q.owners) {
-                            if a != b {
-                                *a = Owner::Ambiguous;
-                            }
-                        }
-                        o.learned.retain(|l| q.learned.contains(l));
-                    }
-                    None => next.push(q),
-                }
-            }
-        }
-        hold.parses = next;
-    }
-
-    /// The funcId learned for the `i`-th captured operation on the channel `key`.
-    fn captured_func_id(&self, (comm, ch): (u32, u8), i: usize) -> Option<u32> {
-        let t = self.templates.get(&comm)?;
-        let &k = t.by_channel.get(ch as usize)?.get(i)?;
-        t.ops[k as usize].func_id
     }
 
     /// Attributes the front items all parses agree on; ends the hold once one parse is left and
@@ -1824,31 +1362,14 @@ impl Assembler {
             self.drop_hold(key, hold, out);
             return;
         }
-        // Parses that still disagree this far back never will (equal functions throughout): the
-        // front item is dropped, the parses go on. Owners held in all parses stay within 64 Ki.
-        let limit = (2 * hold.len + hold.eager.len() + 16)
-            .min(MAX_EARLY_WORKS / 2)
-            .min(65_536 / hold.parses.len());
-        while let Some(&(pos, wc, work)) = hold.items.front() {
-            let mut owner = hold.parses[0].owners[0];
-            if hold.parses.iter().any(|p| p.owners[0] != owner) {
-                if hold.items.len() <= limit {
-                    break;
-                }
-                owner = Owner::Ambiguous;
-            }
-            hold.items.pop_front();
-            for p in &mut hold.parses {
-                p.owners.pop_front();
-            }
+        for ((pos, wc, work), owner) in hold.take_agreed() {
             self.commit(key, &hold, pos, wc, work, owner, now_ns, out);
         }
-        if hold.parses.len() > 1 || !hold.items.is_empty() {
+        // One parse, nothing held: the lane and the cursor continue from its state.
+        let Some(p) = hold.decided() else {
             self.holds.insert(key, hold);
             return;
-        }
-        // One parse, nothing held: the lane and the cursor continue from its state.
-        let p = &hold.parses[0];
+        };
         for &c in &hold.eager[..p.k] {
             // Consumed by an ambiguous or lost item (a joined one is no longer in the lane).
             self.abandon(c, key, out);
@@ -1937,7 +1458,8 @@ impl Assembler {
         let Some(mut hold) = self.holds.remove(&key) else {
             return;
         };
-        for (pos, _, work) in std::mem::take(&mut hold.items) {
+        let (items, k) = hold.restart();
+        for (pos, _, work) in items {
             if work.is_some() {
                 self.early_works -= 1;
                 self.counters.dev_ambiguous += 1;
@@ -1946,18 +1468,9 @@ impl Assembler {
                 }
             }
         }
-        let k = hold.parses.iter().map(|p| p.k).max().unwrap_or(0);
         for &c in &hold.eager[..k] {
             self.abandon(c, key, out);
         }
-        let mut parses: Vec<Parse> = Vec::new();
-        for mut p in std::mem::take(&mut hold.parses) {
-            (p.k, p.owners) = (k, VecDeque::new());
-            if !parses.iter().any(|q| (q.r, q.blocks) == (p.r, p.blocks)) {
-                parses.push(p);
-            }
-        }
-        hold.parses = parses;
         self.commit_agreed(key, hold, now_ns, out);
     }
 
@@ -1969,21 +1482,7 @@ impl Assembler {
         let Some(mut hold) = self.holds.remove(&key) else {
             return;
         };
-        if hold.parses.iter().any(|p| p.r == 0) {
-            hold.parses.retain(|p| p.r == 0);
-        }
-        if let Some(k) = hold.parses.iter().map(|p| p.k).max() {
-            hold.parses.retain(|p| p.k == k);
-        }
-        // Parses left differ in nothing that can still be decided: merge them.
-        while hold.parses.len() > 1 {
-            let q = hold.parses.pop().expect("more than one");
-            for (a, b) in hold.parses[0].owners.iter_mut().zip(&q.owners) {
-                if *a != *b {
-                    *a = Owner::Ambiguous;
-                }
-            }
-        }
+        hold.end();
         self.commit_agreed(key, hold, now_ns, out);
     }
 
@@ -2492,6 +1991,37 @@ impl Assembler {
             is_p2p: op.is_p2p,
             replay: op.replay,
         }
+    }
+}
+
+/// What a hold of (communicator, channel) `key` asks of the assembler: see [`hold::Fit`].
+struct ChannelFit<'a> {
+    asm: &'a Assembler,
+    key: (u32, u8),
+}
+
+impl hold::Fit for ChannelFit<'_> {
+    fn eager(&self, c: &Candidate, work: &Work) -> bool {
+        self.asm.work_matches(work.func_id, c.func)
+            && (self.asm.started_by(self.key.0, work)).is_none_or(|t| c.enqueue_ns <= t)
+    }
+
+    fn replay(&self, i: usize, work: &Work) -> bool {
+        self.captured(i)
+            .is_some_and(|op| self.asm.replay_can_own(self.key.0, work, op))
+    }
+
+    fn captured_func_id(&self, i: usize) -> Option<u32> {
+        self.captured(i)?.func_id
+    }
+}
+
+impl ChannelFit<'_> {
+    /// The `i`-th captured operation on the channel.
+    fn captured(&self, i: usize) -> Option<&CapturedOp> {
+        let t = self.asm.templates.get(&self.key.0)?;
+        let &k = t.by_channel.get(self.key.1 as usize)?.get(i)?;
+        Some(&t.ops[k as usize])
     }
 }
 

@@ -1,0 +1,244 @@
+//! CUDA graphs on the device-hook path: each communicator's template (its captured operations in
+//! capture order), the replay cursors per channel, and what a restart needs of them as of the
+//! committed tail.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+/// Captured operations one communicator's template holds at most.
+pub const MAX_TEMPLATE_OPS: usize = 4096;
+/// Cursor changes remembered for the commit point (see [`Template::marks`]), about as many as the
+/// default segment holds records; beyond it the oldest go (a restart from a tail older than that would
+/// resume the cursors from the oldest one kept).
+pub(super) const MAX_MARKS: usize = 1 << 16;
+
+/// A Coll/P2p captured into a CUDA graph: what its replayed instances are built from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CapturedOp {
+    /// Stream position of its host event.
+    pub pos: u64,
+    /// NCCL's seq, made unique per function within the template: NCCL does not advance a captured
+    /// collective's seqNumber unless KernelCh is in the mask, so several may share one.
+    pub seq: u64,
+    pub is_p2p: bool,
+    pub func: u16,
+    pub datatype: u16,
+    pub algo: u16,
+    pub proto: u16,
+    pub count: u64,
+    pub root: i32,
+    pub peer: i32,
+    pub n_channels: u8,
+    /// Host time of its capture. A replay runs after its graph was captured and launched: a work item
+    /// that started before this is not a replay of it (0 in states saved before it was kept: no bound).
+    #[serde(default)]
+    pub captured_ns: u64,
+    /// The funcId its work items carried in the replays attributed so far (u32::MAX: they differed).
+    /// A replayed operation runs the same device function every time: a work item with another
+    /// funcId is not its.
+    #[serde(default)]
+    pub func_id: Option<u32>,
+}
+
+/// Where the replays stand on one channel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cursor {
+    /// Next position in the channel's captured operations; 0 between replays.
+    pub pos: u32,
+    /// Index of the current (or last) replay on the channel; 0 before the first.
+    pub replay: u32,
+    /// workCounter of the last item attributed to a replay.
+    pub last_wc: u64,
+}
+
+/// One communicator's captured operations in capture order and its replay cursors. Graphs captured
+/// one after another form one template: replays must come in capture order (one graph, or several
+/// replayed in the order they were captured).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Template {
+    pub comm: u32,
+    pub ops: Vec<CapturedOp>,
+    /// (channel, cursor) of every channel the captured operations use.
+    pub cursors: Vec<(u8, Cursor)>,
+    /// Per channel: indices of the captured operations that use it.
+    #[serde(skip)]
+    pub(super) by_channel: Vec<Vec<u32>>,
+    /// (record position, channel, cursor before that record moved it), oldest first: the cursors as
+    /// they were at any later commit point.
+    #[serde(skip)]
+    pub(super) marks: VecDeque<(u64, u8, Cursor)>,
+    /// (replay, captured index, instance id) of replayed instances opened, oldest first.
+    #[serde(skip)]
+    pub(super) open: VecDeque<(u32, u32, u64)>,
+    /// (record position, first position of the eager operation it joined) of work items that went
+    /// to eager operations, oldest first: see [`Template::eager_items`].
+    #[serde(skip)]
+    pub(super) eager_marks: VecDeque<(u64, u64)>,
+    /// Work items at or after the committed tail that joined an eager operation starting before it:
+    /// read again after a restart, they must not reach the cursors (their operation is not).
+    #[serde(default)]
+    pub eager_items: Vec<u64>,
+    /// (record position, position of the hold's first item) of work items dropped as ambiguous
+    /// (see [`Hold`]), oldest first.
+    #[serde(skip)]
+    pub(super) ambiguous_marks: VecDeque<(u64, u64)>,
+    /// Work items at or after the committed tail dropped as ambiguous in a hold that began before it:
+    /// read again after a restart, they are dropped again (the cursor is saved as the drop left it).
+    #[serde(default)]
+    pub ambiguous_items: Vec<u64>,
+    /// Per channel: workCounter of the latest item read (any owner), so a gap is counted in items
+    /// lost. Not persisted: after a restart the first item of a channel finds no gap.
+    #[serde(skip)]
+    pub(super) seen_wc: Vec<Option<u64>>,
+}
+
+impl Template {
+    pub(super) fn push(&mut self, mut op: CapturedOp) {
+        if let Some(prev) = self.ops.iter().rev().find(|o| {
+            o.func == op.func && o.is_p2p == op.is_p2p && (!o.is_p2p || o.peer == op.peer)
+        }) {
+            op.seq = op.seq.max(prev.seq.saturating_add(1));
+        }
+        let index = self.ops.len() as u32;
+        let n = (op.n_channels as usize).min(64);
+        if self.by_channel.len() < n {
+            // A channel joining the template counts replays from those channel 0 has completed.
+            let done = self
+                .cursors
+                .iter()
+                .find(|(c, _)| *c == 0)
+                .map_or(0, |(_, c)| c.replay.saturating_sub((c.pos > 0) as u32));
+            for ch in self.by_channel.len()..n {
+                if !self.cursors.iter().any(|(c, _)| *c as usize == ch) {
+                    self.cursors.push((
+                        ch as u8,
+                        Cursor {
+                            replay: done,
+                            ..Default::default()
+                        },
+                    ));
+                }
+            }
+            self.by_channel.resize_with(n, Vec::new);
+        }
+        for ch in &mut self.by_channel[..n] {
+            ch.push(index);
+        }
+        self.ops.push(op);
+    }
+
+    /// Remembers that the cursor of `ch` was `before` until the record at `pos` moved it. Kept in
+    /// position order: items held at a replay boundary are attributed after later records.
+    pub(super) fn mark(&mut self, pos: u64, ch: u8, before: Cursor) {
+        if self.marks.len() >= MAX_MARKS {
+            self.marks.pop_front();
+        }
+        let i = self.marks.partition_point(|m| m.0 <= pos);
+        self.marks.insert(i, (pos, ch, before));
+    }
+
+    /// Remembers that the work item at `pos` joined the eager operation starting at `owner`.
+    pub(super) fn eager_mark(&mut self, pos: u64, owner: u64) {
+        if self.eager_marks.len() >= MAX_MARKS {
+            self.eager_marks.pop_front();
+        }
+        let i = self.eager_marks.partition_point(|m| m.0 <= pos);
+        self.eager_marks.insert(i, (pos, owner));
+    }
+
+    /// Remembers that the work item at `pos` was dropped as ambiguous by a hold that began at `first`.
+    pub(super) fn ambiguous_mark(&mut self, pos: u64, first: u64) {
+        if self.ambiguous_marks.len() >= MAX_MARKS {
+            self.ambiguous_marks.pop_front();
+        }
+        let i = self.ambiguous_marks.partition_point(|m| m.0 <= pos);
+        self.ambiguous_marks.insert(i, (pos, first));
+    }
+
+    /// Notes the item of workCounter `wc` on `ch`; returns how many items the channel lost before it.
+    pub(super) fn saw(&mut self, ch: u8, wc: u64) -> u64 {
+        if self.seen_wc.len() <= ch as usize {
+            self.seen_wc.resize(ch as usize + 1, None);
+        }
+        let prev = self.seen_wc[ch as usize].replace(wc);
+        prev.map_or(0, |p| wc.wrapping_sub(p).wrapping_sub(1))
+    }
+
+    /// Moves the cursor of `ch` past `n` lost items of its replays, across replay boundaries; the
+    /// item at `pos`, of workCounter `wc`, found the gap.
+    pub(super) fn skip_lost(&mut self, pos: u64, ch: u8, n: u64, wc: u64) {
+        let len = self.by_channel.get(ch as usize).map_or(0, Vec::len) as u64;
+        if len == 0 {
+            return;
+        }
+        let before = *self.cursor(ch);
+        let c = self.cursor(ch);
+        // Items of the channel's replays gone by: whole replays, less what the current one lacks.
+        let consumed =
+            (c.replay as u64 * len).saturating_sub(if c.pos > 0 { len - c.pos as u64 } else { 0 });
+        let after = consumed.saturating_add(n);
+        c.replay = after.div_ceil(len).min(u32::MAX as u64) as u32;
+        c.pos = (after % len) as u32;
+        c.last_wc = wc.wrapping_sub(1);
+        self.mark(pos, ch, before);
+    }
+
+    pub(super) fn cursor(&mut self, ch: u8) -> &mut Cursor {
+        let i = match self.cursors.iter().position(|(c, _)| *c == ch) {
+            Some(i) => i,
+            None => {
+                self.cursors.push((ch, Cursor::default()));
+                self.cursors.len() - 1
+            }
+        };
+        &mut self.cursors[i].1
+    }
+
+    /// The template as it was at stream position `tail`: operations captured before it, cursors
+    /// before the first change at or after it.
+    pub(super) fn at(&self, tail: u64) -> Template {
+        let mut t = Template {
+            comm: self.comm,
+            ops: self.ops.iter().filter(|o| o.pos < tail).cloned().collect(),
+            cursors: self.cursors.clone(),
+            eager_items: self
+                .eager_marks
+                .iter()
+                .filter(|&&(pos, owner)| pos >= tail && owner < tail)
+                .map(|&(pos, _)| pos)
+                .collect(),
+            ambiguous_items: (self.ambiguous_marks.iter())
+                .filter(|&&(pos, first)| pos >= tail && first < tail)
+                .map(|&(pos, _)| pos)
+                .collect(),
+            ..Default::default()
+        };
+        for &(pos, ch, before) in self.marks.iter().rev() {
+            if pos >= tail
+                && let Some(c) = t.cursors.iter_mut().find(|(c, _)| *c == ch)
+            {
+                c.1 = before;
+            }
+        }
+        t.cursors.sort_unstable_by_key(|(ch, _)| *ch);
+        t
+    }
+
+    /// Rebuilds what is not persisted.
+    pub(super) fn restored(mut self) -> Template {
+        let ops = std::mem::take(&mut self.ops);
+        for op in ops {
+            // Seqs were made unique when first captured: push keeps them.
+            self.push(op);
+        }
+        self
+    }
+}
+
+/// The instance id of replay `replay` of captured operation `index` of communicator `comm`. Bit 31 is
+/// set, which the ids of the plugin's eager operations never have (pool index < 2^16); captured
+/// operations' ids do, but those never become instances themselves.
+pub(super) fn replay_id(comm: u32, index: u32, replay: u32) -> u64 {
+    (replay as u64) << 32 | 1 << 31 | ((comm as u64 & 0x7fff) << 16) | (index as u64 & 0xffff)
+}
