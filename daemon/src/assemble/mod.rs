@@ -29,26 +29,29 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+pub(super) type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
 
-use ncclscope_proto::api::ChannelWork;
 use ncclscope_proto::{Record, StrId, TimingPath};
 use serde::{Deserialize, Serialize};
 
 use crate::bandwidth;
 use crate::config::Limits;
-use crate::instance::{Instance, Names};
+use crate::instance::Names;
 
+mod build;
 mod counters;
 mod graph;
 mod hold;
 mod lanes;
+mod operations;
 pub use counters::AssembleCounters;
 pub use graph::{CapturedOp, Cursor, MAX_TEMPLATE_OPS, Template};
 use graph::{MAX_MARKS, replay_id};
 use hold::{Candidate, Hold, MAX_HOLD_EAGER, Owner};
 use lanes::{Lane, MAX_EARLY_WORKS, Work};
+pub use operations::Completed;
+use operations::{CommOps, Op, OpIndex};
 
 /// Sinks a previous daemon already delivered an operation to (persisted in the segment state).
 pub mod done {
@@ -144,166 +147,6 @@ impl P2pSeqs {
         v.sort_unstable();
         v
     }
-}
-
-struct Op {
-    comm: u32,
-    first_pos: u64,
-    is_p2p: bool,
-    seq: u64,
-    func: StrId,
-    datatype: StrId,
-    algo: StrId,
-    proto: StrId,
-    count: u64,
-    root: i32,
-    peer: i32,
-    n_channels: u8,
-    enqueue_ns: u64,
-    stop_ns: Option<u64>,
-    channels: Vec<ChannelWork>,
-    seen: u64,
-    /// Offset estimate from KernelCh host stamps, for a device without calibration.
-    host_anchor: Option<i64>,
-    last_progress_ns: u64,
-    prior: u8,
-    /// Indexed under its device in `awaiting_calibration`.
-    awaiting_calibration: bool,
-    /// 0: eager; r >= 1: replay r of a captured operation.
-    replay: u32,
-    /// Channels whose work item was dropped as ambiguous (see [`Hold`]): the op can no longer
-    /// complete, and is closed once the others are in.
-    lost: u64,
-}
-
-impl Op {
-    fn add_work(&mut self, channel: u8, gpu_start: u64, gpu_stop: u64, now_ns: u64) {
-        self.seen |= 1 << (channel & 63);
-        self.last_progress_ns = now_ns;
-        // GPU clock for now: mapped to host time when the op is built, with the calibration of then.
-        self.channels.push(ChannelWork {
-            channel: channel as u32,
-            start_unix_ns: gpu_start,
-            end_unix_ns: gpu_stop.max(gpu_start),
-            work_items: 1,
-        });
-    }
-
-    /// Lost a channel's item and has every other one's: nothing more can join it.
-    fn settled(&self) -> bool {
-        self.lost != 0 && (self.seen | self.lost).count_ones() >= self.n_channels.min(64) as u32
-    }
-
-    fn complete(&self) -> bool {
-        // A replay has no host stop: its work is all there is.
-        (self.stop_ns.is_some() || self.replay > 0)
-            && self.seen.count_ones() >= self.n_channels as u32
-    }
-
-    /// Whether the op has its stop and every channel's work, and (with kernel times) its device
-    /// has a calibration: the plugin may forward kernel records before its first calibration.
-    fn ready(&self, comms: &Map<u32, CommInfo>, calibrations: &Map<i32, Calibration>) -> bool {
-        if !self.complete() {
-            return false;
-        }
-        if self.channels.is_empty() {
-            return true;
-        }
-        match comms.get(&self.comm) {
-            Some(c) if c.cuda_dev >= 0 => calibrations.contains_key(&c.cuda_dev),
-            // No device (e.g. NCCL's KernelCh without a CUDA context) means no calibration will
-            // come: the host anchor is all there is.
-            _ => self.host_anchor.is_some(),
-        }
-    }
-}
-
-/// One finished operation, with where its records start in the segment (for the commit point).
-#[derive(Debug)]
-pub struct Completed {
-    pub coll: Instance,
-    pub op_id: u64,
-    pub first_pos: u64,
-    /// Sinks that already have it (from a daemon that ran before a restart).
-    pub prior: u8,
-}
-
-/// Operations under one key (a communicator, a device), in start order, which is stream order. The
-/// entries of finished operations go lazily: the list is pruned whenever it doubled since the last
-/// pruning, so a push costs constant time on average and the list stays within twice what is live.
-#[derive(Debug, Default)]
-struct OpIndex {
-    entries: VecDeque<(u64, u64)>,
-    prune_at: usize,
-}
-
-impl OpIndex {
-    fn push(&mut self, first_pos: u64, id: u64, ops: &Map<u64, Op>) {
-        if self.entries.len() >= self.prune_at {
-            self.entries.retain(|e| in_flight(ops, e));
-            self.prune_at = 2 * self.entries.len() + 16;
-        }
-        self.entries.push_back((first_pos, id));
-    }
-
-    /// The operations still in flight, oldest first.
-    fn live(self, ops: &Map<u64, Op>) -> impl Iterator<Item = u64> {
-        self.entries
-            .into_iter()
-            .filter(|e| in_flight(ops, e))
-            .map(|(_, id)| id)
-    }
-}
-
-/// Communicators numbered below this (the plugin numbers a process's communicators from 0) have
-/// their [`OpIndex`] in a vector: no hashing per operation.
-const DIRECT_COMMS: usize = 64;
-
-/// The operations in flight of each communicator (what a CommEnd closes).
-#[derive(Debug, Default)]
-struct CommOps {
-    direct: Vec<OpIndex>,
-    other: Map<u32, OpIndex>,
-}
-
-impl CommOps {
-    fn get_mut(&mut self, comm: u32) -> &mut OpIndex {
-        let c = comm as usize;
-        if c >= DIRECT_COMMS {
-            return self.other.entry(comm).or_default();
-        }
-        if self.direct.len() <= c {
-            self.direct.resize_with(c + 1, OpIndex::default);
-        }
-        &mut self.direct[c]
-    }
-
-    fn take(&mut self, comm: u32) -> OpIndex {
-        match self.direct.get_mut(comm as usize) {
-            Some(index) => std::mem::take(index),
-            None => self.other.remove(&comm).unwrap_or_default(),
-        }
-    }
-
-    /// Drops a finished operation's entry if it is its communicator's oldest (operations mostly
-    /// finish in order); others go when the index is pruned.
-    fn finished(&mut self, comm: u32, first_pos: u64, id: u64) {
-        let index = match self.direct.get_mut(comm as usize) {
-            Some(index) => Some(index),
-            None => self.other.get_mut(&comm),
-        };
-        if let Some(index) = index
-            && index.entries.front() == Some(&(first_pos, id))
-        {
-            index.entries.pop_front();
-        }
-    }
-}
-
-/// Whether (first record position, id) is an operation in flight (not a finished one whose id was
-/// reused).
-fn in_flight(ops: &Map<u64, Op>, &(pos, id): &(u64, u64)) -> bool {
-    ops.get(&id).is_some_and(|o| o.first_pos == pos)
 }
 
 /// Dictionary entries (communicators, strings, device-function names, devices) held by every
@@ -971,7 +814,7 @@ impl Assembler {
                 if let Some(op) = self.ops.get_mut(&id) {
                     op.stop_ns = Some(host_ns);
                     op.last_progress_ns = now_ns;
-                    if op.ready(&self.comms, &self.calibrations) {
+                    if op_ready(&self.comms, &self.calibrations, op) {
                         self.finish(id, out);
                     } else {
                         self.await_calibration(id);
@@ -1004,7 +847,7 @@ impl Assembler {
                         op.host_anchor = Some(op.host_anchor.map_or(anchor, |a| a.min(anchor)));
                     }
                     op.add_work(channel, gpu_start, gpu_stop, now_ns);
-                    if op.ready(&self.comms, &self.calibrations) {
+                    if op_ready(&self.comms, &self.calibrations, op) {
                         self.finish(parent, out);
                     } else if op.complete() {
                         self.await_calibration(parent);
@@ -1742,7 +1585,7 @@ impl Assembler {
         if self
             .ops
             .get(&id)
-            .is_some_and(|op| op.ready(&self.comms, &self.calibrations) || op.settled())
+            .is_some_and(|op| op_ready(&self.comms, &self.calibrations, op) || op.settled())
         {
             self.finish(id, out);
         } else {
@@ -1900,7 +1743,7 @@ impl Assembler {
         }
         let (first_pos, prior) = (op.first_pos, op.prior);
         let info = self.comms.get(&op.comm);
-        let coll = self.build(op, info, calibration, elem_bytes);
+        let coll = build::instance(op, self.pid, &self.names, info, calibration, elem_bytes);
         out.push(Completed {
             coll,
             op_id: id,
@@ -1908,90 +1751,12 @@ impl Assembler {
             prior,
         });
     }
+}
 
-    /// The instance; takes the op's channel work rather than copying it.
-    fn build(
-        &self,
-        op: Op,
-        info: Option<&CommInfo>,
-        calibration: Option<Calibration>,
-        elem_bytes: Option<u64>,
-    ) -> Instance {
-        let nranks = info.map_or(1, |c| c.nranks);
-        let func = self.names.get(op.func);
-        let msg = elem_bytes.unwrap_or(0).saturating_mul(op.count);
-        let bytes = bandwidth::inspector_bytes(func, msg, nranks);
-        let mut channels = op.channels;
-        channels.sort_unstable_by_key(|c| c.channel);
-        let offset = calibration
-            .map(|c| c.offset_ns)
-            .or(op.host_anchor)
-            .unwrap_or(0);
-        for c in &mut channels {
-            c.start_unix_ns = c.start_unix_ns.saturating_add_signed(offset);
-            c.end_unix_ns = c.end_unix_ns.saturating_add_signed(offset);
-        }
-        let (timing_source, start, end, exec) = if channels.is_empty() {
-            let end = op.stop_ns.unwrap_or(op.enqueue_ns);
-            (
-                "host",
-                op.enqueue_ns,
-                end,
-                end.saturating_sub(op.enqueue_ns),
-            )
-        } else {
-            let start = channels.iter().map(|c| c.start_unix_ns).min().unwrap_or(0);
-            let end = channels.iter().map(|c| c.end_unix_ns).max().unwrap_or(0);
-            let exec = channels
-                .iter()
-                .map(|c| c.end_unix_ns - c.start_unix_ns)
-                .max()
-                .unwrap_or(0);
-            let source = if info.is_some_and(|c| c.device_hook) {
-                "device_hook"
-            } else {
-                "kernel_gpu"
-            };
-            (source, start, end, exec)
-        };
-        let (algbw, busbw) = bandwidth::bandwidths(func, bytes, nranks, exec);
-        // No calibration (closed by a timeout before the first one arrived): GPU clock, flagged.
-        let calibration_error_ns = match calibration {
-            Some(c) => c.error_ns,
-            None if channels.is_empty() => 0,
-            None => u32::MAX,
-        };
-        Instance {
-            pid: self.pid,
-            comm_hash: info.map_or(0, |c| c.comm_hash),
-            comm_name: StrId(info.map_or(0, |c| c.name)),
-            rank: info.map_or(0, |c| c.rank),
-            nranks,
-            nnodes: info.map_or(1, |c| c.nnodes),
-            seq: op.seq,
-            func: op.func,
-            datatype: op.datatype,
-            algo: op.algo,
-            proto: op.proto,
-            count: op.count,
-            bytes,
-            root: op.root,
-            peer: op.peer,
-            n_channels: op.n_channels as u32,
-            // A replay is launched with its graph, which no host event reports.
-            enqueue_unix_ns: if op.replay > 0 { start } else { op.enqueue_ns },
-            start_unix_ns: start,
-            end_unix_ns: end,
-            exec_ns: exec,
-            timing_source,
-            algbw_gbs: algbw,
-            busbw_gbs: busbw,
-            calibration_error_ns,
-            channels,
-            is_p2p: op.is_p2p,
-            replay: op.replay,
-        }
-    }
+/// Whether `op` can be finished (see [`Op::ready`]).
+fn op_ready(comms: &Map<u32, CommInfo>, calibrations: &Map<i32, Calibration>, op: &Op) -> bool {
+    let device = comms.get(&op.comm).map(|c| c.cuda_dev);
+    op.ready(device, |dev| calibrations.contains_key(&dev))
 }
 
 /// What a hold of (communicator, channel) `key` asks of the assembler: see [`hold::Fit`].

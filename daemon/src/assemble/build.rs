@@ -1,0 +1,93 @@
+//! An operation becomes an instance: GPU times mapped to host time, exec time, bandwidths.
+
+use ncclscope_proto::StrId;
+
+use super::operations::Op;
+use super::{Calibration, CommInfo};
+use crate::bandwidth;
+use crate::instance::{Instance, Names};
+
+/// The instance of process `pid`; takes the op's channel work rather than copying it.
+pub(super) fn instance(
+    op: Op,
+    pid: u32,
+    names: &Names,
+    info: Option<&CommInfo>,
+    calibration: Option<Calibration>,
+    elem_bytes: Option<u64>,
+) -> Instance {
+    let nranks = info.map_or(1, |c| c.nranks);
+    let func = names.get(op.func);
+    let msg = elem_bytes.unwrap_or(0).saturating_mul(op.count);
+    let bytes = bandwidth::inspector_bytes(func, msg, nranks);
+    let mut channels = op.channels;
+    channels.sort_unstable_by_key(|c| c.channel);
+    let offset = calibration
+        .map(|c| c.offset_ns)
+        .or(op.host_anchor)
+        .unwrap_or(0);
+    for c in &mut channels {
+        c.start_unix_ns = c.start_unix_ns.saturating_add_signed(offset);
+        c.end_unix_ns = c.end_unix_ns.saturating_add_signed(offset);
+    }
+    let (timing_source, start, end, exec) = if channels.is_empty() {
+        let end = op.stop_ns.unwrap_or(op.enqueue_ns);
+        (
+            "host",
+            op.enqueue_ns,
+            end,
+            end.saturating_sub(op.enqueue_ns),
+        )
+    } else {
+        let start = channels.iter().map(|c| c.start_unix_ns).min().unwrap_or(0);
+        let end = channels.iter().map(|c| c.end_unix_ns).max().unwrap_or(0);
+        let exec = channels
+            .iter()
+            .map(|c| c.end_unix_ns - c.start_unix_ns)
+            .max()
+            .unwrap_or(0);
+        let source = if info.is_some_and(|c| c.device_hook) {
+            "device_hook"
+        } else {
+            "kernel_gpu"
+        };
+        (source, start, end, exec)
+    };
+    let (algbw, busbw) = bandwidth::bandwidths(func, bytes, nranks, exec);
+    // No calibration (closed by a timeout before the first one arrived): GPU clock, flagged.
+    let calibration_error_ns = match calibration {
+        Some(c) => c.error_ns,
+        None if channels.is_empty() => 0,
+        None => u32::MAX,
+    };
+    Instance {
+        pid,
+        comm_hash: info.map_or(0, |c| c.comm_hash),
+        comm_name: StrId(info.map_or(0, |c| c.name)),
+        rank: info.map_or(0, |c| c.rank),
+        nranks,
+        nnodes: info.map_or(1, |c| c.nnodes),
+        seq: op.seq,
+        func: op.func,
+        datatype: op.datatype,
+        algo: op.algo,
+        proto: op.proto,
+        count: op.count,
+        bytes,
+        root: op.root,
+        peer: op.peer,
+        n_channels: op.n_channels as u32,
+        // A replay is launched with its graph, which no host event reports.
+        enqueue_unix_ns: if op.replay > 0 { start } else { op.enqueue_ns },
+        start_unix_ns: start,
+        end_unix_ns: end,
+        exec_ns: exec,
+        timing_source,
+        algbw_gbs: algbw,
+        busbw_gbs: busbw,
+        calibration_error_ns,
+        channels,
+        is_p2p: op.is_p2p,
+        replay: op.replay,
+    }
+}
