@@ -27,7 +27,6 @@
 //! work than it announced is counted (`dev_mismatch`) and dropped.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub(super) type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
@@ -35,19 +34,21 @@ use std::sync::Arc;
 use ncclscope_proto::{Record, StrId, TimingPath};
 use serde::{Deserialize, Serialize};
 
-use crate::bandwidth;
 use crate::config::Limits;
 use crate::instance::Names;
 
 mod build;
 mod counters;
+mod dictionary;
 mod graph;
 mod hold;
 mod lanes;
 mod operations;
 pub use counters::AssembleCounters;
+use dictionary::Dict;
+pub use dictionary::{Calibration, CommInfo, UidBudget};
+use graph::replay_id;
 pub use graph::{CapturedOp, Cursor, MAX_TEMPLATE_OPS, Template};
-use graph::{MAX_MARKS, replay_id};
 use hold::{Candidate, Hold, MAX_HOLD_EAGER, Owner};
 use lanes::{Lane, MAX_EARLY_WORKS, Work};
 pub use operations::Completed;
@@ -60,31 +61,6 @@ pub mod done {
     /// OTLP spans (or decided not to export: sampled out, dropped and counted).
     pub const EXPORTED: u8 = 2;
     pub const ALL: u8 = RECORDED | EXPORTED;
-}
-
-/// A communicator as the process announced it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CommInfo {
-    pub comm: u32,
-    pub comm_hash: u64,
-    pub rank: u32,
-    pub nranks: u32,
-    pub nnodes: u32,
-    pub cuda_dev: i32,
-    pub name: u16,
-    pub device_hook: bool,
-    /// Finalized; kept so that re-reading its records after a restart still resolves it.
-    #[serde(default)]
-    pub ended: bool,
-    /// Stream position of the CommEnd: once committed, no record of it can be read again.
-    #[serde(default)]
-    pub ended_pos: u64,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Calibration {
-    pub offset_ns: i64,
-    pub error_ns: u32,
 }
 
 /// What must survive a daemon restart to interpret a segment from its committed tail on.
@@ -149,57 +125,10 @@ impl P2pSeqs {
     }
 }
 
-/// Dictionary entries (communicators, strings, device-function names, devices) held by every
-/// segment of one uid together, shared by their assemblers: one user's processes cannot together
-/// hold more than `limits.uid_max_dictionary`, however many segments they attach. Taken and given
-/// back only where an entry is added or forgotten, never per operation.
-#[derive(Debug)]
-pub struct UidBudget {
-    used: AtomicUsize,
-    max: usize,
-}
-
-impl UidBudget {
-    pub fn new(max: usize) -> Arc<UidBudget> {
-        Arc::new(UidBudget {
-            used: AtomicUsize::new(0),
-            max,
-        })
-    }
-
-    /// Entries held now.
-    pub fn used(&self) -> usize {
-        self.used.load(Ordering::Relaxed)
-    }
-
-    fn take(&self) -> bool {
-        (self.used)
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
-                (u < self.max).then_some(u + 1)
-            })
-            .is_ok()
-    }
-}
-
-impl Drop for Assembler {
-    fn drop(&mut self) {
-        self.uid.used.fetch_sub(self.uid_held, Ordering::Relaxed);
-    }
-}
-
 /// Per-process assembly state.
 pub struct Assembler {
     pid: u32,
-    /// Job, host and the strings defined so far; shared with the instances built from them.
-    names: Arc<Names>,
-    func_names: Map<u32, u16>,
-    calibrations: Map<i32, Calibration>,
-    /// (record position, device, its calibration before) of each change past the committed tail,
-    /// oldest first: the saved state holds the calibrations as of the tail, so an instance read
-    /// again after a restart is timed as it was the first time. At most [`MAX_MARKS`]. A device's
-    /// first calibration is saved at once: what is read again before it waits for it, as it did.
-    calibrations_since_tail: VecDeque<(u64, i32, Calibration)>,
-    comms: Map<u32, CommInfo>,
+    dict: Dict,
     /// Device-hook path: per (comm, channel), the operations awaiting work there, oldest first.
     waiting: Map<(u32, u8), Lane>,
     /// Device-hook path: per communicator, its captured operations and replay cursors.
@@ -216,13 +145,10 @@ pub struct Assembler {
     /// are applied in stream order). Entries of finished operations go lazily; the front is always
     /// an operation in flight.
     by_pos: VecDeque<(u64, u64)>,
-    /// Element size by datatype string id (cleared when strings change).
-    datatype_bytes: Map<u16, Option<u64>>,
     /// Operations already delivered by a previous daemon: id -> (first record position, sinks).
     prior: Map<u64, (u64, u8)>,
     dictionary_changed: bool,
     max_pending: usize,
-    limits: Limits,
     comm_ops: CommOps,
     /// Complete operations waiting only for their device's first calibration, per device.
     awaiting_calibration: Map<i32, OpIndex>,
@@ -231,14 +157,6 @@ pub struct Assembler {
     /// Committed tail (the latest passed to [`Self::prune_prior`]): records before it are never read
     /// again, and [`Self::dictionary`] describes the templates as they were there.
     committed: u64,
-    /// Earliest CommEnd position among the finalized communicators held (u64::MAX: none), so a
-    /// communicator refused at the limit costs a look at all of them only when one can go.
-    first_end: u64,
-    /// The set of communicators changed since [`Assembler::take_comms_changed`].
-    comms_changed: bool,
-    /// The uid's budget and what this process holds of it (given back on drop).
-    uid: Arc<UidBudget>,
-    uid_held: usize,
     pub counters: AssembleCounters,
 }
 
@@ -247,11 +165,7 @@ impl Assembler {
     pub fn new(pid: u32, uid: u32, job_id: String, host: String, max_pending: usize) -> Assembler {
         Assembler {
             pid,
-            names: Arc::new(Names::new(uid, job_id, host)),
-            func_names: Map::default(),
-            calibrations: Map::default(),
-            calibrations_since_tail: VecDeque::new(),
-            comms: Map::default(),
+            dict: Dict::new(Names::new(uid, job_id, host)),
             waiting: Map::default(),
             templates: Map::default(),
             p2p_seqs: P2pSeqs::default(),
@@ -259,48 +173,27 @@ impl Assembler {
             holds: Map::default(),
             ops: Map::default(),
             by_pos: VecDeque::new(),
-            datatype_bytes: Map::default(),
             prior: Map::default(),
             dictionary_changed: false,
             max_pending,
-            limits: Limits::default(),
             comm_ops: CommOps::default(),
             awaiting_calibration: Map::default(),
             early_works: 0,
             committed: 0,
-            first_end: u64::MAX,
-            comms_changed: false,
-            uid: UidBudget::new(usize::MAX),
-            uid_held: 0,
             counters: AssembleCounters::default(),
         }
     }
 
     /// Bounds what this process's records can make it hold (see [`Limits`]).
     pub fn with_limits(mut self, limits: Limits) -> Assembler {
-        self.limits = limits;
+        self.dict.limits = limits;
         self
     }
 
     /// Counts this process's dictionary against its uid's budget, shared with the uid's other segments.
     pub fn with_uid_budget(mut self, uid: Arc<UidBudget>) -> Assembler {
-        self.uid = uid;
+        self.dict.set_uid_budget(uid);
         self
-    }
-
-    /// One more dictionary entry from the uid's budget; counted `uid_limit` when there is none left.
-    fn take_uid(&mut self) -> bool {
-        if self.uid.take() {
-            self.uid_held += 1;
-            return true;
-        }
-        self.counters.uid_limit += 1;
-        false
-    }
-
-    fn give_uid(&mut self, n: usize) {
-        self.uid.used.fetch_sub(n, Ordering::Relaxed);
-        self.uid_held -= n;
     }
 
     /// Resumes from a persisted dictionary and the operations a previous daemon delivered.
@@ -309,18 +202,8 @@ impl Assembler {
         dict: Dictionary,
         delivered: impl IntoIterator<Item = (u64, u64, u8)>,
     ) {
-        let names = Arc::make_mut(&mut self.names);
-        for (id, text) in dict.strings {
-            names.set(StrId(id), text);
-        }
-        self.func_names = dict.func_names.into_iter().collect();
-        self.calibrations = dict.calibrations.into_iter().collect();
-        self.comms = dict.comms.into_iter().map(|c| (c.comm, c)).collect();
-        self.first_end = (self.comms.values())
-            .filter(|c| c.ended)
-            .map(|c| c.ended_pos)
-            .min()
-            .unwrap_or(u64::MAX);
+        self.dict
+            .restore(dict.strings, dict.func_names, dict.calibrations, dict.comms);
         for t in &dict.templates {
             let joined = t.eager_items.iter().map(|&pos| (pos, (t.comm, false)));
             let dropped = t.ambiguous_items.iter().map(|&pos| (pos, (t.comm, true)));
@@ -341,31 +224,20 @@ impl Assembler {
             .map(|(id, pos, flags)| (id, (pos, flags)))
             .collect();
         // What a previous daemon accepted is restored whole, even beyond the uid's budget now.
-        let n = self.names.iter().count()
-            + self.func_names.len()
-            + self.calibrations.len()
-            + self.comms.len()
-            + self.templates.values().map(|t| t.ops.len()).sum::<usize>();
-        self.uid.used.fetch_add(n, Ordering::Relaxed);
-        self.uid_held += n;
+        let captured = self.templates.values().map(|t| t.ops.len()).sum::<usize>();
+        self.dict.restored_uid(captured);
     }
 
     pub fn dictionary(&self) -> Dictionary {
         let mut d = Dictionary {
-            strings: self
-                .names
-                .iter()
+            strings: (self.dict.names.iter())
                 .map(|(id, text)| (id.0, text.to_string()))
                 .collect(),
-            func_names: self.func_names.iter().map(|(k, v)| (*k, *v)).collect(),
-            calibrations: {
-                let mut at = self.calibrations.clone();
-                for &(_, dev, before) in self.calibrations_since_tail.iter().rev() {
-                    at.insert(dev, before);
-                }
-                at.into_iter().collect()
-            },
-            comms: self.comms.values().cloned().collect(),
+            func_names: (self.dict.func_names.iter())
+                .map(|(k, v)| (*k, *v))
+                .collect(),
+            calibrations: self.dict.calibrations_at_tail(),
+            comms: self.dict.comms.values().cloned().collect(),
             templates: self
                 .templates
                 .values()
@@ -413,7 +285,7 @@ impl Assembler {
 
     /// Whether a communicator was announced, finalized or forgotten since the last call.
     pub fn take_comms_changed(&mut self) -> bool {
-        std::mem::take(&mut self.comms_changed)
+        self.dict.take_comms_changed()
     }
 
     /// Whether the dictionary changed since the last call.
@@ -423,22 +295,23 @@ impl Assembler {
 
     /// Communicators not finalized yet.
     pub fn comms(&self) -> impl Iterator<Item = &CommInfo> {
-        self.comms.values().filter(|c| !c.ended)
+        self.dict.comms.values().filter(|c| !c.ended)
     }
 
     /// Every communicator announced, finalized ones included.
     pub fn all_comms(&self) -> impl Iterator<Item = &CommInfo> {
-        self.comms.values()
+        self.dict.comms.values()
     }
 
     /// An interned string ("" if unknown).
     pub fn string(&self, id: u16) -> String {
-        self.names.get(StrId(id)).to_string()
+        self.dict.names.get(StrId(id)).to_string()
     }
 
     /// Largest calibration error bound among this process's devices.
     pub fn max_calibration_error_ns(&self) -> u32 {
-        self.calibrations
+        self.dict
+            .calibrations
             .values()
             .map(|c| c.error_ns)
             .max()
@@ -451,12 +324,12 @@ impl Assembler {
     }
 
     pub fn job_id(&self) -> &str {
-        &self.names.job_id
+        &self.dict.names.job_id
     }
 
     /// The strings this process's instances refer to.
     pub fn names(&self) -> &Arc<Names> {
-        &self.names
+        &self.dict.names
     }
 
     pub fn pid(&self) -> u32 {
@@ -494,14 +367,7 @@ impl Assembler {
         }
         self.committed = self.committed.max(tail);
         let mut moved = self.p2p_seqs.prune(tail);
-        while self
-            .calibrations_since_tail
-            .front()
-            .is_some_and(|c| c.0 < tail)
-        {
-            self.calibrations_since_tail.pop_front();
-            moved = true;
-        }
+        moved |= self.dict.prune(tail);
         for t in self.templates.values_mut() {
             while t.marks.front().is_some_and(|m| m.0 < tail) {
                 t.marks.pop_front();
@@ -522,34 +388,6 @@ impl Assembler {
         moved
     }
 
-    /// Room for one more communicator: forgets finalized ones whose CommEnd is committed (no record
-    /// of theirs can be read again) when at the limit. False if there is still none.
-    fn room_for_comm(&mut self) -> bool {
-        if self.comms.len() < self.limits.max_comms {
-            return true;
-        }
-        let committed = self.committed;
-        if self.first_end >= committed {
-            return false;
-        }
-        let gone: Vec<u32> = (self.comms.values())
-            .filter(|c| c.ended && c.ended_pos < committed)
-            .map(|c| c.comm)
-            .collect();
-        self.first_end = (self.comms.values())
-            .filter(|c| c.ended && c.ended_pos >= committed)
-            .map(|c| c.ended_pos)
-            .min()
-            .unwrap_or(u64::MAX);
-        for comm in gone {
-            self.comms.remove(&comm);
-            self.comm_ops.take(comm);
-            self.comms_changed = true;
-            self.give_uid(1);
-        }
-        self.comms.len() < self.limits.max_comms
-    }
-
     /// Applies one record at stream position `pos`; finished operations are appended to `out`.
     /// By reference: moving a `Record` by value cost a store-forwarding stall per record.
     pub fn apply(&mut self, pos: u64, record: &Record, now_ns: u64, out: &mut Vec<Completed>) {
@@ -557,32 +395,10 @@ impl Assembler {
         match *record {
             Record::Str { id, len, bytes } => {
                 let text = String::from_utf8_lossy(&bytes[..len as usize]);
-                // The plugin defines each id once; the same definition read again (after a
-                // restart) changes nothing, another one is refused: an instance's strings never
-                // change under it, and a string costs at most one copy of its chunk.
-                match self.names.defined(id).map(|t| *t == *text) {
-                    Some(true) => {}
-                    Some(false) => self.counters.string_limit += 1,
-                    None if id.0 as usize > self.limits.max_strings => {
-                        self.counters.string_limit += 1
-                    }
-                    None if !self.take_uid() => {}
-                    None => {
-                        Arc::make_mut(&mut self.names).set(id, text.into_owned());
-                        self.datatype_bytes.clear();
-                        self.dictionary_changed = true;
-                    }
-                }
+                self.dictionary_changed |= self.dict.string(id, &text, &mut self.counters);
             }
             Record::FuncName { func_id, name } => {
-                let known = self.func_names.contains_key(&func_id);
-                if self.func_names.get(&func_id) == Some(&name.0) {
-                } else if !known && self.func_names.len() >= self.limits.max_func_names {
-                    self.counters.func_name_limit += 1;
-                } else if known || self.take_uid() {
-                    self.func_names.insert(func_id, name.0);
-                    self.dictionary_changed = true;
-                }
+                self.dictionary_changed |= self.dict.func_name(func_id, name, &mut self.counters);
             }
             Record::Calibration {
                 cuda_dev,
@@ -594,32 +410,14 @@ impl Assembler {
                     offset_ns,
                     error_ns,
                 };
-                let full = self.calibrations.len() >= self.limits.max_devices;
-                match self.calibrations.get_mut(&cuda_dev) {
-                    Some(c) if *c == cal => {}
-                    Some(c) => {
-                        if self.calibrations_since_tail.len() >= MAX_MARKS {
-                            self.calibrations_since_tail.pop_front();
-                        }
-                        self.calibrations_since_tail.push_back((pos, cuda_dev, *c));
-                        *c = cal;
-                        self.dictionary_changed = true;
-                    }
-                    None if full => {
-                        self.counters.device_limit += 1;
-                    }
-                    None if !self.uid.take() => self.counters.uid_limit += 1,
-                    None => {
-                        self.uid_held += 1;
-                        self.calibrations.insert(cuda_dev, cal);
-                        self.dictionary_changed = true;
-                        // Operations that were only waiting for this device's first calibration.
-                        if let Some(waiting) = self.awaiting_calibration.remove(&cuda_dev) {
-                            let ids: Vec<u64> = waiting.live(&self.ops).collect();
-                            for id in ids {
-                                self.try_finish(id, out);
-                            }
-                        }
+                let (changed, first) =
+                    (self.dict).calibration(pos, cuda_dev, cal, &mut self.counters);
+                self.dictionary_changed |= changed;
+                // Operations that were only waiting for this device's first calibration.
+                if first && let Some(waiting) = self.awaiting_calibration.remove(&cuda_dev) {
+                    let ids: Vec<u64> = waiting.live(&self.ops).collect();
+                    for id in ids {
+                        self.try_finish(id, out);
                     }
                 }
             }
@@ -646,14 +444,10 @@ impl Assembler {
                     ended: false,
                     ended_pos: 0,
                 };
-                let known = self.comms.contains_key(&comm);
-                if self.comms.get(&comm) == Some(&info) {
-                } else if !known && !self.room_for_comm() {
-                    self.counters.comm_limit += 1;
-                } else if known || self.take_uid() {
-                    self.comms.insert(comm, info);
-                    self.dictionary_changed = true;
-                    self.comms_changed = true;
+                let (changed, gone) = self.dict.comm(info, self.committed, &mut self.counters);
+                self.dictionary_changed |= changed;
+                for comm in gone {
+                    self.comm_ops.take(comm);
                 }
             }
             Record::CommEnd { comm, .. } => {
@@ -677,17 +471,9 @@ impl Assembler {
                     }
                 }
                 if let Some(t) = self.templates.remove(&comm) {
-                    self.give_uid(t.ops.len());
+                    self.dict.give_uid(t.ops.len());
                 }
-                if let Some(c) = self.comms.get_mut(&comm)
-                    && !c.ended
-                {
-                    c.ended = true;
-                    c.ended_pos = pos;
-                    self.first_end = self.first_end.min(pos);
-                    self.dictionary_changed = true;
-                    self.comms_changed = true;
-                }
+                self.dictionary_changed |= self.dict.comm_ended(comm, pos);
             }
             Record::CollStart {
                 comm,
@@ -814,7 +600,7 @@ impl Assembler {
                 if let Some(op) = self.ops.get_mut(&id) {
                     op.stop_ns = Some(host_ns);
                     op.last_progress_ns = now_ns;
-                    if op_ready(&self.comms, &self.calibrations, op) {
+                    if op_ready(&self.dict, op) {
                         self.finish(id, out);
                     } else {
                         self.await_calibration(id);
@@ -847,7 +633,7 @@ impl Assembler {
                         op.host_anchor = Some(op.host_anchor.map_or(anchor, |a| a.min(anchor)));
                     }
                     op.add_work(channel, gpu_start, gpu_stop, now_ns);
-                    if op_ready(&self.comms, &self.calibrations, op) {
+                    if op_ready(&self.dict, op) {
                         self.finish(parent, out);
                     } else if op.complete() {
                         self.await_calibration(parent);
@@ -869,12 +655,7 @@ impl Assembler {
                 // Lanes only for the channels of a live hook-path communicator (any other work item
                 // can never join: counted as dev_work - dev_joined), and work items in all lanes
                 // bounded (each lane's also is).
-                if !self
-                    .comms
-                    .get(&comm)
-                    .is_some_and(|c| c.device_hook && !c.ended)
-                    || channel >= 64
-                {
+                if !self.dict.live_hook_comm(comm) || channel >= 64 {
                     self.counters.dev_work += 1;
                     return;
                 }
@@ -888,7 +669,7 @@ impl Assembler {
                     }
                     return;
                 }
-                if self.early_works >= self.limits.max_early_works {
+                if self.early_works >= self.dict.limits.max_early_works {
                     self.counters.early_work_limit += 1;
                     return;
                 }
@@ -917,7 +698,7 @@ impl Assembler {
     /// Adds a captured operation to its communicator's template. Device-hook path only: on stock NCCL
     /// a replay's KernelCh events are counted and declined by the plugin, and a capture has no work.
     fn capture(&mut self, comm: u32, op: CapturedOp) {
-        let Some(info) = self.comms.get(&comm) else {
+        let Some(info) = self.dict.comms.get(&comm) else {
             self.counters.unknown_comm += 1;
             return;
         };
@@ -930,7 +711,7 @@ impl Assembler {
         }
         // A captured operation is kept as long as its communicator: it draws on the uid's
         // dictionary budget like a string or a communicator does.
-        if !self.take_uid() {
+        if !self.dict.take_uid(&mut self.counters) {
             return;
         }
         let t = self.templates.entry(comm).or_insert_with(|| Template {
@@ -949,29 +730,14 @@ impl Assembler {
         self.dictionary_changed = true;
     }
 
-    /// Allowance for the plugin's host stamps (TSC readings converted to CLOCK_REALTIME, good to some
-    /// microseconds when the host is busy) when an enqueue is compared with a calibrated GPU time.
-    const HOST_STAMP_SLACK_NS: u64 = 50_000;
-
-    /// The latest host time `work` of `comm` can have started at (its calibrated GPU start plus the
-    /// calibration error and [`Self::HOST_STAMP_SLACK_NS`]); None without a calibration.
-    fn started_by(&self, comm: u32, work: &Work) -> Option<u64> {
-        let c = self.calibrations.get(&self.comms.get(&comm)?.cuda_dev)?;
-        Some(
-            work.gpu_start
-                .saturating_add_signed(c.offset_ns)
-                .saturating_add(c.error_ns as u64 + Self::HOST_STAMP_SLACK_NS),
-        )
-    }
-
     /// Whether an eager operation waiting on (comm, ch) can own `work`: its function fits and it was
     /// enqueued before the work started (see [`Self::started_by`]).
     /// Returns the first record position of the operation that takes it ([`Self::match_lane`]
     /// takes the oldest whose function fits).
     fn eager_owner(&self, comm: u32, ch: u8, work: &Work) -> Option<u64> {
         let lane = self.waiting.get(&(comm, ch))?;
-        let started = self.started_by(comm, work);
-        let fits = |op: &&Op| self.work_matches(work.func_id, op.func);
+        let started = self.dict.started_by(comm, work);
+        let fits = |op: &&Op| self.dict.work_matches(work.func_id, op.func);
         let mut waiting = lane.ops.iter().filter_map(|id| self.ops.get(id));
         let owner = waiting.find(fits)?;
         started
@@ -1003,7 +769,7 @@ impl Assembler {
             }
         }
         let index = list.get(next.pos as usize).copied();
-        let fits = index.is_some_and(|i| self.replay_can_own(comm, work, &t.ops[i as usize]));
+        let fits = index.is_some_and(|i| self.dict.replay_can_own(comm, work, &t.ops[i as usize]));
         (stored, next, index, fits)
     }
 
@@ -1450,7 +1216,7 @@ impl Assembler {
     }
 
     fn start(&mut self, id: u64, mut op: Op, out: &mut Vec<Completed>) {
-        let Some(info) = self.comms.get(&op.comm) else {
+        let Some(info) = self.dict.comms.get(&op.comm) else {
             self.counters.unknown_comm += 1;
             return;
         };
@@ -1489,54 +1255,6 @@ impl Assembler {
         }
     }
 
-    /// Whether a device function (by funcId) can be `func`'s kernel; unknown names match anything.
-    fn work_matches(&self, func_id: u32, func: StrId) -> bool {
-        let Some(&name) = self.func_names.get(&func_id) else {
-            return true;
-        };
-        let (name, func) = (
-            self.names.get(StrId(name)).as_bytes(),
-            self.names.get(func).as_bytes(),
-        );
-        func.is_empty()
-            || name
-                .windows(func.len())
-                .any(|w| w.eq_ignore_ascii_case(func))
-    }
-
-    /// Whether a device function (by funcId) can be captured operation `op`'s kernel: as
-    /// [`Self::work_matches`], the funcId is the one its earlier replays ran, and the protocol that
-    /// ends the function's name (`..._LL`, `_LL128`, `_SIMPLE`) is the operation's, when these are
-    /// known. A template's operations of one collective differ mostly by protocol (chosen by size):
-    /// without this, an item one place off would fit.
-    /// Whether `work` of `comm` can be a replay of `op`: its function fits (see
-    /// [`Self::work_matches_captured`]) and it did not start before `op` was captured. The second
-    /// separates warm-up collectives from the first replay when both run the same functions in the
-    /// same order (PyTorch warms up the very calls it then captures).
-    fn replay_can_own(&self, comm: u32, work: &Work, op: &CapturedOp) -> bool {
-        self.work_matches_captured(work.func_id, op)
-            && self
-                .started_by(comm, work)
-                .is_none_or(|t| op.captured_ns <= t)
-    }
-
-    fn work_matches_captured(&self, func_id: u32, op: &CapturedOp) -> bool {
-        const PROTOS: [&str; 3] = ["LL", "LL128", "SIMPLE"];
-        if !self.work_matches(func_id, StrId(op.func))
-            || op.func_id.is_some_and(|f| f != func_id && f != u32::MAX)
-        {
-            return false;
-        }
-        let Some(&name) = self.func_names.get(&func_id) else {
-            return true;
-        };
-        let last = self.names.get(StrId(name)).rsplit('_').next().unwrap_or("");
-        let proto = self.names.get(StrId(op.proto));
-        proto.is_empty()
-            || !PROTOS.iter().any(|p| last.eq_ignore_ascii_case(p))
-            || last.eq_ignore_ascii_case(proto)
-    }
-
     /// Joins a lane's waiting operations and early work items in order. A work item whose function
     /// is not the oldest operation's skips the operations before the first one it fits (they lost
     /// their work item on this channel and close incomplete), or is dropped if none fits.
@@ -1549,7 +1267,7 @@ impl Assembler {
                 lane.ops.pop_front();
                 continue;
             };
-            if self.work_matches(work.func_id, op.func) {
+            if self.dict.work_matches(work.func_id, op.func) {
                 lane.ops.pop_front();
                 lane.works.pop_front();
                 self.early_works -= 1;
@@ -1566,7 +1284,7 @@ impl Assembler {
             let fits_later = lane.ops.iter().skip(1).any(|later| {
                 self.ops
                     .get(later)
-                    .is_some_and(|o| self.work_matches(work.func_id, o.func))
+                    .is_some_and(|o| self.dict.work_matches(work.func_id, o.func))
             });
             if fits_later {
                 lane.ops.pop_front();
@@ -1585,7 +1303,7 @@ impl Assembler {
         if self
             .ops
             .get(&id)
-            .is_some_and(|op| op_ready(&self.comms, &self.calibrations, op) || op.settled())
+            .is_some_and(|op| op_ready(&self.dict, op) || op.settled())
         {
             self.finish(id, out);
         } else {
@@ -1602,15 +1320,15 @@ impl Assembler {
         if op.awaiting_calibration || !op.complete() || op.channels.is_empty() {
             return;
         }
-        let Some(dev) = self.comms.get(&op.comm).map(|c| c.cuda_dev) else {
+        let Some(dev) = self.dict.comms.get(&op.comm).map(|c| c.cuda_dev) else {
             return;
         };
         // Devices without calibration are as many as the process's communicators at most; beyond
         // that an operation waits for the sweep (CALIBRATION_WAIT_NS) instead.
         let known = self.awaiting_calibration.contains_key(&dev);
         if dev < 0
-            || self.calibrations.contains_key(&dev)
-            || (!known && self.awaiting_calibration.len() >= self.limits.max_devices)
+            || self.dict.calibrations.contains_key(&dev)
+            || (!known && self.awaiting_calibration.len() >= self.dict.limits.max_devices)
         {
             return;
         }
@@ -1699,23 +1417,14 @@ impl Assembler {
         }
     }
 
-    /// Bytes per element of the datatype string `id` names.
-    fn datatype_size(&mut self, id: StrId) -> Option<u64> {
-        let names = &self.names;
-        *self
-            .datatype_bytes
-            .entry(id.0)
-            .or_insert_with(|| bandwidth::datatype_size(names.get(id)))
-    }
-
     fn finish(&mut self, id: u64, out: &mut Vec<Completed>) {
         let Some(op) = self.ops.remove(&id) else {
             return;
         };
         self.prune_by_pos();
         self.comm_ops.finished(op.comm, op.first_pos, id);
-        let elem_bytes = self.datatype_size(op.datatype);
-        let hook = self.comms.get(&op.comm).is_some_and(|c| c.device_hook);
+        let elem_bytes = self.dict.datatype_size(op.datatype);
+        let hook = self.dict.comms.get(&op.comm).is_some_and(|c| c.device_hook);
         if hook && op.replay == 0 {
             for ch in 0..op.n_channels.min(64) {
                 if let Some(lane) = self.waiting.get_mut(&(op.comm, ch)) {
@@ -1731,9 +1440,9 @@ impl Assembler {
         if !op.complete() {
             self.counters.incomplete += 1;
         }
-        let info = self.comms.get(&op.comm);
+        let info = self.dict.comms.get(&op.comm);
         let calibration = info
-            .and_then(|c| self.calibrations.get(&c.cuda_dev))
+            .and_then(|c| self.dict.calibrations.get(&c.cuda_dev))
             .copied();
         if !op.channels.is_empty() && calibration.is_none() {
             match op.host_anchor {
@@ -1742,8 +1451,15 @@ impl Assembler {
             }
         }
         let (first_pos, prior) = (op.first_pos, op.prior);
-        let info = self.comms.get(&op.comm);
-        let coll = build::instance(op, self.pid, &self.names, info, calibration, elem_bytes);
+        let info = self.dict.comms.get(&op.comm);
+        let coll = build::instance(
+            op,
+            self.pid,
+            &self.dict.names,
+            info,
+            calibration,
+            elem_bytes,
+        );
         out.push(Completed {
             coll,
             op_id: id,
@@ -1754,9 +1470,9 @@ impl Assembler {
 }
 
 /// Whether `op` can be finished (see [`Op::ready`]).
-fn op_ready(comms: &Map<u32, CommInfo>, calibrations: &Map<i32, Calibration>, op: &Op) -> bool {
-    let device = comms.get(&op.comm).map(|c| c.cuda_dev);
-    op.ready(device, |dev| calibrations.contains_key(&dev))
+fn op_ready(dict: &Dict, op: &Op) -> bool {
+    let device = dict.comms.get(&op.comm).map(|c| c.cuda_dev);
+    op.ready(device, |dev| dict.calibrations.contains_key(&dev))
 }
 
 /// What a hold of (communicator, channel) `key` asks of the assembler: see [`hold::Fit`].
@@ -1767,13 +1483,13 @@ struct ChannelFit<'a> {
 
 impl hold::Fit for ChannelFit<'_> {
     fn eager(&self, c: &Candidate, work: &Work) -> bool {
-        self.asm.work_matches(work.func_id, c.func)
-            && (self.asm.started_by(self.key.0, work)).is_none_or(|t| c.enqueue_ns <= t)
+        self.asm.dict.work_matches(work.func_id, c.func)
+            && (self.asm.dict.started_by(self.key.0, work)).is_none_or(|t| c.enqueue_ns <= t)
     }
 
     fn replay(&self, i: usize, work: &Work) -> bool {
         self.captured(i)
-            .is_some_and(|op| self.asm.replay_can_own(self.key.0, work, op))
+            .is_some_and(|op| self.asm.dict.replay_can_own(self.key.0, work, op))
     }
 
     fn captured_func_id(&self, i: usize) -> Option<u32> {
