@@ -14,6 +14,15 @@ pub(super) struct Work {
     pub gpu_stop: u64,
 }
 
+/// A work item as read: its record position, (communicator, channel) and workCounter.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Read {
+    pub pos: u64,
+    pub key: (u32, u8),
+    pub wc: u64,
+    pub work: Work,
+}
+
 /// One (communicator, channel) on the device-hook path: operations awaiting their work item there,
 /// and work items awaiting their operation, both oldest first.
 #[derive(Debug, Default)]

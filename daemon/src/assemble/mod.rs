@@ -50,7 +50,7 @@ pub use dictionary::{Calibration, CommInfo, UidBudget};
 use graph::replay_id;
 pub use graph::{CapturedOp, Cursor, MAX_TEMPLATE_OPS, Template};
 use hold::{Candidate, Hold, MAX_HOLD_EAGER, Owner};
-use lanes::{Lane, MAX_EARLY_WORKS, Work};
+use lanes::{Lane, MAX_EARLY_WORKS, Read, Work};
 pub use operations::Completed;
 use operations::{CommOps, Op, OpIndex};
 
@@ -680,7 +680,13 @@ impl Assembler {
                     gpu_stop,
                 };
                 if !self.templates.is_empty() && self.templates.contains_key(&comm) {
-                    self.attribute(pos, comm, channel, work_counter, work, now_ns, out);
+                    let read = Read {
+                        pos,
+                        key: (comm, channel),
+                        wc: work_counter,
+                        work,
+                    };
+                    self.attribute(read, now_ns, out);
                     return;
                 }
                 let lane = self.waiting.entry((comm, channel)).or_default();
@@ -775,22 +781,13 @@ impl Assembler {
 
     /// A work item of a communicator with a graph template: to an eager operation, to the replay
     /// cursor of its channel, held while both can own it, or counted (see the module documentation).
-    #[allow(clippy::too_many_arguments)]
-    fn attribute(
-        &mut self,
-        pos: u64,
-        comm: u32,
-        ch: u8,
-        wc: u64,
-        work: Work,
-        now_ns: u64,
-        out: &mut Vec<Completed>,
-    ) {
-        let key = (comm, ch);
+    fn attribute(&mut self, read: Read, now_ns: u64, out: &mut Vec<Completed>) {
+        let Read { pos, key, wc, work } = read;
+        let (comm, ch) = key;
         let t = self.templates.get_mut(&comm).expect("caller checked");
         let lost = t.saw(ch, wc);
         if self.holds.contains_key(&key) {
-            self.hold_item(key, pos, wc, work, now_ns, out);
+            self.hold_item(read, now_ns, out);
             return;
         }
         if lost > 0 && self.waiting.get(&key).is_none_or(|l| l.ops.is_empty()) {
@@ -805,7 +802,7 @@ impl Assembler {
         if !in_progress && let Some(owner) = self.eager_owner(comm, ch, &work) {
             if replay_fits {
                 // A replay boundary that both can own: decided by the items that follow.
-                self.start_hold(key, pos, wc, work, now_ns, out);
+                self.start_hold(read, now_ns, out);
                 return;
             }
             self.templates
@@ -818,21 +815,13 @@ impl Assembler {
             self.match_lane(key, now_ns, out);
             return;
         }
-        self.replay_item(pos, comm, ch, wc, work, now_ns, out);
+        self.replay_item(read, now_ns, out);
     }
 
     /// A work item to the replay cursor of its channel, or counted if it fits nothing there.
-    #[allow(clippy::too_many_arguments)]
-    fn replay_item(
-        &mut self,
-        pos: u64,
-        comm: u32,
-        ch: u8,
-        wc: u64,
-        work: Work,
-        now_ns: u64,
-        out: &mut Vec<Completed>,
-    ) {
+    fn replay_item(&mut self, read: Read, now_ns: u64, out: &mut Vec<Completed>) {
+        let Read { pos, key, wc, work } = read;
+        let (comm, ch) = key;
         let (stored, mut next, index, replay_fits) = self.next_replay(comm, ch, wc, &work);
         let Some(index) = index.filter(|_| replay_fits) else {
             self.counters.dev_unattributed += 1;
@@ -858,7 +847,7 @@ impl Assembler {
         let id = replay_id(comm, index, replay);
         if !self.ops.contains_key(&id) {
             t.open.push_back((replay, index, id));
-            self.start_replay(id, pos, comm, captured, replay, now_ns, out);
+            self.start_replay(id, &read, captured, replay, now_ns, out);
         }
         self.close_passed(comm, ch, replay, index, out);
         match self.ops.get_mut(&id) {
@@ -880,15 +869,8 @@ impl Assembler {
     }
 
     /// Holds the item at an ambiguous replay boundary of (comm, ch) (see [`Hold`]).
-    fn start_hold(
-        &mut self,
-        key: (u32, u8),
-        pos: u64,
-        wc: u64,
-        work: Work,
-        now_ns: u64,
-        out: &mut Vec<Completed>,
-    ) {
+    fn start_hold(&mut self, read: Read, now_ns: u64, out: &mut Vec<Completed>) {
+        let key = read.key;
         let t = &self.templates[&key.0];
         let len = t.by_channel[key.1 as usize].len();
         let cursor = t
@@ -896,23 +878,15 @@ impl Assembler {
             .iter()
             .find(|(c, _)| *c == key.1)
             .map_or_else(Cursor::default, |c| c.1);
-        let hold = Hold::new(len, cursor, pos, wc, now_ns);
+        let hold = Hold::new(len, cursor, read.pos, read.wc, now_ns);
         self.holds.insert(key, hold);
-        self.hold_item(key, pos, wc, work, now_ns, out);
+        self.hold_item(read, now_ns, out);
     }
 
     /// Adds a work item (and a lost one for each workCounter skipped) to the hold of its (comm, ch),
     /// advances the parses, attributes what they agree on.
-    #[allow(clippy::too_many_arguments)]
-    fn hold_item(
-        &mut self,
-        key: (u32, u8),
-        pos: u64,
-        wc: u64,
-        work: Work,
-        now_ns: u64,
-        out: &mut Vec<Completed>,
-    ) {
+    fn hold_item(&mut self, read: Read, now_ns: u64, out: &mut Vec<Completed>) {
+        let Read { pos, key, wc, work } = read;
         let mut hold = self.holds.remove(&key).expect("caller checked");
         if hold.items.is_empty() {
             (hold.first_pos, hold.started_ns) = (pos, now_ns);
@@ -942,7 +916,7 @@ impl Assembler {
             self.holds.insert(key, hold);
             self.resolve_ended(key, now_ns, out);
             if self.templates.contains_key(&key.0) {
-                self.attribute(pos, key.0, key.1, wc, work, now_ns, out);
+                self.attribute(read, now_ns, out);
             }
             return;
         }
@@ -971,8 +945,8 @@ impl Assembler {
             self.drop_hold(key, hold, out);
             return;
         }
-        for ((pos, wc, work), owner) in hold.take_agreed() {
-            self.commit(key, &hold, pos, wc, work, owner, now_ns, out);
+        for (item, owner) in hold.take_agreed() {
+            self.commit(key, &hold, item, owner, now_ns, out);
         }
         // One parse, nothing held: the lane and the cursor continue from its state.
         let Some(p) = hold.decided() else {
@@ -998,14 +972,11 @@ impl Assembler {
     }
 
     /// Attributes one held item as the parses agreed.
-    #[allow(clippy::too_many_arguments)]
     fn commit(
         &mut self,
         key: (u32, u8),
         hold: &Hold,
-        pos: u64,
-        wc: u64,
-        work: Option<Work>,
+        (pos, wc, work): hold::Item,
         owner: Owner,
         now_ns: u64,
         out: &mut Vec<Completed>,
@@ -1029,7 +1000,7 @@ impl Assembler {
                 };
                 if let Some(t) = self.templates.get_mut(&key.0) {
                     *t.cursor(key.1) = cursor;
-                    self.replay_item(pos, key.0, key.1, wc, work, now_ns, out);
+                    self.replay_item(Read { pos, key, wc, work }, now_ns, out);
                 }
             }
             Owner::Ambiguous => {
@@ -1170,17 +1141,16 @@ impl Assembler {
     }
 
     /// Opens the instance of replay `replay` of a captured operation at its first work item.
-    #[allow(clippy::too_many_arguments)]
     fn start_replay(
         &mut self,
         id: u64,
-        pos: u64,
-        comm: u32,
+        first: &Read,
         c: CapturedOp,
         replay: u32,
         now_ns: u64,
         out: &mut Vec<Completed>,
     ) {
+        let (pos, comm) = (first.pos, first.key.0);
         let op = Op {
             comm,
             first_pos: pos,
@@ -1471,8 +1441,10 @@ impl Assembler {
 
 /// Whether `op` can be finished (see [`Op::ready`]).
 fn op_ready(dict: &Dict, op: &Op) -> bool {
-    let device = dict.comms.get(&op.comm).map(|c| c.cuda_dev);
-    op.ready(device, |dev| dict.calibrations.contains_key(&dev))
+    op.ready(|comm| match dict.comms.get(&comm) {
+        Some(c) if c.cuda_dev >= 0 => Some(dict.calibrations.contains_key(&c.cuda_dev)),
+        _ => None,
+    })
 }
 
 /// What a hold of (communicator, channel) `key` asks of the assembler: see [`hold::Fit`].

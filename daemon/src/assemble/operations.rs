@@ -40,6 +40,7 @@ pub(super) struct Op {
 }
 
 impl Op {
+    #[inline]
     pub fn add_work(&mut self, channel: u8, gpu_start: u64, gpu_stop: u64, now_ns: u64) {
         self.seen |= 1 << (channel & 63);
         self.last_progress_ns = now_ns;
@@ -53,10 +54,12 @@ impl Op {
     }
 
     /// Lost a channel's item and has every other one's: nothing more can join it.
+    #[inline]
     pub fn settled(&self) -> bool {
         self.lost != 0 && (self.seen | self.lost).count_ones() >= self.n_channels.min(64) as u32
     }
 
+    #[inline]
     pub fn complete(&self) -> bool {
         // A replay has no host stop: its work is all there is.
         (self.stop_ns.is_some() || self.replay > 0)
@@ -65,20 +68,18 @@ impl Op {
 
     /// Whether the op has its stop and every channel's work, and (with kernel times) its device
     /// has a calibration: the plugin may forward kernel records before its first calibration.
-    /// `device`: its communicator's CUDA device, if known; `calibrated`: whether a device has one.
-    pub fn ready(&self, device: Option<i32>, calibrated: impl Fn(i32) -> bool) -> bool {
+    /// `calibrated(comm)`: whether the communicator's device has a calibration; None if it has no
+    /// device (e.g. NCCL's KernelCh without a CUDA context): no calibration will come, the host
+    /// anchor is all there is. Asked only of a complete operation with kernel times.
+    #[inline]
+    pub fn ready(&self, calibrated: impl FnOnce(u32) -> Option<bool>) -> bool {
         if !self.complete() {
             return false;
         }
         if self.channels.is_empty() {
             return true;
         }
-        match device {
-            Some(dev) if dev >= 0 => calibrated(dev),
-            // No device (e.g. NCCL's KernelCh without a CUDA context) means no calibration will
-            // come: the host anchor is all there is.
-            _ => self.host_anchor.is_some(),
-        }
+        calibrated(self.comm).unwrap_or(self.host_anchor.is_some())
     }
 }
 
@@ -102,6 +103,7 @@ pub(super) struct OpIndex {
 }
 
 impl OpIndex {
+    #[inline]
     pub fn push(&mut self, first_pos: u64, id: u64, ops: &Map<u64, Op>) {
         if self.entries.len() >= self.prune_at {
             self.entries.retain(|e| in_flight(ops, e));
@@ -131,6 +133,7 @@ pub(super) struct CommOps {
 }
 
 impl CommOps {
+    #[inline]
     pub fn get_mut(&mut self, comm: u32) -> &mut OpIndex {
         let c = comm as usize;
         if c >= DIRECT_COMMS {
@@ -151,6 +154,7 @@ impl CommOps {
 
     /// Drops a finished operation's entry if it is its communicator's oldest (operations mostly
     /// finish in order); others go when the index is pruned.
+    #[inline]
     pub fn finished(&mut self, comm: u32, first_pos: u64, id: u64) {
         let index = match self.direct.get_mut(comm as usize) {
             Some(index) => Some(index),
@@ -166,6 +170,7 @@ impl CommOps {
 
 /// Whether (first record position, id) is an operation in flight (not a finished one whose id was
 /// reused).
+#[inline]
 pub(super) fn in_flight(ops: &Map<u64, Op>, &(pos, id): &(u64, u64)) -> bool {
     ops.get(&id).is_some_and(|o| o.first_pos == pos)
 }
