@@ -8,6 +8,8 @@
 
 /// Words per record; a record is 64 bytes, one cache line.
 pub const RECORD_WORDS: usize = 8;
+/// NCCL's channel limit (`MAXCHANNELS`): every channel index in a record is below it.
+pub const MAX_CHANNELS: u8 = 64;
 /// Bytes of text one [`Record::Str`] carries; longer strings are truncated by the writer.
 pub const STR_BYTES: usize = 48;
 

@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 
+use ncclscope_proto::MAX_CHANNELS;
 use serde::{Deserialize, Serialize};
 
 /// Captured operations one communicator's template holds at most.
@@ -101,7 +102,7 @@ impl Template {
             op.seq = op.seq.max(prev.seq.saturating_add(1));
         }
         let index = self.ops.len() as u32;
-        let n = (op.n_channels as usize).min(64);
+        let n = op.n_channels.min(MAX_CHANNELS) as usize;
         if self.by_channel.len() < n {
             // A channel joining the template counts replays from those channel 0 has completed.
             let done = self

@@ -31,7 +31,7 @@ use std::collections::{HashMap, VecDeque};
 pub(super) type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
 
-use ncclscope_proto::{Record, StrId, TimingPath};
+use ncclscope_proto::{MAX_CHANNELS, Record, StrId, TimingPath};
 use serde::{Deserialize, Serialize};
 
 use crate::config::Limits;
@@ -464,8 +464,8 @@ impl Assembler {
                 for id in ids {
                     self.finish(id, out);
                 }
-                // Its lanes by key (lanes exist for channels < 64 only): not a pass over all lanes.
-                for ch in 0..64 {
+                // Its lanes by key (lanes exist below MAX_CHANNELS only): not a pass over all lanes.
+                for ch in 0..MAX_CHANNELS {
                     if let Some(lane) = self.waiting.remove(&(comm, ch)) {
                         self.early_works -= lane.works.len();
                     }
@@ -526,7 +526,7 @@ impl Assembler {
                     n_channels,
                     enqueue_ns: host_ns,
                     stop_ns: None,
-                    channels: Vec::with_capacity(n_channels.min(64) as usize),
+                    channels: Vec::with_capacity(n_channels.min(MAX_CHANNELS) as usize),
                     seen: 0,
                     last_progress_ns: now_ns,
                     prior: 0,
@@ -585,7 +585,7 @@ impl Assembler {
                     n_channels,
                     enqueue_ns: host_ns,
                     stop_ns: None,
-                    channels: Vec::with_capacity(n_channels.min(64) as usize),
+                    channels: Vec::with_capacity(n_channels.min(MAX_CHANNELS) as usize),
                     seen: 0,
                     last_progress_ns: now_ns,
                     prior: 0,
@@ -618,9 +618,9 @@ impl Assembler {
                 if let Some(op) = self.ops.get_mut(&parent) {
                     // One record per channel: more would grow the op (and keep it alive) forever.
                     let channels = if op.n_channels == 0 {
-                        64
+                        MAX_CHANNELS
                     } else {
-                        op.n_channels.min(64)
+                        op.n_channels.min(MAX_CHANNELS)
                     };
                     if op.channels.len() >= channels as usize {
                         self.counters.channel_limit += 1;
@@ -655,7 +655,7 @@ impl Assembler {
                 // Lanes only for the channels of a live hook-path communicator (any other work item
                 // can never join: counted as dev_work - dev_joined), and work items in all lanes
                 // bounded (each lane's also is).
-                if !self.dict.live_hook_comm(comm) || channel >= 64 {
+                if !self.dict.live_hook_comm(comm) || channel >= MAX_CHANNELS {
                     self.counters.dev_work += 1;
                     return;
                 }
@@ -851,7 +851,7 @@ impl Assembler {
         }
         self.close_passed(comm, ch, replay, index, out);
         match self.ops.get_mut(&id) {
-            Some(op) if op.seen & 1 << (ch & 63) == 0 => {
+            Some(op) if op.seen & 1 << (ch % MAX_CHANNELS) == 0 => {
                 op.add_work(ch, work.gpu_start, work.gpu_stop, now_ns);
                 self.counters.dev_joined += 1;
                 if let Some(c) = self
@@ -1097,7 +1097,7 @@ impl Assembler {
     /// An eager operation lost its item on the lane `key`: it waits there no more, and is closed
     /// once its other channels are in (counted `dev_mismatch` or `incomplete`).
     fn abandon(&mut self, c: Candidate, key: (u32, u8), out: &mut Vec<Completed>) {
-        let bit = 1 << (key.1 & 63);
+        let bit = 1 << (key.1 % MAX_CHANNELS);
         match self.ops.get_mut(&c.id) {
             Some(op) if op.first_pos == c.first_pos && op.seen & bit == 0 => op.lost |= bit,
             _ => return,
@@ -1131,7 +1131,8 @@ impl Assembler {
                 t.open.pop_front();
                 continue;
             };
-            let waits_here = ch < op.n_channels.min(64) && op.seen & 1 << (ch & 63) == 0;
+            let waits_here =
+                ch < op.n_channels.min(MAX_CHANNELS) && op.seen & 1 << (ch % MAX_CHANNELS) == 0;
             if (r, k) >= (replay, index) || !waits_here {
                 return;
             }
@@ -1166,7 +1167,7 @@ impl Assembler {
             n_channels: c.n_channels,
             enqueue_ns: 0,
             stop_ns: None,
-            channels: Vec::with_capacity(c.n_channels.min(64) as usize),
+            channels: Vec::with_capacity(c.n_channels.min(MAX_CHANNELS) as usize),
             seen: 0,
             host_anchor: None,
             last_progress_ns: now_ns,
@@ -1196,7 +1197,7 @@ impl Assembler {
             op.prior = flags;
         }
         let hook_lanes = if info.device_hook {
-            op.n_channels.min(64)
+            op.n_channels.min(MAX_CHANNELS)
         } else {
             0
         };
@@ -1396,14 +1397,17 @@ impl Assembler {
         let elem_bytes = self.dict.datatype_size(op.datatype);
         let hook = self.dict.comms.get(&op.comm).is_some_and(|c| c.device_hook);
         if hook && op.replay == 0 {
-            for ch in 0..op.n_channels.min(64) {
+            for ch in 0..op.n_channels.min(MAX_CHANNELS) {
                 if let Some(lane) = self.waiting.get_mut(&(op.comm, ch)) {
                     lane.ops.retain(|&x| x != id);
                 }
             }
         }
         // Work on some channels but not all: its exec time would be a guess.
-        if hook && !op.channels.is_empty() && op.seen.count_ones() < op.n_channels.min(64) as u32 {
+        if hook
+            && !op.channels.is_empty()
+            && op.seen.count_ones() < op.n_channels.min(MAX_CHANNELS) as u32
+        {
             self.counters.dev_mismatch += 1;
             return;
         }

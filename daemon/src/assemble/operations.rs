@@ -3,8 +3,8 @@
 
 use std::collections::VecDeque;
 
-use ncclscope_proto::StrId;
 use ncclscope_proto::api::ChannelWork;
+use ncclscope_proto::{MAX_CHANNELS, StrId};
 
 use super::Map;
 use crate::instance::Instance;
@@ -42,7 +42,7 @@ pub(super) struct Op {
 impl Op {
     #[inline]
     pub fn add_work(&mut self, channel: u8, gpu_start: u64, gpu_stop: u64, now_ns: u64) {
-        self.seen |= 1 << (channel & 63);
+        self.seen |= 1 << (channel % MAX_CHANNELS);
         self.last_progress_ns = now_ns;
         // GPU clock for now: mapped to host time when the op is built, with the calibration of then.
         self.channels.push(ChannelWork {
@@ -56,7 +56,8 @@ impl Op {
     /// Lost a channel's item and has every other one's: nothing more can join it.
     #[inline]
     pub fn settled(&self) -> bool {
-        self.lost != 0 && (self.seen | self.lost).count_ones() >= self.n_channels.min(64) as u32
+        self.lost != 0
+            && (self.seen | self.lost).count_ones() >= self.n_channels.min(MAX_CHANNELS) as u32
     }
 
     #[inline]

@@ -21,6 +21,9 @@ mod calib;
 mod cuda;
 mod drain;
 pub mod layout;
+// The rings' channel count is NCCL's channel limit, which records carry (`layout.rs` stays free of
+// dependencies: the build script includes it).
+const _: () = assert!(layout::MAX_CHANNELS == ncclscope_proto::MAX_CHANNELS as usize);
 pub mod ring;
 
 use std::ffi::{c_char, c_int, c_void};
