@@ -4,7 +4,7 @@
 //!
 //! Commit point of a segment = the oldest of: the first record of an operation still in flight, the
 //! first record of a completed operation whose span is not yet acknowledged by the exporter, and the
-//! read position. Before committing, the segment's resume state (see [`crate::state`]) is saved, so a
+//! read position. Before committing, the segment's resume state (see [`crate::resume`]) is saved, so a
 //! daemon killed at any point re-reads what it had not finished and skips what it had delivered.
 //!
 //! The spool is exactly-once across a kill, and metrics count an instance in one daemon run only:
@@ -34,8 +34,8 @@ use crate::hub::{Durable, Hub};
 use crate::instance::{InstanceRef, Shared};
 use crate::metrics::{self, Health};
 use crate::otlp::{ExportCounters, SpanItem};
+use crate::resume::{self, SegmentState};
 use crate::spool::{JobKey, Origin, Position};
-use crate::state::{self, SegmentState};
 use crate::stats::Stats;
 
 /// Which process's segment: the uid and pid the kernel reported for the process that handed it over
@@ -311,7 +311,7 @@ impl Engine {
     /// Drains until `stop` is set; then reads what is left (bounded by the shutdown timeout), commits
     /// and saves every segment's state. Operations still in flight stay uncommitted for the next daemon.
     pub fn run(mut self, registrations: std_mpsc::Receiver<Handover>, stop: Arc<AtomicBool>) {
-        self.unclaimed_states = Some(state::list(&self.cfg.state_dir));
+        self.unclaimed_states = Some(resume::list(&self.cfg.state_dir));
         let min = Duration::from_millis(self.cfg.drain.min_interval_ms);
         let max = Duration::from_millis(self.cfg.drain.max_interval_ms);
         let mut interval = min;
@@ -429,7 +429,7 @@ impl Engine {
         let mut state_saved = false;
         let mut spool_mark = None;
         let mut consumer = Consumer::new(segment);
-        match state::load(&self.cfg.state_dir, &label) {
+        match resume::load(&self.cfg.state_dir, &label) {
             Ok(Some(st)) if finish_commit(&mut consumer, st.tail) => {
                 let tail = consumer.segment().tail();
                 let mut delivered = st.delivered;
@@ -524,7 +524,7 @@ impl Engine {
             && let Some(states) = self.unclaimed_states.take()
         {
             for stale in states {
-                state::remove(&self.cfg.state_dir, &stale);
+                resume::remove(&self.cfg.state_dir, &stale);
             }
         }
     }
@@ -832,7 +832,7 @@ impl Engine {
     /// Removes what would bring a detached segment back: its resume state and its descriptors in
     /// systemd's store. The mapping and the memory file go with the [`Attached`] value.
     fn forget(&self, seg: &Attached) {
-        state::remove(&self.cfg.state_dir, &seg.label);
+        resume::remove(&self.cfg.state_dir, &seg.label);
         if self.fd_store {
             let name = crate::notify::segment_fd_name(&seg.label);
             if let Err(e) = crate::notify::notify(&format!("FDSTOREREMOVE=1\nFDNAME={name}"), &[]) {
@@ -1212,7 +1212,7 @@ fn save_state(
         delivered,
         spool_mark,
     };
-    state::store(state_dir, &st)?;
+    resume::store(state_dir, &st)?;
     seg.state_saved = true;
     seg.spool_mark = spool_mark;
     Ok(())
@@ -1413,14 +1413,14 @@ mod tests {
             seen.push(c.inst.seq);
         }
         assert_eq!(seen, (0..10).collect::<Vec<_>>());
-        let saved = std::fs::read(state::path(dir.path(), &name.to_string())).unwrap();
+        let saved = std::fs::read(resume::path(dir.path(), &name.to_string())).unwrap();
         // Drained again with the same dictionary: the tail moves on, the saved state stays as it was.
         write_colls(&mut p, 10..20);
         e1.tick();
         e1.commit_all(true);
         assert_eq!(live.try_recv().unwrap().inst.seq, 10);
         assert_eq!(
-            std::fs::read(state::path(dir.path(), &name.to_string())).unwrap(),
+            std::fs::read(resume::path(dir.path(), &name.to_string())).unwrap(),
             saved
         );
         // The first engine goes away (tail committed): the dictionary records lie before the tail and
@@ -1829,7 +1829,7 @@ mod tests {
             seen.push(c.inst.seq);
         }
         assert_eq!(seen, (0..12).collect::<Vec<_>>());
-        assert!(state::list(dir.path()).is_empty(), "resume state removed");
+        assert!(resume::list(dir.path()).is_empty(), "resume state removed");
     }
 
     #[test]
@@ -1882,7 +1882,7 @@ mod tests {
                 id += 1;
             }
             e.tick();
-            let saved = std::fs::read(state::path(dir.path(), &name.to_string())).ok();
+            let saved = std::fs::read(resume::path(dir.path(), &name.to_string())).ok();
             if saved.is_some() && saved != last {
                 saves += 1;
                 last = saved;
@@ -1894,7 +1894,9 @@ mod tests {
             "{saves} state files written in 200 ms for {id} strings"
         );
         // The tail moved only with a saved dictionary that covers every record before it.
-        let st = state::load(dir.path(), &name.to_string()).unwrap().unwrap();
+        let st = resume::load(dir.path(), &name.to_string())
+            .unwrap()
+            .unwrap();
         assert_eq!(st.tail, p.segment().tail());
         assert!(st.dictionary.strings.len() as u64 >= st.tail);
     }

@@ -17,11 +17,11 @@ pub mod otlp_json;
 pub mod perfetto;
 pub mod prometheus;
 pub mod register;
+pub mod resume;
 pub mod run;
 pub mod socket;
 pub mod spans;
 pub mod spool;
-pub mod state;
 pub mod stats;
 
 /// The exporter builds a batch of OTLP spans (many small strings) per request, and every instance

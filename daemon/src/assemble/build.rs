@@ -3,9 +3,9 @@
 use ncclscope_proto::StrId;
 
 use super::operations::Op;
-use super::{Calibration, CommInfo};
 use crate::bandwidth;
 use crate::instance::{Instance, Names};
+use crate::resume::{Calibration, CommInfo};
 
 /// The instance of process `pid`; takes the op's channel work rather than copying it.
 pub(super) fn instance(

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ncclscope_proto::StrId;
-use serde::{Deserialize, Serialize};
 
 use super::Map;
 use super::counters::AssembleCounters;
@@ -17,31 +16,7 @@ use super::lanes::Work;
 use crate::bandwidth;
 use crate::config::Limits;
 use crate::instance::Names;
-
-/// A communicator as the process announced it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CommInfo {
-    pub comm: u32,
-    pub comm_hash: u64,
-    pub rank: u32,
-    pub nranks: u32,
-    pub nnodes: u32,
-    pub cuda_dev: i32,
-    pub name: u16,
-    pub device_hook: bool,
-    /// Finalized; kept so that re-reading its records after a restart still resolves it.
-    #[serde(default)]
-    pub ended: bool,
-    /// Stream position of the CommEnd: once committed, no record of it can be read again.
-    #[serde(default)]
-    pub ended_pos: u64,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Calibration {
-    pub offset_ns: i64,
-    pub error_ns: u32,
-}
+use crate::resume::{Calibration, CommInfo};
 
 /// Dictionary entries (communicators, strings, device-function names, devices) held by every
 /// segment of one uid together, shared by their assemblers: one user's processes cannot together

@@ -5,7 +5,9 @@
 use std::collections::VecDeque;
 
 use ncclscope_proto::MAX_CHANNELS;
-use serde::{Deserialize, Serialize};
+
+use crate::resume::SavedTemplate;
+pub use crate::resume::{CapturedOp, Cursor};
 
 /// Captured operations one communicator's template holds at most.
 pub const MAX_TEMPLATE_OPS: usize = 4096;
@@ -14,83 +16,30 @@ pub const MAX_TEMPLATE_OPS: usize = 4096;
 /// resume the cursors from the oldest one kept).
 pub(super) const MAX_MARKS: usize = 1 << 16;
 
-/// A Coll/P2p captured into a CUDA graph: what its replayed instances are built from.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CapturedOp {
-    /// Stream position of its host event.
-    pub pos: u64,
-    /// NCCL's seq, made unique per function within the template: NCCL does not advance a captured
-    /// collective's seqNumber unless KernelCh is in the mask, so several may share one.
-    pub seq: u64,
-    pub is_p2p: bool,
-    pub func: u16,
-    pub datatype: u16,
-    pub algo: u16,
-    pub proto: u16,
-    pub count: u64,
-    pub root: i32,
-    pub peer: i32,
-    pub n_channels: u8,
-    /// Host time of its capture. A replay runs after its graph was captured and launched: a work item
-    /// that started before this is not a replay of it (0 in states saved before it was kept: no bound).
-    #[serde(default)]
-    pub captured_ns: u64,
-    /// The funcId its work items carried in the replays attributed so far (u32::MAX: they differed).
-    /// A replayed operation runs the same device function every time: a work item with another
-    /// funcId is not its.
-    #[serde(default)]
-    pub func_id: Option<u32>,
-}
-
-/// Where the replays stand on one channel.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Cursor {
-    /// Next position in the channel's captured operations; 0 between replays.
-    pub pos: u32,
-    /// Index of the current (or last) replay on the channel; 0 before the first.
-    pub replay: u32,
-    /// workCounter of the last item attributed to a replay.
-    pub last_wc: u64,
-}
-
 /// One communicator's captured operations in capture order and its replay cursors. Graphs captured
 /// one after another form one template: replays must come in capture order (one graph, or several
 /// replayed in the order they were captured).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Template {
     pub comm: u32,
     pub ops: Vec<CapturedOp>,
     /// (channel, cursor) of every channel the captured operations use.
     pub cursors: Vec<(u8, Cursor)>,
     /// Per channel: indices of the captured operations that use it.
-    #[serde(skip)]
     pub(super) by_channel: Vec<Vec<u32>>,
     /// (record position, channel, cursor before that record moved it), oldest first: the cursors as
     /// they were at any later commit point.
-    #[serde(skip)]
     pub(super) marks: VecDeque<(u64, u8, Cursor)>,
     /// (replay, captured index, instance id) of replayed instances opened, oldest first.
-    #[serde(skip)]
     pub(super) open: VecDeque<(u32, u32, u64)>,
     /// (record position, first position of the eager operation it joined) of work items that went
-    /// to eager operations, oldest first: see [`Template::eager_items`].
-    #[serde(skip)]
+    /// to eager operations, oldest first: see [`SavedTemplate::eager_items`].
     pub(super) eager_marks: VecDeque<(u64, u64)>,
-    /// Work items at or after the committed tail that joined an eager operation starting before it:
-    /// read again after a restart, they must not reach the cursors (their operation is not).
-    #[serde(default)]
-    pub eager_items: Vec<u64>,
     /// (record position, position of the hold's first item) of work items dropped as ambiguous
     /// (see [`Hold`]), oldest first.
-    #[serde(skip)]
     pub(super) ambiguous_marks: VecDeque<(u64, u64)>,
-    /// Work items at or after the committed tail dropped as ambiguous in a hold that began before it:
-    /// read again after a restart, they are dropped again (the cursor is saved as the drop left it).
-    #[serde(default)]
-    pub ambiguous_items: Vec<u64>,
     /// Per channel: workCounter of the latest item read (any owner), so a gap is counted in items
     /// lost. Not persisted: after a restart the first item of a channel finds no gap.
-    #[serde(skip)]
     pub(super) seen_wc: Vec<Option<u64>>,
 }
 
@@ -198,8 +147,8 @@ impl Template {
 
     /// The template as it was at stream position `tail`: operations captured before it, cursors
     /// before the first change at or after it.
-    pub(super) fn at(&self, tail: u64) -> Template {
-        let mut t = Template {
+    pub(super) fn at(&self, tail: u64) -> SavedTemplate {
+        let mut t = SavedTemplate {
             comm: self.comm,
             ops: self.ops.iter().filter(|o| o.pos < tail).cloned().collect(),
             cursors: self.cursors.clone(),
@@ -213,7 +162,6 @@ impl Template {
                 .filter(|&&(pos, first)| pos >= tail && first < tail)
                 .map(|&(pos, _)| pos)
                 .collect(),
-            ..Default::default()
         };
         for &(pos, ch, before) in self.marks.iter().rev() {
             if pos >= tail
@@ -226,14 +174,18 @@ impl Template {
         t
     }
 
-    /// Rebuilds what is not persisted.
-    pub(super) fn restored(mut self) -> Template {
-        let ops = std::mem::take(&mut self.ops);
-        for op in ops {
+    /// A template restored from its saved form; rebuilds what is not saved.
+    pub(super) fn restored(saved: SavedTemplate) -> Template {
+        let mut t = Template {
+            comm: saved.comm,
+            cursors: saved.cursors,
+            ..Default::default()
+        };
+        for op in saved.ops {
             // Seqs were made unique when first captured: push keeps them.
-            self.push(op);
+            t.push(op);
         }
-        self
+        t
     }
 }
 

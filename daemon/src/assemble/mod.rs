@@ -32,10 +32,11 @@ pub(super) type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
 
 use ncclscope_proto::{MAX_CHANNELS, Record, StrId, TimingPath};
-use serde::{Deserialize, Serialize};
 
 use crate::config::Limits;
 use crate::instance::Names;
+pub use crate::resume::Dictionary;
+use crate::resume::{Calibration, CapturedOp, CommInfo, Cursor, SavedTemplate};
 
 mod build;
 mod counters;
@@ -46,9 +47,9 @@ mod lanes;
 mod operations;
 pub use counters::AssembleCounters;
 use dictionary::Dict;
-pub use dictionary::{Calibration, CommInfo, UidBudget};
+pub use dictionary::UidBudget;
 use graph::replay_id;
-pub use graph::{CapturedOp, Cursor, MAX_TEMPLATE_OPS, Template};
+use graph::{MAX_TEMPLATE_OPS, Template};
 use hold::{Candidate, Hold, MAX_HOLD_EAGER, Owner};
 use lanes::{Lane, MAX_EARLY_WORKS, Read, Work};
 pub use operations::Completed;
@@ -61,21 +62,6 @@ pub mod done {
     /// OTLP spans (or decided not to export: sampled out, dropped and counted).
     pub const EXPORTED: u8 = 2;
     pub const ALL: u8 = RECORDED | EXPORTED;
-}
-
-/// What must survive a daemon restart to interpret a segment from its committed tail on.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct Dictionary {
-    pub strings: Vec<(u16, String)>,
-    pub func_names: Vec<(u32, u16)>,
-    pub calibrations: Vec<(i32, Calibration)>,
-    pub comms: Vec<CommInfo>,
-    /// Graph templates and their replay cursors as of the committed tail.
-    #[serde(default)]
-    pub templates: Vec<Template>,
-    /// [`P2pSeqs`] as of the committed tail: (comm, peer, function string id, next number).
-    #[serde(default)]
-    pub p2p_seqs: Vec<(u32, i32, u16, u64)>,
 }
 
 /// Send/Recv numbering per (communicator, peer, function). NCCL gives p2p no sequence number, and
@@ -211,7 +197,7 @@ impl Assembler {
         }
         self.templates = (dict.templates.into_iter())
             .filter(|t| !t.ops.is_empty())
-            .map(|t| (t.comm, t.restored()))
+            .map(|t| (t.comm, Template::restored(t)))
             .collect();
         self.p2p_seqs = P2pSeqs {
             next: (dict.p2p_seqs.into_iter())
@@ -254,7 +240,7 @@ impl Assembler {
             let i = match d.templates.iter().position(|t| t.comm == comm) {
                 Some(i) => i,
                 None => {
-                    d.templates.push(Template {
+                    d.templates.push(SavedTemplate {
                         comm,
                         ..Default::default()
                     });

@@ -1,0 +1,295 @@
+//! Per-segment resume state, one small JSON file per segment in `state_dir`. The segment's committed
+//! tail survives a daemon restart inside the segment itself; this file carries what the records before
+//! the tail defined (strings, communicators, calibration) and which operations after the tail were
+//! already delivered, so a restarted daemon neither misreads nor double-counts what it re-reads
+//! (together with the spool's record of what it holds from the saved position on).
+//!
+//! Every type written to the file is defined here, apart from the in-memory structures they are
+//! taken from, and `a_saved_state_keeps_its_format` pins the format: a change to the assembler's
+//! structures cannot change the file without failing it.
+
+use std::io::{self, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::spool::Position;
+
+/// What must survive a daemon restart to interpret a segment from its committed tail on.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Dictionary {
+    pub strings: Vec<(u16, String)>,
+    pub func_names: Vec<(u32, u16)>,
+    pub calibrations: Vec<(i32, Calibration)>,
+    pub comms: Vec<CommInfo>,
+    /// Graph templates and their replay cursors as of the committed tail.
+    #[serde(default)]
+    pub templates: Vec<SavedTemplate>,
+    /// The p2p numbering as of the committed tail: (comm, peer, function string id, next number).
+    #[serde(default)]
+    pub p2p_seqs: Vec<(u32, i32, u16, u64)>,
+}
+
+/// A communicator as the process announced it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CommInfo {
+    pub comm: u32,
+    pub comm_hash: u64,
+    pub rank: u32,
+    pub nranks: u32,
+    pub nnodes: u32,
+    pub cuda_dev: i32,
+    pub name: u16,
+    pub device_hook: bool,
+    /// Finalized; kept so that re-reading its records after a restart still resolves it.
+    #[serde(default)]
+    pub ended: bool,
+    /// Stream position of the CommEnd: once committed, no record of it can be read again.
+    #[serde(default)]
+    pub ended_pos: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Calibration {
+    pub offset_ns: i64,
+    pub error_ns: u32,
+}
+
+/// A Coll/P2p captured into a CUDA graph: what its replayed instances are built from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CapturedOp {
+    /// Stream position of its host event.
+    pub pos: u64,
+    /// NCCL's seq, made unique per function within the template: NCCL does not advance a captured
+    /// collective's seqNumber unless KernelCh is in the mask, so several may share one.
+    pub seq: u64,
+    pub is_p2p: bool,
+    pub func: u16,
+    pub datatype: u16,
+    pub algo: u16,
+    pub proto: u16,
+    pub count: u64,
+    pub root: i32,
+    pub peer: i32,
+    pub n_channels: u8,
+    /// Host time of its capture. A replay runs after its graph was captured and launched: a work item
+    /// that started before this is not a replay of it (0 in states saved before it was kept: no bound).
+    #[serde(default)]
+    pub captured_ns: u64,
+    /// The funcId its work items carried in the replays attributed so far (u32::MAX: they differed).
+    /// A replayed operation runs the same device function every time: a work item with another
+    /// funcId is not its.
+    #[serde(default)]
+    pub func_id: Option<u32>,
+}
+
+/// Where the replays stand on one channel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cursor {
+    /// Next position in the channel's captured operations; 0 between replays.
+    pub pos: u32,
+    /// Index of the current (or last) replay on the channel; 0 before the first.
+    pub replay: u32,
+    /// workCounter of the last item attributed to a replay.
+    pub last_wc: u64,
+}
+
+/// One communicator's graph template as of the committed tail (the assembler's `Template`
+/// without what it rebuilds on restore).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SavedTemplate {
+    pub comm: u32,
+    pub ops: Vec<CapturedOp>,
+    /// (channel, cursor) of every channel the captured operations use.
+    pub cursors: Vec<(u8, Cursor)>,
+    /// Work items at or after the committed tail that joined an eager operation starting before it:
+    /// read again after a restart, they must not reach the cursors (their operation is not).
+    #[serde(default)]
+    pub eager_items: Vec<u64>,
+    /// Work items at or after the committed tail dropped as ambiguous in a hold that began before it:
+    /// read again after a restart, they are dropped again (the cursor is saved as the drop left it).
+    #[serde(default)]
+    pub ambiguous_items: Vec<u64>,
+}
+
+#[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SegmentState {
+    /// The segment this belongs to (a reused file name with another owner is ignored).
+    pub segment: String,
+    /// Committed tail when written: the file is valid for a segment whose tail is this or later.
+    pub tail: u64,
+    pub dictionary: Dictionary,
+    /// (operation id, position of its first record, sinks it was delivered to).
+    pub delivered: Vec<(u64, u64, u8)>,
+    /// The spool of the segment's job when this was written: whatever of the segment was spooled later
+    /// lies past it (`None`: written without a spool, or by a daemon that did not record it).
+    #[serde(default)]
+    pub spool_mark: Option<Position>,
+}
+
+pub fn path(dir: &Path, segment: &str) -> PathBuf {
+    dir.join(format!("{segment}.json"))
+}
+
+/// The state saved for `segment`, if any.
+pub fn load(dir: &Path, segment: &str) -> io::Result<Option<SegmentState>> {
+    let text = match std::fs::read(path(dir, segment)) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let state: SegmentState =
+        serde_json::from_slice(&text).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    Ok((state.segment == segment).then_some(state))
+}
+
+/// Replaces the saved state atomically (write then rename).
+pub fn store(dir: &Path, state: &SegmentState) -> io::Result<()> {
+    let final_path = path(dir, &state.segment);
+    let tmp = final_path.with_extension("json.tmp");
+    // 0600 whatever the umask: a state names a user's job, communicators and strings.
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    f.write_all(&serde_json::to_vec(state).map_err(io::Error::other)?)?;
+    drop(f);
+    std::fs::rename(&tmp, &final_path)
+}
+
+pub fn remove(dir: &Path, segment: &str) {
+    let _ = std::fs::remove_file(path(dir, segment));
+}
+
+/// Segment names that have a state file (to clean up after segments that vanished meanwhile).
+pub fn list(dir: &Path) -> Vec<String> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    rd.filter_map(|e| {
+        e.ok()?
+            .file_name()
+            .to_str()?
+            .strip_suffix(".json")
+            .map(str::to_string)
+    })
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_owner_check() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = SegmentState {
+            segment: "p.1.2.3".into(),
+            tail: 9,
+            delivered: vec![(5, 10, 3)],
+            ..Default::default()
+        };
+        store(dir.path(), &s).unwrap();
+        let mode = std::fs::metadata(path(dir.path(), "p.1.2.3"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(
+            mode & 0o777,
+            0o600,
+            "the daemon's alone, whatever the umask"
+        );
+        assert_eq!(load(dir.path(), "p.1.2.3").unwrap(), Some(s));
+        assert_eq!(list(dir.path()), vec!["p.1.2.3".to_string()]);
+        assert_eq!(load(dir.path(), "p.1.2.4").unwrap(), None);
+        std::fs::write(path(dir.path(), "bad"), b"{").unwrap();
+        assert!(load(dir.path(), "bad").is_err());
+        remove(dir.path(), "p.1.2.3");
+        assert_eq!(load(dir.path(), "p.1.2.3").unwrap(), None);
+    }
+
+    /// The file format, pinned: every field of every saved type, as a daemon of this version
+    /// writes it and every earlier one (since the format last changed) reads it.
+    const GOLDEN: &str = r#"{"segment":"ncclscope-job.0.41.7","tail":1024,"dictionary":{"strings":[[1,"AllReduce"],[2,"ncclFloat32"]],"func_names":[[42,3]],"calibrations":[[0,{"offset_ns":-1500,"error_ns":250}]],"comms":[{"comm":0,"comm_hash":2748,"rank":1,"nranks":2,"nnodes":1,"cuda_dev":0,"name":4,"device_hook":true,"ended":false,"ended_pos":0}],"templates":[{"comm":0,"ops":[{"pos":900,"seq":5,"is_p2p":false,"func":1,"datatype":2,"algo":5,"proto":6,"count":262144,"root":-1,"peer":-1,"n_channels":2,"captured_ns":1700000000000000000,"func_id":42}],"cursors":[[0,{"pos":0,"replay":3,"last_wc":77}],[1,{"pos":1,"replay":3,"last_wc":76}]],"eager_items":[1030],"ambiguous_items":[1040]}],"p2p_seqs":[[0,1,7,12]]},"delivered":[[2147549184,1000,3]],"spool_mark":{"seq":2,"offset":4096}}"#;
+
+    #[test]
+    fn a_saved_state_keeps_its_format() {
+        let state = SegmentState {
+            segment: "ncclscope-job.0.41.7".into(),
+            tail: 1024,
+            dictionary: Dictionary {
+                strings: vec![(1, "AllReduce".into()), (2, "ncclFloat32".into())],
+                func_names: vec![(42, 3)],
+                calibrations: vec![(
+                    0,
+                    Calibration {
+                        offset_ns: -1500,
+                        error_ns: 250,
+                    },
+                )],
+                comms: vec![CommInfo {
+                    comm: 0,
+                    comm_hash: 0xabc,
+                    rank: 1,
+                    nranks: 2,
+                    nnodes: 1,
+                    cuda_dev: 0,
+                    name: 4,
+                    device_hook: true,
+                    ended: false,
+                    ended_pos: 0,
+                }],
+                templates: vec![SavedTemplate {
+                    comm: 0,
+                    ops: vec![CapturedOp {
+                        pos: 900,
+                        seq: 5,
+                        is_p2p: false,
+                        func: 1,
+                        datatype: 2,
+                        algo: 5,
+                        proto: 6,
+                        count: 1 << 18,
+                        root: -1,
+                        peer: -1,
+                        n_channels: 2,
+                        captured_ns: 1_700_000_000_000_000_000,
+                        func_id: Some(42),
+                    }],
+                    cursors: vec![
+                        (
+                            0,
+                            Cursor {
+                                pos: 0,
+                                replay: 3,
+                                last_wc: 77,
+                            },
+                        ),
+                        (
+                            1,
+                            Cursor {
+                                pos: 1,
+                                replay: 3,
+                                last_wc: 76,
+                            },
+                        ),
+                    ],
+                    eager_items: vec![1030],
+                    ambiguous_items: vec![1040],
+                }],
+                p2p_seqs: vec![(0, 1, 7, 12)],
+            },
+            delivered: vec![(0x8001_0000, 1000, 3)],
+            spool_mark: Some(Position {
+                seq: 2,
+                offset: 4096,
+            }),
+        };
+        assert_eq!(serde_json::to_string(&state).unwrap(), GOLDEN);
+        assert_eq!(serde_json::from_str::<SegmentState>(GOLDEN).unwrap(), state);
+    }
+}
