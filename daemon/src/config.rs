@@ -29,7 +29,7 @@ pub struct Config {
     pub aggregate: Aggregate,
     pub otlp: Otlp,
     pub prometheus: Prometheus,
-    pub spool: Spool,
+    pub spool: SpoolConfig,
     pub limits: Limits,
 }
 
@@ -78,7 +78,7 @@ impl Default for Limits {
 /// The per-job spool behind `ncclscope export`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct Spool {
+pub struct SpoolConfig {
     /// Directory; empty disables the spool (and `export` from it).
     pub dir: PathBuf,
     pub max_bytes: u64,
@@ -88,9 +88,9 @@ pub struct Spool {
     pub max_age_hours: u64,
 }
 
-impl Default for Spool {
+impl Default for SpoolConfig {
     fn default() -> Self {
-        Spool {
+        SpoolConfig {
             dir: PathBuf::from("/var/lib/ncclscope/spool"),
             max_bytes: 1 << 30,
             max_bytes_per_uid: 256 << 20,
@@ -175,7 +175,7 @@ impl Default for Config {
             aggregate: Aggregate::default(),
             otlp: Otlp::default(),
             prometheus: Prometheus::default(),
-            spool: Spool::default(),
+            spool: SpoolConfig::default(),
             limits: Limits::default(),
         }
     }

@@ -86,7 +86,7 @@ pub struct CapturedOp {
 
 /// Where the replays stand on one channel.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Cursor {
+pub struct ReplayCursor {
     /// Next position in the channel's captured operations; 0 between replays.
     pub pos: u32,
     /// Index of the current (or last) replay on the channel; 0 before the first.
@@ -102,7 +102,7 @@ pub struct SavedTemplate {
     pub comm: u32,
     pub ops: Vec<CapturedOp>,
     /// (channel, cursor) of every channel the captured operations use.
-    pub cursors: Vec<(u8, Cursor)>,
+    pub cursors: Vec<(u8, ReplayCursor)>,
     /// Work items at or after the committed tail that joined an eager operation starting before it:
     /// read again after a restart, they must not reach the cursors (their operation is not).
     #[serde(default)]
@@ -263,7 +263,7 @@ mod tests {
                     cursors: vec![
                         (
                             0,
-                            Cursor {
+                            ReplayCursor {
                                 pos: 0,
                                 replay: 3,
                                 last_wc: 77,
@@ -271,7 +271,7 @@ mod tests {
                         ),
                         (
                             1,
-                            Cursor {
+                            ReplayCursor {
                                 pos: 1,
                                 replay: 3,
                                 last_wc: 76,

@@ -7,11 +7,11 @@ use std::collections::VecDeque;
 use ncclscope_proto::MAX_CHANNELS;
 
 use crate::resume::SavedTemplate;
-pub use crate::resume::{CapturedOp, Cursor};
+pub use crate::resume::{CapturedOp, ReplayCursor};
 
 /// Captured operations one communicator's template holds at most.
 pub const MAX_TEMPLATE_OPS: usize = 4096;
-/// Cursor changes remembered for the commit point (see [`Template::marks`]), about as many as the
+/// ReplayCursor changes remembered for the commit point (see [`Template::marks`]), about as many as the
 /// default segment holds records; beyond it the oldest go (a restart from a tail older than that would
 /// resume the cursors from the oldest one kept).
 pub(super) const MAX_MARKS: usize = 1 << 16;
@@ -24,12 +24,12 @@ pub struct Template {
     pub comm: u32,
     pub ops: Vec<CapturedOp>,
     /// (channel, cursor) of every channel the captured operations use.
-    pub cursors: Vec<(u8, Cursor)>,
+    pub cursors: Vec<(u8, ReplayCursor)>,
     /// Per channel: indices of the captured operations that use it.
     pub(super) by_channel: Vec<Vec<u32>>,
     /// (record position, channel, cursor before that record moved it), oldest first: the cursors as
     /// they were at any later commit point.
-    pub(super) marks: VecDeque<(u64, u8, Cursor)>,
+    pub(super) marks: VecDeque<(u64, u8, ReplayCursor)>,
     /// (replay, captured index, instance id) of replayed instances opened, oldest first.
     pub(super) open: VecDeque<(u32, u32, u64)>,
     /// (record position, first position of the eager operation it joined) of work items that went
@@ -63,7 +63,7 @@ impl Template {
                 if !self.cursors.iter().any(|(c, _)| *c as usize == ch) {
                     self.cursors.push((
                         ch as u8,
-                        Cursor {
+                        ReplayCursor {
                             replay: done,
                             ..Default::default()
                         },
@@ -80,7 +80,7 @@ impl Template {
 
     /// Remembers that the cursor of `ch` was `before` until the record at `pos` moved it. Kept in
     /// position order: items held at a replay boundary are attributed after later records.
-    pub(super) fn mark(&mut self, pos: u64, ch: u8, before: Cursor) {
+    pub(super) fn mark(&mut self, pos: u64, ch: u8, before: ReplayCursor) {
         if self.marks.len() >= MAX_MARKS {
             self.marks.pop_front();
         }
@@ -134,11 +134,11 @@ impl Template {
         self.mark(pos, ch, before);
     }
 
-    pub(super) fn cursor(&mut self, ch: u8) -> &mut Cursor {
+    pub(super) fn cursor(&mut self, ch: u8) -> &mut ReplayCursor {
         let i = match self.cursors.iter().position(|(c, _)| *c == ch) {
             Some(i) => i,
             None => {
-                self.cursors.push((ch, Cursor::default()));
+                self.cursors.push((ch, ReplayCursor::default()));
                 self.cursors.len() - 1
             }
         };

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 
 use ncclscope_proto::StrId;
 
-use super::graph::Cursor;
+use super::graph::ReplayCursor;
 use super::lanes::{MAX_EARLY_WORKS, Work};
 
 /// Eager operations, at most, that a [`Hold`] places among replays.
@@ -68,7 +68,7 @@ pub(super) struct Hold {
     /// Captured operations on the channel: a replay's block.
     pub len: usize,
     /// The channel's cursor when the hold began (a boundary).
-    pub cursor: Cursor,
+    pub cursor: ReplayCursor,
     /// Record position of the hold's first item: it holds the commit point until the hold ends, so
     /// a restarted daemon reads the hold again whole.
     pub first_pos: u64,
@@ -102,7 +102,13 @@ pub(super) type Item = (u64, u64, Option<Work>);
 impl Hold {
     /// A hold beginning at the boundary where `cursor` stands, with the item of workCounter `wc`
     /// (given to [`Hold::step`] next) as its first; `len` captured operations on the channel.
-    pub(super) fn new(len: usize, cursor: Cursor, first_pos: u64, wc: u64, now_ns: u64) -> Hold {
+    pub(super) fn new(
+        len: usize,
+        cursor: ReplayCursor,
+        first_pos: u64,
+        wc: u64,
+        now_ns: u64,
+    ) -> Hold {
         Hold {
             eager: Vec::new(),
             len,
@@ -310,7 +316,7 @@ mod tests {
     }
 
     fn hold(template: &[u32], eager: &[u16]) -> (Hold, Toy) {
-        let mut h = Hold::new(template.len(), Cursor::default(), 10, 0, 0);
+        let mut h = Hold::new(template.len(), ReplayCursor::default(), 10, 0, 0);
         h.eager = (eager.iter().enumerate())
             .map(|(i, &func)| Candidate {
                 id: i as u64,

@@ -36,7 +36,7 @@ use ncclscope_proto::{MAX_CHANNELS, Record, StrId, TimingPath};
 use crate::config::Limits;
 use crate::instance::Names;
 pub use crate::resume::Dictionary;
-use crate::resume::{Calibration, CapturedOp, CommInfo, Cursor, SavedTemplate};
+use crate::resume::{Calibration, CapturedOp, CommInfo, ReplayCursor, SavedTemplate};
 
 mod build;
 mod counters;
@@ -745,7 +745,7 @@ impl Assembler {
         ch: u8,
         wc: u64,
         work: &Work,
-    ) -> (Option<Cursor>, Cursor, Option<u32>, bool) {
+    ) -> (Option<ReplayCursor>, ReplayCursor, Option<u32>, bool) {
         let t = &self.templates[&comm];
         let list = t.by_channel.get(ch as usize).map_or(&[][..], Vec::as_slice);
         let stored = t.cursors.iter().find(|(c, _)| *c == ch).map(|c| c.1);
@@ -863,7 +863,7 @@ impl Assembler {
             .cursors
             .iter()
             .find(|(c, _)| *c == key.1)
-            .map_or_else(Cursor::default, |c| c.1);
+            .map_or_else(ReplayCursor::default, |c| c.1);
         let hold = Hold::new(len, cursor, read.pos, read.wc, now_ns);
         self.holds.insert(key, hold);
         self.hold_item(read, now_ns, out);
@@ -943,7 +943,7 @@ impl Assembler {
             // Consumed by an ambiguous or lost item (a joined one is no longer in the lane).
             self.abandon(c, key, out);
         }
-        let cursor = Cursor {
+        let cursor = ReplayCursor {
             pos: p.r as u32,
             replay: hold.cursor.replay + p.blocks,
             last_wc: hold.last_wc,
@@ -979,7 +979,7 @@ impl Assembler {
             Owner::Replay(i, b) => {
                 // The cursor as if this item came with no hold: the replay item's own path
                 // attributes it (and marks the change for a restart).
-                let cursor = Cursor {
+                let cursor = ReplayCursor {
                     pos: i as u32,
                     replay: hold.cursor.replay + b - (i == 0) as u32,
                     last_wc: wc.wrapping_sub(1),

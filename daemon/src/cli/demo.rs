@@ -192,7 +192,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         socket: tmp.path().join("ncclscope.sock"),
         api_socket: tmp.path().join("api.sock"),
         state_dir: tmp.path().join("state"),
-        spool: crate::config::Spool {
+        spool: crate::config::SpoolConfig {
             dir: tmp.path().join("spool"),
             ..defaults.spool
         },

@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicU64;
 use ncclscope_proto::{Counter, Record};
 
 use super::layout::{MAX_CHANNELS, SLOT_WORDS};
-use super::ring::{Cursor, Deliver, DevEvent, Slot, Tally, load_in_place};
+use super::ring::{Deliver, DevEvent, RingCursor, Slot, Tally, load_in_place};
 use crate::sink::Sink;
 
 /// Copies ring windows out of memory the host cannot read in place (the `device` placement).
@@ -60,7 +60,7 @@ pub struct CommRings {
     pub cuda_dev: i32,
     shift: u32,
     mem: Memory,
-    cursors: Vec<Cursor>,
+    cursors: Vec<RingCursor>,
     /// Staged placement: slots copied per ring, passes without progress, calls left to skip.
     windows: Vec<usize>,
     idle: Vec<u32>,
@@ -74,7 +74,7 @@ impl CommRings {
             cuda_dev,
             shift,
             mem,
-            cursors: vec![Cursor::default(); MAX_CHANNELS],
+            cursors: vec![RingCursor::default(); MAX_CHANNELS],
             windows: vec![MIN_WINDOW; MAX_CHANNELS],
             idle: vec![0; MAX_CHANNELS],
             skip: vec![0; MAX_CHANNELS],

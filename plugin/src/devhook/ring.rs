@@ -212,23 +212,23 @@ pub const FIRST_SEQ: u64 = 2;
 
 /// A reader's position in one ring.
 #[derive(Clone, Debug)]
-pub struct Cursor {
+pub struct RingCursor {
     /// The sequence expected next.
     pub next: u64,
     /// A START waiting for its STOP (the event at `next - 1`).
     pending: Option<DevEvent>,
 }
 
-impl Default for Cursor {
-    fn default() -> Cursor {
-        Cursor {
+impl Default for RingCursor {
+    fn default() -> RingCursor {
+        RingCursor {
             next: FIRST_SEQ,
             pending: None,
         }
     }
 }
 
-impl Cursor {
+impl RingCursor {
     /// Reads forward from `next` through complete slots, at most `budget` of them. `load(seq)` gives the
     /// words of the slot where `seq` lives (None: not available to this pass). Returns how far the cursor
     /// moved: slots consumed plus slots found overwritten.

@@ -9,7 +9,7 @@ use ncclscope_proto::{Counter, Record, StrId};
 
 use super::drain::{CommRings, CopyOut, Emitter, FUNC_BITMAP_WORDS, Memory};
 use super::layout::{MAX_CHANNELS, SLOT_WORDS};
-use super::ring::{self, Cursor, DevEvent, HeapBlock, SlotState, classify, cpu_hook};
+use super::ring::{self, DevEvent, HeapBlock, RingCursor, SlotState, classify, cpu_hook};
 use super::{Placement, RingConfig};
 use crate::sink::Sink;
 
@@ -461,7 +461,7 @@ fn deep_rings_deliver_everything_in_place() {
 #[test]
 fn a_cursor_starts_at_the_first_work_item() {
     assert_eq!(
-        Cursor::default().next,
+        RingCursor::default().next,
         DevEvent {
             work_counter: 1,
             ..Default::default()
