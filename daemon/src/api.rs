@@ -36,7 +36,7 @@ use crate::hub::Hub;
 use crate::spool::SpoolReader;
 
 /// Where the daemon serves the API and the tools look for it (`--api-socket`, `NCCLSCOPE_API_SOCKET`).
-pub const DEFAULT_API_SOCKET: &str = "/run/ncclscope/api.sock";
+pub use ncclscope_proto::DEFAULT_API_SOCKET;
 /// The environment variable naming the API socket, for the daemon and the tools alike.
 pub const API_SOCKET_ENV: &str = "NCCLSCOPE_API_SOCKET";
 

@@ -167,9 +167,9 @@ pub struct Prometheus {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            socket: PathBuf::from("/run/ncclscope/ncclscope.sock"),
+            socket: PathBuf::from(ncclscope_proto::DEFAULT_SOCKET),
             state_dir: PathBuf::from("/run/ncclscope/state"),
-            api_socket: PathBuf::from(crate::api::DEFAULT_API_SOCKET),
+            api_socket: PathBuf::from(ncclscope_proto::DEFAULT_API_SOCKET),
             shutdown_timeout_ms: 5000,
             drain: Drain::default(),
             aggregate: Aggregate::default(),

@@ -21,7 +21,7 @@ pub const JOB_ID_SOURCES: [&str; 4] = [
     "NCCLSCOPE_K8S_JOB_NAME",
 ];
 /// Where the daemon listens when `NCCLSCOPE_SOCKET` is not set.
-pub const DEFAULT_SOCKET: &str = "/run/ncclscope/ncclscope.sock";
+pub use ncclscope_proto::DEFAULT_SOCKET;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
