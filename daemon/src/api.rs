@@ -9,12 +9,21 @@
 //! Who sees what: the socket is open to every local user (mode 0666), and each call is answered for
 //! the caller's uid as the kernel reports it (SO_PEERCRED): a user sees, watches and exports only jobs
 //! their own processes ran (a job is (uid, job id)); root sees every uid's.
+//!
+//! What one user can hold is bounded per uid (root excepted): [`MAX_CONNECTIONS_PER_UID`]
+//! connections (more are closed at accept) and [`MAX_STREAMS_PER_UID`] open Watch/Export streams
+//! (more are refused with `resource_exhausted`); an Export whose client reads nothing for
+//! [`STALLED_CLIENT`] is ended. No user can take the daemon's descriptors, threads or memory from
+//! the others.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::task::{Context as TaskContext, Poll};
+use std::time::Duration;
 
 use anyhow::Context;
 use hyper_util::rt::TokioIo;
@@ -24,11 +33,12 @@ use ncclscope_proto::api::{
     Collective, ExportRequest, ListJobsRequest, ListJobsResponse, StatsRequest, StatsResponse,
     WatchRequest,
 };
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{broadcast, mpsc};
-use tokio_stream::Stream;
 use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
-use tonic::transport::server::UdsConnectInfo;
+use tokio_stream::{Stream, StreamExt};
+use tonic::transport::server::{Connected, UdsConnectInfo};
 use tonic::transport::{Channel, Endpoint, Server, Uri};
 use tonic::{Request, Response, Status};
 
@@ -66,17 +76,99 @@ impl ApiAddr {
     }
 }
 
+/// API connections one uid (other than root) holds at most.
+pub const MAX_CONNECTIONS_PER_UID: usize = 64;
+/// Watch and Export streams one uid (other than root) has open at most.
+pub const MAX_STREAMS_PER_UID: usize = 16;
+/// How long an Export waits for a client that reads nothing before it ends the stream.
+pub const STALLED_CLIENT: Duration = Duration::from_secs(30);
+/// Spooled instances an Export reads per blocking read (the thread is given back between reads).
+const EXPORT_CHUNK: usize = 1024;
+
+/// How many of something each uid holds; [`Held`] gives one back when dropped.
+#[derive(Debug, Default)]
+struct PerUid {
+    held: Mutex<HashMap<u32, usize>>,
+    /// When each uid's refusals were last logged (at most once a minute).
+    logged: Mutex<HashMap<u32, std::time::Instant>>,
+}
+
+impl PerUid {
+    /// One more for `uid`, if it holds fewer than `max` (root: always).
+    fn take(self: &Arc<Self>, uid: u32, max: usize) -> Option<Held> {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let n = held.entry(uid).or_default();
+        if uid != 0 && *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(Held {
+            uid,
+            of: self.clone(),
+        })
+    }
+}
+
+impl PerUid {
+    /// Notes a refusal of `uid`; whether to log it (the first in a minute).
+    fn refused(&self, uid: u32) -> bool {
+        let now = std::time::Instant::now();
+        let mut logged = self.logged.lock().unwrap_or_else(|e| e.into_inner());
+        let due = logged
+            .get(&uid)
+            .is_none_or(|t| now.duration_since(*t) >= Duration::from_secs(60));
+        if due {
+            logged.insert(uid, now);
+        }
+        due
+    }
+}
+
+#[derive(Debug)]
+struct Held {
+    uid: u32,
+    of: Arc<PerUid>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut held = self.of.held.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = held.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.uid);
+            }
+        }
+    }
+}
+
 /// The `Query` service over the daemon's hub and spool.
 #[derive(Clone)]
 pub struct QueryService {
     hub: Arc<Hub>,
     spool: Option<SpoolReader>,
+    streams: Arc<PerUid>,
 }
 
 impl QueryService {
     /// `spool: None` (a daemon run without a spool) makes Export answer `unavailable`.
     pub fn new(hub: Arc<Hub>, spool: Option<SpoolReader>) -> QueryService {
-        QueryService { hub, spool }
+        QueryService {
+            hub,
+            spool,
+            streams: Arc::default(),
+        }
+    }
+
+    /// A stream slot of `req`'s caller, or `resource_exhausted`.
+    fn stream_slot<T>(&self, req: &Request<T>) -> Result<Held, Status> {
+        let uid = caller(req)?;
+        self.streams.take(uid, MAX_STREAMS_PER_UID).ok_or_else(|| {
+            Status::resource_exhausted(format!(
+                "uid {uid} has {MAX_STREAMS_PER_UID} Watch/Export streams open, the most one user may; \
+                 close one first"
+            ))
+        })
     }
 
     pub fn into_server(self) -> QueryServer<QueryService> {
@@ -89,13 +181,7 @@ type CollectiveStream = Pin<Box<dyn Stream<Item = Result<Collective, Status>> + 
 /// The uid whose jobs `req` may see (`None`: every uid's, for root), narrowed to `asked` if given.
 /// The caller's uid is the kernel's word for the connection (SO_PEERCRED), never the request's.
 fn scope<T>(req: &Request<T>, asked: Option<u32>) -> Result<Option<u32>, Status> {
-    let uid = req
-        .extensions()
-        .get::<UdsConnectInfo>()
-        .and_then(|info| info.peer_cred)
-        .map(|cred| cred.uid())
-        .ok_or_else(|| Status::unauthenticated("the caller's credentials are unavailable"))?;
-    match (uid, asked) {
+    match (caller(req)?, asked) {
         (0, asked) => Ok(asked),
         (uid, None) => Ok(Some(uid)),
         (uid, Some(asked)) if asked == uid => Ok(Some(uid)),
@@ -103,6 +189,15 @@ fn scope<T>(req: &Request<T>, asked: Option<u32>) -> Result<Option<u32>, Status>
             "uid {uid} may not read uid {asked}'s jobs (only root may)"
         ))),
     }
+}
+
+/// The caller's uid, as the kernel reported it for the connection.
+fn caller<T>(req: &Request<T>) -> Result<u32, Status> {
+    req.extensions()
+        .get::<UdsConnectInfo>()
+        .and_then(|info| info.peer_cred)
+        .map(|cred| cred.uid())
+        .ok_or_else(|| Status::unauthenticated("the caller's credentials are unavailable"))
 }
 
 fn visible(scope: Option<u32>, uid: u32) -> bool {
@@ -161,10 +256,12 @@ impl Query for QueryService {
         req: Request<WatchRequest>,
     ) -> Result<Response<CollectiveStream>, Status> {
         let scope = scope(&req, req.get_ref().uid)?;
+        let slot = self.stream_slot(&req)?;
         let job = req.into_inner().job_id;
         let mut live = self.hub.subscribe();
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tokio::spawn(async move {
+            let _slot = slot;
             loop {
                 let received = tokio::select! {
                     // The client went away while its job was quiet: stop now, not at the next instance.
@@ -196,6 +293,7 @@ impl Query for QueryService {
         req: Request<ExportRequest>,
     ) -> Result<Response<CollectiveStream>, Status> {
         let scope = scope(&req, req.get_ref().uid)?;
+        let slot = self.stream_slot(&req)?;
         let job_id = req.into_inner().job_id;
         let Some(spool) = self.spool.clone() else {
             return Err(Status::unavailable(
@@ -212,14 +310,32 @@ impl Query for QueryService {
             Status::not_found(format!("{e}; spooled jobs you may export: {yours:?}"))
         })?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        tokio::task::spawn_blocking(move || {
-            for item in spool.read_job(&job) {
-                let item = item.map_err(|e| {
-                    Status::data_loss(format!("spool of job {:?} (uid {}): {e}", job.1, job.0))
+        tokio::spawn(async move {
+            let _slot = slot;
+            let mut records = spool.read_job(&job);
+            loop {
+                // Read off the async threads, a chunk at a time: no thread waits on the client.
+                let read = tokio::task::spawn_blocking(move || {
+                    let chunk: Vec<_> = records.by_ref().take(EXPORT_CHUNK).collect();
+                    (records, chunk)
                 });
-                let failed = item.is_err();
-                if tx.blocking_send(item).is_err() || failed {
+                let Ok((rest, chunk)) = read.await else {
                     return;
+                };
+                if chunk.is_empty() {
+                    return;
+                }
+                records = rest;
+                for item in chunk {
+                    let item = item.map_err(|e| {
+                        Status::data_loss(format!("spool of job {:?} (uid {}): {e}", job.1, job.0))
+                    });
+                    let failed = item.is_err();
+                    // Gone, or reading nothing for STALLED_CLIENT: the stream ends, its slot is free.
+                    let sent = tokio::time::timeout(STALLED_CLIENT, tx.send(item)).await;
+                    if !matches!(sent, Ok(Ok(()))) || failed {
+                        return;
+                    }
                 }
             }
         });
@@ -238,11 +354,85 @@ pub async fn serve(
     service: QueryService,
     shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
+    let connections = Arc::new(PerUid::default());
+    let incoming = UnixListenerStream::new(listener).filter_map(move |accepted| {
+        let io = match accepted {
+            Ok(io) => io,
+            Err(e) => return Some(Err(e)),
+        };
+        let uid = io.peer_cred().map(|c| c.uid()).ok()?;
+        let Some(held) = connections.take(uid, MAX_CONNECTIONS_PER_UID) else {
+            // Closed at once (dropped); logged at most once a minute per uid.
+            if connections.refused(uid) {
+                tracing::warn!(
+                    uid,
+                    "uid {uid} holds {MAX_CONNECTIONS_PER_UID} API connections, the most one user may: \
+                     closing its new ones"
+                );
+            }
+            return None;
+        };
+        Some(Ok(Connection { io, _held: held }))
+    });
     Server::builder()
         .add_service(service.into_server())
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await
         .context("serving the query API")
+}
+
+/// An accepted API connection, holding its place in its uid's count until it closes.
+struct Connection {
+    io: UnixStream,
+    _held: Held,
+}
+
+impl Connected for Connection {
+    type ConnectInfo = UdsConnectInfo;
+
+    fn connect_info(&self) -> UdsConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+impl AsyncRead for Connection {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Connection {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
 }
 
 /// The API socket the tools use: the flag, else `NCCLSCOPE_API_SOCKET`, else the default.
@@ -277,6 +467,7 @@ mod tests {
     use super::*;
     use crate::spool::{Spool, SpoolLimits};
     use ncclscope_proto::api::{CollStats, Job, RankStats};
+    use std::os::unix::fs::PermissionsExt;
 
     fn coll(job: &str, seq: u64) -> Collective {
         Collective {
@@ -471,5 +662,117 @@ mod tests {
             ApiAddr::parse("/a/b").unwrap(),
             ApiAddr::Unix("/a/b".into())
         );
+    }
+
+    /// Connections to `socket` made on a thread running as `uid` (SO_PEERCRED reports the
+    /// credentials of the thread that connected); needs root.
+    fn connect_as(uid: u32, socket: &Path, n: usize) -> Vec<std::os::unix::net::UnixStream> {
+        let socket = socket.to_path_buf();
+        std::thread::spawn(move || {
+            // This thread only, and for good: a raw setuid, not glibc's process-wide one.
+            rustix::thread::set_thread_uid(rustix::process::Uid::from_raw(uid)).unwrap();
+            (0..n)
+                .map(|_| std::os::unix::net::UnixStream::connect(&socket).unwrap())
+                .collect()
+        })
+        .join()
+        .unwrap()
+    }
+
+    /// A client over one connection made as `uid`.
+    async fn client_as(uid: u32, socket: &Path) -> QueryClient<Channel> {
+        let conn = Mutex::new(connect_as(uid, socket, 1).pop());
+        let channel = Endpoint::from_static("http://ncclscope.local")
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let conn = conn.lock().unwrap().take();
+                async move {
+                    let conn = conn.ok_or_else(|| io::Error::other("one connection only"))?;
+                    conn.set_nonblocking(true)?;
+                    Ok::<_, io::Error>(TokioIo::new(UnixStream::from_std(conn)?))
+                }
+            }))
+            .await
+            .unwrap();
+        QueryClient::new(channel)
+    }
+
+    /// Issue 22: a local user held 1,100 idle connections (the daemon's descriptors) and 600
+    /// unread Export streams (a blocking thread each: 516 threads, other users' exports hung).
+    /// Now one uid holds at most MAX_CONNECTIONS_PER_UID connections and MAX_STREAMS_PER_UID
+    /// streams, no stream holds a thread while its client does not read, and root is unaffected.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_user_cannot_hold_more_than_its_connections_and_streams() {
+        if !rustix::process::getuid().is_root() {
+            eprintln!("skipped: needs root to connect as another uid");
+            return;
+        }
+        const USER: u32 = 61003;
+        let mut d = start().await;
+        std::fs::set_permissions(d._dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let batch: Vec<_> = (0..5000)
+            .map(|s| {
+                let mut c = coll("big", s);
+                c.uid = USER;
+                (Default::default(), c)
+            })
+            .collect();
+        d.spool.append(&batch).unwrap();
+
+        // Connections: the ones past the bound are closed at once, without a byte.
+        let extra = 10;
+        let conns = connect_as(USER, &d.socket, MAX_CONNECTIONS_PER_UID + extra);
+        let mut closed = 0;
+        for mut c in conns.iter() {
+            c.set_read_timeout(Some(Duration::from_millis(500)))
+                .unwrap();
+            let mut first = [0u8; 1];
+            if matches!(std::io::Read::read(&mut c, &mut first), Ok(0)) {
+                closed += 1;
+            }
+        }
+        assert_eq!(closed, extra, "held: the bound, closed: the rest");
+        let mut root = connect(&d.socket).await.unwrap();
+        root.list_jobs(ListJobsRequest {}).await.unwrap();
+        drop(conns);
+
+        // Streams: MAX_STREAMS_PER_UID unread exports open, the next refused; root's still served.
+        let mut user = client_as(USER, &d.socket).await;
+        let export = || ExportRequest {
+            job_id: "big".into(),
+            uid: None,
+        };
+        let mut open = Vec::new();
+        for _ in 0..MAX_STREAMS_PER_UID {
+            open.push(user.export(export()).await.unwrap().into_inner());
+        }
+        let refused = user.export(export()).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused}");
+        let mut all = root
+            .export(ExportRequest {
+                job_id: "big".into(),
+                uid: Some(USER),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut n = 0;
+        while all.message().await.unwrap().is_some() {
+            n += 1;
+        }
+        assert_eq!(
+            n, 5000,
+            "root's export is whole while the user's streams stall"
+        );
+        // Closed streams give their slots back.
+        drop(open);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut again = user.export(export()).await;
+        while again.is_err() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            again = user.export(export()).await;
+        }
+        let mut again = again.unwrap().into_inner();
+        assert!(again.message().await.unwrap().is_some());
+        let _ = d.stop.take().unwrap().send(());
     }
 }
