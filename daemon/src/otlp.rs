@@ -77,7 +77,8 @@ const MAX_IN_FLIGHT: usize = 4;
 /// A batch being sent: its items' acknowledgement cursors (raised when it is done) and the task.
 struct InFlight {
     items: Vec<(Arc<AtomicU64>, u64)>,
-    task: tokio::task::JoinHandle<bool>,
+    /// (exported, spans in the batch).
+    task: tokio::task::JoinHandle<(bool, u64)>,
 }
 
 /// Runs until `spans` and `metrics` are both closed and drained.
@@ -134,24 +135,27 @@ pub async fn run(
 
 /// Waits for a batch and acknowledges its items.
 async fn finish(f: InFlight, counters: &ExportCounters) {
-    let ok = f.task.await.unwrap_or(false);
+    let ok = f.task.await.unwrap_or((false, 0));
     acknowledge(f.items, ok, counters);
 }
 
-/// Whether the oldest batch in flight was exported (resolves when it is done).
-async fn front_done(q: &mut std::collections::VecDeque<InFlight>) -> bool {
+/// Whether the oldest batch in flight was exported, and its spans (resolves when it is done).
+async fn front_done(q: &mut std::collections::VecDeque<InFlight>) -> (bool, u64) {
     match q.front_mut() {
-        Some(f) => (&mut f.task).await.unwrap_or(false),
+        Some(f) => (&mut f.task).await.unwrap_or((false, 0)),
         None => std::future::pending().await,
     }
 }
 
-/// Acknowledges items whose attempt ended: exported, or given up and counted as dropped.
-fn acknowledge(items: Vec<(Arc<AtomicU64>, u64)>, ok: bool, counters: &ExportCounters) {
+/// Acknowledges items whose attempt ended: exported, or given up and their spans counted as
+/// dropped (in spans, as `spans_exported` counts them: the two add up to what was sent).
+fn acknowledge(
+    items: Vec<(Arc<AtomicU64>, u64)>,
+    (ok, spans): (bool, u64),
+    counters: &ExportCounters,
+) {
     if !ok {
-        counters
-            .spans_dropped
-            .fetch_add(items.len() as u64, Ordering::Relaxed);
+        counters.spans_dropped.fetch_add(spans, Ordering::Relaxed);
     }
     for (acked, emit_no) in items {
         acked.fetch_max(emit_no, Ordering::Release);
@@ -165,7 +169,7 @@ async fn send_spans(
     client: TraceServiceClient<Channel>,
     colls: Vec<Shared>,
     counters: Arc<ExportCounters>,
-) -> bool {
+) -> (bool, u64) {
     let mut n = 0;
     let ok = with_retry(&cfg, &counters, || {
         let mut otlp_spans = Vec::with_capacity(colls.len() * 2);
@@ -191,7 +195,7 @@ async fn send_spans(
     if ok {
         counters.spans_exported.fetch_add(n, Ordering::Relaxed);
     }
-    ok
+    (ok, n)
 }
 
 async fn send_metrics(
@@ -246,4 +250,50 @@ where
         }
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::instance::Shared;
+
+    /// Issue 22: `spans_exported_total` counted spans, `export_dropped` instances, so the two did
+    /// not add up to what was sent. A collector that is not there: every span is counted dropped.
+    #[tokio::test]
+    async fn spans_given_up_are_counted_in_spans() {
+        let cfg = Otlp {
+            endpoint: "http://127.0.0.1:1".into(),
+            max_attempts: 1,
+            batch_timeout_ms: 10,
+            ..Otlp::default()
+        };
+        let channel = channel(&cfg.endpoint, Duration::from_millis(200)).unwrap();
+        let (tx, rx) = mpsc::channel(16);
+        let (_metrics_tx, metrics_rx) = mpsc::channel(1);
+        let counters = Arc::new(ExportCounters::default());
+        let mut produced = Vec::new();
+        for rank in 0..3 {
+            let coll = Shared::from(&ncclscope_proto::api::Collective {
+                job_id: "j".into(),
+                func: "AllReduce".into(),
+                rank,
+                nranks: 3,
+                ..Default::default()
+            });
+            spans::spans_of(coll.view(), cfg.channel_spans, &mut produced);
+            let acked = Arc::new(AtomicU64::new(0));
+            let item = SpanItem {
+                coll,
+                acked,
+                emit_no: 1,
+            };
+            tx.send(item).await.unwrap();
+        }
+        drop(tx);
+        drop(_metrics_tx);
+        run(cfg, "h".into(), channel, rx, metrics_rx, counters.clone()).await;
+        assert_eq!(produced.len(), 4, "rank 0 also carries the root span");
+        assert_eq!(counters.spans_dropped.load(Ordering::Relaxed), 4);
+        assert_eq!(counters.spans_exported.load(Ordering::Relaxed), 0);
+    }
 }
