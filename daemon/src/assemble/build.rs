@@ -8,6 +8,7 @@ use crate::instance::{Instance, Names};
 use crate::resume::{Calibration, CommInfo};
 
 /// The instance of process `pid`; takes the op's channel work rather than copying it.
+#[inline]
 pub(super) fn instance(
     op: Op,
     pid: u32,

@@ -323,6 +323,7 @@ impl Dict {
     }
 
     /// Whether `comm` is a live communicator on the device-hook path.
+    #[inline]
     pub fn live_hook_comm(&self, comm: u32) -> bool {
         self.comms
             .get(&comm)
@@ -395,6 +396,7 @@ impl Dict {
     }
 
     /// Bytes per element of the datatype string `id` names.
+    #[inline]
     pub fn datatype_size(&mut self, id: StrId) -> Option<u64> {
         let names = &self.names;
         *self

@@ -1430,6 +1430,7 @@ impl Assembler {
 }
 
 /// Whether `op` can be finished (see [`Op::ready`]).
+#[inline]
 fn op_ready(dict: &Dict, op: &Op) -> bool {
     op.ready(|comm| match dict.comms.get(&comm) {
         Some(c) if c.cuda_dev >= 0 => Some(dict.calibrations.contains_key(&c.cuda_dev)),
