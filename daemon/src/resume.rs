@@ -12,6 +12,7 @@ use std::io::{self, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use ncclscope_proto::StrId;
 use serde::{Deserialize, Serialize};
 
 use crate::spool::Position;
@@ -56,23 +57,53 @@ pub struct Calibration {
     pub error_ns: u32,
 }
 
+/// What a Coll or P2p is, as its host event describes it: shared by the operation in flight, the
+/// captured operation its replays are built from, and (field by field) the instance.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Desc {
+    /// NCCL's seqNumber for a collective (per communicator and type); the assembler's numbering
+    /// per (communicator, peer, function) for a p2p.
+    pub seq: u64,
+    pub is_p2p: bool,
+    #[serde(with = "str_id")]
+    pub func: StrId,
+    #[serde(with = "str_id")]
+    pub datatype: StrId,
+    #[serde(with = "str_id")]
+    pub algo: StrId,
+    #[serde(with = "str_id")]
+    pub proto: StrId,
+    pub count: u64,
+    /// -1 for a p2p.
+    pub root: i32,
+    /// -1 for a collective.
+    pub peer: i32,
+    pub n_channels: u8,
+}
+
+/// A string id saved as its number.
+mod str_id {
+    use ncclscope_proto::StrId;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(id: &StrId, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u16(id.0)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<StrId, D::Error> {
+        u16::deserialize(d).map(StrId)
+    }
+}
+
 /// A Coll/P2p captured into a CUDA graph: what its replayed instances are built from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CapturedOp {
     /// Stream position of its host event.
     pub pos: u64,
-    /// NCCL's seq, made unique per function within the template: NCCL does not advance a captured
+    /// Its `seq` made unique per function within the template: NCCL does not advance a captured
     /// collective's seqNumber unless KernelCh is in the mask, so several may share one.
-    pub seq: u64,
-    pub is_p2p: bool,
-    pub func: u16,
-    pub datatype: u16,
-    pub algo: u16,
-    pub proto: u16,
-    pub count: u64,
-    pub root: i32,
-    pub peer: i32,
-    pub n_channels: u8,
+    #[serde(flatten)]
+    pub desc: Desc,
     /// Host time of its capture. A replay runs after its graph was captured and launched: a work item
     /// that started before this is not a replay of it (0 in states saved before it was kept: no bound).
     #[serde(default)]
@@ -247,16 +278,18 @@ mod tests {
                     comm: 0,
                     ops: vec![CapturedOp {
                         pos: 900,
-                        seq: 5,
-                        is_p2p: false,
-                        func: 1,
-                        datatype: 2,
-                        algo: 5,
-                        proto: 6,
-                        count: 1 << 18,
-                        root: -1,
-                        peer: -1,
-                        n_channels: 2,
+                        desc: Desc {
+                            seq: 5,
+                            is_p2p: false,
+                            func: StrId(1),
+                            datatype: StrId(2),
+                            algo: StrId(5),
+                            proto: StrId(6),
+                            count: 1 << 18,
+                            root: -1,
+                            peer: -1,
+                            n_channels: 2,
+                        },
                         captured_ns: 1_700_000_000_000_000_000,
                         func_id: Some(42),
                     }],

@@ -18,8 +18,8 @@ pub(super) fn instance(
     elem_bytes: Option<u64>,
 ) -> Instance {
     let nranks = info.map_or(1, |c| c.nranks);
-    let func = names.get(op.func);
-    let msg = elem_bytes.unwrap_or(0).saturating_mul(op.count);
+    let func = names.get(op.desc.func);
+    let msg = elem_bytes.unwrap_or(0).saturating_mul(op.desc.count);
     let bytes = bandwidth::inspector_bytes(func, msg, nranks);
     let mut channels = op.channels;
     channels.sort_unstable_by_key(|c| c.channel);
@@ -68,16 +68,16 @@ pub(super) fn instance(
         rank: info.map_or(0, |c| c.rank),
         nranks,
         nnodes: info.map_or(1, |c| c.nnodes),
-        seq: op.seq,
-        func: op.func,
-        datatype: op.datatype,
-        algo: op.algo,
-        proto: op.proto,
-        count: op.count,
+        seq: op.desc.seq,
+        func: op.desc.func,
+        datatype: op.desc.datatype,
+        algo: op.desc.algo,
+        proto: op.desc.proto,
+        count: op.desc.count,
         bytes,
-        root: op.root,
-        peer: op.peer,
-        n_channels: op.n_channels as u32,
+        root: op.desc.root,
+        peer: op.desc.peer,
+        n_channels: op.desc.n_channels as u32,
         // A replay is launched with its graph, which no host event reports.
         enqueue_unix_ns: if op.replay > 0 { start } else { op.enqueue_ns },
         start_unix_ns: start,
@@ -88,7 +88,7 @@ pub(super) fn instance(
         busbw_gbs: busbw,
         calibration_error_ns,
         channels,
-        is_p2p: op.is_p2p,
+        is_p2p: op.desc.is_p2p,
         replay: op.replay,
     }
 }

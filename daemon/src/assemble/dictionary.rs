@@ -380,7 +380,7 @@ impl Dict {
     /// without this, an item one place off would fit.
     fn work_matches_captured(&self, func_id: u32, op: &CapturedOp) -> bool {
         const PROTOS: [&str; 3] = ["LL", "LL128", "SIMPLE"];
-        if !self.work_matches(func_id, StrId(op.func))
+        if !self.work_matches(func_id, op.desc.func)
             || op.func_id.is_some_and(|f| f != func_id && f != u32::MAX)
         {
             return false;
@@ -389,7 +389,7 @@ impl Dict {
             return true;
         };
         let last = self.names.get(StrId(name)).rsplit('_').next().unwrap_or("");
-        let proto = self.names.get(StrId(op.proto));
+        let proto = self.names.get(op.desc.proto);
         proto.is_empty()
             || !PROTOS.iter().any(|p| last.eq_ignore_ascii_case(p))
             || last.eq_ignore_ascii_case(proto)

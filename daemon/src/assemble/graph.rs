@@ -46,12 +46,14 @@ pub struct Template {
 impl Template {
     pub(super) fn push(&mut self, mut op: CapturedOp) {
         if let Some(prev) = self.ops.iter().rev().find(|o| {
-            o.func == op.func && o.is_p2p == op.is_p2p && (!o.is_p2p || o.peer == op.peer)
+            o.desc.func == op.desc.func
+                && o.desc.is_p2p == op.desc.is_p2p
+                && (!o.desc.is_p2p || o.desc.peer == op.desc.peer)
         }) {
-            op.seq = op.seq.max(prev.seq.saturating_add(1));
+            op.desc.seq = op.desc.seq.max(prev.desc.seq.saturating_add(1));
         }
         let index = self.ops.len() as u32;
-        let n = op.n_channels.min(MAX_CHANNELS) as usize;
+        let n = op.desc.n_channels.min(MAX_CHANNELS) as usize;
         if self.by_channel.len() < n {
             // A channel joining the template counts replays from those channel 0 has completed.
             let done = self

@@ -36,7 +36,7 @@ use ncclscope_proto::{MAX_CHANNELS, Record, StrId, TimingPath};
 use crate::config::Limits;
 use crate::instance::Names;
 pub use crate::resume::Dictionary;
-use crate::resume::{Calibration, CapturedOp, CommInfo, ReplayCursor, SavedTemplate};
+use crate::resume::{Calibration, CapturedOp, CommInfo, Desc, ReplayCursor, SavedTemplate};
 
 mod build;
 mod counters;
@@ -476,32 +476,9 @@ impl Assembler {
                 captured,
                 ..
             } => {
-                if captured {
-                    self.capture(
-                        comm,
-                        CapturedOp {
-                            pos,
-                            seq,
-                            is_p2p: false,
-                            func: func.0,
-                            datatype: datatype.0,
-                            algo: algo.0,
-                            proto: proto.0,
-                            count,
-                            root,
-                            peer: -1,
-                            n_channels,
-                            captured_ns: host_ns,
-                            func_id: None,
-                        },
-                    );
-                    return;
-                }
-                let op = Op {
-                    comm,
-                    first_pos: pos,
-                    is_p2p: false,
+                let desc = Desc {
                     seq,
+                    is_p2p: false,
                     func,
                     datatype,
                     algo,
@@ -510,17 +487,12 @@ impl Assembler {
                     root,
                     peer: -1,
                     n_channels,
-                    enqueue_ns: host_ns,
-                    stop_ns: None,
-                    channels: Vec::with_capacity(n_channels.min(MAX_CHANNELS) as usize),
-                    seen: 0,
-                    last_progress_ns: now_ns,
-                    prior: 0,
-                    host_anchor: None,
-                    awaiting_calibration: false,
-                    replay: 0,
-                    lost: 0,
                 };
+                if captured {
+                    self.capture(comm, pos, desc, host_ns);
+                    return;
+                }
+                let op = Op::new(comm, pos, desc, host_ns, now_ns, 0);
                 self.start(id, op, out);
             }
             Record::P2pStart {
@@ -535,32 +507,9 @@ impl Assembler {
                 captured,
             } => {
                 let seq = self.p2p_seqs.take(pos, (comm, peer, func.0), id);
-                if captured {
-                    self.capture(
-                        comm,
-                        CapturedOp {
-                            pos,
-                            seq,
-                            is_p2p: true,
-                            func: func.0,
-                            datatype: datatype.0,
-                            algo: 0,
-                            proto: 0,
-                            count,
-                            root: -1,
-                            peer,
-                            n_channels,
-                            captured_ns: host_ns,
-                            func_id: None,
-                        },
-                    );
-                    return;
-                }
-                let op = Op {
-                    comm,
-                    first_pos: pos,
-                    is_p2p: true,
+                let desc = Desc {
                     seq,
+                    is_p2p: true,
                     func,
                     datatype,
                     algo: StrId(0),
@@ -569,17 +518,12 @@ impl Assembler {
                     root: -1,
                     peer,
                     n_channels,
-                    enqueue_ns: host_ns,
-                    stop_ns: None,
-                    channels: Vec::with_capacity(n_channels.min(MAX_CHANNELS) as usize),
-                    seen: 0,
-                    last_progress_ns: now_ns,
-                    prior: 0,
-                    host_anchor: None,
-                    awaiting_calibration: false,
-                    replay: 0,
-                    lost: 0,
                 };
+                if captured {
+                    self.capture(comm, pos, desc, host_ns);
+                    return;
+                }
+                let op = Op::new(comm, pos, desc, host_ns, now_ns, 0);
                 self.start(id, op, out);
             }
             Record::OpStop { id, host_ns, .. } => {
@@ -603,10 +547,10 @@ impl Assembler {
             } => {
                 if let Some(op) = self.ops.get_mut(&parent) {
                     // One record per channel: more would grow the op (and keep it alive) forever.
-                    let channels = if op.n_channels == 0 {
+                    let channels = if op.desc.n_channels == 0 {
                         MAX_CHANNELS
                     } else {
-                        op.n_channels.min(MAX_CHANNELS)
+                        op.desc.n_channels.min(MAX_CHANNELS)
                     };
                     if op.channels.len() >= channels as usize {
                         self.counters.channel_limit += 1;
@@ -689,7 +633,13 @@ impl Assembler {
 
     /// Adds a captured operation to its communicator's template. Device-hook path only: on stock NCCL
     /// a replay's KernelCh events are counted and declined by the plugin, and a capture has no work.
-    fn capture(&mut self, comm: u32, op: CapturedOp) {
+    fn capture(&mut self, comm: u32, pos: u64, desc: Desc, captured_ns: u64) {
+        let op = CapturedOp {
+            pos,
+            desc,
+            captured_ns,
+            func_id: None,
+        };
         let Some(info) = self.dict.comms.get(&comm) else {
             self.counters.unknown_comm += 1;
             return;
@@ -729,7 +679,7 @@ impl Assembler {
     fn eager_owner(&self, comm: u32, ch: u8, work: &Work) -> Option<u64> {
         let lane = self.waiting.get(&(comm, ch))?;
         let started = self.dict.started_by(comm, work);
-        let fits = |op: &&Op| self.dict.work_matches(work.func_id, op.func);
+        let fits = |op: &&Op| self.dict.work_matches(work.func_id, op.desc.func);
         let mut waiting = lane.ops.iter().filter_map(|id| self.ops.get(id));
         let owner = waiting.find(fits)?;
         started
@@ -889,7 +839,7 @@ impl Assembler {
                     hold.eager.push(Candidate {
                         id,
                         first_pos: op.first_pos,
-                        func: op.func,
+                        func: op.desc.func,
                         enqueue_ns: op.enqueue_ns,
                     });
                 }
@@ -1117,8 +1067,8 @@ impl Assembler {
                 t.open.pop_front();
                 continue;
             };
-            let waits_here =
-                ch < op.n_channels.min(MAX_CHANNELS) && op.seen & 1 << (ch % MAX_CHANNELS) == 0;
+            let waits_here = ch < op.desc.n_channels.min(MAX_CHANNELS)
+                && op.seen & 1 << (ch % MAX_CHANNELS) == 0;
             if (r, k) >= (replay, index) || !waits_here {
                 return;
             }
@@ -1138,30 +1088,8 @@ impl Assembler {
         out: &mut Vec<Completed>,
     ) {
         let (pos, comm) = (first.pos, first.key.0);
-        let op = Op {
-            comm,
-            first_pos: pos,
-            is_p2p: c.is_p2p,
-            seq: c.seq,
-            func: StrId(c.func),
-            datatype: StrId(c.datatype),
-            algo: StrId(c.algo),
-            proto: StrId(c.proto),
-            count: c.count,
-            root: c.root,
-            peer: c.peer,
-            n_channels: c.n_channels,
-            enqueue_ns: 0,
-            stop_ns: None,
-            channels: Vec::with_capacity(c.n_channels.min(MAX_CHANNELS) as usize),
-            seen: 0,
-            host_anchor: None,
-            last_progress_ns: now_ns,
-            prior: self.prior.get(&id).map_or(0, |p| p.1),
-            awaiting_calibration: false,
-            replay,
-            lost: 0,
-        };
+        let mut op = Op::new(comm, pos, c.desc, 0, now_ns, replay);
+        op.prior = self.prior.get(&id).map_or(0, |p| p.1);
         self.by_pos.push_back((pos, id));
         self.ops.insert(id, op);
         self.comm_ops.get_mut(comm).push(pos, id, &self.ops);
@@ -1183,7 +1111,7 @@ impl Assembler {
             op.prior = flags;
         }
         let hook_lanes = if info.device_hook {
-            op.n_channels.min(MAX_CHANNELS)
+            op.desc.n_channels.min(MAX_CHANNELS)
         } else {
             0
         };
@@ -1224,7 +1152,7 @@ impl Assembler {
                 lane.ops.pop_front();
                 continue;
             };
-            if self.dict.work_matches(work.func_id, op.func) {
+            if self.dict.work_matches(work.func_id, op.desc.func) {
                 lane.ops.pop_front();
                 lane.works.pop_front();
                 self.early_works -= 1;
@@ -1241,7 +1169,7 @@ impl Assembler {
             let fits_later = lane.ops.iter().skip(1).any(|later| {
                 self.ops
                     .get(later)
-                    .is_some_and(|o| self.dict.work_matches(work.func_id, o.func))
+                    .is_some_and(|o| self.dict.work_matches(work.func_id, o.desc.func))
             });
             if fits_later {
                 lane.ops.pop_front();
@@ -1380,10 +1308,10 @@ impl Assembler {
         };
         self.prune_by_pos();
         self.comm_ops.finished(op.comm, op.first_pos, id);
-        let elem_bytes = self.dict.datatype_size(op.datatype);
+        let elem_bytes = self.dict.datatype_size(op.desc.datatype);
         let hook = self.dict.comms.get(&op.comm).is_some_and(|c| c.device_hook);
         if hook && op.replay == 0 {
-            for ch in 0..op.n_channels.min(MAX_CHANNELS) {
+            for ch in 0..op.desc.n_channels.min(MAX_CHANNELS) {
                 if let Some(lane) = self.waiting.get_mut(&(op.comm, ch)) {
                     lane.ops.retain(|&x| x != id);
                 }
@@ -1392,7 +1320,7 @@ impl Assembler {
         // Work on some channels but not all: its exec time would be a guess.
         if hook
             && !op.channels.is_empty()
-            && op.seen.count_ones() < op.n_channels.min(MAX_CHANNELS) as u32
+            && op.seen.count_ones() < op.desc.n_channels.min(MAX_CHANNELS) as u32
         {
             self.counters.dev_mismatch += 1;
             return;

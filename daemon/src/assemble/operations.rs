@@ -3,25 +3,18 @@
 
 use std::collections::VecDeque;
 
+use ncclscope_proto::MAX_CHANNELS;
 use ncclscope_proto::api::ChannelWork;
-use ncclscope_proto::{MAX_CHANNELS, StrId};
 
 use super::Map;
 use crate::instance::Instance;
+use crate::resume::Desc;
 
 pub(super) struct Op {
     pub comm: u32,
     pub first_pos: u64,
-    pub is_p2p: bool,
-    pub seq: u64,
-    pub func: StrId,
-    pub datatype: StrId,
-    pub algo: StrId,
-    pub proto: StrId,
-    pub count: u64,
-    pub root: i32,
-    pub peer: i32,
-    pub n_channels: u8,
+    pub desc: Desc,
+    /// Host time of its enqueue (0 for a replay: no host event announces it).
     pub enqueue_ns: u64,
     pub stop_ns: Option<u64>,
     pub channels: Vec<ChannelWork>,
@@ -40,6 +33,33 @@ pub(super) struct Op {
 }
 
 impl Op {
+    /// An operation whose first record is at `first_pos`, enqueued at `enqueue_ns`, read at `now_ns`;
+    /// `replay` 0 for an eager one.
+    pub fn new(
+        comm: u32,
+        first_pos: u64,
+        desc: Desc,
+        enqueue_ns: u64,
+        now_ns: u64,
+        replay: u32,
+    ) -> Op {
+        Op {
+            comm,
+            first_pos,
+            desc,
+            enqueue_ns,
+            stop_ns: None,
+            channels: Vec::with_capacity(desc.n_channels.min(MAX_CHANNELS) as usize),
+            seen: 0,
+            host_anchor: None,
+            last_progress_ns: now_ns,
+            prior: 0,
+            awaiting_calibration: false,
+            replay,
+            lost: 0,
+        }
+    }
+
     #[inline]
     pub fn add_work(&mut self, channel: u8, gpu_start: u64, gpu_stop: u64, now_ns: u64) {
         self.seen |= 1 << (channel % MAX_CHANNELS);
@@ -57,14 +77,14 @@ impl Op {
     #[inline]
     pub fn settled(&self) -> bool {
         self.lost != 0
-            && (self.seen | self.lost).count_ones() >= self.n_channels.min(MAX_CHANNELS) as u32
+            && (self.seen | self.lost).count_ones() >= self.desc.n_channels.min(MAX_CHANNELS) as u32
     }
 
     #[inline]
     pub fn complete(&self) -> bool {
         // A replay has no host stop: its work is all there is.
         (self.stop_ns.is_some() || self.replay > 0)
-            && self.seen.count_ones() >= self.n_channels as u32
+            && self.seen.count_ones() >= self.desc.n_channels as u32
     }
 
     /// Whether the op has its stop and every channel's work, and (with kernel times) its device
