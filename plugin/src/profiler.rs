@@ -35,6 +35,9 @@ pub const MAX_COMMS: usize = 1024;
 pub const ORPHAN_AGE: Duration = Duration::from_secs(30);
 /// How long `finalize` waits for the forwarding thread to write the communicator's end.
 const FINALIZE_WAIT: Duration = Duration::from_secs(2);
+/// How long `exit` waits, in a process that did not finalize its communicators, for the forwarding
+/// thread to write what is queued.
+const EXIT_WAIT: Duration = Duration::from_millis(200);
 
 /// The handle returned for Group events: they carry nothing we forward, so they take no pool slot.
 static GROUP_HANDLE: u8 = 0;
@@ -189,6 +192,15 @@ static FAILED: AtomicBool = AtomicBool::new(false);
 /// Set in a child forked after the plugin started (e.g. a data-loader worker): the forwarding thread
 /// does not exist there and the segment belongs to the parent, so the plugin stays out of the way.
 static FORKED: AtomicBool = AtomicBool::new(false);
+
+/// At `exit` (atexit handler): see [`Plugin::flush_at_exit`]. Never unwinds into libc.
+extern "C" fn flush_at_exit() {
+    let _ = std::panic::catch_unwind(|| {
+        if let Some(p) = plugin() {
+            p.flush_at_exit();
+        }
+    });
+}
 
 extern "C" fn forked_child() {
     FORKED.store(true, Ordering::Relaxed);
@@ -352,6 +364,9 @@ impl Plugin {
         // SAFETY: registers a handler that only stores to an atomic (async-signal-safe); the library is
         // pinned, so the handler stays mapped.
         unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+        // SAFETY: registers a function that catches every panic and touches only the leaked,
+        // 'static plugin; the library is pinned, so it stays mapped until exit runs it.
+        unsafe { libc::atexit(flush_at_exit) };
         clock::init();
         let forwarder = Forwarder::new(plugin, Producer::new(segment));
         match std::thread::Builder::new()
@@ -738,6 +753,35 @@ impl Plugin {
             );
         }
         slot.live.store(false, Ordering::Release);
+    }
+
+    /// A process exiting with communicators not finalized (a rank that returns from main, or calls
+    /// `exit`, without destroying them): the forwarding thread gets up to [`EXIT_WAIT`] to write
+    /// what NCCL's threads queued (and what the rings hold); what is still queued after it is counted
+    /// (`exit_unflushed`) and the thread gets one more pass to write the count.
+    fn flush_at_exit(&self) {
+        if self.live_comms() == 0 {
+            return;
+        }
+        let deadline = Instant::now() + EXIT_WAIT;
+        let wait = |done: &dyn Fn() -> bool| {
+            while !done() && Instant::now() < deadline {
+                self.wake();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        // Written once the queue is empty and the thread found nothing more to do.
+        wait(&|| self.queue.is_empty() && self.fwd_idle.load(Ordering::SeqCst));
+        let mut left = 0;
+        while self.queue.pop().is_some() {
+            left += 1;
+        }
+        if left > 0 {
+            let pending = &self.pending[Counter::ExitUnflushed as usize];
+            pending.fetch_add(left, Ordering::Relaxed);
+            // Moved into the segment header by the thread's next pass.
+            wait(&|| pending.load(Ordering::Relaxed) == 0);
+        }
     }
 
     /// The forwarding thread wrote the communicator's end. Closes the segment when it was the last one.

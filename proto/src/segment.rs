@@ -119,10 +119,13 @@ pub enum Counter {
     /// KernelCh events of a CUDA graph replay on stock NCCL: they name an operation from capture time,
     /// which has no kernel of its own, so they are declined rather than joined to a stale handle.
     ReplayKernelCh = 9,
+    /// Events still queued when the process exited without finalizing its communicators, after the
+    /// forwarding thread had its last chance to write them (in `exit`).
+    ExitUnflushed = 10,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 10] = [
+    pub const ALL: [Counter; 11] = [
         Counter::RingFull,
         Counter::QueueFull,
         Counter::PoolExhausted,
@@ -133,6 +136,7 @@ impl Counter {
         Counter::Ignored,
         Counter::ForwardPanic,
         Counter::ReplayKernelCh,
+        Counter::ExitUnflushed,
     ];
 
     /// Stable name, used in metrics labels and JSON.
@@ -148,6 +152,7 @@ impl Counter {
             Counter::ReplayKernelCh => "replay_kernel_ch",
             Counter::Ignored => "ignored",
             Counter::ForwardPanic => "forward_panic",
+            Counter::ExitUnflushed => "exit_unflushed",
         }
     }
 

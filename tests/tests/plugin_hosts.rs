@@ -348,6 +348,46 @@ fn a_rank_that_never_finalizes_hands_over_an_open_segment_with_its_records() {
     .unwrap();
 }
 
+/// Issue 22: a rank that exits right after its work without finalizing (a script that returns
+/// without destroying its communicators) lost what was still queued for the forwarding thread,
+/// uncounted (2 of 500). In `exit` the plugin now gives the thread its last chance: every event is
+/// in the segment, and nothing is counted lost.
+#[test]
+fn a_rank_that_exits_without_finalize_right_after_its_work_loses_nothing_queued() {
+    let catcher = Catcher::start();
+    let run = run_rank(
+        &catcher,
+        // The forwarding thread idles (20 ms between looks) through the pause, then 40
+        // collectives come back to back and the process exits at once.
+        &[
+            "--kind",
+            "v5",
+            "--colls",
+            "2",
+            "--interval-us",
+            "60000",
+            "--last-burst",
+            "40",
+            "--no-finalize",
+        ],
+        &[],
+    )
+    .unwrap();
+    let seg = catcher.only_segment().unwrap();
+    assert!(!seg.closed && seg.ended);
+    check(
+        &run.report,
+        &seg,
+        Expect {
+            v7_fields: false,
+            finalized: false,
+            ordered: true,
+        },
+    )
+    .unwrap();
+    assert_eq!(seg.counters.get("exit_unflushed").copied().unwrap_or(0), 0);
+}
+
 #[test]
 fn simulation_maps_the_stock_path_gpu_clock_to_host_time() {
     let catcher = Catcher::start();

@@ -69,6 +69,10 @@ struct Args {
     /// Exit without calling finalize (a crashed or killed rank).
     #[arg(long)]
     no_finalize: bool,
+    /// After everything else (pauses included): this many collectives back to back, then at once
+    /// the end (finalize or exit), while the forwarding thread may be asleep.
+    #[arg(long, default_value_t = 0)]
+    last_burst: usize,
     /// After the collectives and p2ps: capture this many f32 all-reduces (8 B to 16 MiB, cycling)
     /// into a CUDA graph (host events only), then replay it `--replays` times (work items only).
     #[arg(long, default_value_t = 0)]
@@ -247,6 +251,24 @@ fn run_comm(host: &std::sync::Arc<Host>, args: &Args, i: u32) -> anyhow::Result<
             }
             pause();
         }
+    }
+    for n in 0..args.last_burst {
+        let (func, func_id) = FUNCS[n % FUNCS.len()];
+        let coll = CollSpec {
+            func,
+            datatype: TYPES[0],
+            algo: ALGOS[0],
+            proto: PROTOS[0],
+            count: 1024,
+            root: 0,
+            n_channels: args.channels,
+            n_warps: 8,
+            kernel_ns: args.kernel_ns,
+            func_id,
+            symmetric: None,
+            user_tag: n as u64,
+        };
+        ops.push(comm.collective(&coll));
     }
     let ignored = if args.noise { comm.noise() } else { 0 };
     if args.hold_ms > 0 {
