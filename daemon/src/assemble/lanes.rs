@@ -30,3 +30,78 @@ pub(super) struct Lane {
     pub ops: VecDeque<u64>,
     pub works: VecDeque<Work>,
 }
+
+impl Lane {
+    /// Pairs the waiting operations with the early work items, oldest first. `fits(op, work)`:
+    /// whether operation `op` can own `work` (None: it is no longer in flight, and leaves the lane).
+    /// A work item the oldest operation cannot own skips the operations before the first that can
+    /// (they lost their item on this channel), or is dropped if none can. Returns the pairs and how
+    /// many items were dropped.
+    pub fn pair(&mut self, fits: impl Fn(u64, &Work) -> Option<bool>) -> (Vec<(u64, Work)>, usize) {
+        let (mut joined, mut dropped) = (Vec::new(), 0);
+        while let (Some(&id), Some(&work)) = (self.ops.front(), self.works.front()) {
+            match fits(id, &work) {
+                None => {
+                    self.ops.pop_front();
+                }
+                Some(true) => {
+                    self.ops.pop_front();
+                    self.works.pop_front();
+                    joined.push((id, work));
+                }
+                Some(false) => {
+                    if (self.ops.iter().skip(1)).any(|&later| fits(later, &work) == Some(true)) {
+                        self.ops.pop_front();
+                    } else {
+                        self.works.pop_front();
+                        dropped += 1;
+                    }
+                }
+            }
+        }
+        (joined, dropped)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty() && self.works.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn work(func_id: u32) -> Work {
+        Work {
+            func_id,
+            gpu_start: 0,
+            gpu_stop: 1,
+        }
+    }
+
+    #[test]
+    fn items_join_in_order_skip_operations_that_lost_theirs_and_drop_what_fits_none() {
+        // Operations 1..=4 run functions 10, 20, 10, 30; operation 2 is no longer in flight.
+        let func = |op: u64| [10, 20, 10, 30][op as usize - 1];
+        let fits = |op: u64, w: &Work| (op != 2).then(|| func(op) == w.func_id);
+        let mut lane = Lane {
+            ops: (1..=4).collect(),
+            works: [work(10), work(10), work(99), work(30)].into(),
+        };
+        let (joined, dropped) = lane.pair(fits);
+        let ids: Vec<u64> = joined.iter().map(|j| j.0).collect();
+        // 1 takes the first 10; 2 is gone; 3 takes the second 10; 99 fits nothing: dropped; 4 takes 30.
+        assert_eq!(ids, [1, 3, 4]);
+        assert_eq!(dropped, 1);
+        assert!(lane.is_empty());
+
+        // An item that a later operation fits skips the one before it (which lost its item here).
+        let mut lane = Lane {
+            ops: [1, 4].into(),
+            works: [work(30)].into(),
+        };
+        let (joined, dropped) = lane.pair(fits);
+        assert_eq!((joined.len(), joined[0].0, dropped), (1, 4, 0));
+        assert!(lane.is_empty());
+    }
+}

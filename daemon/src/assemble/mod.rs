@@ -1140,46 +1140,25 @@ impl Assembler {
         }
     }
 
-    /// Joins a lane's waiting operations and early work items in order. A work item whose function
-    /// is not the oldest operation's skips the operations before the first one it fits (they lost
-    /// their work item on this channel and close incomplete), or is dropped if none fits.
+    /// Joins a lane's waiting operations and early work items in order (see [`Lane::pair`]).
     fn match_lane(&mut self, key: (u32, u8), now_ns: u64, out: &mut Vec<Completed>) {
-        let Some(mut lane) = self.waiting.remove(&key) else {
+        let Some(lane) = self.waiting.get_mut(&key) else {
             return;
         };
-        while let (Some(&id), Some(&work)) = (lane.ops.front(), lane.works.front()) {
-            let Some(op) = self.ops.get(&id) else {
-                lane.ops.pop_front();
-                continue;
-            };
-            if self.dict.work_matches(work.func_id, op.desc.func) {
-                lane.ops.pop_front();
-                lane.works.pop_front();
-                self.early_works -= 1;
-                self.counters.dev_joined += 1;
-                if let Some(op) = self.ops.get_mut(&id) {
-                    op.add_work(key.1, work.gpu_start, work.gpu_stop, now_ns);
-                }
-                // Finishing the op edits the lanes: put this one back while it does.
-                self.waiting.insert(key, lane);
-                self.try_finish(id, out);
-                lane = self.waiting.remove(&key).unwrap_or_default();
-                continue;
-            }
-            let fits_later = lane.ops.iter().skip(1).any(|later| {
-                self.ops
-                    .get(later)
-                    .is_some_and(|o| self.dict.work_matches(work.func_id, o.desc.func))
-            });
-            if fits_later {
-                lane.ops.pop_front();
-            } else {
-                lane.works.pop_front();
-                self.early_works -= 1;
-            }
+        let (ops, dict) = (&self.ops, &self.dict);
+        let (joined, dropped) = lane.pair(|id, work| {
+            (ops.get(&id)).map(|op| dict.work_matches(work.func_id, op.desc.func))
+        });
+        if lane.is_empty() {
+            self.waiting.remove(&key);
         }
-        if !lane.ops.is_empty() || !lane.works.is_empty() {
-            self.waiting.insert(key, lane);
+        self.early_works -= joined.len() + dropped;
+        self.counters.dev_joined += joined.len() as u64;
+        for (id, work) in joined {
+            if let Some(op) = self.ops.get_mut(&id) {
+                op.add_work(key.1, work.gpu_start, work.gpu_stop, now_ns);
+            }
+            self.try_finish(id, out);
         }
     }
 
