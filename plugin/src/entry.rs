@@ -15,7 +15,8 @@ use crate::abi::{
     StaticCStr, event,
 };
 use crate::devhook;
-use crate::forward::CText;
+use crate::event::CText;
+use crate::launch;
 use crate::profiler::{self, CollInfo, P2pInfo, Start};
 
 const NAME: StaticCStr = StaticCStr(c"ncclscope".as_ptr());
@@ -89,7 +90,7 @@ init_fn!(init_v6, 6);
 init_fn!(init_v7, 7);
 
 /// # Safety
-/// `ctx` is NULL or writable; see [`profiler::init`] for the others.
+/// `ctx` is NULL or writable; see [`launch::init`] for the others.
 #[allow(clippy::too_many_arguments)]
 unsafe fn init(
     ctx: *mut *mut c_void,
@@ -108,8 +109,8 @@ unsafe fn init(
     // SAFETY: `ctx` is non-NULL and NCCL's out pointer.
     unsafe { *ctx = std::ptr::null_mut() };
     guard("init", || {
-        // SAFETY: the pointers are NCCL's, as `profiler::init` requires.
-        let c = unsafe { profiler::init(abi, comm_hash, mask, name, nnodes, nranks, rank, logfn) };
+        // SAFETY: the pointers are NCCL's, as `launch::init` requires.
+        let c = unsafe { launch::init(abi, comm_hash, mask, name, nnodes, nranks, rank, logfn) };
         // SAFETY: as above.
         unsafe { *ctx = c };
     });

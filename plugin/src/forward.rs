@@ -9,15 +9,16 @@
 //! measured, the events wait in the thread's own buffer.
 
 use std::collections::HashMap;
-use std::ffi::{CStr, c_char};
+use std::ffi::CStr;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use ncclscope_proto::{Counter, Producer, Record, StrId, TimingPath};
+use ncclscope_proto::{Counter, Producer, Record, StrId};
 
 use crate::clock::Converter;
 use crate::devhook;
+use crate::event::{CText, Event};
 use crate::profiler::{self, ORPHAN_AGE, Plugin};
 use crate::register::Registration;
 use crate::sink::Sink;
@@ -35,13 +36,6 @@ const BATCH: usize = 4096;
 /// reaching it writes them early, in the same order.
 const HELD: usize = 8192;
 
-/// A static C string owned by NCCL ("AllReduce", "ncclFloat32", ...), read on this thread only.
-#[derive(Clone, Copy, Debug)]
-pub struct CText(pub *const c_char);
-// SAFETY: it points at a NUL-terminated string NCCL never frees or changes (static storage); reading
-// it from another thread is what NCCL's own plugins do.
-unsafe impl Send for CText {}
-
 /// `record` with its `host_ns`, a [`crate::clock::stamp`] taken on an NCCL thread, in CLOCK_REALTIME.
 fn host_time(mut record: Record, clock: &Converter) -> Record {
     match &mut record {
@@ -54,52 +48,6 @@ fn host_time(mut record: Record, clock: &Converter) -> Record {
         _ => {}
     }
     record
-}
-
-/// What NCCL threads hand to the forwarding thread. Every `host_ns` is a [`crate::clock::stamp`].
-#[derive(Debug)]
-pub enum Event {
-    Comm {
-        comm: u32,
-        comm_hash: u64,
-        rank: u32,
-        nranks: u32,
-        nnodes: u32,
-        cuda_dev: i32,
-        name: Vec<u8>,
-        path: TimingPath,
-        host_ns: u64,
-    },
-    /// `table` is the communicator's slot in the plugin's table, flagged once the end is written.
-    CommEnd { comm: u32, table: u32, host_ns: u64 },
-    CollStart {
-        comm: u32,
-        id: u64,
-        seq: u64,
-        func: CText,
-        datatype: CText,
-        algo: CText,
-        proto: CText,
-        count: u64,
-        root: i32,
-        n_channels: u8,
-        n_warps: u8,
-        host_ns: u64,
-        captured: bool,
-    },
-    P2pStart {
-        comm: u32,
-        id: u64,
-        func: CText,
-        datatype: CText,
-        count: u64,
-        peer: i32,
-        n_channels: u8,
-        host_ns: u64,
-        captured: bool,
-    },
-    /// A record without strings (OpStop, KernelCh, KernelPhase).
-    Ready(Record),
 }
 
 /// Interned strings: by pointer first (NCCL's strings are static), then by content.

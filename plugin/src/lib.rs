@@ -8,17 +8,21 @@
 //! - [`entry`]: the exported vtables and their C entry points (reads NCCL's descriptors);
 //! - `abi`: the NCCL ABI types with their layout assertions;
 //! - `host`: which NCCL we run in (found through its logger, never linked) and logging through it;
+//! - `launch`: the plugin's start in a process and each communicator's `init`;
 //! - `profiler`: per-process and per-communicator state, what each callback does;
 //! - `clock`: cheap host timestamps (TSC) converted to CLOCK_REALTIME off the hot path;
-//! - `pool`: bounded, validated event handles; `forward`: the forwarding thread; `register`: the daemon.
+//! - `pool`: bounded, validated event handles; `event`: what NCCL's threads queue; `forward`: the
+//!   forwarding thread; `register`: the daemon.
 
 mod abi;
 mod clock;
 mod config;
 mod devhook;
 pub mod entry;
+mod event;
 mod forward;
 mod host;
+mod launch;
 mod pool;
 mod profiler;
 mod register;

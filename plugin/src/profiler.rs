@@ -13,14 +13,14 @@ use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
-use ncclscope_proto::segment::{Claims, Segment};
-use ncclscope_proto::{Counter, Producer, Record, TimingPath};
+use ncclscope_proto::segment::Segment;
+use ncclscope_proto::{Counter, Record, TimingPath};
 
-use crate::abi::{Logger, event};
+use crate::abi::event;
 use crate::clock;
 use crate::config::Config;
 use crate::devhook;
-use crate::forward::{CText, Event, Forwarder};
+use crate::event::{CText, Event};
 use crate::host::{self, HostInfo};
 use crate::pool::{Kind, POOL_SLOTS, Pool};
 
@@ -186,15 +186,15 @@ pub struct Plugin {
 }
 
 /// None: disabled (NCCLSCOPE_DISABLE, or the segment could not be set up).
-static PLUGIN: OnceLock<Option<&'static Plugin>> = OnceLock::new();
+pub(crate) static PLUGIN: OnceLock<Option<&'static Plugin>> = OnceLock::new();
 /// Set on the first panic caught at the C boundary: every entry point then returns at once.
 static FAILED: AtomicBool = AtomicBool::new(false);
 /// Set in a child forked after the plugin started (e.g. a data-loader worker): the forwarding thread
 /// does not exist there and the segment belongs to the parent, so the plugin stays out of the way.
-static FORKED: AtomicBool = AtomicBool::new(false);
+pub(crate) static FORKED: AtomicBool = AtomicBool::new(false);
 
 /// At `exit` (atexit handler): see [`Plugin::flush_at_exit`]. Never unwinds into libc.
-extern "C" fn flush_at_exit() {
+pub(crate) extern "C" fn flush_at_exit() {
     let _ = std::panic::catch_unwind(|| {
         if let Some(p) = plugin() {
             p.flush_at_exit();
@@ -202,7 +202,7 @@ extern "C" fn flush_at_exit() {
     });
 }
 
-extern "C" fn forked_child() {
+pub(crate) extern "C" fn forked_child() {
     FORKED.store(true, Ordering::Relaxed);
     // The daemon learns that the process ended when its connection closes: a child must not keep it.
     if let Some(fd) = crate::register::take_connection_fd() {
@@ -243,110 +243,10 @@ pub fn fail(what: &str) {
     }
 }
 
-/// `init`: returns the communicator context (NULL when disabled), after setting `*mask`.
-///
-/// # Safety
-/// `mask` is NULL or NCCL's activation-mask global; `name` is NULL or a NUL-terminated string.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn init(
-    abi: u32,
-    comm_hash: u64,
-    mask: *mut c_int,
-    name: *const std::ffi::c_char,
-    nnodes: c_int,
-    nranks: c_int,
-    rank: c_int,
-    logfn: Option<Logger>,
-) -> *mut c_void {
-    host::set_logger(logfn);
-    // A child forked after the plugin started is not profiled, and says nothing: a lock that another
-    // thread held at fork time (NCCL's logger, stderr, our log-once set) would never be released in it.
-    let launched = (!FORKED.load(Ordering::Relaxed))
-        .then(|| *PLUGIN.get_or_init(|| Plugin::launch(abi, logfn)));
-    let Some(plugin) = launched.flatten() else {
-        if !mask.is_null() {
-            // SAFETY: NCCL's mask is a live, aligned, process-wide int (see `Plugin::set_mask`).
-            unsafe { AtomicI32::from_ptr(mask) }.store(0, Ordering::Relaxed);
-        }
-        return std::ptr::null_mut();
-    };
-    if abi == 7 && !plugin.host.v7_descriptors() && !plugin.host.is_rfc() {
-        host::log_once(
-            "v7-unknown-host",
-            true,
-            &format!(
-                "ncclProfiler_v7 called by NCCL {}, which is not >= 2.31: reading v6 descriptor fields only",
-                plugin.host.version_text()
-            ),
-        );
-    }
-    plugin.mask_ptr.store(mask, Ordering::Release);
-    plugin.set_mask(plugin.mask.load(Ordering::Relaxed));
-    // SAFETY: per this function's contract.
-    let name = unsafe { host::c_string(name) }.unwrap_or_default();
-    plugin.open_comm(comm_hash, name, nnodes, nranks, rank)
-}
-
 impl Plugin {
-    fn launch(abi: u32, logfn: Option<Logger>) -> Option<&'static Plugin> {
-        let config = Config::from_env();
-        for w in &config.warnings {
-            host::log(true, w);
-        }
-        if config.disabled {
-            host::log(false, "disabled by NCCLSCOPE_DISABLE=1");
-            return None;
-        }
-        let host = host::detect(logfn);
-        devhook::set_log(host::log);
-        devhook::set_func_name_fn(host.dev_func_name);
-        if let Some(why) = host.is_rfc().then(devhook::gpu_unavailable).flatten() {
-            host::log(
-                false,
-                &format!("the device hook cannot use a GPU here: {why}"),
-            );
-        }
-        if !host::pin_self() {
-            host::log(
-                true,
-                "cannot pin the plugin library in memory; profiling disabled",
-            );
-            return None;
-        }
-        let hostname = rustix::system::uname()
-            .nodename()
-            .to_string_lossy()
-            .into_owned();
-        let claims = Claims {
-            hostname,
-            job_id: config.job_id.clone(),
-        };
-        let segment = match Segment::create(&claims, config.segment_records) {
-            Ok(s) => s,
-            Err(e) => {
-                host::log(
-                    true,
-                    &format!("cannot create the segment ({e}); profiling disabled"),
-                );
-                return None;
-            }
-        };
-        host::log(
-            false,
-            &format!(
-                "plugin {} loaded as ncclProfiler_v{abi} by NCCL {}{}; job {}, mask {:#x}",
-                env!("CARGO_PKG_VERSION"),
-                host.version_text(),
-                if host.is_rfc() {
-                    " (device-hook RFC)"
-                } else {
-                    ""
-                },
-                config.job_id,
-                config.event_mask
-            ),
-        );
-        let plugin: &'static Plugin = Box::leak(Box::new(Plugin {
+    /// The process-wide state, before its forwarding thread starts (see `launch`).
+    pub(crate) fn new(config: Config, host: HostInfo) -> Plugin {
+        Plugin {
             mask: AtomicI32::new(config.event_mask),
             config,
             host,
@@ -360,31 +260,22 @@ impl Plugin {
             fwd: OnceLock::new(),
             fwd_idle: AtomicBool::new(false),
             next_captured: AtomicU64::new(0),
-        }));
-        // SAFETY: registers a handler that only stores to an atomic (async-signal-safe); the library is
-        // pinned, so the handler stays mapped.
-        unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
-        // SAFETY: registers a function that catches every panic and touches only the leaked,
-        // 'static plugin; the library is pinned, so it stays mapped until exit runs it.
-        unsafe { libc::atexit(flush_at_exit) };
-        clock::init();
-        let forwarder = Forwarder::new(plugin, Producer::new(segment));
-        match std::thread::Builder::new()
-            .name("ncclscope-fwd".into())
-            .spawn(move || forwarder.run())
-        {
-            Ok(handle) => {
-                let _ = plugin.fwd.set(handle.thread().clone());
-                Some(plugin)
-            }
-            Err(e) => {
-                host::log(
-                    true,
-                    &format!("cannot start the forwarding thread ({e}); profiling disabled"),
-                );
-                None
-            }
         }
+    }
+
+    /// The forwarding thread, so NCCL's threads can wake it.
+    pub(crate) fn set_forwarder(&self, thread: Thread) {
+        let _ = self.fwd.set(thread);
+    }
+
+    /// Where NCCL's activation mask lives (given at every `init`).
+    pub(crate) fn set_mask_ptr(&self, mask: *mut c_int) {
+        self.mask_ptr.store(mask, Ordering::Release);
+    }
+
+    /// Writes the mask we want into NCCL's (again: a later `init` may pass a new address).
+    pub(crate) fn apply_mask(&self) {
+        self.set_mask(self.mask.load(Ordering::Relaxed));
     }
 
     /// Stores `value` in NCCL's activation mask (shared by all communicators; NCCL reads it atomically).
@@ -431,7 +322,7 @@ impl Plugin {
         }
     }
 
-    fn open_comm(
+    pub(crate) fn open_comm(
         &self,
         comm_hash: u64,
         name: Vec<u8>,
