@@ -98,7 +98,9 @@ fn daemon_rank_child() {
     }
     for seq in 0..ncolls {
         let id = seq + 1;
-        let host_ns = ncclscope_proto::now_ns();
+        // Enqueued 1 us before its kernel starts, on the calibration's (synthetic) host clock: the
+        // daemon does not use kernel times that fall before their enqueue.
+        let host_ns = (gpu_times(rank, seq, 0).0 as i64 + offset(rank)) as u64 - 1_000;
         p.push(&Record::CollStart {
             comm: 0,
             id,

@@ -121,8 +121,9 @@ fn multi_user_child() {
         std::thread::sleep(Duration::from_millis(5));
     }
     for seq in 0..NCOLLS {
-        let host_ns = ncclscope_proto::now_ns();
         let (gpu_start, gpu_stop) = gpu_times(uid, rank, seq);
+        // Enqueued 1 us before its kernel starts, on the calibration's (synthetic) host clock.
+        let host_ns = (gpu_start as i64 + HOST_BASE - GPU_BASE as i64) as u64 - 1_000;
         p.push(&Record::CollStart {
             comm: 0,
             id: seq + 1,

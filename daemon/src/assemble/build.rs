@@ -7,6 +7,33 @@ use crate::bandwidth;
 use crate::instance::{Instance, Names};
 use crate::resume::{Calibration, CommInfo};
 
+/// How far a kernel's start, on the host clock, may fall before its operation's enqueue, or its end
+/// after the daemon read it. A calibration is good to microseconds (milliseconds at worst): beyond
+/// this the mapping is wrong (the host clock stepped between two calibrations, a bad calibration).
+const CLOCK_SLACK_NS: u64 = 1_000_000_000;
+
+/// Whether `op`'s kernel times, shifted by `offset` to the host clock, lie where they can: not
+/// before its enqueue (eager operations) and not after the daemon read them, within
+/// [`CLOCK_SLACK_NS`]. (Times of 0 are unknown and bound nothing.)
+pub(super) fn plausible(op: &Op, offset: i64) -> bool {
+    let (Some(start), Some(end)) = (
+        op.channels.iter().map(|c| c.start_unix_ns).min(),
+        op.channels.iter().map(|c| c.end_unix_ns).max(),
+    ) else {
+        return true;
+    };
+    let (start, end) = (
+        start.saturating_add_signed(offset),
+        end.saturating_add_signed(offset),
+    );
+    let after_enqueue = op.replay > 0
+        || op.enqueue_ns == 0
+        || start.saturating_add(CLOCK_SLACK_NS) >= op.enqueue_ns;
+    let before_read =
+        op.last_progress_ns == 0 || end <= op.last_progress_ns.saturating_add(CLOCK_SLACK_NS);
+    after_enqueue && before_read
+}
+
 /// The instance of process `pid`; takes the op's channel work rather than copying it.
 #[inline]
 pub(super) fn instance(

@@ -70,6 +70,10 @@ counters! {
     /// Device-hook work items at a replay boundary that an eager operation and the replay could
     /// both own, in every order the later items allow: dropped (see `hold`).
     dev_ambiguous: Loss,
+    /// Instances whose kernel times, mapped to the host clock, fell before their enqueue or after the
+    /// daemon read them (a host clock step between calibrations, a bad calibration): delivered with
+    /// their host times only (a replay, which has none, dropped).
+    implausible_time: Loss,
     /// Captured operations beyond `MAX_TEMPLATE_OPS` on one communicator (their replays' work
     /// items then count as `dev_unattributed`).
     template_full: Loss,
@@ -96,7 +100,7 @@ mod tests {
         let losses: std::collections::BTreeMap<_, _> = a.losses().collect();
         assert_eq!(losses["dev_ambiguous"], u64::MAX);
         assert_eq!(losses["uid_limit"], 3);
-        assert_eq!(losses.len(), 16);
+        assert_eq!(losses.len(), 17);
         assert!(!losses.contains_key("records") && !losses.contains_key("dev_joined"));
     }
 }

@@ -1282,7 +1282,7 @@ impl Assembler {
     }
 
     fn finish(&mut self, id: u64, out: &mut Vec<Completed>) {
-        let Some(op) = self.ops.remove(&id) else {
+        let Some(mut op) = self.ops.remove(&id) else {
             return;
         };
         self.prune_by_pos();
@@ -1316,6 +1316,15 @@ impl Assembler {
                 Some(_) => self.counters.host_anchored += 1,
                 None => self.counters.uncalibrated += 1,
             }
+        }
+        if let Some(offset) = calibration.map(|c| c.offset_ns).or(op.host_anchor)
+            && !build::plausible(&op, offset)
+        {
+            self.counters.implausible_time += 1;
+            if op.replay > 0 {
+                return; // nothing else times a replay
+            }
+            op.channels.clear(); // its host times only
         }
         let (first_pos, prior) = (op.first_pos, op.prior);
         let info = self.dict.comms.get(&op.comm);

@@ -1322,6 +1322,38 @@ fn warm_up_collectives_that_the_graph_repeats_are_not_taken_for_its_first_replay
     assert_eq!((a.pending(), a.early_works), (0, 0));
 }
 
+/// Issue 22: a host clock step between calibrations gave false stragglers, and a bad calibration put
+/// a span in the year 2237. Kernel times that land an hour before their enqueue, or long after the
+/// daemon read them, are not used: the instance keeps its host times, counted `implausible_time`.
+#[test]
+fn kernel_times_mapped_before_the_enqueue_or_into_the_future_are_not_used() {
+    let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 100);
+    let mut out = feed(&mut a, &hook_prelude());
+    let hour = 3_600_000_000_000u64;
+    let read_at = 2 * hour;
+    // Enqueued at host 2 h; its item maps (offset 1 ms) to host ~1 ms: two hours before.
+    let mut recs = Vec::from(eager(1, 0, 2 * hour));
+    recs.push(dev(0, 42, 0, 100, 50));
+    // Enqueued at host 2 h; its item maps to ~year 2237, long after the daemon read it.
+    recs.extend(eager(2, 1, 2 * hour));
+    recs.push(dev(0, 42, 1, 8_400_000_000_000_000_000, 70));
+    // A plausible one: starts 10 us after its enqueue, read 1 ms later.
+    recs.extend(eager(3, 2, 2 * hour - 1_000_000));
+    recs.push(dev(0, 42, 2, 2 * hour - 990_000 - 1_000_000, 90));
+    for (i, r) in recs.iter().enumerate() {
+        a.apply(100 + i as u64, r, read_at, &mut out);
+    }
+    let by_seq: Vec<(u64, &str, u64)> = out
+        .iter()
+        .map(|c| (c.coll.seq, c.coll.timing_source, c.coll.exec_ns))
+        .collect();
+    assert_eq!(
+        by_seq,
+        [(0, "host", 100), (1, "host", 100), (2, "device_hook", 90)]
+    );
+    assert_eq!(a.counters.implausible_time, 2);
+}
+
 #[test]
 fn an_item_held_when_no_more_come_goes_to_its_eager_op_at_the_timeout_or_the_end() {
     // After replay 1, an eager all-reduce's item: the next replay's first operation fits it too,
