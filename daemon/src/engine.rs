@@ -32,6 +32,7 @@ use crate::assemble::{AssembleCounters, Assembler, Completed, UidBudget, done};
 use crate::config::Config;
 use crate::hub::{Durable, Hub};
 use crate::instance::{InstanceRef, Shared};
+use crate::loss::{Loss, Losses};
 use crate::metrics::{self, Health};
 use crate::otlp::{ExportCounters, SpanItem};
 use crate::resume::{self, SegmentState};
@@ -87,7 +88,7 @@ pub struct Attach {
 pub enum Handover {
     Attach(Attach),
     /// A segment refused before it was mapped, counted under this stage.
-    Refused(&'static str),
+    Refused(Loss),
 }
 
 /// Where the engine sends what it produces besides the spool and the hub.
@@ -233,7 +234,7 @@ pub struct Engine {
     /// Plugin counters of segments already reaped, per uid.
     reaped_plugin: HashMap<u32, PluginLost>,
     reaped_asm: AssembleCounters,
-    daemon_lost: HashMap<&'static str, u64>,
+    daemon_lost: Losses,
     /// Commits past open operations or unacknowledged spans because the ring was over half full.
     forced_commits: u64,
     collectives: u64,
@@ -288,7 +289,7 @@ impl Engine {
             started_ns: now_ns(),
             reaped_plugin: HashMap::new(),
             reaped_asm: AssembleCounters::default(),
-            daemon_lost: HashMap::new(),
+            daemon_lost: Losses::default(),
             forced_commits: 0,
             collectives: 0,
             uid_budgets: HashMap::new(),
@@ -347,17 +348,17 @@ impl Engine {
                     tracing::warn!(segment = %a.key, error = %e, "restored segment not attached");
                 }
             }
-            Handover::Refused(stage) => *self.daemon_lost.entry(stage).or_default() += 1,
+            Handover::Refused(stage) => self.daemon_lost.add(stage, 1),
         }
     }
 
     /// Counts (and logs) a segment refused for want of room under `stage`, once however often it is
     /// retried.
-    fn count_refusal(&mut self, key: SegmentKey, stage: &'static str, why: &str) {
+    fn count_refusal(&mut self, key: SegmentKey, stage: Loss, why: &str) {
         if !self.refused.contains(&key) {
             tracing::warn!(segment = %key, reason = %why, "segment refused; attached once there is room");
             remember(&mut self.refused, key, self.cfg.drain.max_segments);
-            *self.daemon_lost.entry(stage).or_default() += 1;
+            self.daemon_lost.add(stage, 1);
         }
     }
 
@@ -397,7 +398,7 @@ impl Engine {
                 "daemon is at drain.max_segments = {}",
                 self.cfg.drain.max_segments
             );
-            self.count_refusal(key, "segments_refused", &why);
+            self.count_refusal(key, Loss::SegmentsRefused, &why);
             return Err(why);
         }
         // The uid is the registering peer's (SO_PEERCRED), which created the memory file.
@@ -408,7 +409,7 @@ impl Engine {
                 "uid {uid} already has {of_uid} segments attached (drain.max_segments_per_uid = {})",
                 self.cfg.drain.max_segments_per_uid
             );
-            self.count_refusal(key, "uid_segment_quota", &why);
+            self.count_refusal(key, Loss::UidSegmentQuota, &why);
             return Err(why);
         }
         let claims = segment.claims();
@@ -439,7 +440,7 @@ impl Engine {
                         Ok(origins) => mark_recorded(&mut delivered, &key, tail, origins),
                         Err(e) => {
                             tracing::warn!(segment = %label, error = %e, "cannot read the spool back; what it holds past the saved state may be recorded twice");
-                            *self.daemon_lost.entry("spool_unreadable").or_default() += 1;
+                            self.daemon_lost.add(Loss::SpoolUnreadable, 1);
                         }
                     }
                 }
@@ -451,12 +452,12 @@ impl Engine {
                 if consumer.segment().tail() > 0 {
                     // Records before the tail defined strings and communicators we no longer know.
                     tracing::warn!(segment = %label, "no resume state for a partly consumed segment");
-                    *self.daemon_lost.entry("resume_state_missing").or_default() += 1;
+                    self.daemon_lost.add(Loss::ResumeStateMissing, 1);
                 }
             }
             Err(e) => {
                 tracing::warn!(segment = %label, error = %e, "unreadable resume state; starting without it");
-                *self.daemon_lost.entry("resume_state_missing").or_default() += 1;
+                self.daemon_lost.add(Loss::ResumeStateMissing, 1);
             }
         }
         tracing::info!(segment = %label, pid = key.pid, uid, job = %claims.job_id, tail = consumer.segment().tail(), head = consumer.segment().head(), restored = conn.is_none(), "segment attached");
@@ -610,7 +611,7 @@ impl Engine {
         // After delivery: what a segment held before it proved corrupt is still delivered.
         for i in broken.into_iter().rev() {
             let seg = self.segments.remove(i);
-            *self.daemon_lost.entry("corrupt_segment").or_default() += 1;
+            self.daemon_lost.add(Loss::CorruptSegment, 1);
             // Not attached again if handed over again: its cursors cannot be trusted.
             remember(&mut self.broken, seg.key, self.cfg.drain.max_segments);
             self.forget(&seg);
@@ -653,7 +654,7 @@ impl Engine {
                     let tail = seg.consumer.segment().tail();
                     if let Err(e) = save_state(&self.cfg.state_dir, seg, tail, Some(end)) {
                         tracing::error!(segment = %seg.label, error = %e, "cannot save resume state before spooling; a crash now could record these instances twice");
-                        *self.daemon_lost.entry("state_write_failed").or_default() += 1;
+                        self.daemon_lost.add(Loss::StateWriteFailed, 1);
                     }
                 }
             }
@@ -688,7 +689,7 @@ impl Engine {
                 && let Err(e) = spool.append(&fresh)
             {
                 tracing::error!(error = %e, n = fresh.len(), "spool append failed; instances not spooled");
-                *self.daemon_lost.entry("spool_failed").or_default() += fresh.len() as u64;
+                self.daemon_lost.add(Loss::SpoolFailed, fresh.len() as u64);
             }
         }
         for (i, range) in runs.drain(..) {
@@ -754,7 +755,7 @@ impl Engine {
                                     }
                                 }
                                 Err(_) => {
-                                    *self.daemon_lost.entry("export_queue_full").or_default() += 1;
+                                    self.daemon_lost.add(Loss::ExportQueueFull, 1);
                                     flags |= done::EXPORTED;
                                 }
                             }
@@ -897,17 +898,9 @@ impl Engine {
                 .saturating_sub(asm.dev_ambiguous),
         );
         lost.insert("rank_series_limit".into(), self.stats.rank_series_refused);
-        // Refusals at the boundary, exported from the start (not only once one happened).
-        for stage in [
-            "corrupt_segment",
-            "segment_unsealed",
-            "segment_invalid",
-            "segment_foreign",
-        ] {
-            lost.insert(stage.into(), 0);
-        }
-        for (k, v) in &self.daemon_lost {
-            lost.insert(k.to_string(), *v);
+        // Every stage, exported from the start (not only once one happened).
+        for (stage, n) in self.daemon_lost.iter() {
+            lost.insert(stage.into(), n);
         }
         Health {
             segments: self.segments.len() as u64,
@@ -1109,7 +1102,7 @@ fn commit(
     seg: &mut Attached,
     now: bool,
     spool_end: Option<Position>,
-    lost: &mut HashMap<&'static str, u64>,
+    lost: &mut Losses,
     forced: &mut u64,
 ) {
     let tail = seg.consumer.segment().tail();
@@ -1173,7 +1166,7 @@ fn commit(
     if let Err(e) = save_state(state_dir, seg, target.max(tail), spool_end) {
         // Without saved state a restart could not interpret what lies before the tail: keep it.
         tracing::error!(segment = %seg.label, error = %e, "cannot save resume state; not committing");
-        *lost.entry("state_write_failed").or_default() += 1;
+        lost.add(Loss::StateWriteFailed, 1);
         return;
     }
     if dict_changed {
@@ -1631,7 +1624,7 @@ mod tests {
             (20..30).collect::<Vec<_>>(),
             "nothing twice, nothing missing"
         );
-        assert_eq!(e2.health().lost.get("resume_state_missing"), None);
+        assert_eq!(e2.health().lost.get("resume_state_missing"), Some(&0));
         let spooled: Vec<u64> = crate::spool::SpoolReader::open_dir(dir.path().join("spool"))
             .unwrap()
             .read_job(&job_j())

@@ -20,6 +20,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::oneshot;
 
 use crate::engine::{Attach, Handover, SegmentKey};
+use crate::loss::Loss;
 
 /// The message a plugin sends with its descriptor.
 pub const REQUEST: &[u8] = b"REGISTER\n";
@@ -47,7 +48,7 @@ pub async fn serve(listener: UnixListener, engine: std_mpsc::Sender<Handover>) {
 }
 
 /// Why a handed-over segment was refused: the loss stage it is counted under, and the reply.
-type Refusal = (&'static str, String);
+type Refusal = (Loss, String);
 
 /// Reads the request and answers it. Reading and writing are bounded by [`IO_TIMEOUT`]; the engine's
 /// verdict is awaited however long it takes: the plugin waits for it (the engine may already hold the
@@ -154,7 +155,7 @@ async fn register(
 /// The segment a request hands over, if it may be attached for a peer of `uid`. Untrusted input:
 /// anything else gets a clear refusal.
 pub fn check(message: &[u8], fd: Option<OwnedFd>, uid: u32) -> Result<Segment, Refusal> {
-    let invalid = |reason: String| ("segment_invalid", reason);
+    let invalid = |reason: String| (Loss::SegmentInvalid, reason);
     if message != REQUEST {
         return Err(invalid("expected `REGISTER` with a descriptor".into()));
     }
@@ -165,12 +166,12 @@ pub fn check(message: &[u8], fd: Option<OwnedFd>, uid: u32) -> Result<Segment, R
         .st_uid;
     if owner != uid {
         return Err((
-            "segment_foreign",
+            Loss::SegmentForeign,
             format!("the segment was created by uid {owner}, the peer is uid {uid}"),
         ));
     }
     Segment::open(fd).map_err(|e| match e {
-        e @ SegmentError::Unsealed(_) => ("segment_unsealed", e.to_string()),
+        e @ SegmentError::Unsealed(_) => (Loss::SegmentUnsealed, e.to_string()),
         e => invalid(e.to_string()),
     })
 }
@@ -266,11 +267,11 @@ mod tests {
         assert_eq!(
             refused,
             [
-                "segment_unsealed",
-                "segment_unsealed",
-                "segment_invalid",
-                "segment_invalid",
-                "segment_invalid"
+                Loss::SegmentUnsealed,
+                Loss::SegmentUnsealed,
+                Loss::SegmentInvalid,
+                Loss::SegmentInvalid,
+                Loss::SegmentInvalid
             ]
         );
         assert_eq!(
