@@ -488,12 +488,14 @@ impl Assembler {
                     peer: -1,
                     n_channels,
                 };
-                if captured {
-                    self.capture(comm, pos, desc, host_ns);
-                    return;
-                }
-                let op = Op::new(comm, pos, desc, host_ns, now_ns, 0);
-                self.start(id, op, out);
+                let event = HostEvent {
+                    comm,
+                    id,
+                    desc,
+                    host_ns,
+                    captured,
+                };
+                self.host_event(pos, event, now_ns, out);
             }
             Record::P2pStart {
                 comm,
@@ -519,12 +521,14 @@ impl Assembler {
                     peer,
                     n_channels,
                 };
-                if captured {
-                    self.capture(comm, pos, desc, host_ns);
-                    return;
-                }
-                let op = Op::new(comm, pos, desc, host_ns, now_ns, 0);
-                self.start(id, op, out);
+                let event = HostEvent {
+                    comm,
+                    id,
+                    desc,
+                    host_ns,
+                    captured,
+                };
+                self.host_event(pos, event, now_ns, out);
             }
             Record::OpStop { id, host_ns, .. } => {
                 if let Some(op) = self.ops.get_mut(&id) {
@@ -629,6 +633,17 @@ impl Assembler {
                 self.match_lane((comm, channel), now_ns, out);
             }
         }
+    }
+
+    /// A Coll or P2p host event at `pos`: captured into its communicator's graph template, or an
+    /// operation now in flight.
+    fn host_event(&mut self, pos: u64, e: HostEvent, now_ns: u64, out: &mut Vec<Completed>) {
+        if e.captured {
+            self.capture(e.comm, pos, e.desc, e.host_ns);
+            return;
+        }
+        let op = Op::new(e.comm, pos, e.desc, e.host_ns, now_ns, 0);
+        self.start(e.id, op, out);
     }
 
     /// Adds a captured operation to its communicator's template. Device-hook path only: on stock NCCL
@@ -1343,6 +1358,16 @@ impl Assembler {
             prior,
         });
     }
+}
+
+/// A Coll or P2p as its host event starts it.
+struct HostEvent {
+    comm: u32,
+    /// The plugin's handle id (unique among its operations in flight).
+    id: u64,
+    desc: Desc,
+    host_ns: u64,
+    captured: bool,
 }
 
 /// Whether `op` can be finished (see [`Op::ready`]).

@@ -33,6 +33,11 @@ impl Expect {
         finalized: true,
         ordered: true,
     };
+    /// The same for a rank that never finalized its communicators.
+    pub const OPEN: Expect = Expect {
+        finalized: false,
+        ..Expect::FINALIZED
+    };
 }
 
 /// Totals of a successful check.
