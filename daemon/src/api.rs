@@ -707,12 +707,13 @@ mod tests {
             return;
         }
         const USER: u32 = 61003;
+        const STREAMER: u32 = 61004;
         let mut d = start().await;
         std::fs::set_permissions(d._dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let batch: Vec<_> = (0..5000)
             .map(|s| {
                 let mut c = coll("big", s);
-                c.uid = USER;
+                c.uid = STREAMER;
                 (Default::default(), c)
             })
             .collect();
@@ -736,7 +737,8 @@ mod tests {
         drop(conns);
 
         // Streams: MAX_STREAMS_PER_UID unread exports open, the next refused; root's still served.
-        let mut user = client_as(USER, &d.socket).await;
+        // (Another uid: the server frees the first one's connections only as it sees them close.)
+        let mut user = client_as(STREAMER, &d.socket).await;
         let export = || ExportRequest {
             job_id: "big".into(),
             uid: None,
@@ -750,7 +752,7 @@ mod tests {
         let mut all = root
             .export(ExportRequest {
                 job_id: "big".into(),
-                uid: Some(USER),
+                uid: Some(STREAMER),
             })
             .await
             .unwrap()
