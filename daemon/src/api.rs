@@ -724,8 +724,7 @@ mod tests {
         let conns = connect_as(USER, &d.socket, MAX_CONNECTIONS_PER_UID + extra);
         let mut closed = 0;
         for mut c in conns.iter() {
-            c.set_read_timeout(Some(Duration::from_millis(500)))
-                .unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
             let mut first = [0u8; 1];
             if matches!(std::io::Read::read(&mut c, &mut first), Ok(0)) {
                 closed += 1;
