@@ -36,9 +36,14 @@ impl Lane {
     /// whether operation `op` can own `work` (None: it is no longer in flight, and leaves the lane).
     /// A work item the oldest operation cannot own skips the operations before the first that can
     /// (they lost their item on this channel), or is dropped if none can. Returns the pairs and how
-    /// many items were dropped.
-    pub fn pair(&mut self, fits: impl Fn(u64, &Work) -> Option<bool>) -> (Vec<(u64, Work)>, usize) {
-        let (mut joined, mut dropped) = (Vec::new(), 0);
+    /// many items were dropped; the pairs go to `joined` (a buffer the caller reuses: no allocation
+    /// per work item on the ingest path).
+    pub fn pair(
+        &mut self,
+        fits: impl Fn(u64, &Work) -> Option<bool>,
+        joined: &mut Vec<(u64, Work)>,
+    ) -> usize {
+        let mut dropped = 0;
         while let (Some(&id), Some(&work)) = (self.ops.front(), self.works.front()) {
             match fits(id, &work) {
                 None => {
@@ -59,7 +64,7 @@ impl Lane {
                 }
             }
         }
-        (joined, dropped)
+        dropped
     }
 
     pub fn is_empty(&self) -> bool {
@@ -88,7 +93,8 @@ mod tests {
             ops: (1..=4).collect(),
             works: [work(10), work(10), work(99), work(30)].into(),
         };
-        let (joined, dropped) = lane.pair(fits);
+        let mut joined = Vec::new();
+        let dropped = lane.pair(fits, &mut joined);
         let ids: Vec<u64> = joined.iter().map(|j| j.0).collect();
         // 1 takes the first 10; 2 is gone; 3 takes the second 10; 99 fits nothing: dropped; 4 takes 30.
         assert_eq!(ids, [1, 3, 4]);
@@ -100,7 +106,8 @@ mod tests {
             ops: [1, 4].into(),
             works: [work(30)].into(),
         };
-        let (joined, dropped) = lane.pair(fits);
+        joined.clear();
+        let dropped = lane.pair(fits, &mut joined);
         assert_eq!((joined.len(), joined[0].0, dropped), (1, 4, 0));
         assert!(lane.is_empty());
     }

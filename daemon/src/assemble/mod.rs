@@ -143,6 +143,8 @@ pub struct Assembler {
     /// Committed tail (the latest passed to [`Self::prune_prior`]): records before it are never read
     /// again, and [`Self::dictionary`] describes the templates as they were there.
     committed: u64,
+    /// [`Lane::pair`]'s buffer, kept between calls.
+    paired: Vec<(u64, Work)>,
     pub counters: AssembleCounters,
 }
 
@@ -166,6 +168,7 @@ impl Assembler {
             awaiting_calibration: Map::default(),
             early_works: 0,
             committed: 0,
+            paired: Vec::new(),
             counters: AssembleCounters::default(),
         }
     }
@@ -1161,20 +1164,24 @@ impl Assembler {
             return;
         };
         let (ops, dict) = (&self.ops, &self.dict);
-        let (joined, dropped) = lane.pair(|id, work| {
-            (ops.get(&id)).map(|op| dict.work_matches(work.func_id, op.desc.func))
-        });
+        let mut joined = std::mem::take(&mut self.paired);
+        let dropped = lane.pair(
+            |id, work| (ops.get(&id)).map(|op| dict.work_matches(work.func_id, op.desc.func)),
+            &mut joined,
+        );
         if lane.is_empty() {
             self.waiting.remove(&key);
         }
         self.early_works -= joined.len() + dropped;
         self.counters.dev_joined += joined.len() as u64;
-        for (id, work) in joined {
+        for &(id, work) in &joined {
             if let Some(op) = self.ops.get_mut(&id) {
                 op.add_work(key.1, work.gpu_start, work.gpu_stop, now_ns);
             }
             self.try_finish(id, out);
         }
+        joined.clear();
+        self.paired = joined;
     }
 
     /// Finishes `id` if it is [`Op::ready`].
