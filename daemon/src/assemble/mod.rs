@@ -599,6 +599,11 @@ impl Assembler {
                 if !self.settled.is_empty()
                     && let Some((_, ambiguous)) = self.settled.remove(&pos)
                 {
+                    // Its workCounter is seen as before the restart: the channel's next item finds
+                    // no gap that would move the replay cursor past an item that was never lost.
+                    if let Some(t) = self.templates.get_mut(&comm) {
+                        t.saw(channel, work_counter);
+                    }
                     self.counters.dev_work += 1;
                     match ambiguous {
                         true => self.counters.dev_ambiguous += 1,
