@@ -13,8 +13,10 @@
 //! What one user can hold is bounded per uid (root excepted): [`MAX_CONNECTIONS_PER_UID`]
 //! connections (more are closed at accept) and [`MAX_STREAMS_PER_UID`] open Watch/Export streams
 //! (more are refused with `resource_exhausted`); an Export whose client reads nothing for
-//! [`STALLED_CLIENT`] is ended. No user can take the daemon's descriptors, threads or memory from
-//! the others.
+//! [`STALLED_CLIENT`] is ended; a connection is closed once it is [`Timeouts::DAEMON`]'s `max_age`
+//! old and holds no stream, or if it is silent from the start (one forgotten by its client frees its
+//! slot; the tools' clients reconnect). No
+//! user can take the daemon's descriptors, threads or memory from the others.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -82,6 +84,28 @@ pub const MAX_CONNECTIONS_PER_UID: usize = 64;
 pub const MAX_STREAMS_PER_UID: usize = 16;
 /// How long an Export waits for a client that reads nothing before it ends the stream.
 pub const STALLED_CLIENT: Duration = Duration::from_secs(30);
+/// When the server ends a connection.
+#[derive(Clone, Copy, Debug)]
+pub struct Timeouts {
+    /// Age at which a connection is asked to close (HTTP/2 GOAWAY): the streams it has open run on
+    /// to their end, no new one starts on it, and it closes once it has none.
+    pub max_age: Duration,
+    /// A connection that sends nothing this long after it was accepted is closed (one that never
+    /// speaks HTTP/2 has no stream for the age to wait on, nor a handshake to end).
+    pub silent: Duration,
+    /// HTTP/2 PING every this long; a connection whose peer does not answer within as long again
+    /// is closed (closing at its age waits on such an answer too).
+    pub keepalive: Duration,
+}
+
+impl Timeouts {
+    /// The daemon's.
+    pub const DAEMON: Timeouts = Timeouts {
+        max_age: Duration::from_secs(600),
+        silent: Duration::from_secs(10),
+        keepalive: Duration::from_secs(60),
+    };
+}
 /// Spooled instances an Export reads per blocking read (the thread is given back between reads).
 const EXPORT_CHUNK: usize = 1024;
 
@@ -348,10 +372,11 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     crate::socket::bind(path, 0o666, "the query API")
 }
 
-/// Serves `service` on `listener` until `shutdown` completes.
+/// Serves `service` on `listener` until `shutdown` completes; connections end as `timeouts` say.
 pub async fn serve(
     listener: UnixListener,
     service: QueryService,
+    timeouts: Timeouts,
     shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let connections = Arc::new(PerUid::default());
@@ -372,9 +397,17 @@ pub async fn serve(
             }
             return None;
         };
-        Some(Ok(Connection { io, _held: held }))
+        let silent = Some(Box::pin(tokio::time::sleep(timeouts.silent)));
+        Some(Ok(Connection {
+            io,
+            silent,
+            _held: held,
+        }))
     });
     Server::builder()
+        .max_connection_age(timeouts.max_age)
+        .http2_keepalive_interval(Some(timeouts.keepalive))
+        .http2_keepalive_timeout(Some(timeouts.keepalive))
         .add_service(service.into_server())
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
@@ -384,6 +417,8 @@ pub async fn serve(
 /// An accepted API connection, holding its place in its uid's count until it closes.
 struct Connection {
     io: UnixStream,
+    /// Until the first byte comes: reads end (EOF) once it fires.
+    silent: Option<Pin<Box<tokio::time::Sleep>>>,
     _held: Held,
 }
 
@@ -401,7 +436,19 @@ impl AsyncRead for Connection {
         cx: &mut TaskContext<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let read = Pin::new(&mut this.io).poll_read(cx, buf);
+        let Some(silent) = this.silent.as_mut() else {
+            return read;
+        };
+        match read {
+            Poll::Ready(Ok(())) if buf.filled().len() > before => this.silent = None,
+            // Nothing yet, and silent for too long: end of stream, so the server closes it.
+            Poll::Pending if silent.as_mut().poll(cx).is_ready() => return Poll::Ready(Ok(())),
+            _ => {}
+        }
+        read
     }
 }
 
@@ -488,6 +535,10 @@ mod tests {
     }
 
     async fn start() -> Running {
+        start_with(Timeouts::DAEMON).await
+    }
+
+    async fn start_with(timeouts: Timeouts) -> Running {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("run/api.sock");
         let hub = Arc::new(Hub::default());
@@ -495,7 +546,7 @@ mod tests {
         let listener = bind(&socket).unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let service = QueryService::new(hub.clone(), Some(spool.reader()));
-        let task = tokio::spawn(serve(listener, service, async {
+        let task = tokio::spawn(serve(listener, service, timeouts, async {
             let _ = stopped.await;
         }));
         Running {
@@ -611,6 +662,60 @@ mod tests {
             assert_eq!((c.job_id.as_str(), c.seq), ("y", want));
         }
 
+        d.stop.take().unwrap().send(()).unwrap();
+        drop(watch);
+        d.task.await.unwrap().unwrap();
+    }
+
+    /// Issue 22: idle connections were never timed out. A connection silent from the start is
+    /// closed; past its age one that holds no stream is closed, a Watch opened before goes on, and
+    /// the tools' client carries on over a new connection.
+    #[tokio::test]
+    async fn connections_close_past_their_age_once_they_hold_no_stream() {
+        let age = Duration::from_millis(300);
+        let mut d = start_with(Timeouts {
+            max_age: age,
+            silent: age,
+            keepalive: age,
+        })
+        .await;
+        let silent = std::os::unix::net::UnixStream::connect(&d.socket).unwrap();
+        // An HTTP/2 client that opens no stream and answers nothing: the preface and an empty
+        // SETTINGS frame.
+        let idle = std::os::unix::net::UnixStream::connect(&d.socket).unwrap();
+        let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+        std::io::Write::write_all(&mut &idle, preface).unwrap();
+        let mut client = connect(&d.socket).await.unwrap();
+        let mut watch = client
+            .watch(WatchRequest {
+                job_id: "y".into(),
+                uid: None,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        tokio::time::sleep(age * 3).await;
+
+        for (conn, what) in [(&silent, "silent"), (&idle, "idle")] {
+            conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            // The server's own HTTP/2 frames (settings, then GOAWAY), then the end.
+            let mut frames = Vec::new();
+            let end = std::io::Read::read_to_end(&mut &*conn, &mut frames);
+            assert!(end.is_ok(), "a {what} connection is closed: {end:?}");
+        }
+        let c = crate::instance::Shared::from(&coll("y", 7));
+        d.hub.publish(&c.inst, &c.names);
+        let got = watch.message().await.unwrap().unwrap();
+        assert_eq!(got.seq, 7, "a stream opened before goes on");
+        // A call that races the close fails (Cancelled, as at a daemon restart); the next one goes
+        // over a new connection.
+        for _ in 0..3 {
+            if client.list_jobs(ListJobsRequest {}).await.is_err() {
+                (client.list_jobs(ListJobsRequest {}).await)
+                    .expect("the client reconnects for a new call");
+            }
+            tokio::time::sleep(age).await;
+        }
         d.stop.take().unwrap().send(()).unwrap();
         drop(watch);
         d.task.await.unwrap().unwrap();

@@ -217,9 +217,14 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
     }
     let (api_shutdown, api_stop) = oneshot::channel::<()>();
     let service = api::QueryService::new(hub, reader);
-    let api = tokio::spawn(api::serve(api_listener, service, async move {
-        let _ = api_stop.await;
-    }));
+    let api = tokio::spawn(api::serve(
+        api_listener,
+        service,
+        api::Timeouts::DAEMON,
+        async move {
+            let _ = api_stop.await;
+        },
+    ));
     tracing::info!(socket = %cfg.socket.display(), api = %cfg.api_socket.display(), otlp = %cfg.otlp.endpoint, prometheus = ?prometheus_addr, "ncclscope daemon started");
     Ok(Running {
         stop,
