@@ -29,6 +29,7 @@ use opentelemetry_proto::tonic::metrics::v1::Metric;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::assemble::{AssembleCounters, Assembler, Completed, UidBudget, done};
+use crate::clock_step::StepDetector;
 use crate::config::Config;
 use crate::hub::{Durable, Hub};
 use crate::instance::{InstanceRef, Shared};
@@ -258,6 +259,8 @@ pub struct Engine {
     /// by segment index (kept in place: moving an instance out costs more than reading it).
     completed: Vec<Completed>,
     completed_runs: Vec<(usize, std::ops::Range<usize>)>,
+    /// Host clock steps, sampled every tick (see `clock_step`).
+    clock: StepDetector,
     last_sweep: Instant,
     last_liveness: Instant,
     last_snapshot: Instant,
@@ -291,6 +294,7 @@ impl Engine {
             reaped_asm: AssembleCounters::default(),
             daemon_lost: Losses::default(),
             forced_commits: 0,
+            clock: StepDetector::default(),
             collectives: 0,
             uid_budgets: HashMap::new(),
             broken: VecDeque::new(),
@@ -543,6 +547,14 @@ impl Engine {
 
     /// One pass over every segment. Returns whether any segment had a full batch (more is waiting).
     pub fn tick(&mut self) -> bool {
+        // Before this tick's instances: those the processes timed near a step meet it in the skew.
+        if let Some(step) = self.clock.sample() {
+            tracing::warn!(
+                delta_ms = step.delta_ns / 1_000_000,
+                "host clock stepped: collectives near it left out of the skew"
+            );
+            self.stats.clock_stepped(step.at_ns, step.delta_ns);
+        }
         let now = now_ns();
         let batch = self.cfg.drain.batch_records;
         let mut busy = false;
@@ -914,6 +926,8 @@ impl Engine {
             dev_work: asm.dev_work,
             dev_joined: asm.dev_joined,
             forced_commits: self.forced_commits,
+            clock_steps: self.clock.steps,
+            skew_clock_step: self.stats.skew_clock_step,
             plugin_lost_by_uid,
         }
     }

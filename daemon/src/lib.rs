@@ -5,6 +5,7 @@ pub mod api;
 pub mod assemble;
 pub mod bandwidth;
 pub mod cli;
+pub mod clock_step;
 pub mod config;
 pub mod engine;
 pub mod histogram;

@@ -78,6 +78,9 @@ pub struct Health {
     pub dev_joined: u64,
     /// Commits past open operations or unacknowledged spans because a ring was over half full.
     pub forced_commits: u64,
+    /// Host clock steps the daemon saw, and collectives left out of the skew near them.
+    pub clock_steps: u64,
+    pub skew_clock_step: u64,
     /// Non-zero plugin counters per (uid, stage): whose processes reported the loss.
     pub plugin_lost_by_uid: BTreeMap<(u32, &'static str), u64>,
 }
@@ -217,6 +220,17 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
         "Segment tails committed past open operations or unacknowledged spans because the ring was \
          over half full: nothing is lost, but a daemon restarted then would not read those again",
         health.forced_commits,
+    ));
+    out.push(counter(
+        "ncclscope_clock_steps_total",
+        "Steps of the host clock (CLOCK_REALTIME against CLOCK_BOOTTIME, over 50 ms)",
+        health.clock_steps,
+    ));
+    out.push(counter(
+        "ncclscope_skew_clock_step_total",
+        "Collectives left out of the skew and straggler counts because a rank started them near a \
+         host clock step",
+        health.skew_clock_step,
     ));
     out.push(counter(
         "ncclscope_export_errors_total",

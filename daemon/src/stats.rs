@@ -21,6 +21,13 @@ const MAX_WINDOW: usize = 65_536;
 /// Collectives awaited at once over all communicators (a slot is 32 bytes): a window grows past its
 /// share only while the others leave room.
 const MAX_SLOTS: usize = 1 << 20;
+/// Collectives that start this long before a host clock step ([`Stats::clock_stepped`]) or this
+/// long after it, on the clock before or after it, are left out of the skew: the processes
+/// recalibrate every 5 s and re-anchor their host clock within 1 s.
+const STEP_BEFORE_NS: u64 = 1_000_000_000;
+const STEP_AFTER_NS: u64 = 10_000_000_000;
+/// Clock steps remembered.
+const MAX_STEPS: usize = 8;
 /// Samples between recomputations of a series' cached p50.
 const P50_EVERY: u32 = 256;
 
@@ -150,6 +157,8 @@ struct Arrival {
 struct Rendezvous {
     arrivals: Vec<Arrival>,
     opened_ns: u64,
+    /// A rank started it near a host clock step: its skew would be the step's (not evaluated).
+    near_step: bool,
 }
 
 /// One communicator's collectives of one type awaiting their local ranks, by seq: slot `k` is seq
@@ -178,6 +187,10 @@ pub struct Stats {
     none: Arc<str>,
     pub folded: u64,
     pub skew_evaluated: u64,
+    /// (from, until) of the start times near each recent host clock step, on either clock.
+    steps: VecDeque<(u64, u64)>,
+    /// Collectives left out of the skew because a rank started them near a clock step.
+    pub skew_clock_step: u64,
     /// Rank series at most (`limits.max_rank_series`); instances of further ranks are counted here
     /// and left out of the per-rank statistics and skew.
     max_ranks: usize,
@@ -203,6 +216,8 @@ impl Stats {
             none: "".into(),
             folded: 0,
             skew_evaluated: 0,
+            steps: VecDeque::new(),
+            skew_clock_step: 0,
             max_ranks: usize::MAX,
             rank_series_refused: 0,
             max_job_series: usize::MAX,
@@ -411,7 +426,14 @@ impl Stats {
         let rv = w.slots[k].get_or_insert_with(|| Rendezvous {
             arrivals: Vec::with_capacity(expected),
             opened_ns: now_ns,
+            near_step: false,
         });
+        if !rv.near_step
+            && (self.steps.iter()).any(|(lo, hi)| (lo..=hi).contains(&&c.start_unix_ns))
+        {
+            rv.near_step = true;
+            self.skew_clock_step += 1;
+        }
         rv.arrivals.push(Arrival {
             rank: c.rank,
             start: c.start_unix_ns,
@@ -429,6 +451,22 @@ impl Stats {
         }
         self.slots = self.slots + w.slots.len() - before;
         self.skew_evaluated += evaluated;
+    }
+
+    /// The host clock stepped by `delta_ns` at `at_ns` (on the new clock): collectives that any rank
+    /// starts near it, as the clock was before or after, are left out of the skew and stragglers.
+    pub fn clock_stepped(&mut self, at_ns: u64, delta_ns: i64) {
+        let before = at_ns.saturating_add_signed(delta_ns.saturating_neg());
+        for t in [at_ns, before] {
+            if self.steps.len() >= 2 * MAX_STEPS {
+                self.steps.pop_front();
+            }
+            let span = (
+                t.saturating_sub(STEP_BEFORE_NS),
+                t.saturating_add(STEP_AFTER_NS),
+            );
+            self.steps.push_back(span);
+        }
     }
 
     /// Evaluates collectives awaited longer than the skew window (ranks that never arrived are left
@@ -561,7 +599,7 @@ fn evaluate(
     now_ns: u64,
     window_ns: u64,
 ) -> bool {
-    if rv.arrivals.len() < 2 {
+    if rv.arrivals.len() < 2 || rv.near_step {
         return false;
     }
     let min_start = rv.arrivals.iter().map(|a| a.start).min().unwrap_or(0);
@@ -656,6 +694,38 @@ mod tests {
         assert_eq!(colls.len(), 1);
         assert_eq!(colls[0].count, 30);
         assert_eq!(colls[0].size_bucket, "<=1MiB");
+    }
+
+    /// Issue 22: a 1 h host clock step gave 100 false stragglers. Rank 0 recalibrated right after
+    /// the step (its times on the new clock), rank 1 not yet (on the old one): the collectives near
+    /// the step are left out of the skew and counted; those away from it are evaluated as before.
+    #[test]
+    fn collectives_near_a_host_clock_step_make_no_stragglers() {
+        const S: u64 = 1_000_000_000;
+        let (at, delta) = (1_700_003_600 * S, 3600 * S as i64);
+        let mut s = Stats::new(600 * S, 1000, 100);
+        s.set_local_ranks(HashMap::from([((0, 9), 2)]));
+        s.clock_stepped(at, delta);
+        let before = at - delta as u64;
+        for seq in 0..10 {
+            // Around the step: a second apart on the new clock and the old.
+            let t = seq * S / 2;
+            s.observe(coll(0, seq, at + t, 1_000).view(), 0, 1);
+            s.observe(coll(1, seq, before + t, 1_000).view(), 0, 1);
+        }
+        for seq in 10..20 {
+            // A minute later, both recalibrated: rank 1 starts 5 us late.
+            s.observe(coll(0, seq, at + 60 * S, 1_000).view(), 0, 1);
+            s.observe(coll(1, seq, at + 60 * S + 5_000, 1_000).view(), 0, 1);
+        }
+        assert_eq!((s.skew_evaluated, s.skew_clock_step), (10, 10));
+        let ranks = s.rank_stats(&HashMap::new());
+        assert_eq!(
+            ranks.iter().map(|r| r.straggler_count).collect::<Vec<_>>(),
+            vec![0, 10],
+            "only the late rank after the step"
+        );
+        assert!(ranks[0].skew_p50_us < 1.0, "{}", ranks[0].skew_p50_us);
     }
 
     #[test]
