@@ -113,8 +113,6 @@ const EXPORT_CHUNK: usize = 1024;
 #[derive(Debug, Default)]
 struct PerUid {
     held: Mutex<HashMap<u32, usize>>,
-    /// When each uid's refusals were last logged (at most once a minute).
-    logged: Mutex<HashMap<u32, std::time::Instant>>,
 }
 
 impl PerUid {
@@ -130,21 +128,6 @@ impl PerUid {
             uid,
             of: self.clone(),
         })
-    }
-}
-
-impl PerUid {
-    /// Notes a refusal of `uid`; whether to log it (the first in a minute).
-    fn refused(&self, uid: u32) -> bool {
-        let now = std::time::Instant::now();
-        let mut logged = self.logged.lock().unwrap_or_else(|e| e.into_inner());
-        let due = logged
-            .get(&uid)
-            .is_none_or(|t| now.duration_since(*t) >= Duration::from_secs(60));
-        if due {
-            logged.insert(uid, now);
-        }
-        due
     }
 }
 
@@ -387,10 +370,11 @@ pub async fn serve(
         };
         let uid = io.peer_cred().map(|c| c.uid()).ok()?;
         let Some(held) = connections.take(uid, MAX_CONNECTIONS_PER_UID) else {
-            // Closed at once (dropped); logged at most once a minute per uid.
-            if connections.refused(uid) {
+            // Closed at once (dropped); the line limited per uid.
+            if let Some(held_back) = crate::ratelimit::lines().allow(uid) {
                 tracing::warn!(
                     uid,
+                    held_back,
                     "uid {uid} holds {MAX_CONNECTIONS_PER_UID} API connections, the most one user may: \
                      closing its new ones"
                 );

@@ -360,7 +360,9 @@ impl Engine {
     /// retried.
     fn count_refusal(&mut self, key: SegmentKey, stage: Loss, why: &str) {
         if !self.refused.contains(&key) {
-            tracing::warn!(segment = %key, reason = %why, "segment refused; attached once there is room");
+            if let Some(held_back) = crate::ratelimit::lines().allow(key.uid) {
+                tracing::warn!(segment = %key, reason = %why, held_back, "segment refused; attached once there is room");
+            }
             remember(&mut self.refused, key, self.cfg.drain.max_segments);
             self.daemon_lost.add(stage, 1);
         }
@@ -570,7 +572,9 @@ impl Engine {
                 let n = match seg.consumer.read_raw(want, &mut self.reads) {
                     Ok(n) => n,
                     Err(e) => {
-                        tracing::error!(segment = %seg.label, error = %e, "corrupt segment detached");
+                        if let Some(held_back) = crate::ratelimit::lines().allow(seg.key.uid) {
+                            tracing::error!(segment = %seg.label, error = %e, held_back, "corrupt segment detached");
+                        }
                         broken.push(i);
                         break;
                     }

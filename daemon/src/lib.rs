@@ -18,6 +18,7 @@ pub mod otlp;
 pub mod otlp_json;
 pub mod perfetto;
 pub mod prometheus;
+pub mod ratelimit;
 pub mod register;
 pub mod resume;
 pub mod run;

@@ -124,7 +124,9 @@ async fn register(
     let segment = match checked {
         Ok(s) => s,
         Err((stage, reason)) => {
-            tracing::warn!(pid, uid = cred.uid(), reason = %reason, "segment refused");
+            if let Some(held_back) = crate::ratelimit::lines().allow(cred.uid()) {
+                tracing::warn!(pid, uid = cred.uid(), reason = %reason, held_back, "segment refused");
+            }
             let _ = engine.send(Handover::Refused(stage));
             return Err(reason);
         }
@@ -185,6 +187,7 @@ mod tests {
     use std::io::{BufRead, BufReader, IoSlice};
     use std::os::fd::BorrowedFd;
     use std::os::unix::net::UnixStream as StdStream;
+    use std::sync::{Arc, Mutex};
 
     fn claims() -> Claims {
         Claims {
@@ -211,6 +214,55 @@ mod tests {
         let mut reply = String::new();
         BufReader::new(&s).read_line(&mut reply).unwrap();
         (s, reply)
+    }
+
+    /// Issue 22: any user flooded the log (2,206 WARN lines in 12 s). 200 refused registrations
+    /// write at most a burst of lines; every refusal is still counted.
+    #[tokio::test]
+    async fn a_flood_of_refused_registrations_writes_a_burst_of_lines() {
+        #[derive(Clone, Default)]
+        struct Lines(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Lines {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let log = Lines::default();
+        let writer = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .finish();
+        // This test's runtime runs on this thread only: the server's tasks log here.
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("reg.sock");
+        let (tx, rx) = std_mpsc::channel::<Handover>();
+        tokio::spawn(serve(bind(&path).unwrap(), tx));
+        const FLOOD: usize = 200;
+        for _ in 0..FLOOD {
+            let s = tokio::net::UnixStream::connect(&path).await.unwrap();
+            s.writable().await.unwrap();
+            s.try_write(b"REGISTER\n").unwrap();
+            let mut reply = Vec::new();
+            let mut s = s;
+            tokio::io::AsyncReadExt::read_to_end(&mut s, &mut reply)
+                .await
+                .unwrap();
+            assert!(reply.starts_with(b"ERR no descriptor"));
+        }
+        let refused = rx
+            .try_iter()
+            .filter(|h| matches!(h, Handover::Refused(_)))
+            .count();
+        assert_eq!(refused, FLOOD, "every refusal counted");
+        let text = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+        let lines = text.matches("segment refused").count();
+        // Other tests of this process may have used some of the uid's burst.
+        assert!(lines <= crate::ratelimit::BURST as usize, "{lines} lines");
     }
 
     #[tokio::test]
