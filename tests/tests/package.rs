@@ -1,0 +1,270 @@
+//! The Debian package as an operator installs it (target/deb/, built by scripts/build-deb.sh, which
+//! scripts/test.sh runs before the tests): exactly the files it should hold, where Debian, systemd
+//! and NCCL look for them; installed by dpkg into a scratch root (maintainer scripts included) it
+//! creates the system user and enables the socket and the service, whose installed units pass
+//! `systemd-analyze verify` and keep their hardening; the daemon in it links no test code; purging
+//! it leaves nothing behind.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd:?}: {e} (dpkg, systemd and binutils are needed)"));
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn arch() -> String {
+    run(Command::new("dpkg").arg("--print-architecture"))
+        .trim()
+        .to_string()
+}
+
+fn multiarch() -> &'static str {
+    match arch().as_str() {
+        "amd64" => "x86_64-linux-gnu",
+        "arm64" => "aarch64-linux-gnu",
+        a => panic!("no multiarch directory known for {a}"),
+    }
+}
+
+/// target/deb/ncclscope_<version>_<arch>.deb of this workspace.
+fn deb() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let target = exe
+        .ancestors()
+        .nth(3)
+        .expect("target/<profile>/deps/<test>");
+    let deb = target.join("deb").join(format!(
+        "ncclscope_{}_{}.deb",
+        env!("CARGO_PKG_VERSION"),
+        arch()
+    ));
+    assert!(
+        deb.is_file(),
+        "{} is missing: run scripts/build-deb.sh first (scripts/test.sh does)",
+        deb.display()
+    );
+    deb
+}
+
+#[test]
+fn the_package_holds_exactly_the_daemon_the_plugin_the_units_and_the_config() {
+    let deb = deb();
+    let listing = run(Command::new("dpkg-deb").arg("--contents").arg(&deb));
+    let files: BTreeSet<(String, String)> = listing
+        .lines()
+        .filter(|l| l.starts_with('-'))
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            assert_eq!(f[1], "root/root", "{l}");
+            (f[5].trim_start_matches('.').to_string(), f[0].to_string())
+        })
+        .collect();
+    let want: BTreeSet<(String, String)> = [
+        ("/usr/bin/ncclscope", "-rwxr-xr-x"),
+        (
+            &format!("/usr/lib/{}/libnccl-profiler-ncclscope.so", multiarch()),
+            "-rw-r--r--",
+        ),
+        ("/usr/lib/systemd/system/ncclscope.service", "-rw-r--r--"),
+        ("/usr/lib/systemd/system/ncclscope.socket", "-rw-r--r--"),
+        ("/usr/lib/sysusers.d/ncclscope.conf", "-rw-r--r--"),
+        ("/etc/ncclscope/ncclscope.toml", "-rw-r--r--"),
+        ("/usr/share/ncclscope/grafana-dashboard.json", "-rw-r--r--"),
+        ("/usr/share/ncclscope/otel-collector.yaml", "-rw-r--r--"),
+        ("/usr/share/doc/ncclscope/README.md", "-rw-r--r--"),
+        ("/usr/share/doc/ncclscope/copyright", "-rw-r--r--"),
+    ]
+    .into_iter()
+    .map(|(p, m)| (p.to_string(), m.to_string()))
+    .collect();
+    assert_eq!(files, want, "{listing}");
+
+    let control = run(Command::new("dpkg-deb").arg("--field").arg(&deb).args([
+        "Package",
+        "Version",
+        "Architecture",
+        "Depends",
+    ]));
+    assert_eq!(
+        control,
+        format!(
+            "Package: ncclscope\nVersion: {}\nArchitecture: {}\nDepends: libc6 (>= 2.34)\n",
+            env!("CARGO_PKG_VERSION"),
+            arch()
+        )
+    );
+    let ctrl = tempfile::tempdir().unwrap();
+    run(Command::new("dpkg-deb")
+        .arg("--control")
+        .arg(&deb)
+        .arg(ctrl.path()));
+    assert_eq!(
+        std::fs::read_to_string(ctrl.path().join("conffiles")).unwrap(),
+        "/etc/ncclscope/ncclscope.toml\n",
+        "an operator's edits to the configuration survive upgrades"
+    );
+
+    // NCCL_PROFILER_PLUGIN=ncclscope makes NCCL dlopen("libnccl-profiler-ncclscope.so"): the directory
+    // must be one the dynamic loader searches.
+    let plugin_dir = Path::new("/usr/lib").join(multiarch());
+    let searched = run(Command::new("ldconfig").args(["-N", "-v"]));
+    let searched: Vec<PathBuf> = searched
+        .lines()
+        .filter(|l| l.starts_with('/'))
+        .filter_map(|l| std::fs::canonicalize(l.split(':').next().unwrap()).ok())
+        .collect();
+    assert!(
+        searched.contains(&std::fs::canonicalize(&plugin_dir).unwrap()),
+        "{} is not in the loader's path {searched:?}",
+        plugin_dir.display()
+    );
+}
+
+/// A root with the host's systemd units (the targets ours hang off), into which dpkg installs.
+struct Root(tempfile::TempDir);
+
+impl Root {
+    fn new() -> Root {
+        let root = tempfile::tempdir().unwrap();
+        let dpkg = root.path().join("var/lib/dpkg");
+        std::fs::create_dir_all(dpkg.join("info")).unwrap();
+        std::fs::create_dir_all(dpkg.join("updates")).unwrap();
+        std::fs::write(dpkg.join("status"), "").unwrap();
+        std::fs::create_dir_all(root.path().join("lib/systemd")).unwrap();
+        run(Command::new("cp")
+            .arg("-a")
+            .arg("/usr/lib/systemd/system")
+            .arg(root.path().join("lib/systemd/")));
+        Root(root)
+    }
+
+    fn path(&self, p: &str) -> PathBuf {
+        self.0.path().join(p.trim_start_matches('/'))
+    }
+
+    /// dpkg ARGS on this root; the maintainer scripts run on the host with DPKG_ROOT set, as they
+    /// would inside it (no shell in the scratch root to chroot into).
+    fn dpkg(&self, args: &[&std::ffi::OsStr]) -> String {
+        run(Command::new("dpkg")
+            .arg(format!("--root={}", self.0.path().display()))
+            .args([
+                "--force-script-chrootless",
+                "--force-depends",
+                "--log=/dev/null",
+            ])
+            .args(args))
+    }
+
+    fn analyze(&self, args: &[&str]) -> std::process::Output {
+        Command::new("systemd-analyze")
+            .args(args)
+            .arg(format!("--root={}", self.0.path().display()))
+            .output()
+            .expect("systemd-analyze (systemd) is needed")
+    }
+}
+
+#[test]
+fn installed_by_dpkg_it_creates_its_user_enables_its_units_and_they_verify() {
+    let deb = deb();
+    let root = Root::new();
+    root.dpkg(&["--install".as_ref(), deb.as_os_str()]);
+
+    let passwd = std::fs::read_to_string(root.path("/etc/passwd")).unwrap();
+    let user = passwd
+        .lines()
+        .find(|l| l.starts_with("ncclscope:"))
+        .unwrap_or_else(|| panic!("no ncclscope user: {passwd}"));
+    assert!(user.ends_with(":/usr/sbin/nologin"), "{user}");
+    for link in [
+        "/etc/systemd/system/sockets.target.wants/ncclscope.socket",
+        "/etc/systemd/system/multi-user.target.wants/ncclscope.service",
+    ] {
+        let target = std::fs::read_link(root.path(link))
+            .unwrap_or_else(|e| panic!("{link} (enabled by postinst): {e}"));
+        assert!(
+            target.ends_with(Path::new(link).file_name().unwrap()),
+            "{target:?}"
+        );
+    }
+
+    let verify = root.analyze(&["verify", "ncclscope.socket", "ncclscope.service"]);
+    assert!(
+        verify.status.success() && verify.stdout.is_empty() && verify.stderr.is_empty(),
+        "systemd-analyze verify of the installed units: {verify:?}"
+    );
+    // The exposure the README states (1.2 on systemd 252) for the installed unit, not only the copy in deploy/.
+    let security = root.analyze(&[
+        "security",
+        "--offline=true",
+        "--threshold=12",
+        "ncclscope.service",
+    ]);
+    assert!(
+        security.status.success(),
+        "{}",
+        String::from_utf8_lossy(&security.stdout)
+    );
+    let unit =
+        std::fs::read_to_string(root.path("/usr/lib/systemd/system/ncclscope.service")).unwrap();
+    assert!(
+        unit.contains(
+            "\nExecStart=/usr/bin/ncclscope daemon --config /etc/ncclscope/ncclscope.toml\n"
+        ),
+        "{unit}"
+    );
+
+    // The packaged daemon: the operator commands, no demo, no fake NCCL host linked.
+    let bin = root.path("/usr/bin/ncclscope");
+    let help = run(Command::new(&bin).arg("--help"));
+    for cmd in ["daemon", "top", "stats", "export"] {
+        assert!(help.contains(&format!("\n  {cmd} ")), "{help}");
+    }
+    let demo = Command::new(&bin).arg("demo").output().unwrap();
+    assert!(!demo.status.success());
+    assert!(
+        String::from_utf8_lossy(&demo.stderr).contains("unrecognized subcommand 'demo'"),
+        "{demo:?}"
+    );
+    let symbols = run(Command::new("nm").arg(&bin));
+    assert!(
+        symbols
+            .lines()
+            .filter(|l| l.contains("ncclscope..engine"))
+            .count()
+            > 0,
+        "the packaged daemon keeps its symbols (else this check says nothing)"
+    );
+    let test_code: Vec<&str> = symbols
+        .lines()
+        .filter(|l| l.contains("fakenccl") || l.contains("sim_rank"))
+        .collect();
+    assert!(
+        test_code.is_empty(),
+        "test code in the packaged daemon: {test_code:?}"
+    );
+
+    // Purge: the files, the configuration and the units' links go; the user stays (Debian's custom).
+    root.dpkg(&["--purge".as_ref(), "ncclscope".as_ref()]);
+    for gone in [
+        "/usr/bin/ncclscope",
+        "/etc/ncclscope/ncclscope.toml",
+        "/etc/systemd/system/sockets.target.wants/ncclscope.socket",
+        "/etc/systemd/system/multi-user.target.wants/ncclscope.service",
+    ] {
+        assert!(
+            !root.path(gone).exists() && root.path(gone).symlink_metadata().is_err(),
+            "{gone} after purge"
+        );
+    }
+}
