@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the Debian package of ncclscope from this workspace: the daemon without its demo (no fake NCCL
 # host or stand-in libnccl linked), the plugin where NCCL_PROFILER_PLUGIN=ncclscope finds it, the
-# systemd units, the sysusers.d entry, the configuration (a conffile) and the dashboards. dpkg-deb
+# systemd units, the sysusers.d entry, the configuration (conffiles), the dashboards and the Slurm
+# TaskProlog and Epilog. dpkg-deb
 # (in every Debian and Ubuntu) assembles it; the maintainer scripts are deploy/debian/.
 #   scripts/build-deb.sh [OUTDIR]          (default target/deb; prints the .deb's path last)
 # Note: target/release/ncclscope is then the packaged build; `cargo run --release -- demo` rebuilds it.
@@ -37,6 +38,18 @@ install -m 0644 deploy/ncclscope.socket "$stage/usr/lib/systemd/system/"
 install -D -m 0644 deploy/ncclscope.sysusers "$stage/usr/lib/sysusers.d/ncclscope.conf"
 install -D -m 0644 deploy/ncclscope.toml "$stage/etc/ncclscope/ncclscope.toml"
 install -D -m 0644 -t "$stage/usr/share/ncclscope" deploy/grafana-dashboard.json deploy/otel-collector.yaml
+# Slurm: TaskProlog and Epilog (deploy/slurm/), the plugin's path for this architecture.
+install -d "$stage/usr/lib/ncclscope/slurm"
+for f in task-prolog epilog; do
+    sed "s|/usr/lib/x86_64-linux-gnu/|/usr/lib/$multiarch/|" "deploy/slurm/$f" > "$stage/usr/lib/ncclscope/slurm/$f"
+    chmod 0755 "$stage/usr/lib/ncclscope/slurm/$f"
+done
+sed "s|/usr/lib/x86_64-linux-gnu/|/usr/lib/$multiarch/|" deploy/slurm/slurm.env > "$stage/etc/ncclscope/slurm.env"
+chmod 0644 "$stage/etc/ncclscope/slurm.env"
+install -d "$stage/usr/share/ncclscope/enroot"
+sed "s|/usr/lib/x86_64-linux-gnu/|/usr/lib/$multiarch/|g" deploy/slurm/enroot-ncclscope.fstab \
+    > "$stage/usr/share/ncclscope/enroot/ncclscope.fstab"
+chmod 0644 "$stage/usr/share/ncclscope/enroot/ncclscope.fstab"
 install -D -m 0644 README.md "$stage/usr/share/doc/ncclscope/README.md"
 printf 'ncclscope\nLicense: %s\n' "$(sed -n 's/^license = "\(.*\)"$/\1/p' Cargo.toml | head -1)" \
     > "$stage/usr/share/doc/ncclscope/copyright"
@@ -44,7 +57,7 @@ printf 'ncclscope\nLicense: %s\n' "$(sed -n 's/^license = "\(.*\)"$/\1/p' Cargo.
 install -d "$stage/DEBIAN"
 install -m 0755 deploy/debian/postinst deploy/debian/prerm deploy/debian/postrm "$stage/DEBIAN/"
 install -m 0644 deploy/debian/triggers "$stage/DEBIAN/"
-echo /etc/ncclscope/ncclscope.toml > "$stage/DEBIAN/conffiles"
+printf '%s\n' /etc/ncclscope/ncclscope.toml /etc/ncclscope/slurm.env > "$stage/DEBIAN/conffiles"
 cat > "$stage/DEBIAN/control" <<EOF
 Package: ncclscope
 Version: $version

@@ -79,8 +79,12 @@ fn the_package_holds_exactly_the_daemon_the_plugin_the_units_and_the_config() {
         ("/usr/lib/systemd/system/ncclscope.socket", "-rw-r--r--"),
         ("/usr/lib/sysusers.d/ncclscope.conf", "-rw-r--r--"),
         ("/etc/ncclscope/ncclscope.toml", "-rw-r--r--"),
+        ("/etc/ncclscope/slurm.env", "-rw-r--r--"),
+        ("/usr/lib/ncclscope/slurm/task-prolog", "-rwxr-xr-x"),
+        ("/usr/lib/ncclscope/slurm/epilog", "-rwxr-xr-x"),
         ("/usr/share/ncclscope/grafana-dashboard.json", "-rw-r--r--"),
         ("/usr/share/ncclscope/otel-collector.yaml", "-rw-r--r--"),
+        ("/usr/share/ncclscope/enroot/ncclscope.fstab", "-rw-r--r--"),
         ("/usr/share/doc/ncclscope/README.md", "-rw-r--r--"),
         ("/usr/share/doc/ncclscope/copyright", "-rw-r--r--"),
     ]
@@ -110,7 +114,7 @@ fn the_package_holds_exactly_the_daemon_the_plugin_the_units_and_the_config() {
         .arg(ctrl.path()));
     assert_eq!(
         std::fs::read_to_string(ctrl.path().join("conffiles")).unwrap(),
-        "/etc/ncclscope/ncclscope.toml\n",
+        "/etc/ncclscope/ncclscope.toml\n/etc/ncclscope/slurm.env\n",
         "an operator's edits to the configuration survive upgrades"
     );
 
@@ -223,6 +227,14 @@ fn installed_by_dpkg_it_creates_its_user_enables_its_units_and_they_verify() {
         ),
         "{unit}"
     );
+    // The Slurm scripts name the plugin where the package put it.
+    let slurm = std::fs::read_to_string(root.path("/etc/ncclscope/slurm.env")).unwrap();
+    let plugin = format!("/usr/lib/{}/libnccl-profiler-ncclscope.so", multiarch());
+    assert!(
+        slurm.contains(&format!("\nNCCLSCOPE_SLURM_PLUGIN={plugin}\n")),
+        "{slurm}"
+    );
+    assert!(root.path(&plugin).is_file());
 
     // The packaged daemon: the operator commands, no demo, no fake NCCL host linked.
     let bin = root.path("/usr/bin/ncclscope");
