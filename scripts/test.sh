@@ -18,6 +18,9 @@ if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}"
 fi
 
+# The Kubernetes manifests' schema checker (tests/tests/k8s.rs).
+scripts/install-k8s-validate.sh
+
 cargo build --workspace --all-targets
 # The .deb the package tests install (target/deb/): a release build of the daemon and the plugin.
 scripts/build-deb.sh
