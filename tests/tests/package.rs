@@ -266,6 +266,26 @@ fn installed_by_dpkg_it_creates_its_user_enables_its_units_and_they_verify() {
         "test code in the packaged daemon: {test_code:?}"
     );
 
+    // Depends: libc6 (>= 2.34) holds for what the binaries link (a build on a newer distribution
+    // could ask for more).
+    let plugin_so = root.path(&format!(
+        "/usr/lib/{}/libnccl-profiler-ncclscope.so",
+        multiarch()
+    ));
+    for file in [&bin, &plugin_so] {
+        let dynsyms = run(Command::new("objdump").arg("-T").arg(file));
+        let newest = dynsyms
+            .split(|c: char| c.is_whitespace() || c == '(' || c == ')')
+            .filter_map(|w| w.strip_prefix("GLIBC_"))
+            .filter_map(|v| {
+                let mut parts = v.split('.').map(|p| p.parse::<u32>().ok());
+                Some((parts.next()??, parts.next().flatten().unwrap_or(0)))
+            })
+            .max()
+            .unwrap();
+        assert!(newest <= (2, 34), "{}: GLIBC_{newest:?}", file.display());
+    }
+
     // Purge: the files, the configuration and the units' links go; the user stays (Debian's custom).
     root.dpkg(&["--purge".as_ref(), "ncclscope".as_ref()]);
     for gone in [
