@@ -159,7 +159,12 @@ impl Root {
     /// dpkg ARGS on this root; the maintainer scripts run on the host with DPKG_ROOT set, as they
     /// would inside it (no shell in the scratch root to chroot into).
     fn dpkg(&self, args: &[&std::ffi::OsStr]) -> String {
+        self.dpkg_with_path(args, &std::env::var_os("PATH").unwrap())
+    }
+
+    fn dpkg_with_path(&self, args: &[&std::ffi::OsStr], path: &std::ffi::OsStr) -> String {
         run(Command::new("dpkg")
+            .env("PATH", path)
             .arg(format!("--root={}", self.0.path().display()))
             .args([
                 "--force-script-chrootless",
@@ -299,4 +304,52 @@ fn installed_by_dpkg_it_creates_its_user_enables_its_units_and_they_verify() {
             "{gone} after purge"
         );
     }
+}
+
+/// A directory of links to every command of this machine but `hidden`: a PATH as on a slim image.
+fn path_without(hidden: &[&str], dir: &Path) -> std::ffi::OsString {
+    std::fs::create_dir(dir).unwrap();
+    for d in [
+        "/usr/local/sbin",
+        "/usr/local/bin",
+        "/usr/sbin",
+        "/usr/bin",
+        "/sbin",
+        "/bin",
+    ] {
+        let Ok(entries) = std::fs::read_dir(d) else {
+            continue;
+        };
+        for e in entries {
+            let e = e.unwrap();
+            let link = dir.join(e.file_name());
+            if !hidden.contains(&e.file_name().to_str().unwrap_or(""))
+                && link.symlink_metadata().is_err()
+            {
+                std::os::unix::fs::symlink(e.path(), link).unwrap();
+            }
+        }
+    }
+    dir.as_os_str().to_owned()
+}
+
+/// The container image installs the package on debian:bookworm-slim, which has neither systemd nor
+/// adduser: the maintainer scripts must succeed there, enabling and creating nothing. (Under
+/// DPKG_ROOT postinst never calls adduser; hiding it keeps the PATH that of the image.)
+#[test]
+fn where_neither_systemd_nor_adduser_exists_it_installs_and_enables_nothing() {
+    let deb = deb();
+    let root = Root::new();
+    let bin = tempfile::tempdir().unwrap();
+    let path = path_without(
+        &["systemctl", "systemd-sysusers", "adduser"],
+        &bin.path().join("bin"),
+    );
+    root.dpkg_with_path(&["--install".as_ref(), deb.as_os_str()], &path);
+    assert!(root.path("/usr/bin/ncclscope").is_file());
+    assert!(root.path("/etc/ncclscope/ncclscope.toml").is_file());
+    assert!(!root.path("/etc/systemd/system").exists());
+    assert!(!root.path("/etc/passwd").exists());
+    root.dpkg_with_path(&["--purge".as_ref(), "ncclscope".as_ref()], &path);
+    assert!(!root.path("/usr/bin/ncclscope").exists());
 }
