@@ -1,7 +1,9 @@
 //! The Debian package as an operator installs it (target/deb/, built by scripts/build-deb.sh, which
 //! scripts/test.sh runs before the tests): exactly the files it should hold, where Debian, systemd
 //! and NCCL look for them; installed by dpkg into a scratch root (maintainer scripts included) it
-//! creates the system user and enables the socket and the service, whose installed units pass
+//! creates the system user and enables the socket and the service (once: an upgrade keeps them
+//! disabled if an administrator disabled them; a reinstall after removal enables them again), whose
+//! installed units pass
 //! `systemd-analyze verify` and keep their hardening; the daemon in it links no test code; purging
 //! it leaves nothing behind.
 
@@ -206,6 +208,26 @@ fn installed_by_dpkg_it_creates_its_user_enables_its_units_and_they_verify() {
             "{target:?}"
         );
     }
+
+    // An upgrade (here: the same package again) keeps an administrator's choice to disable them.
+    run(Command::new("systemctl")
+        .arg(format!("--root={}", root.0.path().display()))
+        .args(["disable", "ncclscope.service"]));
+    root.dpkg(&["--install".as_ref(), deb.as_os_str()]);
+    assert!(
+        root.path("/etc/systemd/system/multi-user.target.wants/ncclscope.service")
+            .symlink_metadata()
+            .is_err(),
+        "postinst enabled a service the administrator had disabled"
+    );
+    let socket_link = root.path("/etc/systemd/system/sockets.target.wants/ncclscope.socket");
+    let service_link = root.path("/etc/systemd/system/multi-user.target.wants/ncclscope.service");
+    assert!(socket_link.is_symlink());
+    // Removed (the units disabled with it) and installed again: enabled again.
+    root.dpkg(&["--remove".as_ref(), "ncclscope".as_ref()]);
+    assert!(!socket_link.is_symlink() && !service_link.is_symlink());
+    root.dpkg(&["--install".as_ref(), deb.as_os_str()]);
+    assert!(socket_link.is_symlink() && service_link.is_symlink());
 
     let verify = root.analyze(&["verify", "ncclscope.socket", "ncclscope.service"]);
     assert!(
