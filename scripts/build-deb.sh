@@ -19,6 +19,9 @@ case "$arch" in
     *) echo "build-deb.sh: no multiarch directory known for $arch" >&2; exit 1 ;;
 esac
 
+# nvcc, so the plugin carries the device hook (without it the plugin would build and report the hook
+# unavailable).
+source scripts/install-nvcc.sh >&2
 cargo build --release --locked -p ncclscope --no-default-features --bin ncclscope
 cargo build --release --locked -p ncclscope-plugin --lib
 

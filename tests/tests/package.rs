@@ -293,12 +293,20 @@ fn installed_by_dpkg_it_creates_its_user_enables_its_units_and_they_verify() {
         "test code in the packaged daemon: {test_code:?}"
     );
 
-    // Depends: libc6 (>= 2.34) holds for what the binaries link (a build on a newer distribution
-    // could ask for more).
     let plugin_so = root.path(&format!(
         "/usr/lib/{}/libnccl-profiler-ncclscope.so",
         multiarch()
     ));
+
+    // The plugin carries the device hook (compiled by nvcc with its register cap; README, Device hook).
+    let so = std::fs::read(&plugin_so).unwrap();
+    assert!(
+        so.windows(16).any(|w| w == b"-maxrregcount 32"),
+        "the packaged plugin has no device hook"
+    );
+
+    // Depends: libc6 (>= 2.34) holds for what the binaries link (a build on a newer distribution
+    // could ask for more).
     for file in [&bin, &plugin_so] {
         let dynsyms = run(Command::new("objdump").arg("-T").arg(file));
         let newest = dynsyms
