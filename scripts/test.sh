@@ -7,7 +7,23 @@ cd "$(dirname "$0")/.."
 # nvcc 13.0 from PyPI, so the CUDA hook is compiled and device-linked on every change.
 source scripts/install-nvcc.sh
 
+# The package tests install the .deb with dpkg into a scratch root and check its units with
+# systemd-analyze; the log tests use unshare (util-linux); nm (binutils) reads the binaries.
+need=()
+command -v dpkg-deb >/dev/null || need+=(dpkg)
+command -v systemd-analyze >/dev/null || need+=(systemd)
+command -v unshare >/dev/null || need+=(util-linux)
+command -v nm >/dev/null || need+=(binutils)
+if [ ${#need[@]} -gt 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+
+# The Kubernetes manifests' schema checker (tests/tests/k8s.rs).
+scripts/install-k8s-validate.sh
+
 cargo build --workspace --all-targets
+# The .deb the package tests install (target/deb/): a release build of the daemon and the plugin.
+scripts/build-deb.sh
 cargo test --workspace --no-fail-fast
 
 # Coverage-guided fuzzing of the untrusted-input parsers, bounded (about a minute; FUZZ_SECONDS=0 skips).

@@ -11,6 +11,7 @@ pub mod engine;
 pub mod histogram;
 pub mod hub;
 pub mod instance;
+pub mod logging;
 pub mod loss;
 pub mod metrics;
 pub mod notify;

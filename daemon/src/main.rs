@@ -19,6 +19,7 @@ enum Cmd {
     /// Run the node daemon: ingest every process's segment, aggregate, export OTLP.
     Daemon(cli::daemon::Args),
     /// Daemon plus simulated ranks through the real plugin; no GPU needed.
+    #[cfg(feature = "demo")]
     Demo(cli::demo::Args),
     /// Live terminal view of the jobs on this node.
     Top(cli::top::Args),
@@ -27,6 +28,7 @@ enum Cmd {
     /// Export a job's trace (Perfetto/Chrome JSON or OTLP JSON).
     Export(cli::export::Args),
     /// One simulated rank (used by `demo`).
+    #[cfg(feature = "demo")]
     #[command(hide = true)]
     SimRank(cli::sim_rank::Args),
 }
@@ -34,10 +36,12 @@ enum Cmd {
 fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
         Cmd::Daemon(a) => cli::daemon::run(a),
+        #[cfg(feature = "demo")]
         Cmd::Demo(a) => cli::demo::run(a),
         Cmd::Top(a) => cli::top::run(a),
         Cmd::Stats(a) => cli::stats::run(a),
         Cmd::Export(a) => cli::export::run(a),
+        #[cfg(feature = "demo")]
         Cmd::SimRank(a) => cli::sim_rank::run(a),
     }
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::config::{Config, Overrides};
 use crate::hub::Hub;
+use crate::logging::LogFormat;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -34,16 +35,13 @@ pub struct Args {
     /// Fraction of collectives exported as spans.
     #[arg(long)]
     pub sample_ratio: Option<f64>,
+    /// Log format: auto is journald when stderr is the journal, else text.
+    #[arg(long, env = "NCCLSCOPE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Auto)]
+    pub log_format: LogFormat,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("NCCLSCOPE_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    crate::logging::init(args.log_format);
     let overrides = Overrides {
         socket: args.socket,
         state_dir: args.state_dir,

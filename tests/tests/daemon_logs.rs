@@ -1,0 +1,251 @@
+//! What `ncclscope daemon` writes as logs, as a log collector receives it: plain text without colour
+//! codes when stderr is a file or pipe (journald, a container runtime), colour on a terminal unless
+//! `NO_COLOR` is set, one JSON object per line with `--log-format json`, and under systemd (stderr is
+//! the journal stream) native journal entries with their PRIORITY, sent to a journal socket this test
+//! binds in a mount namespace of the daemon's own.
+
+use std::io::Read;
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const STARTED: &str = "ncclscope daemon started";
+
+fn ncclscope_bin() -> PathBuf {
+    ncclscope_tests::daemon_binary()
+}
+
+/// `ncclscope daemon` on sockets in `dir`, nothing exported; `wrap` runs it through another program.
+fn daemon(dir: &Path, wrap: &[&str]) -> Command {
+    std::fs::write(dir.join("empty.toml"), "").unwrap();
+    let mut c = Command::new(
+        wrap.first()
+            .map_or(ncclscope_bin().as_os_str(), |w| w.as_ref()),
+    );
+    if !wrap.is_empty() {
+        c.args(&wrap[1..]).arg(ncclscope_bin());
+    }
+    c.arg("daemon")
+        .arg("--config")
+        .arg(dir.join("empty.toml"))
+        .args(["--socket".as_ref(), dir.join("reg.sock").as_os_str()])
+        .args(["--api-socket".as_ref(), dir.join("api.sock").as_os_str()])
+        .args(["--spool-dir".as_ref(), dir.join("spool").as_os_str()])
+        .args(["--state-dir".as_ref(), dir.join("state").as_os_str()])
+        .args(["--prometheus-listen", "", "--otlp-endpoint", ""])
+        .env_remove("NO_COLOR")
+        .env_remove("JOURNAL_STREAM")
+        .env_remove("NCCLSCOPE_LOG_FORMAT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    c
+}
+
+/// Waits until `ready()` or the daemon exits (then fails with `what()`), then stops it with SIGTERM.
+fn stop_when(mut child: Child, ready: impl Fn() -> bool, what: impl Fn() -> String) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ready() {
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!("daemon exited with {st}: {}", what());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "daemon did not start: {}",
+            what()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pid = rustix::process::Pid::from_child(&child);
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    assert!(child.wait().unwrap().success(), "{}", what());
+}
+
+/// Runs a daemon with stderr into a file until it logged its start; returns what it wrote.
+fn log_to_file(env: &[(&str, &str)], args: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("daemon.log");
+    let child = daemon(dir.path(), &[])
+        .args(args)
+        .envs(env.iter().copied())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let read = || std::fs::read_to_string(&log).unwrap_or_default();
+    stop_when(child, || read().contains(STARTED), read);
+    read()
+}
+
+#[test]
+fn logs_to_a_file_are_plain_text() {
+    let text = log_to_file(&[], &[]);
+    assert!(text.contains(" INFO "), "{text}");
+    assert!(
+        !text.contains('\x1b'),
+        "colour codes in a log that is not a terminal: {text:?}"
+    );
+}
+
+/// Runs a daemon with stderr on a pseudo-terminal; returns what the terminal showed.
+fn log_to_terminal(env: &[(&str, &str)]) -> String {
+    use rustix::pty::{OpenptFlags, grantpt, openpt, ptsname, unlockpt};
+    let dir = tempfile::tempdir().unwrap();
+    let master = openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY).unwrap();
+    grantpt(&master).unwrap();
+    unlockpt(&master).unwrap();
+    let slave_path = ptsname(&master, Vec::new()).unwrap();
+    let slave = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(slave_path.to_str().unwrap())
+        .unwrap();
+    let child = daemon(dir.path(), &[])
+        .envs(env.iter().copied())
+        .stderr(slave)
+        .spawn()
+        .unwrap();
+    let shown = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let reader = {
+        let shown = shown.clone();
+        let mut master = std::fs::File::from(master);
+        // Until the terminal's last writer closes it (EIO).
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = master.read(&mut buf) {
+                shown.lock().unwrap().extend_from_slice(&buf[..n]);
+            }
+        })
+    };
+    let text = || String::from_utf8_lossy(&shown.lock().unwrap()).into_owned();
+    stop_when(child, || text().contains(STARTED), text);
+    reader.join().unwrap();
+    text()
+}
+
+#[test]
+fn a_terminal_gets_colour_unless_no_color_is_set() {
+    let coloured = log_to_terminal(&[]);
+    assert!(coloured.contains('\x1b'), "{coloured:?}");
+    let plain = log_to_terminal(&[("NO_COLOR", "1")]);
+    assert!(plain.contains(STARTED), "{plain:?}");
+    assert!(!plain.contains('\x1b'), "NO_COLOR=1: {plain:?}");
+}
+
+#[test]
+fn json_logs_are_one_object_per_line() {
+    for (env, args) in [
+        (&[][..], &["--log-format", "json"][..]),
+        (&[("NCCLSCOPE_LOG_FORMAT", "json")][..], &[][..]),
+    ] {
+        let text = log_to_file(env, args);
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+            .collect();
+        let started = lines
+            .iter()
+            .find(|v| v["fields"]["message"] == STARTED)
+            .unwrap_or_else(|| panic!("no start line: {text}"));
+        assert_eq!(started["level"], "INFO");
+        assert!(
+            started["fields"]["api"]
+                .as_str()
+                .unwrap()
+                .ends_with("api.sock"),
+            "{started}"
+        );
+        assert!(started["timestamp"].is_string(), "{started}");
+    }
+}
+
+/// Under systemd, stderr is the journal stream (`JOURNAL_STREAM` names it): the daemon sends native
+/// journal entries, with PRIORITY 6 for info, its identifier and its fields. The journal socket is one
+/// this test binds, mounted at /run/systemd/journal in a mount namespace of the daemon's own (root,
+/// as CI runs; `unshare` from util-linux).
+#[test]
+fn under_systemd_entries_go_to_the_journal_with_their_priority() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal_dir = dir.path().join("journal");
+    std::fs::create_dir(&journal_dir).unwrap();
+    let journal = UnixDatagram::bind(journal_dir.join("socket")).unwrap();
+    journal.set_nonblocking(true).unwrap();
+    let stderr_path = dir.path().join("stderr");
+    let stderr = std::fs::File::create(&stderr_path).unwrap();
+    let st = rustix::fs::fstat(stderr.as_fd()).unwrap();
+    let script = "mount -t tmpfs tmpfs /run && mkdir -p /run/systemd/journal && \
+                  mount --bind \"$1\" /run/systemd/journal && shift && exec \"$@\"";
+    let mut cmd = daemon(
+        dir.path(),
+        &[
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            journal_dir.to_str().unwrap(),
+        ],
+    );
+    let child = cmd
+        .env("JOURNAL_STREAM", format!("{}:{}", st.st_dev, st.st_ino))
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let started_field = format!("MESSAGE={STARTED}");
+    let entries = std::cell::RefCell::new(Vec::<Vec<String>>::new());
+    let receive = || {
+        let mut buf = vec![0u8; 65536];
+        while let Ok(n) = journal.recv(&mut buf) {
+            entries.borrow_mut().push(journal_fields(&buf[..n]));
+        }
+        entries.borrow().iter().any(|e| e.contains(&started_field))
+    };
+    let what = || {
+        format!(
+            "entries {:?}, stderr {:?}",
+            entries.borrow(),
+            std::fs::read_to_string(&stderr_path).unwrap_or_default()
+        )
+    };
+    stop_when(child, receive, what);
+    let entries = entries.borrow();
+    let fields = entries.iter().find(|e| e.contains(&started_field)).unwrap();
+    for want in ["PRIORITY=6", "SYSLOG_IDENTIFIER=ncclscope"] {
+        assert!(fields.iter().any(|f| f == want), "{want} in {fields:?}");
+    }
+    assert!(
+        fields
+            .iter()
+            .any(|f| f.starts_with("F_API=") && f.ends_with("api.sock")),
+        "{fields:?}"
+    );
+    let stderr = std::fs::read_to_string(&stderr_path).unwrap();
+    assert!(
+        !stderr.contains(STARTED),
+        "logged to the journal, not as text on its stream: {stderr}"
+    );
+}
+
+/// The fields of one datagram of the journal's native protocol: `KEY=value\n`, or `KEY\n`, a 64-bit
+/// little-endian length, the value and `\n` (for values that may hold newlines).
+fn journal_fields(mut d: &[u8]) -> Vec<String> {
+    let mut fields = Vec::new();
+    while let Some(nl) = d.iter().position(|&b| b == b'\n') {
+        let line = String::from_utf8_lossy(&d[..nl]).into_owned();
+        d = &d[nl + 1..];
+        if line.contains('=') {
+            fields.push(line);
+        } else {
+            let len = u64::from_le_bytes(d[..8].try_into().unwrap()) as usize;
+            fields.push(format!(
+                "{line}={}",
+                String::from_utf8_lossy(&d[8..8 + len])
+            ));
+            d = &d[8 + len + 1..];
+        }
+    }
+    fields
+}

@@ -1,0 +1,261 @@
+//! The Slurm scripts (deploy/slurm/) run as slurmstepd and slurmd run them, against a real daemon and
+//! real simulated ranks: the TaskProlog, run as the job's user, names the plugin and the job id, and
+//! the ranks started with only what it exported land in that job; the Epilog, run as root, writes the
+//! node's trace of exactly those collectives into the configured directory, owned by the job's user,
+//! and exits 0 where there is nothing to export.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The job's user (the test runs as root, as CI does).
+const UID: u32 = 61_004;
+const JOB: &str = "4242";
+
+fn script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/slurm")
+        .join(name)
+}
+
+struct Daemon {
+    child: Child,
+    dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    fn start() -> Daemon {
+        let dir = tempfile::tempdir().unwrap();
+        // The job's user reaches the registration socket; the spool and state stay the daemon's.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let d = dir.path();
+        std::fs::write(d.join("empty.toml"), "").unwrap();
+        let child = Command::new(ncclscope_tests::daemon_binary())
+            .arg("daemon")
+            .arg("--config")
+            .arg(d.join("empty.toml"))
+            .args(["--socket".as_ref(), d.join("reg.sock").as_os_str()])
+            .args(["--api-socket".as_ref(), d.join("api.sock").as_os_str()])
+            .args(["--spool-dir".as_ref(), d.join("spool").as_os_str()])
+            .args(["--state-dir".as_ref(), d.join("state").as_os_str()])
+            .args(["--prometheus-listen", "", "--otlp-endpoint", ""])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(d.join("daemon.log")).unwrap())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::os::unix::net::UnixStream::connect(d.join("api.sock")).is_err() {
+            assert!(Instant::now() < deadline, "daemon did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Daemon { child, dir }
+    }
+
+    fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+
+    /// The Slurm configuration the scripts read: the plugin of this build, exports into traces/.
+    fn slurm_conf(&self, export_dir: &Path) -> PathBuf {
+        let conf = self.path("slurm.env");
+        std::fs::write(
+            &conf,
+            format!(
+                "NCCLSCOPE_SLURM_PLUGIN={}\nNCCLSCOPE_SLURM_EXPORT_DIR={}\n\
+                 NCCLSCOPE_SLURM_EXPORT_FORMAT=perfetto\nNCCLSCOPE_SLURM_SETTLE_SECONDS=0\n",
+                ncclscope_fakenccl::plugin_path().unwrap().display(),
+                export_dir.display()
+            ),
+        )
+        .unwrap();
+        conf
+    }
+
+    /// The Epilog as slurmd runs it: root, the job's ids in the environment.
+    fn epilog(&self, conf: &Path, job: &str) -> Output {
+        Command::new(script("epilog"))
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap())
+            .env("SLURM_JOB_ID", job)
+            .env("SLURM_JOB_UID", UID.to_string())
+            .env("SLURM_JOB_GID", UID.to_string())
+            .env("NCCLSCOPE_SLURM_CONF", conf)
+            .env("NCCLSCOPE_BIN", ncclscope_tests::daemon_binary())
+            .env("NCCLSCOPE_API_SOCKET", self.path("api.sock"))
+            .output()
+            .unwrap()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The TaskProlog as slurmstepd runs it (the job's user, the task's environment plus `env`); the
+/// variables it exports, as slurmstepd reads its output.
+fn task_prolog(conf: &Path, env: &[(&str, &str)]) -> BTreeMap<String, String> {
+    let out = Command::new(script("task-prolog"))
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap())
+        .env("SLURM_JOB_ID", JOB)
+        .env("NCCLSCOPE_SLURM_CONF", conf)
+        .envs(env.iter().copied())
+        .uid(UID)
+        .gid(UID)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let (k, v) = l
+                .strip_prefix("export ")
+                .and_then(|kv| kv.split_once('='))
+                .unwrap_or_else(|| panic!("not an export line: {l:?}"));
+            (k.to_string(), v.to_string())
+        })
+        .collect()
+}
+
+/// Two simulated ranks as the job's user with nothing of the job's but what the TaskProlog exported;
+/// each loads the plugin that NCCL_PROFILER_PLUGIN names. Returns the instances they produced.
+fn run_job(d: &Daemon, exported: &BTreeMap<String, String>) -> u64 {
+    let epoch = {
+        let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64 + 500_000_000
+    };
+    let ranks: Vec<Child> = (0..2)
+        .map(|rank| {
+            Command::new(ncclscope_tests::daemon_binary())
+                .arg("sim-rank")
+                .arg("--plugin")
+                .arg(&exported["NCCL_PROFILER_PLUGIN"])
+                .args([
+                    "--rank",
+                    &rank.to_string(),
+                    "--nranks",
+                    "2",
+                    "--seconds",
+                    "2",
+                ])
+                .args(["--epoch-ns", &epoch.to_string(), "--straggler", "1"])
+                .env_clear()
+                .envs(exported)
+                .env("NCCLSCOPE_SOCKET", d.path("reg.sock"))
+                .env("NCCLSCOPE_RING_MEMORY", "cpu")
+                .uid(UID)
+                .gid(UID)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    ranks
+        .into_iter()
+        .map(|r| {
+            let out = r.wait_with_output().unwrap();
+            assert!(out.status.success(), "{out:?}");
+            ncclscope::cli::sim_rank::parse_produced(&String::from_utf8_lossy(&out.stdout)).unwrap()
+        })
+        .sum()
+}
+
+/// Waits until the daemon has every instance of the job (root's view: `--uid`).
+fn wait_for(d: &Daemon, want: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = Command::new(ncclscope_tests::daemon_binary())
+            .args(["stats", "--json", "--job", JOB, "--api-socket"])
+            .arg(d.path("api.sock"))
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let have = v["jobs"][0]["collectives"].as_u64().unwrap_or(0);
+        if have >= want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{have} of {want} instances: {out:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn the_task_prolog_names_the_plugin_and_job_and_the_epilog_exports_the_jobs_trace() {
+    let d = Daemon::start();
+    let traces = d.path("traces");
+    std::fs::create_dir(&traces).unwrap();
+    let conf = d.slurm_conf(&traces);
+
+    let exported = task_prolog(&conf, &[]);
+    assert_eq!(
+        exported.keys().collect::<Vec<_>>(),
+        ["NCCLSCOPE_JOB_ID", "NCCL_PROFILER_PLUGIN"]
+    );
+    assert_eq!(exported["NCCLSCOPE_JOB_ID"], JOB);
+    // A task that chose its own plugin or job id keeps it.
+    let own = task_prolog(
+        &conf,
+        &[
+            ("NCCL_PROFILER_PLUGIN", "/opt/other.so"),
+            ("NCCLSCOPE_JOB_ID", "mine"),
+        ],
+    );
+    assert!(own.is_empty(), "{own:?}");
+
+    let produced = run_job(&d, &exported);
+    assert!(produced > 0);
+    wait_for(&d, produced);
+
+    let out = d.epilog(&conf, JOB);
+    assert!(out.status.success() && out.stderr.is_empty(), "{out:?}");
+    let host =
+        String::from_utf8(Command::new("hostname").arg("-s").output().unwrap().stdout).unwrap();
+    let trace = traces
+        .join(JOB)
+        .join(format!("{}.perfetto.json", host.trim()));
+    let meta =
+        std::fs::metadata(&trace).unwrap_or_else(|e| panic!("{}: {e}: {out:?}", trace.display()));
+    assert_eq!(
+        (meta.uid(), meta.gid()),
+        (UID, UID),
+        "the job's user owns it"
+    );
+    assert_eq!(meta.mode() & 0o777, 0o600);
+    let dir = std::fs::metadata(traces.join(JOB)).unwrap();
+    assert_eq!((dir.uid(), dir.mode() & 0o777), (0, 0o755));
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let slices = doc["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["cat"] == "collective")
+        .count();
+    assert_eq!(slices as u64, produced, "every collective the ranks ran");
+    assert_eq!(
+        std::fs::read_dir(traces.join(JOB)).unwrap().count(),
+        1,
+        "no temporary file left"
+    );
+
+    // A job that ran no NCCL here: nothing written, and the Epilog still succeeds (a failing one
+    // drains the node).
+    let none = d.epilog(&conf, "4243");
+    assert!(none.status.success(), "{none:?}");
+    assert!(
+        String::from_utf8_lossy(&none.stderr).contains("no trace for job 4243"),
+        "{none:?}"
+    );
+    assert_eq!(std::fs::read_dir(traces.join("4243")).unwrap().count(), 0);
+}
