@@ -1,6 +1,7 @@
 //! Shared support for the end-to-end tests in tests/tests/.
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use fake_opentelemetry_collector::ExportedSpan;
 
@@ -18,6 +19,21 @@ pub fn daemon_binary() -> PathBuf {
         bin.display()
     );
     bin
+}
+
+/// Adds `daemon` and its arguments for a daemon whose sockets, spool and state are in `dir`, with
+/// an empty configuration file written there: a test must not pick up the machine's
+/// /etc/ncclscope. Exports and Prometheus are the caller's to set.
+pub fn daemon_args<'a>(c: &'a mut Command, dir: &Path) -> &'a mut Command {
+    let config = dir.join("empty.toml");
+    std::fs::write(&config, "").unwrap();
+    c.arg("daemon")
+        .arg("--config")
+        .arg(config)
+        .args(["--socket".as_ref(), dir.join("reg.sock").as_os_str()])
+        .args(["--api-socket".as_ref(), dir.join("api.sock").as_os_str()])
+        .args(["--spool-dir".as_ref(), dir.join("spool").as_os_str()])
+        .args(["--state-dir".as_ref(), dir.join("state").as_os_str()])
 }
 
 /// A span attribute's value; the fake collector keeps them in their Debug form

@@ -19,7 +19,6 @@ fn ncclscope_bin() -> PathBuf {
 
 /// `ncclscope daemon` on sockets in `dir`, nothing exported; `wrap` runs it through another program.
 fn daemon(dir: &Path, wrap: &[&str]) -> Command {
-    std::fs::write(dir.join("empty.toml"), "").unwrap();
     let mut c = Command::new(
         wrap.first()
             .map_or(ncclscope_bin().as_os_str(), |w| w.as_ref()),
@@ -27,13 +26,7 @@ fn daemon(dir: &Path, wrap: &[&str]) -> Command {
     if !wrap.is_empty() {
         c.args(&wrap[1..]).arg(ncclscope_bin());
     }
-    c.arg("daemon")
-        .arg("--config")
-        .arg(dir.join("empty.toml"))
-        .args(["--socket".as_ref(), dir.join("reg.sock").as_os_str()])
-        .args(["--api-socket".as_ref(), dir.join("api.sock").as_os_str()])
-        .args(["--spool-dir".as_ref(), dir.join("spool").as_os_str()])
-        .args(["--state-dir".as_ref(), dir.join("state").as_os_str()])
+    ncclscope_tests::daemon_args(&mut c, dir)
         .args(["--prometheus-listen", "", "--otlp-endpoint", ""])
         .env_remove("NO_COLOR")
         .env_remove("JOURNAL_STREAM")

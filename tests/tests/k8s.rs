@@ -220,27 +220,20 @@ fn every_path_the_daemon_writes_is_mounted_and_its_probes_answer() {
     }
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    std::fs::write(d.join("empty.toml"), "").unwrap();
     let free = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let mut child = Command::new(ncclscope_tests::daemon_binary())
-        .arg("daemon")
-        .arg("--config")
-        .arg(d.join("empty.toml"))
-        .args(["--socket".as_ref(), d.join("reg.sock").as_os_str()])
-        .args(["--api-socket".as_ref(), d.join("api.sock").as_os_str()])
-        .args(["--spool-dir".as_ref(), d.join("spool").as_os_str()])
-        .args(["--state-dir".as_ref(), d.join("state").as_os_str()])
-        .args(["--otlp-endpoint", ""])
-        .envs(vars)
-        .env("NCCLSCOPE_PROMETHEUS_LISTEN", format!("127.0.0.1:{free}"))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(d.join("daemon.log")).unwrap())
-        .spawn()
-        .unwrap();
+    let mut child =
+        ncclscope_tests::daemon_args(&mut Command::new(ncclscope_tests::daemon_binary()), d)
+            .args(["--otlp-endpoint", ""])
+            .envs(vars)
+            .env("NCCLSCOPE_PROMETHEUS_LISTEN", format!("127.0.0.1:{free}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(d.join("daemon.log")).unwrap())
+            .spawn()
+            .unwrap();
     let get = |path: &str| -> Option<String> {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(("127.0.0.1", free)).ok()?;

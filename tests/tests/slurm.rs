@@ -32,21 +32,14 @@ impl Daemon {
         // The job's user reaches the registration socket; the spool and state stay the daemon's.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let d = dir.path();
-        std::fs::write(d.join("empty.toml"), "").unwrap();
-        let child = Command::new(ncclscope_tests::daemon_binary())
-            .arg("daemon")
-            .arg("--config")
-            .arg(d.join("empty.toml"))
-            .args(["--socket".as_ref(), d.join("reg.sock").as_os_str()])
-            .args(["--api-socket".as_ref(), d.join("api.sock").as_os_str()])
-            .args(["--spool-dir".as_ref(), d.join("spool").as_os_str()])
-            .args(["--state-dir".as_ref(), d.join("state").as_os_str()])
-            .args(["--prometheus-listen", "", "--otlp-endpoint", ""])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(d.join("daemon.log")).unwrap())
-            .spawn()
-            .unwrap();
+        let child =
+            ncclscope_tests::daemon_args(&mut Command::new(ncclscope_tests::daemon_binary()), d)
+                .args(["--prometheus-listen", "", "--otlp-endpoint", ""])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(d.join("daemon.log")).unwrap())
+                .spawn()
+                .unwrap();
         let deadline = Instant::now() + Duration::from_secs(30);
         while std::os::unix::net::UnixStream::connect(d.join("api.sock")).is_err() {
             assert!(Instant::now() < deadline, "daemon did not start");

@@ -36,15 +36,13 @@ impl Daemon {
         self.dir.join("api.sock")
     }
     fn socket(&self) -> PathBuf {
-        self.dir.join("ncclscope.sock")
+        self.dir.join("reg.sock")
     }
     fn spool(&self) -> PathBuf {
         self.dir.join("spool")
     }
 
     fn start(dir: &Path) -> Daemon {
-        // An empty configuration file: the test must not pick up the machine's /etc/ncclscope.
-        std::fs::write(dir.join("empty.toml"), "").unwrap();
         let mut d = Daemon {
             child: None,
             dir: dir.to_path_buf(),
@@ -59,14 +57,7 @@ impl Daemon {
             .append(true)
             .open(self.dir.join("daemon.log"))
             .unwrap();
-        let child = Command::new(ncclscope_bin())
-            .arg("daemon")
-            .arg("--config")
-            .arg(self.dir.join("empty.toml"))
-            .args(["--socket".as_ref(), self.socket().as_os_str()])
-            .args(["--api-socket".as_ref(), self.api().as_os_str()])
-            .args(["--spool-dir".as_ref(), self.spool().as_os_str()])
-            .args(["--state-dir".as_ref(), self.dir.join("state").as_os_str()])
+        let child = ncclscope_tests::daemon_args(&mut Command::new(ncclscope_bin()), &self.dir)
             .args(["--prometheus-listen", "", "--otlp-endpoint", ""])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
