@@ -29,6 +29,7 @@ fn ncclscope_bin() -> PathBuf {
 struct Daemon {
     child: Option<Child>,
     dir: PathBuf,
+    otlp_endpoint: String,
 }
 
 impl Daemon {
@@ -43,11 +44,16 @@ impl Daemon {
     }
 
     fn start(dir: &Path) -> Daemon {
-        // An empty configuration file: the test must not pick up the machine's /etc/ncclscope.
-        std::fs::write(dir.join("empty.toml"), "").unwrap();
+        Daemon::start_with(dir, "", "")
+    }
+
+    /// With this configuration file (never the machine's /etc/ncclscope) and OTLP endpoint ("": none).
+    fn start_with(dir: &Path, config: &str, otlp_endpoint: &str) -> Daemon {
+        std::fs::write(dir.join("ncclscope.toml"), config).unwrap();
         let mut d = Daemon {
             child: None,
             dir: dir.to_path_buf(),
+            otlp_endpoint: otlp_endpoint.to_string(),
         };
         d.spawn();
         d
@@ -62,12 +68,17 @@ impl Daemon {
         let child = Command::new(ncclscope_bin())
             .arg("daemon")
             .arg("--config")
-            .arg(self.dir.join("empty.toml"))
+            .arg(self.dir.join("ncclscope.toml"))
             .args(["--socket".as_ref(), self.socket().as_os_str()])
             .args(["--api-socket".as_ref(), self.api().as_os_str()])
             .args(["--spool-dir".as_ref(), self.spool().as_os_str()])
             .args(["--state-dir".as_ref(), self.dir.join("state").as_os_str()])
-            .args(["--prometheus-listen", "", "--otlp-endpoint", ""])
+            .args([
+                "--prometheus-listen",
+                "",
+                "--otlp-endpoint",
+                &self.otlp_endpoint,
+            ])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -220,6 +231,114 @@ fn perfetto_instances(path: &Path) -> BTreeSet<(u64, String, u64)> {
     set
 }
 
+/// A span as the OTLP/JSON file and the receiver both give it: (trace id, span id, parent span id,
+/// name, start ns, end ns), ids in lowercase hex.
+type SpanKey = (String, String, String, String, u64, u64);
+
+/// Runs `export --format otlp-json` for `job` into `path` and returns its spans.
+fn otlp_json_export(d: &Daemon, job: &str, path: &Path) -> Vec<SpanKey> {
+    let out = d.tool(&[
+        "export",
+        "--job",
+        job,
+        "-o",
+        path.to_str().unwrap(),
+        "--format",
+        "otlp-json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut spans = Vec::new();
+    for line in text.lines() {
+        let line: Value = serde_json::from_str(line).unwrap();
+        for rs in line["resourceSpans"].as_array().unwrap() {
+            for s in rs["scopeSpans"][0]["spans"].as_array().unwrap() {
+                let str_of = |k: &str| s[k].as_str().unwrap_or("").to_string();
+                let ns = |k: &str| str_of(k).parse::<u64>().unwrap();
+                spans.push((
+                    str_of("traceId"),
+                    str_of("spanId"),
+                    str_of("parentSpanId"),
+                    str_of("name"),
+                    ns("startTimeUnixNano"),
+                    ns("endTimeUnixNano"),
+                ));
+            }
+        }
+    }
+    spans
+}
+
+/// Issue 20: the file export held every instance with channel spans (277,200 spans where the live
+/// export sent 18,000). With sampling and channel spans on, the file holds exactly the spans a real
+/// OTLP receiver got from the daemon.
+#[test]
+fn otlp_json_export_holds_exactly_what_the_live_export_sent() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut collector = rt
+        .block_on(fake_opentelemetry_collector::FakeCollectorServer::start())
+        .unwrap();
+    let endpoint = collector.endpoint();
+    // The receiver hands spans over through a bounded queue: drain it all along.
+    let received = std::sync::Arc::new(std::sync::Mutex::new(Vec::<SpanKey>::new()));
+    let sink = received.clone();
+    rt.spawn(async move {
+        loop {
+            let spans = collector
+                .exported_spans(1, Duration::from_millis(100))
+                .await;
+            sink.lock().unwrap().extend(spans.into_iter().map(|s| {
+                (
+                    s.trace_id,
+                    s.span_id,
+                    s.parent_span_id,
+                    s.name,
+                    s.start_time_unix_nano,
+                    s.end_time_unix_nano,
+                )
+            }));
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let config = "[otlp]\nsample_ratio = 0.3\nchannel_spans = true\nbatch_timeout_ms = 50\n";
+    let d = Daemon::start_with(dir.path(), config, &endpoint);
+    let job = "otlp-json";
+    let produced = run_ranks(&d, job, 3, 3, 1);
+    let total: u64 = produced.iter().sum();
+    wait_for(&d, job, total);
+
+    let file = otlp_json_export(&d, job, &dir.path().join("spans.jsonl"));
+    let rank_spans = file.iter().filter(|s| s.3.ends_with(" rank")).count() as u64;
+    assert!(
+        rank_spans > 0 && rank_spans < total,
+        "{rank_spans} of {total} instances sampled"
+    );
+    assert!(file.iter().any(|s| s.3.ends_with(" channel")));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while received.lock().unwrap().len() < file.len() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Past the batch timeout: anything more the daemon sends would arrive now.
+    std::thread::sleep(Duration::from_millis(500));
+    let live = received.lock().unwrap().clone();
+    let file_set: BTreeSet<_> = file.iter().cloned().collect();
+    let live_set: BTreeSet<_> = live.iter().cloned().collect();
+    assert_eq!(file_set.len(), file.len(), "duplicate spans in the file");
+    assert_eq!(live_set.len(), live.len(), "duplicate spans sent live");
+    assert_eq!(
+        file_set.difference(&live_set).count() + live_set.difference(&file_set).count(),
+        0,
+        "{} spans in the file, {} sent live; {}",
+        file.len(),
+        live.len(),
+        d.log()
+    );
+}
+
 #[test]
 fn tools_against_a_running_daemon() {
     let dir = tempfile::tempdir().unwrap();
@@ -319,37 +438,12 @@ fn tools_against_a_running_daemon() {
     );
     assert_eq!(perfetto_instances(&again), want);
 
-    // OTLP/JSON: one rank span per spooled instance.
-    let otlp = dir.path().join("trace.otlp.jsonl");
-    let out = d.tool(&[
-        "export",
-        "--job",
-        job,
-        "-o",
-        otlp.to_str().unwrap(),
-        "--format",
-        "otlp-json",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rank_spans = std::fs::read_to_string(&otlp)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .flat_map(|l| {
-            l["resourceSpans"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .flat_map(|rs| rs["scopeSpans"][0]["spans"].as_array().unwrap().clone())
-                .collect::<Vec<_>>()
-        })
-        .filter(|s| s["name"].as_str().unwrap().ends_with(" rank"))
-        .count();
+    // OTLP/JSON: what the live export would send with the default configuration (no endpoint here):
+    // every instance's rank span (sample_ratio 1), no channel spans (channel_spans false).
+    let spans = otlp_json_export(&d, job, &dir.path().join("trace.otlp.jsonl"));
+    let rank_spans = spans.iter().filter(|s| s.3.ends_with(" rank")).count();
     assert_eq!(rank_spans as u64, total);
+    assert!(!spans.iter().any(|s| s.3.ends_with(" channel")));
 
     // Clear errors: an unknown job, and no daemon at all.
     let out = d.tool(&[

@@ -19,7 +19,7 @@ use crate::spool::SpoolReader;
 pub enum Format {
     /// Chrome/Perfetto trace JSON (open in ui.perfetto.dev or chrome://tracing).
     Perfetto,
-    /// OTLP/JSON lines (the OpenTelemetry Collector's otlpjsonfile format).
+    /// OTLP/JSON lines (the OpenTelemetry Collector's otlpjsonfile format): the spans the live export sends.
     OtlpJson,
 }
 
