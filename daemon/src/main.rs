@@ -1,5 +1,7 @@
 //! `ncclscope`: the node daemon and the operator CLI.
 
+use std::process::ExitCode;
+
 use clap::{Parser, Subcommand};
 use ncclscope::cli;
 
@@ -10,6 +12,9 @@ use ncclscope::cli;
     about = "NCCL kernel telemetry: node daemon and operator tools"
 )]
 struct Cli {
+    /// On an error, print its debug form too: the backtrace where RUST_BACKTRACE=1 captured one.
+    #[arg(long, global = true)]
+    debug: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -31,13 +36,21 @@ enum Cmd {
     SimRank(cli::sim_rank::Args),
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().cmd {
+fn main() -> ExitCode {
+    let args = Cli::parse();
+    let result = match args.cmd {
         Cmd::Daemon(a) => cli::daemon::run(a),
         Cmd::Demo(a) => cli::demo::run(a),
         Cmd::Top(a) => cli::top::run(a),
         Cmd::Stats(a) => cli::stats::run(a),
         Cmd::Export(a) => cli::export::run(a),
         Cmd::SimRank(a) => cli::sim_rank::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprint!("{}", cli::report(&e, args.debug));
+            ExitCode::FAILURE
+        }
     }
 }

@@ -2,8 +2,10 @@
 //!
 //! - [`record`] and [`segment`]: the shared-memory channel from the plugin (inside each NCCL process) to
 //!   the node daemon. POD words only; no I/O beyond creating, sealing and mapping the segment.
+//! - [`env`]: the `NCCLSCOPE_*` variables both sides read, to catch a misspelt one.
 //! - [`api`] (feature `grpc`): the daemon's gRPC query API, generated from `ncclscope.proto`.
 
+pub mod env;
 pub mod record;
 pub mod segment;
 

@@ -470,3 +470,109 @@ fn tools_against_a_running_daemon() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("is `ncclscope daemon` running"));
 }
+
+/// Issue 20: with RUST_BACKTRACE=1 (common on cluster images) every error printed a 30-40 frame
+/// backtrace, and a misspelt NCCLSCOPE_* variable was ignored. Errors are one line and their causes
+/// (the backtrace only with --debug); the daemon refuses an unknown variable, naming the likely one.
+#[test]
+fn errors_are_one_line_and_a_misspelt_variable_stops_the_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("empty.toml"), "").unwrap();
+    let mut daemon = Command::new(ncclscope_bin())
+        .arg("daemon")
+        .arg("--config")
+        .arg(d.join("empty.toml"))
+        .args(["--socket".as_ref(), d.join("r.sock").as_os_str()])
+        .args(["--api-socket".as_ref(), d.join("a.sock").as_os_str()])
+        .args(["--state-dir".as_ref(), d.join("state").as_os_str()])
+        .args(["--spool-dir".as_ref(), d.join("spool").as_os_str()])
+        .args(["--prometheus-listen", ""])
+        .env("NCCLSCOPE_OTLP_ENDPOIT", "http://127.0.0.1:4317")
+        .env("RUST_BACKTRACE", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while daemon.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = daemon.kill();
+            panic!("the daemon started despite NCCLSCOPE_OTLP_ENDPOIT");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = daemon.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with("error: ")
+            && stderr.contains("NCCLSCOPE_OTLP_ENDPOIT (did you mean NCCLSCOPE_OTLP_ENDPOINT?)"),
+        "{stderr}"
+    );
+
+    // A tool's error: the message and its causes, no backtrace unless --debug.
+    let stats = |debug: bool| {
+        let mut cmd = Command::new(ncclscope_bin());
+        cmd.args(["stats", "--api-socket"])
+            .arg(d.join("absent.sock"))
+            .env("RUST_BACKTRACE", "1");
+        if debug {
+            cmd.arg("--debug");
+        }
+        let out = cmd.output().unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let plain = stats(false);
+    let mut lines = plain.lines();
+    assert!(
+        lines
+            .next()
+            .unwrap()
+            .starts_with("error: cannot reach the ncclscope daemon's query API"),
+        "{plain}"
+    );
+    assert!(lines.all(|l| l.starts_with("  caused by: ")), "{plain}");
+    assert!(plain.lines().count() <= 4, "{plain}");
+    assert!(stats(true).lines().count() > plain.lines().count());
+}
+
+/// Issue 20: `daemon --help` showed no defaults or variables. Every command's help shows them; the
+/// daemon's lists every configuration key's variable with its default.
+#[test]
+fn every_commands_help_shows_defaults_and_variables() {
+    let help = |args: &[&str]| {
+        let out = Command::new(ncclscope_bin()).args(args).output().unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let daemon = help(&["daemon", "--help"]);
+    for (var, default) in ncclscope::config::default_variables() {
+        assert!(
+            daemon
+                .lines()
+                .any(|l| l.trim_start().starts_with(&var) && l.trim_end().ends_with(&default)),
+            "{var} = {default} missing from:\n{daemon}"
+        );
+    }
+    assert!(
+        daemon.contains("[env: NCCLSCOPE_SOCKET] [default: /run/ncclscope/ncclscope.sock]")
+            && daemon.contains("NCCLSCOPE_LOG"),
+        "{daemon}"
+    );
+    for tool in ["top", "stats", "export"] {
+        let h = help(&[tool, "--help"]);
+        assert!(
+            h.contains("[env: NCCLSCOPE_API_SOCKET")
+                && h.contains("[default: /run/ncclscope/api.sock]"),
+            "{h}"
+        );
+    }
+    let demo = help(&["demo", "--help"]);
+    assert!(
+        demo.contains("NCCLSCOPE_PLUGIN") && demo.contains("[default: 20]"),
+        "{demo}"
+    );
+}

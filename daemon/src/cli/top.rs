@@ -22,7 +22,7 @@ use crate::cli::stats::{fetch, shape, us};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Only this job.
+    /// Only this job (default: every job on this node).
     #[arg(long)]
     pub job: Option<String>,
     /// Seconds between refreshes.
