@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): installs what the tests need, builds everything, runs every test.
-# Works on a fresh machine with only the Rust toolchain, Python 3 and a C compiler with make (AFL++).
+# Works on a fresh machine with only the Rust toolchain, Python 3 and a C compiler with make (AFL++);
+# on one without tmux, as root with apt (Debian).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# `top` is tested in a real terminal: tmux (CI runs this as root on Debian).
+command -v tmux >/dev/null || { apt-get update -qq && apt-get install -y -qq tmux; }
 
 # nvcc 13.0 from PyPI, so the CUDA hook is compiled and device-linked on every change.
 source scripts/install-nvcc.sh

@@ -132,6 +132,11 @@ impl Drop for Daemon {
 /// Runs `nranks` simulated ranks of `job` for `seconds` with `straggler` late; returns the instances
 /// each produced.
 fn run_ranks(d: &Daemon, job: &str, nranks: u32, seconds: u64, straggler: u32) -> Vec<u64> {
+    run_ranks_at(&d.socket(), job, nranks, seconds, straggler)
+}
+
+/// [`run_ranks`] against the registration socket `socket` (while the daemon behind it restarts).
+fn run_ranks_at(socket: &Path, job: &str, nranks: u32, seconds: u64, straggler: u32) -> Vec<u64> {
     let epoch = {
         let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
         ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64 + 500_000_000
@@ -153,7 +158,7 @@ fn run_ranks(d: &Daemon, job: &str, nranks: u32, seconds: u64, straggler: u32) -
                     "--straggler-delay-us",
                     "3000",
                 ])
-                .env("NCCLSCOPE_SOCKET", d.socket())
+                .env("NCCLSCOPE_SOCKET", socket)
                 .env("NCCLSCOPE_RING_MEMORY", "cpu") // simulation: no GPU; CPU rings, simulated GPU clock
                 .env("NCCLSCOPE_JOB_ID", job)
                 .stdout(Stdio::piped())
@@ -575,4 +580,184 @@ fn every_commands_help_shows_defaults_and_variables() {
         demo.contains("NCCLSCOPE_PLUGIN") && demo.contains("[default: 20]"),
         "{demo}"
     );
+}
+
+/// A tmux server of its own (`-L`), with `top` in an 80x24 window; killed on drop.
+struct Tmux {
+    server: String,
+}
+
+impl Tmux {
+    fn start(command: &str) -> Tmux {
+        let t = Tmux {
+            server: format!("ncclscope-test-{}", std::process::id()),
+        };
+        let out = t.run(&["-f", "/dev/null", "new-session", "-d", "-s", "top"]);
+        assert!(
+            out.status.success(),
+            "tmux: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        t.run(&["resize-window", "-t", "top", "-x", "80", "-y", "24"]);
+        t.run(&["send-keys", "-t", "top", command, "Enter"]);
+        t
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        Command::new("tmux")
+            .args(["-L", &self.server])
+            .args(args)
+            .output()
+            .expect("tmux is missing (scripts/test.sh installs it)")
+    }
+
+    fn screen(&self) -> Vec<String> {
+        let out = self.run(&["capture-pane", "-p", "-t", "top"]);
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    fn keys(&self, keys: &[&str]) {
+        let mut args = vec!["send-keys", "-t", "top"];
+        args.extend(keys);
+        self.run(&args);
+    }
+
+    /// Waits up to 20 s for a screen that `ok` accepts; returns it.
+    fn wait(&self, what: &str, ok: impl Fn(&[String]) -> bool) -> Vec<String> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let screen = self.screen();
+            if ok(&screen) {
+                return screen;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "waited 20 s for {what}; the screen:\n{}",
+                screen.join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        self.run(&["kill-server"]);
+    }
+}
+
+/// Whether a screen line holds `text`.
+fn shows(screen: &[String], text: &str) -> bool {
+    screen.iter().any(|l| l.contains(text))
+}
+
+/// Issue 20: `top` exited with status 1 when the daemon restarted, had no keys but quit, cut values
+/// mid-cell at 80x24, and waited forever (status 0) for a job that does not exist. In a real
+/// terminal (tmux, 80x24) against a real daemon and ranks: open the job, its communicator and a
+/// rank's channels, sort, see every rank's values whole, outlive a daemon restart, quit with 0.
+#[test]
+fn top_in_an_80x24_terminal_drills_down_sorts_and_outlives_a_daemon_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = Daemon::start(dir.path());
+    let job = "top-tmux";
+    let out = d.tool(&["top", "--plain", "--job", "nope"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("the daemon has no job \"nope\""),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    std::thread::scope(|scope| {
+        let socket = d.socket();
+        let ranks = scope.spawn(move || run_ranks_at(&socket, job, 3, 15, 1));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !String::from_utf8_lossy(&d.tool(&["stats"]).stdout).contains(job) {
+            assert!(Instant::now() < deadline, "the ranks did not register");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let status = dir.path().join("top.status");
+        let tmux = Tmux::start(&format!(
+            "{} top --interval 0.2 --api-socket {}; echo $? > {}",
+            ncclscope_bin().display(),
+            d.api().display(),
+            status.display()
+        ));
+        let jobs = tmux.wait("the job", |s| shows(s, job));
+        assert_eq!(jobs.len(), 24);
+        assert!(jobs.iter().all(|l| l.chars().count() <= 80));
+
+        tmux.keys(&["?"]);
+        tmux.wait("the keys", |s| {
+            shows(s, "sort: name, exec time, skew, losses")
+        });
+        tmux.keys(&["x", "Enter"]);
+        tmux.wait("the communicators", |s| shows(s, "communicators"));
+        tmux.keys(&["Enter"]);
+        let ranks_view = tmux.wait("three ranks and the straggler", |s| {
+            shows(s, "◀ straggler") && s.iter().filter(|l| l.starts_with("│")).count() >= 4
+        });
+        // Every rank row whole: RANK COLLS EXEC p50 EXEC p99 SKEW p50 LAST LOST, times with a unit.
+        let rows: Vec<Vec<&str>> = (ranks_view.iter())
+            .skip_while(|l| !l.contains("RANK"))
+            .skip(1)
+            .take_while(|l| {
+                l.starts_with("│") && !l.trim_matches(|c| c == '│' || c == ' ').is_empty()
+            })
+            .map(|l| {
+                l.trim_matches('│')
+                    .split_whitespace()
+                    .filter(|t| *t != "▶")
+                    .collect()
+            })
+            .collect();
+        assert_eq!(rows.len(), 3, "{}", ranks_view.join("\n"));
+        for r in &rows {
+            assert!(r.len() == 7 || r[7..] == ["◀", "straggler"], "{r:?}");
+            for t in &r[2..5] {
+                let n = t.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+                assert!(
+                    (t.ends_with("us") || t.ends_with("ms") || t.ends_with('s'))
+                        && n.parse::<f64>().is_ok(),
+                    "a cut value {t:?} in {r:?}"
+                );
+            }
+        }
+        // Sorted by skew, the straggler (rank 1) comes first.
+        tmux.keys(&["s", "s", "Home"]);
+        let by_skew = tmux.wait("sorting by skew, the first row selected", |s| {
+            let header = s.iter().position(|l| l.contains("RANK"));
+            shows(s, "sort: skew") && header.is_some_and(|h| s[h + 1].contains("▶"))
+        });
+        let first = (by_skew.iter()).find(|l| l.contains("▶")).unwrap();
+        assert_eq!(
+            first.split_whitespace().nth(1),
+            Some("1"),
+            "{}",
+            by_skew.join("\n")
+        );
+        // Its channels, from the live stream.
+        tmux.keys(&["Enter"]);
+        tmux.wait("rank 1's channels", |s| {
+            shows(s, "rank 1") && shows(s, "KERNEL p50") && shows(s, "channels, since opened")
+        });
+
+        d.sigkill();
+        tmux.wait("the daemon reported unreachable", |s| {
+            s[0].starts_with("daemon unreachable since")
+        });
+        d.spawn();
+        tmux.wait("the view back", |s| s[0].starts_with("ncclscope top"));
+        assert!(!status.exists(), "top exited while the daemon restarted");
+        tmux.keys(&["q"]);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::fs::read_to_string(&status).unwrap_or_default().trim() != "0" {
+            assert!(Instant::now() < deadline, "top did not quit with 0");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        ranks.join().unwrap();
+    });
 }
