@@ -410,6 +410,39 @@ fn tools_against_a_running_daemon() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(perfetto_instances(&trace), want);
+    // Flow arrows chain each instance's ranks: 0 -> 1 -> 2, one id per link.
+    let doc: Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let flows: Vec<&Value> = (doc["traceEvents"].as_array().unwrap().iter())
+        .filter(|e| e["cat"] == "flow")
+        .collect();
+    let ids = |ph: &str| -> BTreeSet<String> {
+        (flows.iter().filter(|e| e["ph"] == ph))
+            .map(|e| e["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(ids("s").len() as u64, 2 * produced[0]);
+    assert_eq!(ids("s"), ids("f"));
+
+    // Filters: one rank; a communicator by a prefix of its hash; a window that ended before the job.
+    let filtered = |extra: &[&str]| {
+        let path = dir.path().join("filtered.json");
+        let mut args = vec!["export", "--job", job, "-o", path.to_str().unwrap()];
+        args.extend(extra);
+        let out = d.tool(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        perfetto_instances(&path)
+    };
+    let rank1: BTreeSet<_> = (spooled.iter().filter(|c| c.rank == 1))
+        .map(|c| (u64::from(c.pid), c.func.clone(), c.seq))
+        .collect();
+    assert_eq!(filtered(&["--rank", "1"]), rank1);
+    let prefix = format!("{:016x}", spooled[0].comm_hash)[..6].to_string();
+    assert_eq!(filtered(&["--comm", &prefix]), want);
+    assert!(filtered(&["--until", "2000-01-01T00:00:00Z"]).is_empty());
 
     // SIGKILL the daemon: everything it acknowledged is still exportable, from the spool directly and
     // through a restarted daemon.
