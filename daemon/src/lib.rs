@@ -16,6 +16,7 @@ pub mod notify;
 pub mod otlp;
 pub mod otlp_json;
 pub mod perfetto;
+pub mod perfetto_proto;
 pub mod prometheus;
 pub mod register;
 pub mod resume;

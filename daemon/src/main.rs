@@ -29,7 +29,7 @@ enum Cmd {
     Top(cli::top::Args),
     /// One-shot statistics table or JSON.
     Stats(cli::stats::Args),
-    /// Export a job's trace (Perfetto/Chrome JSON or OTLP JSON).
+    /// Export a job's trace (Perfetto protobuf or JSON, or OTLP JSON).
     Export(cli::export::Args),
     /// One simulated rank (used by `demo`).
     #[command(hide = true)]

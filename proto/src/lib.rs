@@ -25,6 +25,13 @@ pub mod api {
     tonic::include_proto!("ncclscope.v1");
 }
 
+/// The part of Perfetto's trace format `export` writes, generated from `proto/perfetto_trace.proto`.
+#[cfg(feature = "grpc")]
+#[allow(clippy::all, missing_docs)]
+pub mod perfetto {
+    tonic::include_proto!("perfetto.protos");
+}
+
 /// CLOCK_REALTIME in nanoseconds since the Unix epoch: the host time base of every record.
 pub fn now_ns() -> u64 {
     let ts = rustix::time::clock_gettime(rustix::time::ClockId::Realtime);

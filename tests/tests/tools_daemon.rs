@@ -4,7 +4,7 @@
 //! as a Perfetto trace (through the API and straight from the spool), the spool survives a SIGKILL of the
 //! daemon, `top` names the straggler, and errors are clear.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -344,6 +344,68 @@ fn otlp_json_export_holds_exactly_what_the_live_export_sent() {
     );
 }
 
+/// (pid, collective, seq) of every collective slice in a Perfetto protobuf trace: the slices that begin
+/// on a communicator's collectives track, their process's pid from its name, their interned name and
+/// `seq` attribute.
+fn pftrace_instances(path: &Path) -> BTreeSet<(u64, String, u64)> {
+    use ncclscope_proto::perfetto::{Trace, track_event::Type};
+    use prost::Message;
+    let trace = Trace::decode(std::fs::read(path).unwrap().as_slice()).unwrap();
+    let (mut names, mut attrs) = (HashMap::new(), HashMap::new());
+    let (mut pids, mut tracks) = (HashMap::new(), HashMap::new());
+    let mut slices = Vec::new();
+    for p in &trace.packet {
+        let seq = p.trusted_packet_sequence_id.unwrap_or(0);
+        for n in p.interned_data.iter().flat_map(|i| &i.event_names) {
+            names.insert((seq, n.iid()), n.name().to_string());
+        }
+        for n in p
+            .interned_data
+            .iter()
+            .flat_map(|i| &i.debug_annotation_names)
+        {
+            attrs.insert((seq, n.iid()), n.name().to_string());
+        }
+        if let Some(d) = &p.track_descriptor {
+            match &d.process {
+                Some(proc) => {
+                    let name = proc.process_name();
+                    let pid = name
+                        .split(" pid ")
+                        .nth(1)
+                        .unwrap()
+                        .split(',')
+                        .next()
+                        .unwrap();
+                    pids.insert(d.uuid(), pid.parse::<u64>().unwrap());
+                }
+                None => {
+                    tracks.insert(d.uuid(), (d.parent_uuid(), d.name().to_string()));
+                }
+            }
+        }
+        if let Some(e) = &p.track_event
+            && e.r#type() == Type::SliceBegin
+            && tracks[&e.track_uuid()].1.ends_with(" collectives")
+        {
+            let func = names[&(seq, e.name_iid())].clone();
+            let coll_seq = (e.debug_annotations.iter())
+                .find(|a| attrs[&(seq, a.name_iid())] == "seq")
+                .map(|a| a.uint_value())
+                .unwrap();
+            slices.push((pids[&tracks[&e.track_uuid()].0], func, coll_seq));
+        }
+    }
+    let set: BTreeSet<_> = slices.iter().cloned().collect();
+    assert_eq!(
+        set.len(),
+        slices.len(),
+        "duplicate slices in {}",
+        path.display()
+    );
+    set
+}
+
 #[test]
 fn tools_against_a_running_daemon() {
     let dir = tempfile::tempdir().unwrap();
@@ -402,14 +464,36 @@ fn tools_against_a_running_daemon() {
     let want: BTreeSet<_> = (spooled.iter())
         .map(|c| (u64::from(c.pid), c.func.clone(), c.seq))
         .collect();
+    // The default: Perfetto's protobuf format.
+    let pftrace = dir.path().join("trace.pftrace");
+    let out = d.tool(&["export", "--job", job, "-o", pftrace.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(pftrace_instances(&pftrace), want);
     let trace = dir.path().join("trace.json");
-    let out = d.tool(&["export", "--job", job, "-o", trace.to_str().unwrap()]);
+    let out = d.tool(&[
+        "export",
+        "--job",
+        job,
+        "-o",
+        trace.to_str().unwrap(),
+        "--format",
+        "perfetto-json",
+    ]);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(perfetto_instances(&trace), want);
+    let sizes = (
+        std::fs::metadata(&trace).unwrap().len(),
+        std::fs::metadata(&pftrace).unwrap().len(),
+    );
+    assert!(sizes.0 >= 5 * sizes.1, "JSON and protobuf bytes: {sizes:?}");
     // Flow arrows chain each instance's ranks: 0 -> 1 -> 2, one id per link.
     let doc: Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
     let flows: Vec<&Value> = (doc["traceEvents"].as_array().unwrap().iter())
@@ -427,6 +511,7 @@ fn tools_against_a_running_daemon() {
     let filtered = |extra: &[&str]| {
         let path = dir.path().join("filtered.json");
         let mut args = vec!["export", "--job", job, "-o", path.to_str().unwrap()];
+        args.extend(["--format", "perfetto-json"]);
         args.extend(extra);
         let out = d.tool(&args);
         assert!(
@@ -447,7 +532,7 @@ fn tools_against_a_running_daemon() {
     // SIGKILL the daemon: everything it acknowledged is still exportable, from the spool directly and
     // through a restarted daemon.
     d.sigkill();
-    let offline = dir.path().join("offline.json");
+    let offline = dir.path().join("offline.pftrace");
     let out = Command::new(ncclscope_bin())
         .args([
             "export",
@@ -465,16 +550,16 @@ fn tools_against_a_running_daemon() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(perfetto_instances(&offline), want);
+    assert_eq!(pftrace_instances(&offline), want);
     d.spawn();
-    let again = dir.path().join("again.json");
+    let again = dir.path().join("again.pftrace");
     let out = d.tool(&["export", "--job", job, "-o", again.to_str().unwrap()]);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(perfetto_instances(&again), want);
+    assert_eq!(pftrace_instances(&again), want);
 
     // OTLP/JSON: what the live export would send with the default configuration (no endpoint here):
     // every instance's rank span (sample_ratio 1), no channel spans (channel_spans false).

@@ -386,7 +386,7 @@ fn drive(run: &Run<'_>) -> anyhow::Result<Vec<ncclscope_proto::api::RankStats>> 
         job,
         None,
         trace,
-        Format::Perfetto,
+        Format::PerfettoJson,
     ))?;
     println!(
         "Perfetto trace ({n} collective instances): {}  (open it in https://ui.perfetto.dev)",

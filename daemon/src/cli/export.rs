@@ -1,5 +1,5 @@
-//! `ncclscope export --job J -o FILE`: a job's spooled collective instances as a Perfetto/Chrome trace
-//! or OTLP/JSON, read through the daemon's API (during or after the job), or straight from a spool
+//! `ncclscope export --job J -o FILE`: a job's spooled collective instances as a Perfetto trace
+//! (protobuf, or Chrome JSON) or OTLP/JSON, read through the daemon's API (during or after the job), or straight from a spool
 //! directory with `--spool DIR` when no daemon runs.
 
 use std::fs::File;
@@ -13,12 +13,16 @@ use ncclscope_proto::api::{Collective, ExportRequest, ListJobsRequest};
 use crate::api;
 use crate::otlp_json::OtlpJsonWriter;
 use crate::perfetto::PerfettoWriter;
+use crate::perfetto_proto::PerfettoProtoWriter;
 use crate::spool::SpoolReader;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
-    /// Chrome/Perfetto trace JSON (open in ui.perfetto.dev or chrome://tracing).
+    /// Perfetto's protobuf trace (open in ui.perfetto.dev): interned names, delta timestamps, several
+    /// times smaller than the JSON.
     Perfetto,
+    /// Chrome/Perfetto trace JSON (ui.perfetto.dev or chrome://tracing; for scripts and older tools).
+    PerfettoJson,
     /// OTLP/JSON lines (the OpenTelemetry Collector's otlpjsonfile format): the spans the live export sends.
     OtlpJson,
 }
@@ -172,7 +176,8 @@ struct TraceFile {
 }
 
 enum Writer {
-    Perfetto(PerfettoWriter<BufWriter<File>>),
+    Perfetto(PerfettoProtoWriter<BufWriter<File>>),
+    PerfettoJson(PerfettoWriter<BufWriter<File>>),
     Otlp(OtlpJsonWriter<BufWriter<File>>),
 }
 
@@ -185,7 +190,8 @@ impl TraceFile {
             File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
         );
         let writer = match format {
-            Format::Perfetto => Writer::Perfetto(PerfettoWriter::new(file)?),
+            Format::Perfetto => Writer::Perfetto(PerfettoProtoWriter::new(file)),
+            Format::PerfettoJson => Writer::PerfettoJson(PerfettoWriter::new(file)?),
             Format::OtlpJson => Writer::Otlp(OtlpJsonWriter::new(file)),
         };
         Ok(TraceFile {
@@ -198,6 +204,7 @@ impl TraceFile {
     fn write(&mut self, c: &Collective) -> anyhow::Result<()> {
         let r = match &mut self.writer {
             Writer::Perfetto(w) => w.write(c),
+            Writer::PerfettoJson(w) => w.write(c),
             Writer::Otlp(w) => w.write(c),
         };
         r.with_context(|| format!("writing {}", self.tmp.display()))
@@ -206,6 +213,7 @@ impl TraceFile {
     fn finish(self) -> anyhow::Result<u64> {
         let (n, file) = match self.writer {
             Writer::Perfetto(w) => (w.collectives(), w.finish()?),
+            Writer::PerfettoJson(w) => (w.collectives(), w.finish()?),
             Writer::Otlp(w) => (w.collectives(), w.finish()?),
         };
         file.into_inner().map_err(|e| e.into_error())?.sync_all()?;
