@@ -791,7 +791,7 @@ fn top_in_an_80x24_terminal_drills_down_sorts_and_outlives_a_daemon_restart() {
 
     std::thread::scope(|scope| {
         let socket = d.socket();
-        let ranks = scope.spawn(move || run_ranks_at(&socket, job, 3, 15, 1));
+        let ranks = scope.spawn(move || run_ranks_at(&socket, job, 3, 20, 1));
         let deadline = Instant::now() + Duration::from_secs(30);
         while !String::from_utf8_lossy(&d.tool(&["stats"]).stdout).contains(job) {
             assert!(Instant::now() < deadline, "the ranks did not register");
@@ -808,15 +808,20 @@ fn top_in_an_80x24_terminal_drills_down_sorts_and_outlives_a_daemon_restart() {
         assert_eq!(jobs.len(), 24);
         assert!(jobs.iter().all(|l| l.chars().count() <= 80));
 
+        // Each step waits for the screen the key before it leads to: the breadcrumb on line 2 says
+        // where the view is (the help's text names the levels too), and a row must be there to open.
+        let help = "sort: name, exec time, skew, losses";
         tmux.keys(&["?"]);
-        tmux.wait("the keys", |s| {
-            shows(s, "sort: name, exec time, skew, losses")
+        tmux.wait("the keys", |s| shows(s, help));
+        tmux.keys(&["x"]);
+        tmux.wait("the keys closed", |s| !shows(s, help));
+        tmux.keys(&["Enter"]);
+        tmux.wait("the job's communicator", |s| {
+            s[1].starts_with(&format!("job {job}  ")) && shows(s, "│▶ ")
         });
-        tmux.keys(&["x", "Enter"]);
-        tmux.wait("the communicators", |s| shows(s, "communicators"));
         tmux.keys(&["Enter"]);
         let ranks_view = tmux.wait("three ranks and the straggler", |s| {
-            shows(s, "◀ straggler") && s.iter().filter(|l| l.starts_with("│")).count() >= 4
+            s[1].contains(" ▸ comm ") && shows(s, "◀ straggler")
         });
         // Every rank row whole: RANK COLLS EXEC p50 EXEC p99 SKEW p50 LAST LOST, times with a unit.
         let rows: Vec<Vec<&str>> = (ranks_view.iter())
