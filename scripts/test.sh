@@ -11,6 +11,13 @@ command -v tmux >/dev/null || { apt-get update -qq && apt-get install -y -qq tmu
 # nvcc 13.0 from PyPI, so the CUDA hook is compiled and device-linked on every change.
 source scripts/install-nvcc.sh
 
+# Perfetto's own trace schema (its Python package), which reads the protobuf traces `export` writes in
+# tests/tests/tools_daemon.rs.
+if [ ! -x .venv-perfetto/bin/python ]; then
+    python3 -m venv .venv-perfetto
+    .venv-perfetto/bin/pip install -q perfetto==0.59.1 protobuf==7.36.2
+fi
+
 cargo build --workspace --all-targets
 cargo test --workspace --no-fail-fast
 

@@ -406,6 +406,29 @@ fn pftrace_instances(path: &Path) -> BTreeSet<(u64, String, u64)> {
     set
 }
 
+/// What Perfetto's own trace schema (its Python package, installed by scripts/test.sh into
+/// .venv-perfetto) reads in a protobuf trace: tests/perfetto_check.py's JSON.
+fn perfetto_check(path: &Path) -> Value {
+    let tests = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = tests.join("../.venv-perfetto/bin/python");
+    assert!(
+        python.exists(),
+        "{} is missing: scripts/test.sh installs Perfetto's Python package there",
+        python.display()
+    );
+    let out = Command::new(python)
+        .arg(tests.join("perfetto_check.py"))
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 #[test]
 fn tools_against_a_running_daemon() {
     let dir = tempfile::tempdir().unwrap();
@@ -473,6 +496,32 @@ fn tools_against_a_running_daemon() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(pftrace_instances(&pftrace), want);
+    // Perfetto's own schema reads the same: every instance at its exact start, Unix time as the
+    // timeline, and one flow id per instance on each of its 3 ranks.
+    let official = perfetto_check(&pftrace);
+    assert_eq!(official["primary_trace_clock"], serde_json::json!([1]));
+    let slices = official["slices"].as_array().unwrap();
+    let read: BTreeSet<_> = (slices.iter())
+        .map(|s| {
+            let n = |k: &str| s[k].as_u64().unwrap();
+            (
+                n("pid"),
+                s["func"].as_str().unwrap().to_string(),
+                n("seq"),
+                n("start_unix_ns"),
+            )
+        })
+        .collect();
+    let exact: BTreeSet<_> = (spooled.iter())
+        .map(|c| (u64::from(c.pid), c.func.clone(), c.seq, c.start_unix_ns))
+        .collect();
+    assert_eq!(read, exact);
+    let mut per_flow: HashMap<String, usize> = HashMap::new();
+    for s in slices {
+        *per_flow.entry(s["flow_ids"][0].to_string()).or_default() += 1;
+    }
+    assert!(per_flow.values().all(|&n| n == 3), "{per_flow:?}");
+    assert_eq!(per_flow.len() as u64, produced[0]);
     let trace = dir.path().join("trace.json");
     let out = d.tool(&[
         "export",
