@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): installs what the tests need, builds everything, runs every test.
-# Works on a fresh machine with only the Rust toolchain, Python 3 and a C compiler with make (AFL++).
+# Works on a fresh machine with only the Rust toolchain, Python 3 and a C compiler with make (AFL++);
+# what else they need comes from Debian's packages (CI runs this as root) and PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -8,8 +9,10 @@ cd "$(dirname "$0")/.."
 source scripts/install-nvcc.sh
 
 # The package tests install the .deb with dpkg into a scratch root and check its units with
-# systemd-analyze; the log tests use unshare (util-linux); nm (binutils) reads the binaries.
+# systemd-analyze; the log tests use unshare (util-linux); nm (binutils) reads the binaries; `top` is
+# tested in a real terminal (tmux).
 need=()
+command -v tmux >/dev/null || need+=(tmux)
 command -v dpkg-deb >/dev/null || need+=(dpkg)
 command -v systemd-analyze >/dev/null || need+=(systemd)
 command -v unshare >/dev/null || need+=(util-linux)
@@ -20,6 +23,13 @@ fi
 
 # The Kubernetes manifests' schema checker (tests/tests/k8s.rs).
 scripts/install-k8s-validate.sh
+
+# Perfetto's own trace schema (its Python package), which reads the protobuf traces `export` writes in
+# tests/tests/tools_daemon.rs.
+if [ ! -x .venv-perfetto/bin/python ]; then
+    python3 -m venv .venv-perfetto
+    .venv-perfetto/bin/pip install -q perfetto==0.59.1 protobuf==7.36.2
+fi
 
 cargo build --workspace --all-targets
 # The .deb the package tests install (target/deb/): a release build of the daemon and the plugin.

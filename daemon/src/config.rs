@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use ncclscope_proto::env;
 use serde::{Deserialize, Serialize};
 
 /// Where the daemon looks for its configuration file when none is given.
@@ -521,13 +522,35 @@ fn merge(base: &mut toml::Table, top: toml::Table) {
 }
 
 /// Applies `NCCLSCOPE_<PATH>` variables to the keys they name (`NCCLSCOPE_OTLP_ENDPOINT` ->
-/// `otlp.endpoint`). Variables that name no key are left alone: the plugin shares the prefix.
+/// `otlp.endpoint`). The plugin's and the tools' variables share the prefix and are left alone; any
+/// other `NCCLSCOPE_*` name is an error, as an unknown key in the file is: a typo must not leave a
+/// setting at its default unnoticed.
 fn apply_env(
     table: &mut toml::Table,
     env: impl IntoIterator<Item = (String, String)>,
 ) -> Result<(), ConfigError> {
     let mut keys = Vec::new();
     leaf_keys(table, &mut Vec::new(), &mut keys);
+    let env: Vec<(String, String)> = env.into_iter().collect();
+    let key_vars = variables(table);
+    let known: Vec<&str> = (key_vars.iter().map(|(var, _)| var.as_str()))
+        .chain(env::PLUGIN.iter().chain(env::TOOLS).copied())
+        .collect();
+    let unknown = env::unknown(env.iter().map(|(name, _)| name.as_str()), &known);
+    if !unknown.is_empty() {
+        return Err(err(
+            "environment",
+            format!(
+                "unknown {} {}: the daemon reads NCCLSCOPE_<SECTION>_<KEY> for its configuration keys (`ncclscope daemon --help` lists them)",
+                if unknown.len() == 1 {
+                    "variable"
+                } else {
+                    "variables"
+                },
+                env::describe(&unknown)
+            ),
+        ));
+    }
     for (var, raw) in env {
         let Some(rest) = var.strip_prefix(ENV_PREFIX) else {
             continue;
@@ -564,6 +587,67 @@ fn apply_env(
             .map_err(|e| err(&var, e.to_string()))?;
     }
     Ok(())
+}
+
+/// The variable of every configuration key in `table` (`NCCLSCOPE_OTLP_ENDPOINT` for
+/// `otlp.endpoint`) with the key's value there, in the table's order.
+pub fn variables(table: &toml::Table) -> Vec<(String, toml::Value)> {
+    let mut keys = Vec::new();
+    leaf_keys(table, &mut Vec::new(), &mut keys);
+    keys.into_iter()
+        .map(|path| {
+            let (key, sections) = path.split_last().expect("a key has a name");
+            let at = sections.iter().fold(table, |t, s| {
+                t[s].as_table().expect("leaf_keys walks tables")
+            });
+            let var = format!("{ENV_PREFIX}{}", path.join("_").to_ascii_uppercase());
+            (var, at[key].clone())
+        })
+        .collect()
+}
+
+/// Every configuration key's variable and default, the default as the help shows it (a string
+/// unquoted, "" for an empty one).
+pub fn default_variables() -> Vec<(String, String)> {
+    let defaults = toml::Table::try_from(Config::default()).expect("the defaults serialize");
+    variables(&defaults)
+        .into_iter()
+        .map(|(var, value)| {
+            let shown = match value {
+                toml::Value::String(s) if s.is_empty() => "\"\"".into(),
+                toml::Value::String(s) => s,
+                v => v.to_string(),
+            };
+            (var, shown)
+        })
+        .collect()
+}
+
+/// The variable and default of configuration key `key` ("otlp.endpoint").
+pub fn key_default(key: &str) -> (String, String) {
+    let var = format!("{ENV_PREFIX}{}", key.replace('.', "_").to_ascii_uppercase());
+    default_variables()
+        .into_iter()
+        .find(|(v, _)| *v == var)
+        .unwrap_or_else(|| panic!("{key} is a configuration key"))
+}
+
+/// `ncclscope daemon --help`'s list of every configuration key: its variable and default.
+pub fn help() -> String {
+    let mut out = format!(
+        "Configuration: the file ({DEFAULT_CONFIG_PATH} unless --config; every key is in \
+         deploy/ncclscope.toml), then these variables, then the flags above. An NCCLSCOPE_* variable \
+         that is none of these, nor one the plugin or the tools read, is an error.\n\n"
+    );
+    for (var, default) in default_variables() {
+        out.push_str(&format!("  {var:<40} {default}\n"));
+    }
+    out.push_str(
+        "\nAlso read: NCCLSCOPE_LOG, the log filter (tracing's EnvFilter syntax) [default: info].\n\
+         Errors print one line and their causes; --debug adds the debug form, with the backtrace\n\
+         when RUST_BACKTRACE=1.",
+    );
+    out
 }
 
 fn leaf_keys(table: &toml::Table, prefix: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
@@ -658,6 +742,37 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.origin, "prometheus.listen");
+    }
+
+    /// Issue 20: a misspelt variable left its key at the default without a word.
+    #[test]
+    fn unknown_variables_are_errors_naming_the_likely_one() {
+        let e = load(
+            "",
+            &[("NCCLSCOPE_OTLP_ENDPOIT", "http://c:4317")],
+            Overrides::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains(
+                "unknown variable NCCLSCOPE_OTLP_ENDPOIT (did you mean NCCLSCOPE_OTLP_ENDPOINT?)"
+            ),
+            "{e}"
+        );
+        // The plugin's, the tools' and the test harnesses' variables are known, not keys.
+        let c = load(
+            "",
+            &[
+                ("NCCLSCOPE_RING_MEMORY", "cpu"),
+                ("NCCLSCOPE_LOG", "debug"),
+                ("NCCLSCOPE_TEST_DAEMON_RANK", "x"),
+                ("NCCLSCOPE_API_SOCKET", "/tmp/a.sock"),
+            ],
+            Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!(c.api_socket, PathBuf::from("/tmp/a.sock"));
     }
 
     /// Values that used to pass and then panic at start, abort at the first span, or wrap and delete

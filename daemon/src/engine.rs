@@ -21,7 +21,7 @@ use std::sync::{Arc, mpsc as std_mpsc};
 use std::time::{Duration, Instant};
 
 use ncclscope_proto::api::{
-    Communicator, Health as ApiHealth, Job, ListJobsResponse, RankInfo, StatsResponse,
+    Communicator, Health as ApiHealth, Job, ListJobsResponse, LiveSpans, RankInfo, StatsResponse,
 };
 use ncclscope_proto::now_ns;
 use ncclscope_proto::segment::{Consumer, Counter, RawRead, Segment};
@@ -657,6 +657,27 @@ impl Engine {
         }
         let mut completed = std::mem::take(&mut self.completed);
         let mut runs = std::mem::take(&mut self.completed_runs);
+        // Statistics first, for the live-export decision ("slow" is judged against the series before
+        // the instance joins it), which the spool keeps so that a file export writes the same spans.
+        // Nothing outside the engine reads the statistics before this pass ends (snapshots come after
+        // it), so what they count is still spooled first.
+        for (i, range) in &runs {
+            let names = self.segments[*i].asm.names();
+            for c in &mut completed[range.clone()] {
+                if c.prior & done::RECORDED != 0 {
+                    continue;
+                }
+                let inst = InstanceRef {
+                    inst: &c.coll,
+                    names,
+                };
+                let p50 = self.stats.observe(inst, now, SLOW_MIN_SAMPLES);
+                let otlp = &self.cfg.otlp;
+                let slow = otlp.slow_factor > 0.0
+                    && p50.is_some_and(|p50| c.coll.exec_ns as f64 > otlp.slow_factor * p50 as f64);
+                c.coll.live_spans = live_spans(otlp, slow, inst);
+            }
+        }
         if let Some(spool) = self.spool.as_mut() {
             // Write-ahead: the saved state's spool mark must precede what the segment appends now.
             for (i, range) in &runs {
@@ -715,39 +736,17 @@ impl Engine {
                 let mut flags = c.prior;
                 if c.prior & done::RECORDED == 0 {
                     self.hub.publish(&c.coll, names);
-                    // "Slow" is judged against the series before this instance joins it.
+                    self.collectives += 1;
+                    flags |= done::RECORDED;
+                } else if c.prior & done::EXPORTED == 0 {
+                    // Re-read after a restart: the slow-outlier verdict is gone with the old statistics.
                     let inst = InstanceRef {
                         inst: &c.coll,
                         names,
                     };
-                    let p50 = self.stats.observe(inst, now, SLOW_MIN_SAMPLES);
-                    let slow = self.cfg.otlp.slow_factor > 0.0
-                        && p50.is_some_and(|p50| {
-                            c.coll.exec_ns as f64 > self.cfg.otlp.slow_factor * p50 as f64
-                        });
-                    self.collectives += 1;
-                    flags |= done::RECORDED;
-                    if c.prior & done::EXPORTED == 0
-                        && !slow
-                        && !crate::spans::sampled(
-                            c.coll.comm_hash,
-                            crate::spans::instance_key(inst),
-                            self.cfg.otlp.sample_ratio,
-                        )
-                    {
-                        flags |= done::EXPORTED;
-                    }
-                } else if c.prior & done::EXPORTED == 0
-                    && !crate::spans::sampled(
-                        c.coll.comm_hash,
-                        crate::spans::instance_key(InstanceRef {
-                            inst: &c.coll,
-                            names,
-                        }),
-                        self.cfg.otlp.sample_ratio,
-                    )
-                {
-                    // Re-read after a restart: the slow-outlier verdict is gone with the old statistics.
+                    c.coll.live_spans = live_spans(&self.cfg.otlp, false, inst);
+                }
+                if c.coll.live_spans == LiveSpans::None {
                     flags |= done::EXPORTED;
                 }
                 if flags & done::EXPORTED == 0 {
@@ -1076,6 +1075,19 @@ fn remember(list: &mut VecDeque<SegmentKey>, key: SegmentKey, max: usize) {
         list.pop_front();
     }
     list.push_back(key);
+}
+
+/// What the live export sends for `inst`: nothing unless it is sampled or `slow`; its channels' spans
+/// with `otlp.channel_spans`.
+fn live_spans(otlp: &crate::config::Otlp, slow: bool, inst: InstanceRef) -> LiveSpans {
+    let key = crate::spans::instance_key(inst);
+    if !slow && !crate::spans::sampled(inst.comm_hash, key, otlp.sample_ratio) {
+        LiveSpans::None
+    } else if otlp.channel_spans {
+        LiveSpans::Channels
+    } else {
+        LiveSpans::Rank
+    }
 }
 
 /// Whether a segment's saved spool mark is missing or far enough behind the spool's `end` that the

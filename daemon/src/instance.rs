@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use ncclscope_proto::StrId;
-use ncclscope_proto::api::{ChannelWork, Collective};
+use ncclscope_proto::api::{ChannelWork, Collective, LiveSpans};
 
 /// The strings of one process: its job and host, and the strings its records define by id, with its
 /// uid. The assembler replaces its copy when a record defines a string (copy on write), so an
@@ -107,6 +107,9 @@ pub struct Instance {
     pub is_p2p: bool,
     /// 0: launched eagerly; r >= 1: the r-th graph replay on the communicator (see `Collective`).
     pub replay: u32,
+    /// What the live OTLP export sends for it: decided once, when the engine records it, and
+    /// spooled with it so that a file export writes the same spans.
+    pub live_spans: LiveSpans,
 }
 
 /// The values `timing_source` takes.
@@ -192,6 +195,7 @@ impl<'a> InstanceRef<'a> {
             is_p2p: self.is_p2p,
             uid: self.uid(),
             replay: self.replay,
+            live_spans: self.live_spans as i32,
         }
     }
 }
@@ -257,6 +261,7 @@ impl From<&Collective> for Shared {
             channels: c.channels.clone(),
             is_p2p: c.is_p2p,
             replay: c.replay,
+            live_spans: c.live_spans(),
         };
         Shared {
             inst,
@@ -307,6 +312,7 @@ mod tests {
             is_p2p: true,
             uid: 17,
             replay: 3,
+            live_spans: LiveSpans::Channels as i32,
         };
         let s = Shared::from(&m);
         let i = s.view();

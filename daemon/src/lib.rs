@@ -18,6 +18,7 @@ pub mod notify;
 pub mod otlp;
 pub mod otlp_json;
 pub mod perfetto;
+pub mod perfetto_proto;
 pub mod prometheus;
 pub mod ratelimit;
 pub mod register;

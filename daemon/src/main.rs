@@ -1,5 +1,7 @@
 //! `ncclscope`: the node daemon and the operator CLI.
 
+use std::process::ExitCode;
+
 use clap::{Parser, Subcommand};
 use ncclscope::cli;
 
@@ -10,6 +12,9 @@ use ncclscope::cli;
     about = "NCCL kernel telemetry: node daemon and operator tools"
 )]
 struct Cli {
+    /// On an error, print its debug form too: the backtrace where RUST_BACKTRACE=1 captured one.
+    #[arg(long, global = true)]
+    debug: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -25,7 +30,7 @@ enum Cmd {
     Top(cli::top::Args),
     /// One-shot statistics table or JSON.
     Stats(cli::stats::Args),
-    /// Export a job's trace (Perfetto/Chrome JSON or OTLP JSON).
+    /// Export a job's trace (Perfetto protobuf or JSON, or OTLP JSON).
     Export(cli::export::Args),
     /// One simulated rank (used by `demo`).
     #[cfg(feature = "demo")]
@@ -33,8 +38,9 @@ enum Cmd {
     SimRank(cli::sim_rank::Args),
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().cmd {
+fn main() -> ExitCode {
+    let args = Cli::parse();
+    let result = match args.cmd {
         Cmd::Daemon(a) => cli::daemon::run(a),
         #[cfg(feature = "demo")]
         Cmd::Demo(a) => cli::demo::run(a),
@@ -43,5 +49,12 @@ fn main() -> anyhow::Result<()> {
         Cmd::Export(a) => cli::export::run(a),
         #[cfg(feature = "demo")]
         Cmd::SimRank(a) => cli::sim_rank::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprint!("{}", cli::report(&e, args.debug));
+            ExitCode::FAILURE
+        }
     }
 }

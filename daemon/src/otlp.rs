@@ -174,7 +174,7 @@ async fn send_spans(
     let ok = with_retry(&cfg, &counters, || {
         let mut otlp_spans = Vec::with_capacity(colls.len() * 2);
         for c in &colls {
-            spans::spans_of(c.view(), cfg.channel_spans, &mut otlp_spans);
+            spans::live_spans_of(c.view(), &mut otlp_spans);
         }
         n = otlp_spans.len() as u64;
         let request = ExportTraceServiceRequest {
@@ -278,9 +278,10 @@ mod tests {
                 func: "AllReduce".into(),
                 rank,
                 nranks: 3,
+                live_spans: ncclscope_proto::api::LiveSpans::Rank as i32,
                 ..Default::default()
             });
-            spans::spans_of(coll.view(), cfg.channel_spans, &mut produced);
+            spans::live_spans_of(coll.view(), &mut produced);
             let acked = Arc::new(AtomicU64::new(0));
             let item = SpanItem {
                 coll,

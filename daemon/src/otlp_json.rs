@@ -2,8 +2,9 @@
 //! `ExportTraceServiceRequest` (the format the OpenTelemetry Collector's `otlpjsonfile` receiver reads,
 //! so a job's export can be replayed into any OTLP backend).
 //!
-//! The spans are exactly the daemon's live OTLP spans ([`crate::spans::spans_of`], with channel spans):
-//! same trace and span ids, so a file export and the live export of one collective are the same trace.
+//! The spans are exactly those the daemon's live OTLP export sends ([`crate::spans::live_spans_of`]:
+//! the sampled instances and slow outliers, channel spans only with `otlp.channel_spans`, as decided
+//! when the daemon recorded each instance), with the same trace and span ids.
 //! The JSON mapping (hex ids, 64-bit integers as strings) is opentelemetry-proto's.
 
 use std::collections::BTreeMap;
@@ -16,7 +17,7 @@ use opentelemetry_proto::tonic::resource::v1::Resource;
 use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span};
 
 use crate::instance::Shared;
-use crate::spans::spans_of;
+use crate::spans::live_spans_of;
 
 /// Spans per JSON line: bounded lines, each a request size a collector accepts.
 const SPANS_PER_LINE: usize = 2048;
@@ -46,7 +47,7 @@ impl<W: Write> OtlpJsonWriter<W> {
     pub fn write(&mut self, c: &Collective) -> io::Result<()> {
         let spans = self.pending.entry(c.host.clone()).or_default();
         let before = spans.len();
-        spans_of(Shared::from(c).view(), true, spans);
+        live_spans_of(Shared::from(c).view(), spans);
         self.pending_spans += spans.len() - before;
         self.collectives += 1;
         if self.pending_spans >= SPANS_PER_LINE {
@@ -105,7 +106,7 @@ fn kv(key: &str, v: &str) -> KeyValue {
 mod tests {
     use super::*;
     use crate::spans::{collective_key, rank_span_id, trace_id};
-    use ncclscope_proto::api::ChannelWork;
+    use ncclscope_proto::api::{ChannelWork, LiveSpans};
     use serde_json::Value;
 
     fn coll(rank: u32, seq: u64) -> Collective {
@@ -130,6 +131,9 @@ mod tests {
                 end_unix_ns: 1_900,
                 work_items: 1,
             }],
+            // Sampled out, rank spans, rank and channel spans: a third each.
+            live_spans: [LiveSpans::None, LiveSpans::Rank, LiveSpans::Channels][seq as usize % 3]
+                as i32,
             ..Default::default()
         }
     }
@@ -139,9 +143,9 @@ mod tests {
     }
 
     #[test]
-    fn lines_are_export_requests_with_the_daemons_ids() {
+    fn lines_are_export_requests_with_the_daemons_ids_and_only_the_live_spans() {
         let mut w = OtlpJsonWriter::new(Vec::new());
-        for seq in 0..600 {
+        for seq in 0..1200 {
             for rank in 0..2 {
                 w.write(&coll(rank, seq)).unwrap();
             }
@@ -151,21 +155,32 @@ mod tests {
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
-        // Per collective: rank 0's root span, two rank spans, two channel spans = 5; 3000 spans in all.
+        // Per collective sent live: rank 0's root span and two rank spans, with channel spans two
+        // more; 400 * 3 + 400 * 5 = 3200 spans in all, none of the 400 sampled out.
         assert_eq!(lines.len(), 2);
         let spans: Vec<&Value> = lines
             .iter()
             .flat_map(|l| l["resourceSpans"].as_array().unwrap())
             .flat_map(|rs| rs["scopeSpans"][0]["spans"].as_array().unwrap())
             .collect();
-        assert_eq!(spans.len(), 3000);
-        let key = collective_key("ReduceScatter", 42, 0);
+        assert_eq!(spans.len(), 3200);
+        let channels = spans
+            .iter()
+            .filter(|s| s["name"] == "ReduceScatter channel");
+        assert_eq!(channels.count(), 800);
+        let out_key = collective_key("ReduceScatter", 42, 0);
+        assert!(
+            !spans
+                .iter()
+                .any(|s| s["traceId"] == hex(&trace_id(0, 7, out_key)))
+        );
+        let key = collective_key("ReduceScatter", 44, 0);
         let rank1 = spans
             .iter()
             .find(|s| s["spanId"] == hex(&rank_span_id(0, 7, key, 1)))
-            .expect("rank 1 span of seq 42");
+            .expect("rank 1 span of seq 44");
         assert_eq!(rank1["traceId"], hex(&trace_id(0, 7, key)));
-        assert_eq!(rank1["startTimeUnixNano"], "1042");
+        assert_eq!(rank1["startTimeUnixNano"], "1044");
         assert_eq!(rank1["name"], "ReduceScatter rank");
         let child = spans
             .iter()

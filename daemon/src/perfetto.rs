@@ -3,24 +3,26 @@
 //!
 //! One process per rank (OS process: host + pid, named after its rank), and per communicator of that
 //! process one track for the collectives and one track per channel holding that channel's kernel work.
-//! Every slice carries the collective's attributes. Timestamps are microseconds (with ns decimals)
-//! relative to `t0`, a whole second one hour before the first instance seen, recorded in the trace's
-//! metadata as `ncclscope_t0_unix_ns`: relative so that doubles keep ns precision, and early enough that
-//! an instance that completes later but started earlier stays positive.
+//! Every slice carries the collective's attributes. Timestamps are absolute: microseconds since the
+//! Unix epoch (CLOCK_REALTIME, the clock PyTorch's profiler writes), as decimal text exact to the ns,
+//! so this trace and a PyTorch one line up. Flow arrows chain the ranks of one collective instance
+//! (rank r to rank r + 1) on the ranks this node ran.
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::io::{self, Write};
 
 use ncclscope_proto::api::Collective;
 use serde_json::{Value, json};
 
+use crate::instance::Shared;
+use crate::spans::{instance_key, trace_id};
+
 /// Track ids per communicator within a process: the collectives track, then one per channel.
 const TRACKS_PER_COMM: u64 = 1024;
-const T0_MARGIN_NS: u64 = 3600 * 1_000_000_000;
 
 pub struct PerfettoWriter<W: Write> {
     out: W,
-    t0: Option<u64>,
     /// (host, pid) -> trace pid.
     processes: HashMap<(String, u32), u64>,
     /// (trace pid, comm hash) -> index of that communicator in the process.
@@ -35,7 +37,6 @@ impl<W: Write> PerfettoWriter<W> {
         out.write_all(b"{\"displayTimeUnit\":\"ns\",\"traceEvents\":[\n")?;
         Ok(PerfettoWriter {
             out,
-            t0: None,
             processes: HashMap::new(),
             comms: HashMap::new(),
             named_tracks: Default::default(),
@@ -51,39 +52,92 @@ impl<W: Write> PerfettoWriter<W> {
 
     pub fn write(&mut self, c: &Collective) -> io::Result<()> {
         let (start, end) = extent(c);
-        let t0 = *self.t0.get_or_insert_with(|| {
-            let floor = start.saturating_sub(T0_MARGIN_NS);
-            floor - floor % 1_000_000_000
-        });
         let pid = self.process(c)?;
         let comm_idx = self.comm(pid, c.comm_hash);
         let coll_tid = comm_idx * TRACKS_PER_COMM;
         let comm_label = comm_label(c);
         self.track(pid, coll_tid, || format!("{comm_label} collectives"))?;
-        let args = attributes(c);
-        self.event(json!({
-            "ph": "X", "cat": "collective", "name": c.func, "pid": pid, "tid": coll_tid,
-            "ts": micros(start.saturating_sub(t0)), "dur": micros(end.saturating_sub(start)), "args": args,
-        }))?;
+        self.slice("collective", c, pid, coll_tid, start, end, &attributes(c))?;
+        // A chain through the instance's ranks: out of rank r into rank r + 1, bound to the slices.
+        if !c.is_p2p {
+            let mid = start + (end - start) / 2;
+            if c.rank + 1 < c.nranks {
+                self.flow("s", c, pid, coll_tid, mid, c.rank)?;
+            }
+            if c.rank > 0 {
+                self.flow("f", c, pid, coll_tid, mid, c.rank - 1)?;
+            }
+        }
         for ch in &c.channels {
             let tid = coll_tid + 1 + u64::from(ch.channel);
             self.track(pid, tid, || format!("{comm_label} channel {}", ch.channel))?;
-            self.event(json!({
-                "ph": "X", "cat": "channel", "name": c.func, "pid": pid, "tid": tid,
-                "ts": micros(ch.start_unix_ns.saturating_sub(t0)),
-                "dur": micros(ch.end_unix_ns.saturating_sub(ch.start_unix_ns)),
-                "args": {"seq": c.seq, "replay": c.replay, "channel": ch.channel, "work_items": ch.work_items,
-                         "comm_hash": format!("{:016x}", c.comm_hash)},
-            }))?;
+            let args = json!({"seq": c.seq, "replay": c.replay, "channel": ch.channel,
+                              "work_items": ch.work_items, "comm_hash": format!("{:016x}", c.comm_hash)});
+            self.slice(
+                "channel",
+                c,
+                pid,
+                tid,
+                ch.start_unix_ns,
+                ch.end_unix_ns.max(ch.start_unix_ns),
+                &args,
+            )?;
         }
         self.slices += 1;
         Ok(())
     }
 
+    /// A complete event ("X"), written by hand so that the timestamps keep every ns digit.
+    #[allow(clippy::too_many_arguments)]
+    fn slice(
+        &mut self,
+        cat: &str,
+        c: &Collective,
+        pid: u64,
+        tid: u64,
+        start: u64,
+        end: u64,
+        args: &Value,
+    ) -> io::Result<()> {
+        let mut text = String::with_capacity(256);
+        let _ = write!(
+            text,
+            r#"{{"ph":"X","cat":"{cat}","name":{},"pid":{pid},"tid":{tid},"ts":{},"dur":{},"args":{}}}"#,
+            Value::from(c.func.as_str()),
+            micros(start),
+            micros(end - start),
+            args
+        );
+        self.raw(&text)
+    }
+
+    /// One end of the flow from `from_rank` to `from_rank + 1` of `c`'s instance, bound to the
+    /// collective slice around `ts`.
+    fn flow(
+        &mut self,
+        ph: &str,
+        c: &Collective,
+        pid: u64,
+        tid: u64,
+        ts: u64,
+        from_rank: u32,
+    ) -> io::Result<()> {
+        let key = instance_key(Shared::from(c).view());
+        let id = trace_id(c.uid, c.comm_hash, key);
+        let text = format!(
+            r#"{{"ph":"{ph}","cat":"flow","name":{},"id":"0x{:016x}{:08x}","pid":{pid},"tid":{tid},"ts":{},"bp":"e"}}"#,
+            Value::from(c.func.as_str()),
+            u64::from_be_bytes(id[..8].try_into().expect("8 bytes")),
+            from_rank,
+            micros(ts)
+        );
+        self.raw(&text)
+    }
+
     /// Closes the JSON document and returns the writer (flushed).
     pub fn finish(mut self) -> io::Result<W> {
         self.out.write_all(b"\n],\"metadata\":")?;
-        let meta = json!({"ncclscope_t0_unix_ns": self.t0.unwrap_or(0), "ncclscope_collectives": self.slices});
+        let meta = json!({"ncclscope_collectives": self.slices});
         serde_json::to_writer(&mut self.out, &meta)?;
         self.out.write_all(b"}\n")?;
         self.out.flush()?;
@@ -120,11 +174,15 @@ impl<W: Write> PerfettoWriter<W> {
     }
 
     fn event(&mut self, v: Value) -> io::Result<()> {
+        self.raw(&v.to_string())
+    }
+
+    fn raw(&mut self, event: &str) -> io::Result<()> {
         if !self.first_event {
             self.out.write_all(b",\n")?;
         }
         self.first_event = false;
-        serde_json::to_writer(&mut self.out, &v).map_err(io::Error::from)
+        self.out.write_all(event.as_bytes())
     }
 }
 
@@ -161,9 +219,10 @@ pub fn attributes(c: &Collective) -> Value {
     })
 }
 
-/// Nanoseconds as the format's microseconds; exact to the ns while `ns` < 2^53 (104 days past `t0`).
-fn micros(ns: u64) -> f64 {
-    ns as f64 / 1000.0
+/// Unix nanoseconds as the format's microseconds, in decimal text exact to the ns (a double is not:
+/// today's times in microseconds need 51 bits before the point).
+fn micros(ns: u64) -> String {
+    format!("{}.{:03}", ns / 1000, ns % 1000)
 }
 
 #[cfg(test)]
@@ -197,7 +256,7 @@ mod tests {
     }
 
     #[test]
-    fn one_process_per_rank_one_track_per_channel_exact_times() {
+    fn one_process_per_rank_one_track_per_channel_exact_absolute_times_flows_between_ranks() {
         let t = 1_780_000_000_123_456_789;
         let mut w = PerfettoWriter::new(Vec::new()).unwrap();
         for seq in 0..4 {
@@ -205,10 +264,12 @@ mod tests {
                 w.write(&coll(rank, seq, t + seq * 10_000)).unwrap();
             }
         }
-        let doc: Value = serde_json::from_slice(&w.finish().unwrap()).unwrap();
+        let bytes = w.finish().unwrap();
+        let text = String::from_utf8(bytes.clone()).unwrap();
+        let doc: Value = serde_json::from_slice(&bytes).unwrap();
         let events = doc["traceEvents"].as_array().unwrap();
-        let t0 = doc["metadata"]["ncclscope_t0_unix_ns"].as_u64().unwrap();
-        assert!(t0 < t && t0.is_multiple_of(1_000_000_000));
+        // Microseconds since the Unix epoch (PyTorch's profiler clock), every ns digit kept.
+        assert!(text.contains(r#""ts":1780000000123466.789"#), "{text}");
 
         let procs: Vec<_> = events
             .iter()
@@ -224,10 +285,19 @@ mod tests {
             (Some(1), Some(1))
         );
         assert_eq!(c["args"]["comm_hash"], "0000000000000abc");
-        // ns precision survives: ts * 1000 + t0 is the exact start.
-        let ts_ns = (c["ts"].as_f64().unwrap() * 1000.0).round() as u64;
-        assert_eq!(ts_ns + t0, t + 10_000);
         assert_eq!(c["dur"].as_f64().unwrap(), 2.5);
+        // Each instance: a flow out of rank 0's slice into rank 1's, one id per link.
+        let flows: Vec<_> = events.iter().filter(|e| e["cat"] == "flow").collect();
+        assert_eq!(flows.len(), 8);
+        for pair in flows.chunks(2) {
+            assert_eq!((&pair[0]["ph"], &pair[1]["ph"]), (&json!("s"), &json!("f")));
+            assert_eq!(pair[0]["id"], pair[1]["id"]);
+            assert_eq!(
+                (pair[0]["pid"].as_u64(), pair[1]["pid"].as_u64()),
+                (Some(1), Some(2))
+            );
+        }
+        assert_ne!(flows[0]["id"], flows[2]["id"], "instances apart");
 
         let tracks: std::collections::BTreeSet<_> = events
             .iter()

@@ -19,6 +19,7 @@
 //! The daemon builds OTLP protobuf spans itself (opentelemetry-proto) because the SDK generates ids.
 
 use crate::instance::InstanceRef;
+use ncclscope_proto::api::LiveSpans;
 use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
 use opentelemetry_proto::tonic::trace::v1::{Span, span::SpanKind};
 
@@ -145,6 +146,16 @@ fn common(c: InstanceRef) -> Vec<KeyValue> {
         // OpenTelemetry's name for the uid of a process.
         i("process.real_user.id", c.uid() as i64),
     ]
+}
+
+/// Appends the spans the live export sends for `c`, as the engine decided when it recorded it
+/// ([`LiveSpans`]). The daemon's OTLP export and `export --format otlp-json` both write these.
+pub fn live_spans_of(c: InstanceRef, out: &mut Vec<Span>) {
+    match c.live_spans {
+        LiveSpans::None => {}
+        LiveSpans::Rank => spans_of(c, false, out),
+        LiveSpans::Channels => spans_of(c, true, out),
+    }
 }
 
 /// Appends the spans this node emits for `c`: the rank's span, its root when `c` is rank 0 of a

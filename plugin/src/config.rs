@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use ncclscope_proto::env;
 use ncclscope_proto::segment::{DEFAULT_CAPACITY, MAX_CAPACITY};
 
 use crate::abi::event;
@@ -46,7 +47,14 @@ pub struct Config {
 
 impl Config {
     pub fn from_env() -> Config {
-        Config::from_lookup(|name| std::env::var(name).ok())
+        let mut config = Config::from_lookup(|name| std::env::var(name).ok());
+        let names: Vec<String> = std::env::vars_os()
+            .filter_map(|(name, _)| name.into_string().ok())
+            .collect();
+        config
+            .warnings
+            .extend(unknown_variables(names.iter().map(String::as_str)));
+        config
     }
 
     pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Config {
@@ -119,6 +127,26 @@ impl Config {
             warnings,
         }
     }
+}
+
+/// One warning naming every `NCCLSCOPE_*` variable in `names` that neither the plugin nor the
+/// `ncclscope` tools read: a misspelt setting would otherwise stay at its default without a word.
+/// A warning, never an error: the plugin does not fail a job.
+pub fn unknown_variables<'a>(names: impl IntoIterator<Item = &'a str>) -> Option<String> {
+    let known: Vec<&str> = env::PLUGIN.iter().chain(env::TOOLS).copied().collect();
+    let unknown = env::unknown(names, &known);
+    (!unknown.is_empty()).then(|| {
+        format!(
+            "ignoring unknown {} {} (the plugin reads {})",
+            if unknown.len() == 1 {
+                "variable"
+            } else {
+                "variables"
+            },
+            env::describe(&unknown),
+            env::PLUGIN.join(", ")
+        )
+    })
 }
 
 fn parse_int(s: &str) -> Option<u64> {

@@ -2,8 +2,10 @@
 //!
 //! - [`record`] and [`segment`]: the shared-memory channel from the plugin (inside each NCCL process) to
 //!   the node daemon. POD words only; no I/O beyond creating, sealing and mapping the segment.
+//! - [`env`]: the `NCCLSCOPE_*` variables both sides read, to catch a misspelt one.
 //! - [`api`] (feature `grpc`): the daemon's gRPC query API, generated from `ncclscope.proto`.
 
+pub mod env;
 pub mod record;
 pub mod segment;
 
@@ -21,6 +23,13 @@ pub const DEFAULT_API_SOCKET: &str = "/run/ncclscope/api.sock";
 #[allow(clippy::all, missing_docs)]
 pub mod api {
     tonic::include_proto!("ncclscope.v1");
+}
+
+/// The part of Perfetto's trace format `export` writes, generated from `proto/perfetto_trace.proto`.
+#[cfg(feature = "grpc")]
+#[allow(clippy::all, missing_docs)]
+pub mod perfetto {
+    tonic::include_proto!("perfetto.protos");
 }
 
 /// CLOCK_REALTIME in nanoseconds since the Unix epoch: the host time base of every record.

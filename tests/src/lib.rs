@@ -21,12 +21,14 @@ pub fn daemon_binary() -> PathBuf {
     bin
 }
 
-/// Adds `daemon` and its arguments for a daemon whose sockets, spool and state are in `dir`, with
-/// an empty configuration file written there: a test must not pick up the machine's
-/// /etc/ncclscope. Exports and Prometheus are the caller's to set.
+/// Adds `daemon` and its arguments for a daemon whose sockets, spool and state are in `dir`, and
+/// whose configuration is `dir/ncclscope.toml` (written empty unless the test wrote one): a test
+/// must not pick up the machine's /etc/ncclscope. Exports and Prometheus are the caller's to set.
 pub fn daemon_args<'a>(c: &'a mut Command, dir: &Path) -> &'a mut Command {
-    let config = dir.join("empty.toml");
-    std::fs::write(&config, "").unwrap();
+    let config = dir.join("ncclscope.toml");
+    if !config.exists() {
+        std::fs::write(&config, "").unwrap();
+    }
     c.arg("daemon")
         .arg("--config")
         .arg(config)

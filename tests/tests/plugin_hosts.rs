@@ -288,7 +288,7 @@ fn disabled_plugin_returns_an_empty_mask_and_creates_nothing() {
 }
 
 #[test]
-fn invalid_settings_are_logged_once_and_defaults_used() {
+fn invalid_settings_and_unknown_variables_are_logged_once_and_defaults_used() {
     let catcher = Catcher::start();
     let run = run_rank(
         &catcher,
@@ -296,9 +296,22 @@ fn invalid_settings_are_logged_once_and_defaults_used() {
         &[
             ("NCCLSCOPE_EVENT_MASK", "lots"),
             ("NCCLSCOPE_SEGMENT_RECORDS", "100"),
+            // Misspelt and unknown names: one warning for both, and the job runs on.
+            ("NCCLSCOPE_SEGMENT_RECODRS", "1024"),
+            ("NCCLSCOPE_COLOUR", "1"),
         ],
     )
     .unwrap();
+    let unknown: Vec<&str> = (run.stderr.lines())
+        .filter(|l| l.contains("ignoring unknown variables"))
+        .collect();
+    assert_eq!(unknown.len(), 1, "{}", run.stderr);
+    assert!(
+        unknown[0].contains("NCCLSCOPE_SEGMENT_RECODRS (did you mean NCCLSCOPE_SEGMENT_RECORDS?)")
+            && unknown[0].contains("NCCLSCOPE_COLOUR"),
+        "{}",
+        unknown[0]
+    );
     assert_eq!(run.report.mask, 0x46, "default mask Coll | P2p | KernelCh");
     assert_eq!(
         run.stderr.matches("ignoring NCCLSCOPE_EVENT_MASK").count(),

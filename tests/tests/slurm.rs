@@ -77,7 +77,7 @@ impl Daemon {
             .env("SLURM_JOB_UID", UID.to_string())
             .env("SLURM_JOB_GID", UID.to_string())
             .env("NCCLSCOPE_SLURM_CONF", conf)
-            .env("NCCLSCOPE_BIN", ncclscope_tests::daemon_binary())
+            .env("NCCLSCOPE_SLURM_BIN", ncclscope_tests::daemon_binary())
             .env("NCCLSCOPE_API_SOCKET", self.path("api.sock"))
             .output()
             .unwrap()

@@ -1,6 +1,7 @@
 //! An operation becomes an instance: GPU times mapped to host time, exec time, bandwidths.
 
 use ncclscope_proto::StrId;
+use ncclscope_proto::api::LiveSpans;
 
 use super::operations::Op;
 use crate::bandwidth;
@@ -117,5 +118,7 @@ pub(super) fn instance(
         channels,
         is_p2p: op.desc.is_p2p,
         replay: op.replay,
+        // Decided by the engine when it records the instance.
+        live_spans: LiveSpans::None,
     }
 }

@@ -5,39 +5,42 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::config::{Config, Overrides};
+use crate::config::{Config, DEFAULT_CONFIG_PATH, Overrides};
 use crate::hub::Hub;
 use crate::logging::LogFormat;
 
 #[derive(clap::Args)]
+#[command(
+    after_help = "--help lists every configuration key with its variable and default.",
+    after_long_help = crate::config::help()
+)]
 pub struct Args {
-    /// Configuration file (default /etc/ncclscope/ncclscope.toml, optional).
-    #[arg(long)]
+    #[arg(long, value_name = "FILE", help = format!("Configuration file, optional at its default [default: {DEFAULT_CONFIG_PATH}]"))]
     pub config: Option<PathBuf>,
-    /// Registration socket for plugins.
-    #[arg(long)]
+    #[arg(long, value_name = "PATH", help = flag("Registration socket for plugins", "socket"))]
     pub socket: Option<PathBuf>,
-    /// Directory for per-segment resume state.
-    #[arg(long)]
+    #[arg(long, value_name = "DIR", help = flag("Directory for per-segment resume state", "state_dir"))]
     pub state_dir: Option<PathBuf>,
-    /// Query API socket.
-    #[arg(long)]
+    #[arg(long, value_name = "PATH", help = flag("Query API socket", "api_socket"))]
     pub api_socket: Option<PathBuf>,
-    /// Spool directory ("" disables the spool).
-    #[arg(long)]
+    #[arg(long, value_name = "DIR", help = flag("Spool directory (\"\" disables the spool)", "spool.dir"))]
     pub spool_dir: Option<PathBuf>,
-    /// OTLP/gRPC endpoint, e.g. http://127.0.0.1:4317 ("" disables).
-    #[arg(long)]
+    #[arg(long, value_name = "URL", help = flag("OTLP/gRPC endpoint, e.g. http://127.0.0.1:4317 (\"\" disables)", "otlp.endpoint"))]
     pub otlp_endpoint: Option<String>,
-    /// Prometheus endpoint address ("" disables).
-    #[arg(long)]
+    #[arg(long, value_name = "ADDR", help = flag("Prometheus endpoint address (\"\" disables)", "prometheus.listen"))]
     pub prometheus_listen: Option<String>,
-    /// Fraction of collectives exported as spans.
-    #[arg(long)]
+    #[arg(long, value_name = "RATIO", help = flag("Fraction of collectives exported as spans", "otlp.sample_ratio"))]
     pub sample_ratio: Option<f64>,
     /// Log format: auto is journald when stderr is the journal, else text.
     #[arg(long, env = "NCCLSCOPE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Auto)]
     pub log_format: LogFormat,
+}
+
+/// A flag's help: what it sets, with the configuration key, its variable and its default (the
+/// flag overrides both; the defaults come from [`Config::default`], so they cannot drift).
+fn flag(what: &str, key: &str) -> String {
+    let (var, default) = crate::config::key_default(key);
+    format!("{what} [config: {key}] [env: {var}] [default: {default}]")
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {

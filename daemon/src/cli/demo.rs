@@ -22,6 +22,10 @@ use crate::config::Config;
 use crate::hub::Hub;
 
 #[derive(clap::Args)]
+#[command(
+    after_help = "Variables: NCCLSCOPE_PLUGIN, the plugin .so the ranks load [default: the one built next to this \
+                  executable]; NCCLSCOPE_LOG, the in-process daemon's log filter [default: info]."
+)]
 pub struct Args {
     /// Simulated ranks (one process each).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(2..=64))]
@@ -38,7 +42,7 @@ pub struct Args {
     /// Kernel timing path: the device hook (RFC host, CPU-written rings) or stock NCCL's KernelCh events.
     #[arg(long, value_enum, default_value_t = TimingPath::Hook)]
     pub path: TimingPath,
-    /// Also export spans and metrics to this OTLP/gRPC endpoint (e.g. http://127.0.0.1:4317).
+    /// Also export spans and metrics to this OTLP/gRPC endpoint (e.g. http://127.0.0.1:4317; default: none).
     #[arg(long)]
     pub otlp_endpoint: Option<String>,
     /// Where to write the Perfetto trace (default: a file in the temporary directory).
@@ -382,7 +386,7 @@ fn drive(run: &Run<'_>) -> anyhow::Result<Vec<ncclscope_proto::api::RankStats>> 
         job,
         None,
         trace,
-        Format::Perfetto,
+        Format::PerfettoJson,
     ))?;
     println!(
         "Perfetto trace ({n} collective instances): {}  (open it in https://ui.perfetto.dev)",

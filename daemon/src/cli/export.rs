@@ -1,5 +1,5 @@
-//! `ncclscope export --job J -o FILE`: a job's spooled collective instances as a Perfetto/Chrome trace
-//! or OTLP/JSON, read through the daemon's API (during or after the job), or straight from a spool
+//! `ncclscope export --job J -o FILE`: a job's spooled collective instances as a Perfetto trace
+//! (protobuf, or Chrome JSON) or OTLP/JSON, read through the daemon's API (during or after the job), or straight from a spool
 //! directory with `--spool DIR` when no daemon runs.
 
 use std::fs::File;
@@ -13,13 +13,17 @@ use ncclscope_proto::api::{Collective, ExportRequest, ListJobsRequest};
 use crate::api;
 use crate::otlp_json::OtlpJsonWriter;
 use crate::perfetto::PerfettoWriter;
+use crate::perfetto_proto::PerfettoProtoWriter;
 use crate::spool::SpoolReader;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
-    /// Chrome/Perfetto trace JSON (open in ui.perfetto.dev or chrome://tracing).
+    /// Perfetto's protobuf trace (open in ui.perfetto.dev): interned names, delta timestamps, several
+    /// times smaller than the JSON.
     Perfetto,
-    /// OTLP/JSON lines (the OpenTelemetry Collector's otlpjsonfile format).
+    /// Chrome/Perfetto trace JSON (ui.perfetto.dev or chrome://tracing; for scripts and older tools).
+    PerfettoJson,
+    /// OTLP/JSON lines (the OpenTelemetry Collector's otlpjsonfile format): the spans the live export sends.
     OtlpJson,
 }
 
@@ -40,24 +44,119 @@ pub struct Args {
     /// Read this spool directory directly instead of asking the daemon (e.g. while it is down).
     #[arg(long)]
     pub spool: Option<PathBuf>,
+    /// Only instances that end at or after this time: RFC 3339 in UTC (2026-12-05T23:10:00Z) or a
+    /// duration before now (90s, 15m, 2h, 1d). Default: from the job's start.
+    #[arg(long, value_name = "TIME", value_parser = parse_time)]
+    pub since: Option<u64>,
+    /// Only instances that start at or before this time (as --since). Default: to its end.
+    #[arg(long, value_name = "TIME", value_parser = parse_time)]
+    pub until: Option<u64>,
+    /// Only these ranks (repeat or comma-separate). Default: every rank.
+    #[arg(long, value_name = "RANK", value_delimiter = ',')]
+    pub rank: Vec<u32>,
+    /// Only these communicators: a hash (16 hex digits or a prefix of them) or a name (repeat or
+    /// comma-separate). Default: every communicator.
+    #[arg(long, value_name = "COMM", value_delimiter = ',')]
+    pub comm: Vec<String>,
     /// The daemon's query API socket.
     #[arg(long, env = api::API_SOCKET_ENV, default_value = api::DEFAULT_API_SOCKET)]
     pub api_socket: PathBuf,
 }
 
+/// Which instances an export writes; the default keeps all.
+#[derive(Clone, Debug, Default)]
+pub struct Filter {
+    /// Unix ns: an instance that ends before `since` or starts after `until` is left out.
+    pub since: Option<u64>,
+    pub until: Option<u64>,
+    pub ranks: Vec<u32>,
+    /// Hash prefixes (lowercase hex) or names.
+    pub comms: Vec<String>,
+}
+
+impl Filter {
+    pub fn keeps(&self, c: &Collective) -> bool {
+        let (start, end) = crate::perfetto::extent(c);
+        let hash = format!("{:016x}", c.comm_hash);
+        self.since.is_none_or(|t| end >= t)
+            && self.until.is_none_or(|t| start <= t)
+            && (self.ranks.is_empty() || self.ranks.contains(&c.rank))
+            && (self.comms.is_empty()
+                || (self.comms.iter())
+                    .any(|s| s == &c.comm_name || hash.starts_with(&s.to_ascii_lowercase())))
+    }
+}
+
+/// `--since`/`--until`: RFC 3339 in UTC ("2026-12-05T23:10:00Z", fractions of a second allowed), or a
+/// duration before now ("90s", "15m", "2h", "1d"); Unix ns.
+pub fn parse_time(s: &str) -> Result<u64, String> {
+    let bad =
+        || format!("{s:?} is neither a UTC time like 2026-12-05T23:10:00Z nor a duration like 15m");
+    let unit = |u: &str| match u {
+        "s" => Some(1),
+        "m" => Some(60),
+        "h" => Some(3600),
+        "d" => Some(86_400),
+        _ => None,
+    };
+    if let Some(i) = s.find(|c: char| !c.is_ascii_digit())
+        && i > 0
+        && let Some(secs) = unit(&s[i..])
+    {
+        let n: u64 = s[..i].parse().map_err(|_| bad())?;
+        let ago = n.checked_mul(secs * 1_000_000_000).ok_or_else(bad)?;
+        return Ok(ncclscope_proto::now_ns().saturating_sub(ago));
+    }
+    let t = s.strip_suffix('Z').ok_or_else(bad)?;
+    let (date, time) = t.split_once('T').ok_or_else(bad)?;
+    let num = |v: &str| v.parse::<u64>().map_err(|_| bad());
+    let d: Vec<&str> = date.split('-').collect();
+    let (whole, frac) = time.split_once('.').unwrap_or((time, ""));
+    let hms: Vec<&str> = whole.split(':').collect();
+    if d.len() != 3 || hms.len() != 3 || frac.len() > 9 || !frac.bytes().all(|b| b.is_ascii_digit())
+    {
+        return Err(bad());
+    }
+    let (y, m, day) = (num(d[0])?, num(d[1])?, num(d[2])?);
+    let (h, min, sec) = (num(hms[0])?, num(hms[1])?, num(hms[2])?);
+    if y < 1970
+        || !(1..=12).contains(&m)
+        || !(1..=31).contains(&day)
+        || h > 23
+        || min > 59
+        || sec > 60
+    {
+        return Err(bad());
+    }
+    // Days from 1970-01-01 to the date (the proleptic Gregorian calendar, in March-based years).
+    let (y, m) = if m <= 2 { (y - 1, m + 9) } else { (y, m - 3) };
+    let days = 365 * y + y / 4 - y / 100 + y / 400 + (153 * m + 2) / 5 + day - 1 - 719_468;
+    let nanos: u64 = format!("{frac:0<9}").parse().map_err(|_| bad())?;
+    Ok(((days * 86_400 + h * 3600 + min * 60 + sec) * 1_000_000_000) + nanos)
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let filter = Filter {
+        since: args.since,
+        until: args.until,
+        ranks: args.rank,
+        comms: args.comm,
+    };
     let n = match &args.spool {
-        Some(dir) => export_from_spool(dir, &args.job, args.uid, &args.output, args.format)?,
+        Some(dir) => {
+            export_from_spool(dir, &args.job, args.uid, &args.output, args.format, &filter)?
+        }
         None => {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
-            rt.block_on(export_via_api(
+            rt.block_on(export_via_api_where(
                 &args.api_socket,
                 &args.job,
                 args.uid,
                 &args.output,
                 args.format,
+                &filter,
             ))?
         }
     };
@@ -77,7 +176,8 @@ struct TraceFile {
 }
 
 enum Writer {
-    Perfetto(PerfettoWriter<BufWriter<File>>),
+    Perfetto(PerfettoProtoWriter<BufWriter<File>>),
+    PerfettoJson(PerfettoWriter<BufWriter<File>>),
     Otlp(OtlpJsonWriter<BufWriter<File>>),
 }
 
@@ -90,7 +190,8 @@ impl TraceFile {
             File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
         );
         let writer = match format {
-            Format::Perfetto => Writer::Perfetto(PerfettoWriter::new(file)?),
+            Format::Perfetto => Writer::Perfetto(PerfettoProtoWriter::new(file)),
+            Format::PerfettoJson => Writer::PerfettoJson(PerfettoWriter::new(file)?),
             Format::OtlpJson => Writer::Otlp(OtlpJsonWriter::new(file)),
         };
         Ok(TraceFile {
@@ -103,6 +204,7 @@ impl TraceFile {
     fn write(&mut self, c: &Collective) -> anyhow::Result<()> {
         let r = match &mut self.writer {
             Writer::Perfetto(w) => w.write(c),
+            Writer::PerfettoJson(w) => w.write(c),
             Writer::Otlp(w) => w.write(c),
         };
         r.with_context(|| format!("writing {}", self.tmp.display()))
@@ -111,6 +213,7 @@ impl TraceFile {
     fn finish(self) -> anyhow::Result<u64> {
         let (n, file) = match self.writer {
             Writer::Perfetto(w) => (w.collectives(), w.finish()?),
+            Writer::PerfettoJson(w) => (w.collectives(), w.finish()?),
             Writer::Otlp(w) => (w.collectives(), w.finish()?),
         };
         file.into_inner().map_err(|e| e.into_error())?.sync_all()?;
@@ -138,13 +241,26 @@ fn progress(total: Option<u64>) -> ProgressBar {
     }
 }
 
-/// Exports through the daemon's Export call; returns the number of instances written.
+/// Exports every instance of `job` through the daemon's Export call; returns the number written.
 pub async fn export_via_api(
     socket: &Path,
     job: &str,
     uid: Option<u32>,
     output: &Path,
     format: Format,
+) -> anyhow::Result<u64> {
+    export_via_api_where(socket, job, uid, output, format, &Filter::default()).await
+}
+
+/// Exports the instances of `job` that `filter` keeps through the daemon's Export call; returns the
+/// number written.
+pub async fn export_via_api_where(
+    socket: &Path,
+    job: &str,
+    uid: Option<u32>,
+    output: &Path,
+    format: Format,
+    filter: &Filter,
 ) -> anyhow::Result<u64> {
     let mut client = api::connect(socket).await?;
     let jobs = client.list_jobs(ListJobsRequest {}).await?.into_inner();
@@ -173,11 +289,14 @@ pub async fn export_via_api(
             }
         };
         let Some(c) = next else { break };
+        bar.inc(1);
+        if !filter.keeps(&c) {
+            continue;
+        }
         if let Err(e) = file.write(&c) {
             file.abandon();
             return Err(e);
         }
-        bar.inc(1);
     }
     bar.finish_and_clear();
     file.finish()
@@ -190,6 +309,7 @@ pub fn export_from_spool(
     uid: Option<u32>,
     output: &Path,
     format: Format,
+    filter: &Filter,
 ) -> anyhow::Result<u64> {
     let spool = SpoolReader::open_dir(dir)?;
     let key = spool.find(job, uid).map_err(|e| {
@@ -202,7 +322,13 @@ pub fn export_from_spool(
     let mut file = TraceFile::create(output, format)?;
     let bar = progress(None);
     for c in spool.read_job(&key) {
-        let written = c.map_err(anyhow::Error::from).and_then(|c| file.write(&c));
+        let written = (c.map_err(anyhow::Error::from)).and_then(|c| {
+            if filter.keeps(&c) {
+                file.write(&c)
+            } else {
+                Ok(())
+            }
+        });
         if let Err(e) = written {
             file.abandon();
             return Err(e.context(format!("exporting job {job:?} from {}", dir.display())));
@@ -211,4 +337,80 @@ pub fn export_from_spool(
     }
     bar.finish_and_clear();
     file.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_parse_as_utc_or_as_a_duration_before_now() {
+        assert_eq!(
+            parse_time("2026-12-05T23:10:00Z"),
+            Ok(1_796_512_200_000_000_000)
+        );
+        assert_eq!(
+            parse_time("2000-02-29T00:00:00.25Z"),
+            Ok(951_782_400_250_000_000)
+        );
+        let ago = ncclscope_proto::now_ns() - parse_time("15m").unwrap();
+        assert!((899_000_000_000..=900_000_000_000).contains(&ago), "{ago}");
+        for bad in [
+            "yesterday",
+            "2026-12-05 23:10:00",
+            "2026-13-01T00:00:00Z",
+            "15x",
+            "m",
+        ] {
+            assert!(parse_time(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_filter_keeps_overlapping_times_listed_ranks_and_communicators() {
+        let c = Collective {
+            comm_hash: 0x5eed0ddec0ffee01,
+            comm_name: "dp".into(),
+            rank: 3,
+            start_unix_ns: 1_000,
+            end_unix_ns: 2_000,
+            ..Default::default()
+        };
+        let keeps = |f: Filter| f.keeps(&c);
+        assert!(keeps(Filter::default()));
+        assert!(keeps(Filter {
+            since: Some(2_000),
+            until: Some(1_000),
+            ..Default::default()
+        }));
+        assert!(!keeps(Filter {
+            since: Some(2_001),
+            ..Default::default()
+        }));
+        assert!(!keeps(Filter {
+            until: Some(999),
+            ..Default::default()
+        }));
+        assert!(keeps(Filter {
+            ranks: vec![1, 3],
+            ..Default::default()
+        }));
+        assert!(!keeps(Filter {
+            ranks: vec![1],
+            ..Default::default()
+        }));
+        for comm in ["5EED0d", "5eed0ddec0ffee01", "dp"] {
+            assert!(
+                keeps(Filter {
+                    comms: vec![comm.into()],
+                    ..Default::default()
+                }),
+                "{comm}"
+            );
+        }
+        assert!(!keeps(Filter {
+            comms: vec!["5eed1".into(), "tp".into()],
+            ..Default::default()
+        }));
+    }
 }

@@ -51,9 +51,18 @@ pub async fn fetch(
     let mut client = api::connect(socket).await?;
     let mut jobs = client.list_jobs(ListJobsRequest {}).await?.into_inner();
     if !job.is_empty() {
+        let known: Vec<String> = (jobs.jobs.iter().take(10))
+            .map(|j| format!("{:?}", j.job_id))
+            .collect();
         jobs.jobs.retain(|j| j.job_id == job);
         if jobs.jobs.is_empty() && require_job {
-            anyhow::bail!("the daemon has no job {job:?}");
+            match known.is_empty() {
+                true => anyhow::bail!("the daemon has no job {job:?} (it has none)"),
+                false => anyhow::bail!(
+                    "the daemon has no job {job:?} (it has {})",
+                    known.join(", ")
+                ),
+            }
         }
     }
     let stats = client
