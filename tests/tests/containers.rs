@@ -120,9 +120,11 @@ impl Node {
     /// timestamps of its log.
     fn attached_after_start(&self, n: usize) -> Duration {
         let at = |line: &str| -> Option<f64> {
-            let plain: String = line
-                .split('\x1b')
-                .map(|p| p.split_once('m').map_or(p, |(_, r)| r))
+            // Colour codes (ESC [ ... m) out, if the log has any.
+            let mut parts = line.split('\x1b');
+            let first = parts.next().unwrap_or_default();
+            let plain: String = std::iter::once(first)
+                .chain(parts.map(|p| p.split_once('m').map_or(p, |(_, r)| r)))
                 .collect();
             let time = plain
                 .split_whitespace()
@@ -144,7 +146,7 @@ impl Node {
             .filter(|l| l.contains("segment attached"))
             .filter_map(|l| at(l))
             .collect();
-        let started = at(lines[start]).unwrap();
+        let started = at(lines[start]).expect("a timestamp on the start line");
         Duration::from_secs_f64(attached[n - 1] - started)
     }
 

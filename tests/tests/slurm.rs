@@ -59,7 +59,7 @@ impl Daemon {
             &conf,
             format!(
                 "NCCLSCOPE_SLURM_PLUGIN={}\nNCCLSCOPE_SLURM_EXPORT_DIR={}\n\
-                 NCCLSCOPE_SLURM_EXPORT_FORMAT=perfetto\nNCCLSCOPE_SLURM_SETTLE_SECONDS=0\n",
+                 NCCLSCOPE_SLURM_EXPORT_FORMAT=perfetto-json\nNCCLSCOPE_SLURM_SETTLE_SECONDS=0\n",
                 ncclscope_fakenccl::plugin_path().unwrap().display(),
                 export_dir.display()
             ),
