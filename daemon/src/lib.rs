@@ -21,6 +21,7 @@ pub mod perfetto;
 pub mod prometheus;
 pub mod ratelimit;
 pub mod register;
+pub mod resend;
 pub mod resume;
 pub mod run;
 pub mod socket;
