@@ -72,10 +72,16 @@ fn scope() -> InstrumentationScope {
     }
 }
 
+/// A receiver that accepts and then stops answering keeps its connection established: a request
+/// that times out leaves it open, and every later request would wait on it, even once the receiver
+/// answers again on a new connection. So while requests are open, a connection that answers no
+/// HTTP/2 PING within `timeout` is closed, and the next request connects anew.
 pub fn channel(endpoint: &str, timeout: Duration) -> Result<Channel, tonic::transport::Error> {
     Ok(Endpoint::from_shared(endpoint.to_string())?
         .timeout(timeout)
         .connect_timeout(timeout)
+        .http2_keep_alive_interval(timeout)
+        .keep_alive_timeout(timeout)
         .connect_lazy())
 }
 
