@@ -142,6 +142,7 @@ fn ingest(ranks: u64, spool: bool) -> (f64, f64) {
         spans: None,
         metrics: None,
         export_counters: Arc::default(),
+        dropped: None,
         prometheus: prom,
     };
     let spool = spool.then(|| {
@@ -252,6 +253,7 @@ fn export() -> f64 {
             rx,
             mrx,
             counters.clone(),
+            None,
         ));
         let acked = Arc::new(AtomicU64::new(0));
         let n = 200_000u64;
@@ -280,7 +282,7 @@ fn export() -> f64 {
             coll.inst.seq = seq;
             tx.send(SpanItem {
                 coll,
-                acked: acked.clone(),
+                acked: Some(acked.clone()),
                 emit_no: seq + 1,
             })
             .await

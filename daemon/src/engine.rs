@@ -36,6 +36,7 @@ use crate::instance::{InstanceRef, Shared};
 use crate::loss::{Loss, Losses};
 use crate::metrics::{self, Health};
 use crate::otlp::{ExportCounters, SpanItem};
+use crate::resend::Dropped;
 use crate::resume::{self, SegmentState};
 use crate::spool::{JobKey, Origin, Position};
 use crate::stats::Stats;
@@ -97,6 +98,9 @@ pub struct Outputs {
     pub spans: Option<mpsc::Sender<SpanItem>>,
     pub metrics: Option<mpsc::Sender<Vec<Metric>>>,
     pub export_counters: Arc<ExportCounters>,
+    /// Where instances refused by a full export queue are remembered for re-sending from the spool
+    /// (`None` without a spool or an exporter).
+    pub dropped: Option<Arc<Dropped>>,
     pub prometheus: watch::Sender<Arc<String>>,
 }
 
@@ -759,7 +763,7 @@ impl Engine {
                             };
                             match tx.try_send(SpanItem {
                                 coll,
-                                acked: seg.acked.clone(),
+                                acked: Some(seg.acked.clone()),
                                 emit_no,
                             }) {
                                 Ok(()) => {
@@ -769,9 +773,20 @@ impl Engine {
                                         seg.unacked.push(emit_no, c.first_pos, c.op_id);
                                     }
                                 }
-                                Err(_) => {
+                                Err(e) => {
                                     self.daemon_lost.add(Loss::ExportQueueFull, 1);
                                     flags |= done::EXPORTED;
+                                    if let Some(d) = &self.out.dropped {
+                                        let c = e.into_inner().coll;
+                                        let v = c.view();
+                                        let key = crate::resend::key(v);
+                                        d.remember(
+                                            v.uid(),
+                                            v.job_id(),
+                                            key,
+                                            &self.out.export_counters,
+                                        );
+                                    }
                                 }
                             }
                         }
@@ -902,6 +917,10 @@ impl Engine {
             "export_dropped".into(),
             ec.spans_dropped.load(Ordering::Relaxed),
         );
+        lost.insert(
+            "export_not_resent".into(),
+            ec.not_resent.load(Ordering::Relaxed),
+        );
         for (stage, n) in asm.losses() {
             lost.insert(stage.into(), n);
         }
@@ -924,6 +943,7 @@ impl Engine {
             collectives: self.collectives,
             lost,
             spans_exported: ec.spans_exported.load(Ordering::Relaxed),
+            export_resent: ec.resent.load(Ordering::Relaxed),
             export_errors: ec.export_errors.load(Ordering::Relaxed),
             max_calibration_error_ns: max_cal,
             dev_work: asm.dev_work,
@@ -1276,6 +1296,7 @@ mod tests {
             spans: None,
             metrics: None,
             export_counters: Arc::default(),
+            dropped: None,
             prometheus: prom,
         };
         (Engine::new(Arc::new(cfg), hub.clone(), spool, out), rx, hub)
@@ -1755,6 +1776,7 @@ mod tests {
             spans: Some(spans),
             metrics: None,
             export_counters: Arc::default(),
+            dropped: None,
             prometheus: watch::channel(Arc::new(String::new())).0,
         };
         let mut e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out);
@@ -1783,6 +1805,47 @@ mod tests {
         e.commit_all(true);
         assert_eq!(e.health().collectives, 2);
         assert_eq!(p.segment().tail(), first, "neither span acknowledged");
+    }
+
+    /// Issue 22: an instance the full export queue refuses is counted and remembered for re-sending
+    /// from the spool; a queued one still carries its segment's acknowledgement.
+    #[test]
+    fn instances_refused_by_a_full_export_queue_are_remembered_for_re_sending() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config {
+            state_dir: dir.path().to_path_buf(),
+            ..Config::default()
+        };
+        let (spans, mut queued) = mpsc::channel(1);
+        let dropped = Arc::new(Dropped::new(crate::resend::MAX_REMEMBERED));
+        let out = Outputs {
+            spans: Some(spans),
+            metrics: None,
+            export_counters: Arc::default(),
+            dropped: Some(dropped.clone()),
+            prometheus: watch::channel(Arc::new(String::new())).0,
+        };
+        let mut e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out);
+        let mut p = producer(64);
+        write_dictionary(&mut p);
+        for seq in 0..3 {
+            p.push(&coll_start(seq));
+            p.push(&Record::OpStop {
+                comm: 0,
+                id: seq + 1,
+                host_ns: 10 + seq,
+            });
+        }
+        let _conn = hand_over(&mut e, &p);
+        e.tick();
+        assert_eq!(e.health().lost["export_queue_full"], 2);
+        assert_eq!(dropped.held(), 2, "both refused instances remembered");
+        let first = queued.try_recv().unwrap();
+        assert_eq!(first.coll.inst.seq, 0);
+        assert!(
+            first.acked.is_some(),
+            "a live span is acknowledged to its segment"
+        );
     }
 
     /// Loss counters come from headers their owners write: one uid's segment can raise the node's

@@ -22,6 +22,7 @@ pub mod perfetto_proto;
 pub mod prometheus;
 pub mod ratelimit;
 pub mod register;
+pub mod resend;
 pub mod resume;
 pub mod run;
 pub mod socket;

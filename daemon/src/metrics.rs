@@ -72,6 +72,8 @@ pub struct Health {
     /// Per stage: every plugin counter (ring_full, queue_full, dev_lost, ...) and the daemon's own.
     pub lost: BTreeMap<String, u64>,
     pub spans_exported: u64,
+    /// Instances whose dropped spans were queued again from the spool.
+    pub export_resent: u64,
     pub export_errors: u64,
     pub max_calibration_error_ns: u32,
     pub dev_work: u64,
@@ -214,6 +216,13 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
         "ncclscope_spans_exported_total",
         "Spans accepted by the OTLP receiver",
         health.spans_exported,
+    ));
+    out.push(counter(
+        "ncclscope_export_resent_total",
+        "Instances whose spans were dropped (queue full, or given up) and queued again from the spool \
+         once the OTLP receiver answered (ncclscope_lost_total{stage=\"export_not_resent\"}: those that \
+         could not be)",
+        health.export_resent,
     ));
     out.push(counter(
         "ncclscope_forced_commits_total",

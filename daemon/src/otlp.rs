@@ -2,12 +2,14 @@
 //! backoff, and dropped (counted) when the receiver stays away; plus the periodic metrics export.
 //! Each span item carries an acknowledgement the engine waits for before it commits the segment
 //! records behind it, so spans still queued when the daemon is killed are re-read and re-exported.
+//! Instances whose spans are given up are remembered for [`crate::resend`], which re-sends them from
+//! the spool once the receiver answers again.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::instance::Shared;
+use crate::instance::{Names, Shared};
 use opentelemetry_proto::tonic::collector::metrics::v1::ExportMetricsServiceRequest;
 use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_client::MetricsServiceClient;
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
@@ -20,14 +22,16 @@ use tokio::sync::mpsc;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::config::Otlp;
+use crate::resend::{self, Dropped};
 use crate::spans;
 
 /// One instance to export. `acked` is its segment's acknowledgement cursor: after the attempt ends
 /// (accepted, or given up and counted) it is raised to `emit_no`. Items of one segment are queued in
-/// `emit_no` order and handled in queue order, so the cursor only moves forward.
+/// `emit_no` order and handled in queue order, so the cursor only moves forward. An instance re-sent
+/// from the spool has none: no segment waits on it.
 pub struct SpanItem {
     pub coll: Shared,
-    pub acked: Arc<AtomicU64>,
+    pub acked: Option<Arc<AtomicU64>>,
     pub emit_no: u64,
 }
 
@@ -38,6 +42,11 @@ pub struct ExportCounters {
     pub spans_dropped: AtomicU64,
     pub export_errors: AtomicU64,
     pub metrics_exported: AtomicU64,
+    /// Dropped instances queued again from the spool.
+    pub resent: AtomicU64,
+    /// Dropped instances that will not be re-sent: past the bound on those remembered, or no longer
+    /// in the spool.
+    pub not_resent: AtomicU64,
 }
 
 fn resource(host: &str) -> Resource {
@@ -63,10 +72,16 @@ fn scope() -> InstrumentationScope {
     }
 }
 
+/// A receiver that accepts and then stops answering keeps its connection established: a request
+/// that times out leaves it open, and every later request would wait on it, even once the receiver
+/// answers again on a new connection. So while requests are open, a connection that answers no
+/// HTTP/2 PING within `timeout` is closed, and the next request connects anew.
 pub fn channel(endpoint: &str, timeout: Duration) -> Result<Channel, tonic::transport::Error> {
     Ok(Endpoint::from_shared(endpoint.to_string())?
         .timeout(timeout)
         .connect_timeout(timeout)
+        .http2_keep_alive_interval(timeout)
+        .keep_alive_timeout(timeout)
         .connect_lazy())
 }
 
@@ -74,14 +89,23 @@ pub fn channel(endpoint: &str, timeout: Duration) -> Result<Channel, tonic::tran
 /// acknowledged only after every batch queued before it.
 const MAX_IN_FLIGHT: usize = 4;
 
-/// A batch being sent: its items' acknowledgement cursors (raised when it is done) and the task.
+/// A batch being sent: its items (acknowledged when it is done, remembered if it is given up) and
+/// the task.
 struct InFlight {
-    items: Vec<(Arc<AtomicU64>, u64)>,
+    items: Vec<Sent>,
     /// (exported, spans in the batch).
     task: tokio::task::JoinHandle<(bool, u64)>,
 }
 
-/// Runs until `spans` and `metrics` are both closed and drained.
+/// What a batch keeps of each item once its instance went to the send task.
+struct Sent {
+    acked: Option<(Arc<AtomicU64>, u64)>,
+    /// The instance's job and [`resend::key`], when dropped instances are remembered.
+    dropped: Option<(Arc<Names>, u64)>,
+}
+
+/// Runs until `spans` and `metrics` are both closed and drained. With `dropped`, instances given up
+/// are remembered there, and every attempt's outcome tells it whether the receiver answers.
 pub async fn run(
     cfg: Otlp,
     host: String,
@@ -89,6 +113,7 @@ pub async fn run(
     mut spans: mpsc::Receiver<SpanItem>,
     mut metrics: mpsc::Receiver<Vec<Metric>>,
     counters: Arc<ExportCounters>,
+    dropped: Option<Arc<Dropped>>,
 ) {
     let traces = TraceServiceClient::new(channel.clone());
     let mut metric_client = MetricsServiceClient::new(channel);
@@ -110,33 +135,42 @@ pub async fn run(
                         }
                     }
                     if in_flight.len() >= MAX_IN_FLIGHT {
-                        finish(in_flight.pop_front().expect("non-empty"), &counters).await;
+                        finish(in_flight.pop_front().expect("non-empty"), &counters, dropped.as_deref()).await;
                     }
-                    let (colls, acks): (Vec<Shared>, Vec<_>) = batch.into_iter().map(|i| (i.coll, (i.acked, i.emit_no))).unzip();
-                    let task = tokio::spawn(send_spans(cfg.clone(), host.clone(), traces.clone(), colls, counters.clone()));
-                    in_flight.push_back(InFlight { items: acks, task });
+                    let (colls, items): (Vec<Shared>, Vec<Sent>) = batch
+                        .into_iter()
+                        .map(|i| {
+                            let sent = Sent {
+                                acked: i.acked.map(|a| (a, i.emit_no)),
+                                dropped: dropped.is_some().then(|| (i.coll.names.clone(), resend::key(i.coll.view()))),
+                            };
+                            (i.coll, sent)
+                        })
+                        .unzip();
+                    let task = tokio::spawn(send_spans(cfg.clone(), host.clone(), traces.clone(), colls, counters.clone(), dropped.clone()));
+                    in_flight.push_back(InFlight { items, task });
                 }
                 None => spans_open = false,
             },
             m = metrics.recv(), if metrics_open => match m {
-                Some(m) => send_metrics(&cfg, &host, &mut metric_client, m, &counters).await,
+                Some(m) => send_metrics(&cfg, &host, &mut metric_client, m, &counters, dropped.as_deref()).await,
                 None => metrics_open = false,
             },
             ok = front_done(&mut in_flight), if !in_flight.is_empty() => {
                 let f = in_flight.pop_front().expect("non-empty");
-                acknowledge(f.items, ok, &counters);
+                acknowledge(f.items, ok, &counters, dropped.as_deref());
             },
         }
     }
     while let Some(f) = in_flight.pop_front() {
-        finish(f, &counters).await;
+        finish(f, &counters, dropped.as_deref()).await;
     }
 }
 
 /// Waits for a batch and acknowledges its items.
-async fn finish(f: InFlight, counters: &ExportCounters) {
+async fn finish(f: InFlight, counters: &ExportCounters, dropped: Option<&Dropped>) {
     let ok = f.task.await.unwrap_or((false, 0));
-    acknowledge(f.items, ok, counters);
+    acknowledge(f.items, ok, counters, dropped);
 }
 
 /// Whether the oldest batch in flight was exported, and its spans (resolves when it is done).
@@ -147,18 +181,25 @@ async fn front_done(q: &mut std::collections::VecDeque<InFlight>) -> (bool, u64)
     }
 }
 
-/// Acknowledges items whose attempt ended: exported, or given up and their spans counted as
-/// dropped (in spans, as `spans_exported` counts them: the two add up to what was sent).
+/// Acknowledges items whose attempt ended: exported, or given up, their spans counted as dropped
+/// (in spans, as `spans_exported` counts them: the two add up to what was sent) and their instances
+/// remembered for re-sending.
 fn acknowledge(
-    items: Vec<(Arc<AtomicU64>, u64)>,
+    items: Vec<Sent>,
     (ok, spans): (bool, u64),
     counters: &ExportCounters,
+    dropped: Option<&Dropped>,
 ) {
     if !ok {
         counters.spans_dropped.fetch_add(spans, Ordering::Relaxed);
     }
-    for (acked, emit_no) in items {
-        acked.fetch_max(emit_no, Ordering::Release);
+    for item in items {
+        if let Some((acked, emit_no)) = item.acked {
+            acked.fetch_max(emit_no, Ordering::Release);
+        }
+        if !ok && let (Some(d), Some((names, key))) = (dropped, item.dropped) {
+            d.remember(names.uid, &names.job_id, key, counters);
+        }
     }
 }
 
@@ -169,9 +210,10 @@ async fn send_spans(
     client: TraceServiceClient<Channel>,
     colls: Vec<Shared>,
     counters: Arc<ExportCounters>,
+    dropped: Option<Arc<Dropped>>,
 ) -> (bool, u64) {
     let mut n = 0;
-    let ok = with_retry(&cfg, &counters, || {
+    let ok = with_retry(&cfg, &counters, dropped.as_deref(), || {
         let mut otlp_spans = Vec::with_capacity(colls.len() * 2);
         for c in &colls {
             spans::live_spans_of(c.view(), &mut otlp_spans);
@@ -204,6 +246,7 @@ async fn send_metrics(
     client: &mut MetricsServiceClient<Channel>,
     metrics: Vec<Metric>,
     counters: &ExportCounters,
+    dropped: Option<&Dropped>,
 ) {
     let request = ExportMetricsServiceRequest {
         resource_metrics: vec![ResourceMetrics {
@@ -216,7 +259,7 @@ async fn send_metrics(
             ..Default::default()
         }],
     };
-    let ok = with_retry(cfg, counters, || {
+    let ok = with_retry(cfg, counters, dropped, || {
         let mut c = client.clone();
         let r = request.clone();
         async move { c.export(r).await.map(|_| ()) }
@@ -227,15 +270,24 @@ async fn send_metrics(
     }
 }
 
-/// Up to `max_attempts` tries, 100 ms doubling to 5 s between them.
-async fn with_retry<F, Fut>(cfg: &Otlp, counters: &ExportCounters, mut attempt: F) -> bool
+/// Up to `max_attempts` tries, 100 ms doubling to 5 s between them; each outcome goes to `dropped`.
+async fn with_retry<F, Fut>(
+    cfg: &Otlp,
+    counters: &ExportCounters,
+    dropped: Option<&Dropped>,
+    mut attempt: F,
+) -> bool
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<(), tonic::Status>>,
 {
     let mut backoff = Duration::from_millis(100);
     for i in 0..cfg.max_attempts {
-        match attempt().await {
+        let outcome = attempt().await;
+        if let Some(d) = dropped {
+            d.answered(outcome.is_ok());
+        }
+        match outcome {
             Ok(()) => return true,
             Err(status) => {
                 counters.export_errors.fetch_add(1, Ordering::Relaxed);
@@ -282,17 +334,25 @@ mod tests {
                 ..Default::default()
             });
             spans::live_spans_of(coll.view(), &mut produced);
-            let acked = Arc::new(AtomicU64::new(0));
             let item = SpanItem {
                 coll,
-                acked,
+                acked: Some(Arc::new(AtomicU64::new(0))),
                 emit_no: 1,
             };
             tx.send(item).await.unwrap();
         }
         drop(tx);
         drop(_metrics_tx);
-        run(cfg, "h".into(), channel, rx, metrics_rx, counters.clone()).await;
+        run(
+            cfg,
+            "h".into(),
+            channel,
+            rx,
+            metrics_rx,
+            counters.clone(),
+            None,
+        )
+        .await;
         assert_eq!(produced.len(), 4, "rank 0 also carries the root span");
         assert_eq!(counters.spans_dropped.load(Ordering::Relaxed), 4);
         assert_eq!(counters.spans_exported.load(Ordering::Relaxed), 0);

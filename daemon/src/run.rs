@@ -16,6 +16,7 @@ use crate::config::Config;
 use crate::engine::{Attach, Engine, Handover, Outputs, SegmentKey};
 use crate::hub::{Durable, Hub};
 use crate::otlp::{self, ExportCounters};
+use crate::resend::{self, Dropped};
 use crate::spool::{Spool, SpoolLimits};
 use crate::{activation, api, notify, prometheus, register};
 
@@ -176,6 +177,7 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
         spans: None,
         metrics: None,
         export_counters: export_counters.clone(),
+        dropped: None,
         prometheus: prom_tx,
     };
     let exporter = if cfg.otlp.endpoint.is_empty() {
@@ -188,6 +190,18 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
         .with_context(|| format!("otlp.endpoint {}", cfg.otlp.endpoint))?;
         let (span_tx, span_rx) = mpsc::channel(cfg.otlp.queue_spans);
         let (metrics_tx, metrics_rx) = mpsc::channel(2);
+        // Dropped spans can be re-sent only from a spool. The re-sender ends once the engine's
+        // sender is gone, so it never keeps the queue open at shutdown.
+        if let Some(reader) = &reader {
+            let dropped = Arc::new(Dropped::new(resend::MAX_REMEMBERED));
+            tokio::spawn(resend::run(
+                dropped.clone(),
+                reader.clone(),
+                span_tx.downgrade(),
+                export_counters.clone(),
+            ));
+            outputs.dropped = Some(dropped);
+        }
         outputs.spans = Some(span_tx);
         outputs.metrics = Some(metrics_tx);
         Some(tokio::spawn(otlp::run(
@@ -197,6 +211,7 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
             span_rx,
             metrics_rx,
             export_counters.clone(),
+            outputs.dropped.clone(),
         )))
     };
     let (reg_tx, reg_rx) = std::sync::mpsc::channel();

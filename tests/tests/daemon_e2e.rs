@@ -10,6 +10,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
@@ -1848,4 +1850,233 @@ fn a_collector_that_never_answers_costs_the_spool_and_the_metrics_nothing() {
         "{text}"
     );
     assert_eq!(sample(&text, "ncclscope_spans_exported_total"), Some(0.0));
+}
+
+/// A TCP front for an OTLP receiver that is down until `up` is set: while down it accepts each
+/// connection and closes it at once, or with `hang` holds it open and answers nothing (every export
+/// attempt fails, at once or at its timeout); once up it relays new connections both ways to `to`,
+/// so the daemon keeps the one endpoint it was given.
+fn flaky_front(to: std::net::SocketAddr, up: Arc<AtomicBool>, hang: bool) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { continue };
+            if !up.load(Ordering::SeqCst) {
+                if hang {
+                    held.push(conn);
+                }
+                continue;
+            }
+            let Ok(back) = std::net::TcpStream::connect(to) else {
+                continue;
+            };
+            let (conn2, back2) = (conn.try_clone().unwrap(), back.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut &conn, &mut &back);
+                let _ = back.shutdown(std::net::Shutdown::Write);
+            });
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut &back2, &mut &conn2);
+                let _ = conn2.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    endpoint
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Issue 22: spans given up while the collector was down are re-sent from the spool once it
+/// answers. 2 ranks x 1,000 collectives complete while every export attempt fails; after all 3,000
+/// spans are counted dropped the collector comes up, and every one of them arrives with the ids and
+/// times the live export would have given it, counted as re-sent, none as not re-sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_dropped_while_the_collector_is_down_are_re_sent_from_the_spool_once_it_answers() {
+    dropped_spans_re_sent_once_the_collector_answers(false).await;
+}
+
+/// The same with a collector that accepts and never answers (each attempt fails at its 1 s
+/// timeout): the exporter must leave the hung connections for one that answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_dropped_while_the_collector_hangs_are_re_sent_from_the_spool_once_it_answers() {
+    dropped_spans_re_sent_once_the_collector_answers(true).await;
+}
+
+async fn dropped_spans_re_sent_once_the_collector_answers(hang: bool) {
+    const NRANKS: u32 = 2;
+    const NCOLLS: u64 = 1000;
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let up = Arc::new(AtomicBool::new(false));
+    let mut h = Harness::new(&flaky_front(collector.address(), up.clone(), hang));
+    // Two attempts a batch, 1 s each at most: the outage drops everything within seconds.
+    let config = std::fs::read_to_string(&h.config).unwrap();
+    let otlp = "[otlp]\nmax_attempts = 2\nrequest_timeout_ms = 1000\n";
+    std::fs::write(&h.config, config.replace("[otlp]\n", otlp)).unwrap();
+    h.start_daemon();
+    h.start_ranks(NRANKS, NCOLLS, 100);
+    h.wait_ranks();
+    wait_job(&h, NRANKS as u64 * NCOLLS, Duration::from_secs(60));
+    // Each rank's span, and rank 0's root.
+    let total = ((NRANKS as u64 + 1) * NCOLLS) as usize;
+    let dropped = "ncclscope_lost_total{stage=\"export_dropped\"}";
+    let t = Instant::now();
+    while sample(&h.metrics(), dropped) != Some(total as f64) {
+        assert!(t.elapsed() < Duration::from_secs(120), "{}", h.metrics());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let down_for = t.elapsed();
+    up.store(true, Ordering::SeqCst);
+    let t = Instant::now();
+    let mut spans = Vec::new();
+    let unique = |s: &[ExportedSpan]| s.iter().map(|s| &s.span_id).collect::<BTreeSet<_>>().len();
+    collect(&mut collector, &mut spans, Duration::from_secs(60), |s| {
+        unique(s) >= total
+    })
+    .await;
+    let resent_in = t.elapsed();
+    assert_eq!(unique(&spans), total, "every dropped span re-sent");
+
+    let uid = rustix::process::getuid().as_raw();
+    let by_id: HashMap<&str, &ExportedSpan> =
+        spans.iter().map(|s| (s.span_id.as_str(), s)).collect();
+    for seq in 0..NCOLLS {
+        let key = ncclscope::spans::collective_key("AllReduce", seq, 0);
+        let trace = hex(&ncclscope::spans::trace_id(uid, COMM_HASH, key));
+        let root = hex(&ncclscope::spans::root_span_id(uid, COMM_HASH, key));
+        assert_eq!(by_id[root.as_str()].trace_id, trace, "seq {seq}: root");
+        for rank in 0..NRANKS {
+            let id = hex(&ncclscope::spans::rank_span_id(uid, COMM_HASH, key, rank));
+            let s = by_id[id.as_str()];
+            assert_eq!((&s.trace_id, &s.parent_span_id), (&trace, &root));
+            let (start, _) = gpu_times(rank, seq, 0);
+            let (_, end) = gpu_times(rank, seq, CHANNELS - 1);
+            let host = |gpu: u64| (gpu as i64 + offset(rank)) as u64;
+            assert_eq!(
+                (s.start_time_unix_nano, s.end_time_unix_nano),
+                (host(start), host(end)),
+                "seq {seq} rank {rank}"
+            );
+        }
+    }
+
+    // Every dropped instance re-sent at least once: an attempt that fails after the collector came
+    // back (it timed out, though the receiver may have taken it) is dropped and re-sent again.
+    let instances = (NRANKS as u64 * NCOLLS) as f64;
+    let resent = |text: &str| sample(text, "ncclscope_export_resent_total").unwrap_or(0.0);
+    let t = Instant::now();
+    let mut text = h.metrics();
+    while resent(&text) < instances && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(100));
+        text = h.metrics();
+    }
+    assert!(resent(&text) >= instances, "{text}");
+    assert_eq!(
+        sample(&text, "ncclscope_lost_total{stage=\"export_not_resent\"}"),
+        Some(0.0)
+    );
+    assert!(sample(&text, dropped) >= Some(total as f64));
+    eprintln!(
+        "hang {hang}, down {down_for:?}: {total} spans dropped; up: {} spans received ({} unique) in \
+         {resent_in:?}, {} instances re-sent, {:?} spans dropped in all, export_errors {:?}",
+        spans.len(),
+        unique(&spans),
+        resent(&text),
+        sample(&text, dropped),
+        sample(&text, "ncclscope_export_errors_total"),
+    );
+}
+
+/// Issue 22: the re-sender in this process, with a real spool and a real receiver. Instances
+/// remembered as dropped (as the engine remembers those its full export queue refuses) are queued
+/// again from the spool and arrive with their ids; one the spool does not hold (evicted meanwhile)
+/// is counted as not re-sent. Once the live queue's sender is gone, the re-sender ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_re_sender_queues_what_the_spool_holds_and_counts_what_it_does_not() {
+    use ncclscope::instance::Shared;
+    use ncclscope::otlp::{self, ExportCounters};
+    use ncclscope::resend::{self, Dropped};
+    use ncclscope::spool::{Origin, Spool, SpoolLimits};
+    use ncclscope_proto::api::Collective;
+    const N: u64 = 500;
+    const UID: u32 = 4321;
+    let dir = tempfile::tempdir().unwrap();
+    let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
+    let coll = |seq| Collective {
+        uid: UID,
+        job_id: "j".into(),
+        func: "AllReduce".into(),
+        comm_hash: COMM_HASH,
+        seq,
+        rank: 1,
+        nranks: 2,
+        ..Default::default()
+    };
+    let spooled: Vec<_> = (0..N).map(|seq| (Origin::default(), coll(seq))).collect();
+    spool.append(&spooled).unwrap();
+    let counters = Arc::new(ExportCounters::default());
+    let dropped = Arc::new(Dropped::new(resend::MAX_REMEMBERED));
+    for seq in 0..=N {
+        let key = resend::key(Shared::from(&coll(seq)).view());
+        dropped.remember(UID, "j", key, &counters);
+    }
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let cfg = ncclscope::config::Otlp {
+        endpoint: collector.endpoint(),
+        batch_timeout_ms: 10,
+        ..Default::default()
+    };
+    let channel = otlp::channel(&cfg.endpoint, Duration::from_secs(5)).unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(cfg.queue_spans);
+    let (metrics_tx, metrics_rx) = tokio::sync::mpsc::channel(1);
+    let exporter = tokio::spawn(otlp::run(
+        cfg,
+        "h".into(),
+        channel,
+        rx,
+        metrics_rx,
+        counters.clone(),
+        Some(dropped.clone()),
+    ));
+    let t = Instant::now();
+    let resender = tokio::spawn(resend::run(
+        dropped.clone(),
+        spool.reader(),
+        tx.downgrade(),
+        counters.clone(),
+    ));
+    let mut spans = Vec::new();
+    collect(&mut collector, &mut spans, Duration::from_secs(30), |s| {
+        s.len() >= N as usize
+    })
+    .await;
+    let took = t.elapsed();
+    let ids: BTreeSet<String> = spans.iter().map(|s| s.span_id.clone()).collect();
+    let expected: BTreeSet<String> = (0..N)
+        .map(|seq| {
+            let key = ncclscope::spans::collective_key("AllReduce", seq, 0);
+            hex(&ncclscope::spans::rank_span_id(UID, COMM_HASH, key, 1))
+        })
+        .collect();
+    assert_eq!(ids, expected, "every spooled instance re-sent with its ids");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while dropped.held() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(dropped.held(), 0, "every key forgotten once its scan ended");
+    assert_eq!(counters.resent.load(Ordering::Relaxed), N);
+    assert_eq!(counters.not_resent.load(Ordering::Relaxed), 1);
+    drop((tx, metrics_tx));
+    tokio::time::timeout(Duration::from_secs(5), exporter)
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), resender)
+        .await
+        .expect("the re-sender ends with the queue")
+        .unwrap();
+    eprintln!("{N} re-sent in {took:?}, 1 not in the spool counted");
 }

@@ -1,0 +1,289 @@
+//! Spans the exporter dropped (its queue full, or a batch given up after its retries), re-sent from
+//! the spool once the collector answers again.
+//!
+//! Every instance is spooled before it is queued for export, and its span ids derive from its
+//! identity ([`crate::spans`]), so the spool can rebuild exactly the spans that were dropped. What is
+//! kept in memory is one 64-bit key per dropped instance (its rank span's id) in [`Dropped`], at most
+//! `limit` of them; a drop past that is counted as not re-sent at once. Once an export succeeds
+//! again, [`run`] reads the jobs holding keys from the spool on a blocking thread and queues the
+//! instances it finds again, at most [`RESEND_PER_TICK`] per [`TICK`] and only while the live queue is
+//! at most half full, so live export keeps its room. A key whose instance is no longer in the spool
+//! (evicted, or never spooled) is counted as not re-sent. Re-sent spans carry no acknowledgement: the
+//! spool already holds their instances, so no segment waits on them. The keys live in memory only:
+//! what a daemon dropped and had not re-sent when it stopped is not re-sent by the next one.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{Notify, mpsc};
+
+use crate::instance::{InstanceRef, Shared};
+use crate::otlp::{ExportCounters, SpanItem};
+use crate::spans;
+use crate::spool::{JobKey, SpoolReader};
+
+/// Dropped instances remembered at most (about 20 MiB of keys at the worst).
+pub const MAX_REMEMBERED: usize = 1 << 20;
+/// The pace of re-sending: at most this many instances per [`TICK`] (10,000 a second).
+pub const RESEND_PER_TICK: usize = 100;
+pub const TICK: Duration = Duration::from_millis(10);
+/// Instances read from the spool and waiting to be queued: the scan's memory besides its keys.
+const SCAN_AHEAD: usize = 64;
+
+/// The key the re-sender looks for in the spool: the instance's rank span id, which its identity
+/// (uid, commHash, collective key, rank) determines.
+pub fn key(c: InstanceRef) -> u64 {
+    let id = spans::rank_span_id(c.uid(), c.comm_hash, spans::instance_key(c), c.rank);
+    u64::from_be_bytes(id)
+}
+
+/// The instances whose spans were dropped and not yet re-sent, per job, and whether the collector
+/// answers. Shared by the engine (queue full), the exporter (given up) and the re-sender.
+pub struct Dropped {
+    state: Mutex<State>,
+    limit: usize,
+    /// The last export attempt (spans or metrics) succeeded.
+    answering: AtomicBool,
+    /// Wakes the re-sender: a key was remembered, or the collector answered after failing.
+    wake: Notify,
+}
+
+#[derive(Default)]
+struct State {
+    jobs: BTreeMap<JobKey, HashSet<u64>>,
+    /// Keys remembered, including those a scan took and has not finished with.
+    held: usize,
+}
+
+impl Dropped {
+    pub fn new(limit: usize) -> Dropped {
+        Dropped {
+            state: Mutex::new(State::default()),
+            limit,
+            answering: AtomicBool::new(true),
+            wake: Notify::new(),
+        }
+    }
+
+    /// Remembers a dropped instance of job (`uid`, `job`) by its [`key`]; past the bound it is
+    /// counted as not re-sent instead. Cheap: the engine's ingest thread calls it.
+    pub fn remember(&self, uid: u32, job: &str, key: u64, counters: &ExportCounters) {
+        let mut s = lock(&self.state);
+        if s.held >= self.limit {
+            counters.not_resent.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if s.jobs
+            .entry((uid, job.to_string()))
+            .or_default()
+            .insert(key)
+        {
+            s.held += 1;
+        }
+        drop(s);
+        // While the collector fails, the first success wakes the re-sender instead.
+        if self.answering() {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Records the outcome of an export attempt; the first success after a failure wakes the
+    /// re-sender.
+    pub fn answered(&self, ok: bool) {
+        if !ok {
+            self.answering.store(false, Ordering::Relaxed);
+        } else if !self.answering.swap(true, Ordering::Relaxed) {
+            self.wake.notify_one();
+        }
+    }
+
+    fn answering(&self) -> bool {
+        self.answering.load(Ordering::Relaxed)
+    }
+
+    /// Takes one job's keys to re-send, while the collector answers.
+    fn take_job(&self) -> Option<(JobKey, HashSet<u64>)> {
+        if !self.answering() {
+            return None;
+        }
+        lock(&self.state).jobs.pop_first()
+    }
+
+    /// A scan finished with `n` keys it took.
+    fn release(&self, n: usize) {
+        let mut s = lock(&self.state);
+        s.held = s.held.saturating_sub(n);
+    }
+
+    /// Keys remembered now (for tests and figures).
+    pub fn held(&self) -> usize {
+        lock(&self.state).held
+    }
+}
+
+fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Re-sends dropped instances from the spool into the live queue `spans` until the queue is closed
+/// (the engine dropped its sender: the daemon is stopping).
+pub async fn run(
+    dropped: Arc<Dropped>,
+    spool: SpoolReader,
+    spans: mpsc::WeakSender<SpanItem>,
+    counters: Arc<ExportCounters>,
+) {
+    loop {
+        let Some((job, keys)) = dropped.take_job() else {
+            if spans.upgrade().is_none() {
+                return;
+            }
+            // A notification sent while no one waited is kept, so none is missed between the check
+            // and the wait; the timeout notices a queue closed while nothing was dropped.
+            let _ = tokio::time::timeout(Duration::from_secs(1), dropped.wake.notified()).await;
+            continue;
+        };
+        let taken = keys.len();
+        let open = resend_job(&dropped, &spool, job, keys, &spans, &counters).await;
+        dropped.release(taken);
+        if !open {
+            return;
+        }
+    }
+}
+
+/// Scans one job's spool for the instances `keys` names and queues them; counts those it cannot
+/// re-send. Returns whether the live queue is still open.
+async fn resend_job(
+    dropped: &Dropped,
+    spool: &SpoolReader,
+    job: JobKey,
+    mut keys: HashSet<u64>,
+    spans: &mpsc::WeakSender<SpanItem>,
+    counters: &ExportCounters,
+) -> bool {
+    let (found_tx, mut found) = mpsc::channel::<Shared>(SCAN_AHEAD);
+    let reader = spool.clone();
+    // Spool reads are blocking file I/O: a thread of their own, handing over what matches.
+    let scan = tokio::task::spawn_blocking(move || {
+        for record in reader.read_job(&job) {
+            if found_tx.is_closed() {
+                return keys.len();
+            }
+            // A corrupt record ends its file: the instances past it count as not re-sent.
+            let Ok(c) = record else { continue };
+            let inst = Shared::from(&c);
+            if keys.remove(&key(inst.view())) && found_tx.blocking_send(inst).is_err() {
+                return keys.len() + 1;
+            }
+            if keys.is_empty() {
+                break;
+            }
+        }
+        keys.len()
+    });
+    let mut pace = Pace::new();
+    let mut closed = false;
+    while let Some(inst) = found.recv().await {
+        let Some(tx) = pace.room(dropped, spans).await else {
+            closed = true;
+            counters.not_resent.fetch_add(1, Ordering::Relaxed);
+            break;
+        };
+        let item = SpanItem {
+            coll: inst,
+            acked: None,
+            emit_no: 0,
+        };
+        match tx.try_send(item) {
+            Ok(()) => {
+                counters.resent.fetch_add(1, Ordering::Relaxed);
+            }
+            // Full after all (the engine queued meanwhile): remembered again for the next scan.
+            Err(mpsc::error::TrySendError::Full(item)) => {
+                let c = item.coll.view();
+                dropped.remember(c.uid(), c.job_id(), key(c), counters);
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                closed = true;
+                counters.not_resent.fetch_add(1, Ordering::Relaxed);
+                break;
+            }
+        }
+    }
+    if closed {
+        found.close();
+        while found.recv().await.is_some() {
+            counters.not_resent.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    let missing = scan.await.unwrap_or(0) as u64;
+    counters.not_resent.fetch_add(missing, Ordering::Relaxed);
+    !closed
+}
+
+/// The re-sender's pace: [`RESEND_PER_TICK`] per [`TICK`], and only into room live spans leave.
+struct Pace {
+    tick: tokio::time::Interval,
+    budget: usize,
+}
+
+impl Pace {
+    fn new() -> Pace {
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        Pace { tick, budget: 0 }
+    }
+
+    /// Waits until one more instance may be queued; `None` once the queue is closed.
+    async fn room(
+        &mut self,
+        dropped: &Dropped,
+        spans: &mpsc::WeakSender<SpanItem>,
+    ) -> Option<mpsc::Sender<SpanItem>> {
+        loop {
+            if self.budget == 0 {
+                self.tick.tick().await;
+                self.budget = RESEND_PER_TICK;
+            }
+            let tx = spans.upgrade()?;
+            // Live spans keep at least half the queue, and nothing is re-sent while the collector
+            // fails again (what fails then comes back as the exporter drops it).
+            if dropped.answering() && tx.capacity() * 2 >= tx.max_capacity() {
+                self.budget -= 1;
+                return Some(tx);
+            }
+            self.budget = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn past_the_bound_a_drop_is_counted_not_remembered() {
+        let d = Dropped::new(2);
+        let c = ExportCounters::default();
+        d.remember(1, "j", 10, &c);
+        d.remember(1, "j", 10, &c);
+        d.remember(2, "j", 11, &c);
+        d.remember(1, "k", 12, &c);
+        assert_eq!(d.held(), 2, "a key remembered twice is held once");
+        assert_eq!(c.not_resent.load(Ordering::Relaxed), 1);
+        d.answered(false);
+        assert!(
+            d.take_job().is_none(),
+            "nothing is taken while the collector fails"
+        );
+        d.answered(true);
+        let (job, keys) = d.take_job().unwrap();
+        assert_eq!((job, keys.len()), ((1, "j".to_string()), 1));
+        assert_eq!(d.held(), 2, "taken keys still count until their scan ends");
+        d.release(1);
+        assert_eq!(d.held(), 1);
+    }
+}
