@@ -2013,6 +2013,8 @@ async fn the_re_sender_queues_what_the_spool_holds_and_counts_what_it_does_not()
         seq,
         rank: 1,
         nranks: 2,
+        // As the engine spools an instance whose rank span the live export sends.
+        live_spans: ncclscope_proto::api::LiveSpans::Rank as i32,
         ..Default::default()
     };
     let spooled: Vec<_> = (0..N).map(|seq| (Origin::default(), coll(seq))).collect();
