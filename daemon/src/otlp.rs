@@ -153,7 +153,7 @@ pub async fn run(
                 None => spans_open = false,
             },
             m = metrics.recv(), if metrics_open => match m {
-                Some(m) => send_metrics(&cfg, &host, &mut metric_client, m, &counters, dropped.as_deref()).await,
+                Some(m) => send_metrics(&cfg, &host, &mut metric_client, m, &counters).await,
                 None => metrics_open = false,
             },
             ok = front_done(&mut in_flight), if !in_flight.is_empty() => {
@@ -246,7 +246,6 @@ async fn send_metrics(
     client: &mut MetricsServiceClient<Channel>,
     metrics: Vec<Metric>,
     counters: &ExportCounters,
-    dropped: Option<&Dropped>,
 ) {
     let request = ExportMetricsServiceRequest {
         resource_metrics: vec![ResourceMetrics {
@@ -259,7 +258,8 @@ async fn send_metrics(
             ..Default::default()
         }],
     };
-    let ok = with_retry(cfg, counters, dropped, || {
+    // Not told to the re-sender (`None`): it re-sends spans, whatever the metrics endpoint says.
+    let ok = with_retry(cfg, counters, None::<&Dropped>, || {
         let mut c = client.clone();
         let r = request.clone();
         async move { c.export(r).await.map(|_| ()) }

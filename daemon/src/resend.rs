@@ -13,9 +13,9 @@
 //! what a daemon dropped and had not re-sent when it stopped is not re-sent by the next one.
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, mpsc};
 
@@ -39,13 +39,21 @@ pub fn key(c: InstanceRef) -> u64 {
     u64::from_be_bytes(id)
 }
 
+/// After a failed span export, the re-sender waits this long before it tries the collector again
+/// (with the next batch it re-sends) if no live export has succeeded meanwhile: after a job's last
+/// collective nothing else would tell it the collector is back.
+pub const PROBE_AFTER: Duration = Duration::from_secs(5);
+
 /// The instances whose spans were dropped and not yet re-sent, per job, and whether the collector
 /// answers. Shared by the engine (queue full), the exporter (given up) and the re-sender.
 pub struct Dropped {
     state: Mutex<State>,
     limit: usize,
-    /// The last export attempt (spans or metrics) succeeded.
-    answering: AtomicBool,
+    /// Milliseconds since `epoch` of the last failed span export; 0 once one succeeded. Metrics
+    /// exports are not counted: a trace backend need not take metrics (Tempo answers
+    /// `unimplemented`), and only the spans are re-sent.
+    failed_at: AtomicU64,
+    epoch: Instant,
     /// Wakes the re-sender: a key was remembered, or the collector answered after failing.
     wake: Notify,
 }
@@ -62,7 +70,8 @@ impl Dropped {
         Dropped {
             state: Mutex::new(State::default()),
             limit,
-            answering: AtomicBool::new(true),
+            failed_at: AtomicU64::new(0),
+            epoch: Instant::now(),
             wake: Notify::new(),
         }
     }
@@ -89,18 +98,21 @@ impl Dropped {
         }
     }
 
-    /// Records the outcome of an export attempt; the first success after a failure wakes the
+    /// Records the outcome of a span export attempt; the first success after a failure wakes the
     /// re-sender.
     pub fn answered(&self, ok: bool) {
         if !ok {
-            self.answering.store(false, Ordering::Relaxed);
-        } else if !self.answering.swap(true, Ordering::Relaxed) {
+            let now = self.epoch.elapsed().as_millis() as u64;
+            self.failed_at.store(now.max(1), Ordering::Relaxed);
+        } else if self.failed_at.swap(0, Ordering::Relaxed) != 0 {
             self.wake.notify_one();
         }
     }
 
+    /// Whether to re-send now: the last span export succeeded, or failed [`PROBE_AFTER`] ago.
     fn answering(&self) -> bool {
-        self.answering.load(Ordering::Relaxed)
+        let at = self.failed_at.load(Ordering::Relaxed);
+        at == 0 || self.epoch.elapsed().as_millis() as u64 >= at + PROBE_AFTER.as_millis() as u64
     }
 
     /// Takes one job's keys to re-send, while the collector answers.

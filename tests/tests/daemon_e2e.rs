@@ -1886,6 +1886,56 @@ fn flaky_front(to: std::net::SocketAddr, up: Arc<AtomicBool>, hang: bool) -> Str
     endpoint
 }
 
+/// A gRPC collector that answers every span export with `unavailable` while `up` is false (an
+/// overloaded or misconfigured collector), then relays to the collector at `to`.
+async fn erroring_front(to: String, up: Arc<AtomicBool>) -> String {
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_client::TraceServiceClient;
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+        TraceService, TraceServiceServer,
+    };
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+    };
+    struct Front {
+        up: Arc<AtomicBool>,
+        to: TraceServiceClient<tonic::transport::Channel>,
+    }
+    #[tonic::codegen::async_trait]
+    impl TraceService for Front {
+        async fn export(
+            &self,
+            req: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            if !self.up.load(Ordering::SeqCst) {
+                return Err(tonic::Status::unavailable("collector overloaded"));
+            }
+            self.to.clone().export(req.into_inner()).await
+        }
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let to = TraceServiceClient::connect(to).await.unwrap();
+    let front = TraceServiceServer::new(Front { up, to });
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(front)
+            .serve_with_incoming(incoming),
+    );
+    endpoint
+}
+
+/// How the collector fails while it is away.
+#[derive(Clone, Copy, Debug)]
+enum Outage {
+    /// Every connection closed at once.
+    Refuse,
+    /// Every connection accepted and never answered.
+    Hang,
+    /// Every export answered with an error status.
+    Error,
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -1896,22 +1946,33 @@ fn hex(bytes: &[u8]) -> String {
 /// times the live export would have given it, counted as re-sent, none as not re-sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_dropped_while_the_collector_is_down_are_re_sent_from_the_spool_once_it_answers() {
-    dropped_spans_re_sent_once_the_collector_answers(false).await;
+    dropped_spans_re_sent_once_the_collector_answers(Outage::Refuse).await;
 }
 
 /// The same with a collector that accepts and never answers (each attempt fails at its 1 s
 /// timeout): the exporter must leave the hung connections for one that answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_dropped_while_the_collector_hangs_are_re_sent_from_the_spool_once_it_answers() {
-    dropped_spans_re_sent_once_the_collector_answers(true).await;
+    dropped_spans_re_sent_once_the_collector_answers(Outage::Hang).await;
 }
 
-async fn dropped_spans_re_sent_once_the_collector_answers(hang: bool) {
+/// The same with a collector that answers every export with an error status (`unavailable`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_refused_with_an_error_status_are_re_sent_from_the_spool_once_it_accepts() {
+    dropped_spans_re_sent_once_the_collector_answers(Outage::Error).await;
+}
+
+async fn dropped_spans_re_sent_once_the_collector_answers(outage: Outage) {
     const NRANKS: u32 = 2;
     const NCOLLS: u64 = 1000;
     let mut collector = FakeCollectorServer::start().await.unwrap();
     let up = Arc::new(AtomicBool::new(false));
-    let mut h = Harness::new(&flaky_front(collector.address(), up.clone(), hang));
+    let front = match outage {
+        Outage::Refuse => flaky_front(collector.address(), up.clone(), false),
+        Outage::Hang => flaky_front(collector.address(), up.clone(), true),
+        Outage::Error => erroring_front(collector.endpoint(), up.clone()).await,
+    };
+    let mut h = Harness::new(&front);
     // Two attempts a batch, 1 s each at most: the outage drops everything within seconds.
     let config = std::fs::read_to_string(&h.config).unwrap();
     let otlp = "[otlp]\nmax_attempts = 2\nrequest_timeout_ms = 1000\n";
@@ -1980,7 +2041,7 @@ async fn dropped_spans_re_sent_once_the_collector_answers(hang: bool) {
     );
     assert!(sample(&text, dropped) >= Some(total as f64));
     eprintln!(
-        "hang {hang}, down {down_for:?}: {total} spans dropped; up: {} spans received ({} unique) in \
+        "{outage:?}, down {down_for:?}: {total} spans dropped; up: {} spans received ({} unique) in \
          {resent_in:?}, {} instances re-sent, {:?} spans dropped in all, export_errors {:?}",
         spans.len(),
         unique(&spans),
