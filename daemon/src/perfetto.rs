@@ -23,6 +23,10 @@ const TRACKS_PER_COMM: u64 = 1024;
 
 pub struct PerfettoWriter<W: Write> {
     out: W,
+    /// Unix ns of time 0 (0: timestamps are since the epoch), and the first trace pid; a trace
+    /// merged into a PyTorch one takes that trace's origin and pids it does not use.
+    origin_ns: u64,
+    first_pid: u64,
     /// (host, pid) -> trace pid.
     processes: HashMap<(String, u32), u64>,
     /// (trace pid, comm hash) -> index of that communicator in the process.
@@ -33,10 +37,17 @@ pub struct PerfettoWriter<W: Write> {
 }
 
 impl<W: Write> PerfettoWriter<W> {
-    pub fn new(mut out: W) -> io::Result<Self> {
+    pub fn new(out: W) -> io::Result<Self> {
+        Self::with_origin(out, 0, 1)
+    }
+
+    /// Timestamps relative to `origin_ns`, processes numbered from `first_pid`.
+    pub fn with_origin(mut out: W, origin_ns: u64, first_pid: u64) -> io::Result<Self> {
         out.write_all(b"{\"displayTimeUnit\":\"ns\",\"traceEvents\":[\n")?;
         Ok(PerfettoWriter {
             out,
+            origin_ns,
+            first_pid,
             processes: HashMap::new(),
             comms: HashMap::new(),
             named_tracks: Default::default(),
@@ -51,13 +62,23 @@ impl<W: Write> PerfettoWriter<W> {
     }
 
     pub fn write(&mut self, c: &Collective) -> io::Result<()> {
+        self.write_marked(c, false)
+    }
+
+    /// Writes `c`; a `straggler` (its rank started the instance last) is flagged in its args and
+    /// drawn in the viewer's alarm colour.
+    pub fn write_marked(&mut self, c: &Collective, straggler: bool) -> io::Result<()> {
         let (start, end) = extent(c);
         let pid = self.process(c)?;
         let comm_idx = self.comm(pid, c.comm_hash);
         let coll_tid = comm_idx * TRACKS_PER_COMM;
         let comm_label = comm_label(c);
         self.track(pid, coll_tid, || format!("{comm_label} collectives"))?;
-        self.slice("collective", c, pid, coll_tid, start, end, &attributes(c))?;
+        let mut args = attributes(c);
+        if straggler {
+            args["straggler"] = Value::Bool(true);
+        }
+        self.slice("collective", c, pid, coll_tid, start, end, &args)?;
         // A chain through the instance's ranks: out of rank r into rank r + 1, bound to the slices.
         if !c.is_p2p {
             let mid = start + (end - start) / 2;
@@ -100,12 +121,18 @@ impl<W: Write> PerfettoWriter<W> {
         args: &Value,
     ) -> io::Result<()> {
         let mut text = String::with_capacity(256);
+        // Catapult's colour for alarms: the straggler's slice stands out next to the model's ops.
+        let colour = if args.get("straggler").is_some() {
+            r#""cname":"terrible","#
+        } else {
+            ""
+        };
         let _ = write!(
             text,
-            r#"{{"ph":"X","cat":"{cat}","name":{},"pid":{pid},"tid":{tid},"ts":{},"dur":{},"args":{}}}"#,
+            r#"{{"ph":"X","cat":"{cat}","name":{},{colour}"pid":{pid},"tid":{tid},"ts":{},"dur":{},"args":{}}}"#,
             Value::from(c.func.as_str()),
-            micros(start),
-            micros(end - start),
+            micros(start, self.origin_ns),
+            micros(end - start, 0),
             args
         );
         self.raw(&text)
@@ -129,7 +156,7 @@ impl<W: Write> PerfettoWriter<W> {
             Value::from(c.func.as_str()),
             u64::from_be_bytes(id[..8].try_into().expect("8 bytes")),
             from_rank,
-            micros(ts)
+            micros(ts, self.origin_ns)
         );
         self.raw(&text)
     }
@@ -149,7 +176,7 @@ impl<W: Write> PerfettoWriter<W> {
         if let Some(&pid) = self.processes.get(&key) {
             return Ok(pid);
         }
-        let pid = self.processes.len() as u64 + 1;
+        let pid = self.processes.len() as u64 + self.first_pid;
         self.processes.insert(key, pid);
         let name = format!("rank {} ({} pid {})", c.rank, c.host, c.pid);
         self.event(json!({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}))?;
@@ -219,10 +246,70 @@ pub fn attributes(c: &Collective) -> Value {
     })
 }
 
-/// Unix nanoseconds as the format's microseconds, in decimal text exact to the ns (a double is not:
-/// today's times in microseconds need 51 bits before the point).
-fn micros(ns: u64) -> String {
-    format!("{}.{:03}", ns / 1000, ns % 1000)
+/// Nanoseconds since `origin` as the format's microseconds, in decimal text exact to the ns (a
+/// double is not: today's times in microseconds since the epoch need 51 bits before the point).
+fn micros(ns: u64, origin: u64) -> String {
+    let (sign, d) = match ns.checked_sub(origin) {
+        Some(d) => ("", d),
+        None => ("-", origin - ns),
+    };
+    format!("{sign}{}.{:03}", d / 1000, d % 1000)
+}
+
+/// A collective instance: (communicator, collective, seq, replay).
+type InstanceId<'a> = (u64, &'a str, u64, u32);
+
+fn instance_id(c: &Collective) -> InstanceId<'_> {
+    (c.comm_hash, c.func.as_str(), c.seq, c.replay)
+}
+
+/// Each collective instance's straggler among the ranks in `colls` (the last to start), where
+/// more than one of its ranks is there to compare.
+fn stragglers(colls: &[Collective]) -> HashMap<InstanceId<'_>, u32> {
+    let mut last: HashMap<InstanceId<'_>, ((u64, u32), usize)> = HashMap::new();
+    for c in colls.iter().filter(|c| !c.is_p2p) {
+        let e = last.entry(instance_id(c)).or_insert(((0, 0), 0));
+        *e = (e.0.max((extent(c).0, c.rank)), e.1 + 1);
+    }
+    (last.into_iter())
+        .filter(|(_, (_, ranks))| *ranks > 1)
+        .map(|(id, ((_, rank), _))| (id, rank))
+        .collect()
+}
+
+/// A PyTorch profiler trace (Kineto's Chrome JSON) with `colls` added: each rank a process of its
+/// own, with per communicator a track of its collectives and one per channel, on the trace's own
+/// time base (`baseTimeNanoseconds` + `ts` microseconds; absolute microseconds where the trace has
+/// no base), each instance's last rank to start marked as its straggler. Everything the trace held
+/// is kept as it was.
+pub fn merge(mut torch: Value, colls: &[Collective]) -> io::Result<Value> {
+    let invalid = |why: &str| io::Error::new(io::ErrorKind::InvalidData, why.to_string());
+    let events = (torch.get("traceEvents").and_then(Value::as_array))
+        .ok_or_else(|| invalid("not a PyTorch profiler trace: no traceEvents array"))?;
+    let origin = torch
+        .get("baseTimeNanoseconds")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    // Past every numeric pid the trace uses (Kineto numbers host processes and GPUs).
+    let first_pid = (events.iter())
+        .filter_map(|e| e.get("pid").and_then(Value::as_u64))
+        .max()
+        .map_or(1, |p| p + 1);
+    let last = stragglers(colls);
+    let mut w = PerfettoWriter::with_origin(Vec::new(), origin, first_pid)?;
+    for c in colls {
+        let straggler = !c.is_p2p && last.get(&instance_id(c)) == Some(&c.rank);
+        w.write_marked(c, straggler)?;
+    }
+    let mut ours: Value = serde_json::from_slice(&w.finish()?)?;
+    let Value::Array(added) = ours["traceEvents"].take() else {
+        unreachable!("the writer writes a traceEvents array")
+    };
+    torch["traceEvents"]
+        .as_array_mut()
+        .expect("checked above")
+        .extend(added);
+    Ok(torch)
 }
 
 #[cfg(test)]

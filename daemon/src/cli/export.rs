@@ -58,6 +58,12 @@ pub struct Args {
     /// comma-separate). Default: every communicator.
     #[arg(long, value_name = "COMM", value_delimiter = ',')]
     pub comm: Vec<String>,
+    /// A PyTorch profiler trace (`prof.export_chrome_trace`, Kineto's JSON) to add the job's
+    /// collectives to, one process per rank with its communicators' and channels' tracks, each
+    /// instance's straggler marked; the output is that trace with them (JSON). The job's instances
+    /// are held in memory: narrow it with --since/--until/--rank to the profiled window.
+    #[arg(long, value_name = "TRACE", conflicts_with = "format")]
+    pub merge: Option<PathBuf>,
     /// The daemon's query API socket.
     #[arg(long, env = api::API_SOCKET_ENV, default_value = api::DEFAULT_API_SOCKET)]
     pub api_socket: PathBuf,
@@ -142,11 +148,32 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ranks: args.rank,
         comms: args.comm,
     };
-    let n = match &args.spool {
-        Some(dir) => {
+    let n = match (&args.merge, &args.spool) {
+        (Some(trace), spool) => {
+            let mut colls = Vec::new();
+            let mut keep = |c: Collective| {
+                colls.push(c);
+                Ok(())
+            };
+            match spool {
+                Some(dir) => read_spool(dir, &args.job, args.uid, &filter, &mut keep)?,
+                None => tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?
+                    .block_on(read_api(
+                        &args.api_socket,
+                        &args.job,
+                        args.uid,
+                        &filter,
+                        &mut keep,
+                    ))?,
+            }
+            merge_into(trace, &colls, &args.output)?
+        }
+        (None, Some(dir)) => {
             export_from_spool(dir, &args.job, args.uid, &args.output, args.format, &filter)?
         }
-        None => {
+        (None, None) => {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
@@ -262,6 +289,43 @@ pub async fn export_via_api_where(
     format: Format,
     filter: &Filter,
 ) -> anyhow::Result<u64> {
+    let mut file = TraceFile::create(output, format)?;
+    match read_api(socket, job, uid, filter, &mut |c| file.write(&c)).await {
+        Ok(()) => file.finish(),
+        Err(e) => {
+            file.abandon();
+            Err(e)
+        }
+    }
+}
+
+/// Exports straight from a spool directory (no daemon needed).
+pub fn export_from_spool(
+    dir: &Path,
+    job: &str,
+    uid: Option<u32>,
+    output: &Path,
+    format: Format,
+    filter: &Filter,
+) -> anyhow::Result<u64> {
+    let mut file = TraceFile::create(output, format)?;
+    match read_spool(dir, job, uid, filter, &mut |c| file.write(&c)) {
+        Ok(()) => file.finish(),
+        Err(e) => {
+            file.abandon();
+            Err(e)
+        }
+    }
+}
+
+/// Hands each instance of `job` that `filter` keeps to `each`, read through the daemon's Export call.
+async fn read_api(
+    socket: &Path,
+    job: &str,
+    uid: Option<u32>,
+    filter: &Filter,
+    each: &mut dyn FnMut(Collective) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
     let mut client = api::connect(socket).await?;
     let jobs = client.list_jobs(ListJobsRequest {}).await?.into_inner();
     let total = jobs
@@ -278,39 +342,28 @@ pub async fn export_via_api_where(
         .map_err(|s| anyhow::anyhow!("{}", s.message()))
         .with_context(|| format!("exporting job {job:?}"))?
         .into_inner();
-    let mut file = TraceFile::create(output, format)?;
     let bar = progress(total);
     loop {
-        let next = match stream.message().await {
-            Ok(next) => next,
-            Err(status) => {
-                file.abandon();
-                anyhow::bail!("exporting job {job:?}: {}", status.message());
-            }
-        };
+        let next = (stream.message().await)
+            .map_err(|status| anyhow::anyhow!("exporting job {job:?}: {}", status.message()))?;
         let Some(c) = next else { break };
         bar.inc(1);
-        if !filter.keeps(&c) {
-            continue;
-        }
-        if let Err(e) = file.write(&c) {
-            file.abandon();
-            return Err(e);
+        if filter.keeps(&c) {
+            each(c)?;
         }
     }
     bar.finish_and_clear();
-    file.finish()
+    Ok(())
 }
 
-/// Exports straight from a spool directory (no daemon needed).
-pub fn export_from_spool(
+/// Hands each instance of `job` that `filter` keeps to `each`, read from a spool directory.
+fn read_spool(
     dir: &Path,
     job: &str,
     uid: Option<u32>,
-    output: &Path,
-    format: Format,
     filter: &Filter,
-) -> anyhow::Result<u64> {
+    each: &mut dyn FnMut(Collective) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
     let spool = SpoolReader::open_dir(dir)?;
     let key = spool.find(job, uid).map_err(|e| {
         anyhow::anyhow!(
@@ -319,24 +372,45 @@ pub fn export_from_spool(
             spool.jobs()
         )
     })?;
-    let mut file = TraceFile::create(output, format)?;
     let bar = progress(None);
     for c in spool.read_job(&key) {
-        let written = (c.map_err(anyhow::Error::from)).and_then(|c| {
-            if filter.keeps(&c) {
-                file.write(&c)
-            } else {
-                Ok(())
-            }
-        });
-        if let Err(e) = written {
-            file.abandon();
-            return Err(e.context(format!("exporting job {job:?} from {}", dir.display())));
-        }
+        let c = c.with_context(|| format!("exporting job {job:?} from {}", dir.display()))?;
         bar.inc(1);
+        if filter.keeps(&c) {
+            each(c)?;
+        }
     }
     bar.finish_and_clear();
-    file.finish()
+    Ok(())
+}
+
+/// Writes the PyTorch trace at `trace` with `colls` merged in ([`crate::perfetto::merge`]) to
+/// `output` (under a temporary name, renamed into place); returns how many were added.
+fn merge_into(trace: &Path, colls: &[Collective], output: &Path) -> anyhow::Result<u64> {
+    let read = File::open(trace).with_context(|| format!("opening {}", trace.display()))?;
+    let torch: serde_json::Value = serde_json::from_reader(std::io::BufReader::new(read))
+        .with_context(|| {
+            format!(
+                "reading {} as a PyTorch profiler trace (JSON)",
+                trace.display()
+            )
+        })?;
+    let merged = crate::perfetto::merge(torch, colls)
+        .with_context(|| format!("merging into {}", trace.display()))?;
+    let mut tmp = output.as_os_str().to_owned();
+    tmp.push(".partial");
+    let tmp = PathBuf::from(tmp);
+    let mut file =
+        BufWriter::new(File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?);
+    let written = serde_json::to_writer(&mut file, &merged)
+        .map_err(anyhow::Error::from)
+        .and_then(|()| Ok(file.into_inner().map_err(|e| e.into_error())?.sync_all()?));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e.context(format!("writing {}", tmp.display())));
+    }
+    std::fs::rename(&tmp, output).with_context(|| format!("renaming to {}", output.display()))?;
+    Ok(colls.len() as u64)
 }
 
 #[cfg(test)]
