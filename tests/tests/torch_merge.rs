@@ -3,7 +3,8 @@
 //! `baseTimeNanoseconds`, `ts` in microseconds after it, CPU ops and GPU kernels on numeric pids,
 //! `distributedInfo`, `deviceProperties`); the job comes from a real spool, through the real binary.
 
-use std::process::Command;
+use std::path::Path;
+use std::process::{Command, Output};
 
 use ncclscope::spool::{Spool, SpoolLimits};
 use ncclscope_proto::api::{ChannelWork, Collective};
@@ -75,6 +76,20 @@ fn torch_trace() -> Value {
     })
 }
 
+/// `ncclscope export --job train --spool SPOOL --merge TRACE -o MERGED`, as this uid.
+fn export_merged(spool: &Path, trace: &Path, merged: &Path) -> Output {
+    let uid = rustix::process::getuid().as_raw().to_string();
+    Command::new(ncclscope_tests::daemon_binary())
+        .args(["export", "--job", "train", "--uid", &uid, "--spool"])
+        .arg(spool)
+        .arg("--merge")
+        .arg(trace)
+        .arg("-o")
+        .arg(merged)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn a_jobs_collectives_merge_into_a_pytorch_trace_on_its_clock_with_the_straggler_marked() {
     let dir = tempfile::tempdir().unwrap();
@@ -88,16 +103,7 @@ fn a_jobs_collectives_merge_into_a_pytorch_trace_on_its_clock_with_the_straggler
     let trace = dir.path().join("rank0.pt.trace.json");
     std::fs::write(&trace, torch_trace().to_string()).unwrap();
     let merged = dir.path().join("merged.json");
-    let uid = rustix::process::getuid().as_raw().to_string();
-    let out = Command::new(ncclscope_tests::daemon_binary())
-        .args(["export", "--job", "train", "--uid", &uid, "--spool"])
-        .arg(&spool_dir)
-        .arg("--merge")
-        .arg(&trace)
-        .arg("-o")
-        .arg(&merged)
-        .output()
-        .unwrap();
+    let out = export_merged(&spool_dir, &trace, &merged);
     assert!(
         out.status.success(),
         "{}",
@@ -180,7 +186,6 @@ fn a_file_that_is_no_pytorch_trace_is_a_clear_error_and_writes_nothing() {
     let mut spool = Spool::open(&spool_dir, SpoolLimits::default()).unwrap();
     spool.append(&[(Default::default(), coll(0, 0))]).unwrap();
     drop(spool);
-    let uid = rustix::process::getuid().as_raw().to_string();
     for (name, text) in [
         ("not-json.json", "ProfilerStep#3"),
         ("no-events.json", "{\"schemaVersion\": 1}"),
@@ -188,15 +193,7 @@ fn a_file_that_is_no_pytorch_trace_is_a_clear_error_and_writes_nothing() {
         let trace = dir.path().join(name);
         std::fs::write(&trace, text).unwrap();
         let merged = dir.path().join("merged.json");
-        let out = Command::new(ncclscope_tests::daemon_binary())
-            .args(["export", "--job", "train", "--uid", &uid, "--spool"])
-            .arg(&spool_dir)
-            .arg("--merge")
-            .arg(&trace)
-            .arg("-o")
-            .arg(&merged)
-            .output()
-            .unwrap();
+        let out = export_merged(&spool_dir, &trace, &merged);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success());
         assert!(err.contains(name) && !err.contains("panicked"), "{err}");

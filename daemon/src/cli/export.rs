@@ -249,8 +249,15 @@ impl TraceFile {
         Ok(n)
     }
 
-    fn abandon(self) {
-        let _ = std::fs::remove_file(&self.tmp);
+    /// Finishes the file if everything was read (`read`), else removes it and returns the error.
+    fn finish_if(self, read: anyhow::Result<()>) -> anyhow::Result<u64> {
+        match read {
+            Ok(()) => self.finish(),
+            Err(e) => {
+                let _ = std::fs::remove_file(&self.tmp);
+                Err(e)
+            }
+        }
     }
 }
 
@@ -290,13 +297,8 @@ pub async fn export_via_api_where(
     filter: &Filter,
 ) -> anyhow::Result<u64> {
     let mut file = TraceFile::create(output, format)?;
-    match read_api(socket, job, uid, filter, &mut |c| file.write(&c)).await {
-        Ok(()) => file.finish(),
-        Err(e) => {
-            file.abandon();
-            Err(e)
-        }
-    }
+    let read = read_api(socket, job, uid, filter, &mut |c| file.write(&c)).await;
+    file.finish_if(read)
 }
 
 /// Exports straight from a spool directory (no daemon needed).
@@ -309,13 +311,8 @@ pub fn export_from_spool(
     filter: &Filter,
 ) -> anyhow::Result<u64> {
     let mut file = TraceFile::create(output, format)?;
-    match read_spool(dir, job, uid, filter, &mut |c| file.write(&c)) {
-        Ok(()) => file.finish(),
-        Err(e) => {
-            file.abandon();
-            Err(e)
-        }
-    }
+    let read = read_spool(dir, job, uid, filter, &mut |c| file.write(&c));
+    file.finish_if(read)
 }
 
 /// Hands each instance of `job` that `filter` keeps to `each`, read through the daemon's Export call.
