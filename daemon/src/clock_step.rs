@@ -11,6 +11,9 @@ use rustix::time::{ClockId, clock_gettime};
 /// slews at most 500 ppm: 50 ms would take 100 s of slewing, while samples are milliseconds apart.
 pub const STEP_NS: i64 = 50_000_000;
 
+/// Longest a sample's reads of the two clocks may take (they take well under a microsecond).
+const MAX_SAMPLE_NS: i64 = 1_000_000;
+
 /// A step of the host clock: when (on the new clock) and by how much.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Step {
@@ -26,15 +29,20 @@ pub struct StepDetector {
 }
 
 impl StepDetector {
-    /// Samples the clocks now.
+    /// Samples the clocks now. A sample whose reads were far apart (the thread was preempted between
+    /// them) is not used: the time between would read as a step.
     pub fn sample(&mut self) -> Option<Step> {
         let ns = |id| {
             let t = clock_gettime(id);
             t.tv_sec as i64 * 1_000_000_000 + t.tv_nsec as i64
         };
-        let boot = ns(ClockId::Boottime);
+        let before = ns(ClockId::Boottime);
         let real = ns(ClockId::Realtime);
-        self.observe(real, boot)
+        let after = ns(ClockId::Boottime);
+        if after - before > MAX_SAMPLE_NS {
+            return None;
+        }
+        self.observe(real, before + (after - before) / 2)
     }
 
     /// A sample of both clocks (nanoseconds); the step since the previous one, if any.
