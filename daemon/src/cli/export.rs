@@ -148,43 +148,33 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ranks: args.rank,
         comms: args.comm,
     };
-    let n = match (&args.merge, &args.spool) {
-        (Some(trace), spool) => {
-            let mut colls = Vec::new();
-            let mut keep = |c: Collective| {
-                colls.push(c);
-                Ok(())
-            };
-            match spool {
-                Some(dir) => read_spool(dir, &args.job, args.uid, &filter, &mut keep)?,
-                None => tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()?
-                    .block_on(read_api(
-                        &args.api_socket,
-                        &args.job,
-                        args.uid,
-                        &filter,
-                        &mut keep,
-                    ))?,
-            }
-            merge_into(trace, &colls, &args.output)?
-        }
-        (None, Some(dir)) => {
-            export_from_spool(dir, &args.job, args.uid, &args.output, args.format, &filter)?
-        }
-        (None, None) => {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            rt.block_on(export_via_api_where(
+    // Every instance the filter keeps, from the spool or through the daemon, to `each`.
+    let read = |each: &mut dyn FnMut(Collective) -> anyhow::Result<()>| match &args.spool {
+        Some(dir) => read_spool(dir, &args.job, args.uid, &filter, each),
+        None => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(read_api(
                 &args.api_socket,
                 &args.job,
                 args.uid,
-                &args.output,
-                args.format,
                 &filter,
-            ))?
+                each,
+            )),
+    };
+    let n = match &args.merge {
+        Some(trace) => {
+            let mut colls = Vec::new();
+            read(&mut |c| {
+                colls.push(c);
+                Ok(())
+            })?;
+            merge_into(trace, &colls, &args.output)?
+        }
+        None => {
+            let mut file = TraceFile::create(&args.output, args.format)?;
+            let read = read(&mut |c| file.write(&c));
+            file.finish_if(read)?
         }
     };
     eprintln!(
@@ -283,35 +273,11 @@ pub async fn export_via_api(
     output: &Path,
     format: Format,
 ) -> anyhow::Result<u64> {
-    export_via_api_where(socket, job, uid, output, format, &Filter::default()).await
-}
-
-/// Exports the instances of `job` that `filter` keeps through the daemon's Export call; returns the
-/// number written.
-pub async fn export_via_api_where(
-    socket: &Path,
-    job: &str,
-    uid: Option<u32>,
-    output: &Path,
-    format: Format,
-    filter: &Filter,
-) -> anyhow::Result<u64> {
     let mut file = TraceFile::create(output, format)?;
-    let read = read_api(socket, job, uid, filter, &mut |c| file.write(&c)).await;
-    file.finish_if(read)
-}
-
-/// Exports straight from a spool directory (no daemon needed).
-pub fn export_from_spool(
-    dir: &Path,
-    job: &str,
-    uid: Option<u32>,
-    output: &Path,
-    format: Format,
-    filter: &Filter,
-) -> anyhow::Result<u64> {
-    let mut file = TraceFile::create(output, format)?;
-    let read = read_spool(dir, job, uid, filter, &mut |c| file.write(&c));
+    let read = read_api(socket, job, uid, &Filter::default(), &mut |c| {
+        file.write(&c)
+    })
+    .await;
     file.finish_if(read)
 }
 
