@@ -111,6 +111,14 @@ impl Daemon {
             .output()
             .unwrap()
     }
+
+    /// [`Daemon::tool`], which must succeed.
+    fn tool_ok(&self, args: &[&str]) -> Output {
+        let out = self.tool(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "ncclscope {args:?}: {err}");
+        out
+    }
 }
 
 impl Drop for Daemon {
@@ -177,12 +185,7 @@ fn run_ranks_at(socket: &Path, job: &str, nranks: u32, seconds: u64, straggler: 
 }
 
 fn stats_json(d: &Daemon, job: &str) -> Value {
-    let out = d.tool(&["stats", "--json", "--job", job]);
-    assert!(
-        out.status.success(),
-        "stats failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = d.tool_ok(&["stats", "--json", "--job", job]);
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
@@ -235,7 +238,7 @@ type SpanKey = (String, String, String, String, u64, u64);
 
 /// Runs `export --format otlp-json` for `job` into `path` and returns its spans.
 fn otlp_json_export(d: &Daemon, job: &str, path: &Path) -> Vec<SpanKey> {
-    let out = d.tool(&[
+    d.tool_ok(&[
         "export",
         "--job",
         job,
@@ -244,11 +247,6 @@ fn otlp_json_export(d: &Daemon, job: &str, path: &Path) -> Vec<SpanKey> {
         "--format",
         "otlp-json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let text = std::fs::read_to_string(path).unwrap();
     let mut spans = Vec::new();
     for line in text.lines() {
@@ -482,12 +480,7 @@ fn tools_against_a_running_daemon() {
         .collect();
     // The default: Perfetto's protobuf format.
     let pftrace = dir.path().join("trace.pftrace");
-    let out = d.tool(&["export", "--job", job, "-o", pftrace.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    d.tool_ok(&["export", "--job", job, "-o", pftrace.to_str().unwrap()]);
     assert_eq!(pftrace_instances(&pftrace), want);
     // Perfetto's own schema reads the same: every instance at its exact start, Unix time as the
     // timeline, and one flow id per instance on each of its 3 ranks.
@@ -516,7 +509,7 @@ fn tools_against_a_running_daemon() {
     assert!(per_flow.values().all(|&n| n == 3), "{per_flow:?}");
     assert_eq!(per_flow.len() as u64, produced[0]);
     let trace = dir.path().join("trace.json");
-    let out = d.tool(&[
+    d.tool_ok(&[
         "export",
         "--job",
         job,
@@ -525,11 +518,6 @@ fn tools_against_a_running_daemon() {
         "--format",
         "perfetto-json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert_eq!(perfetto_instances(&trace), want);
     let sizes = (
         std::fs::metadata(&trace).unwrap().len(),
@@ -595,12 +583,7 @@ fn tools_against_a_running_daemon() {
     assert_eq!(pftrace_instances(&offline), want);
     d.spawn();
     let again = dir.path().join("again.pftrace");
-    let out = d.tool(&["export", "--job", job, "-o", again.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    d.tool_ok(&["export", "--job", job, "-o", again.to_str().unwrap()]);
     assert_eq!(pftrace_instances(&again), want);
 
     // OTLP/JSON: what the live export would send with the default configuration (no endpoint here):
