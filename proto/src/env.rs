@@ -30,10 +30,10 @@ pub const TOOLS: &[&str] = &[
 /// Prefixes of variables that belong to others, so neither side checks them: what test and
 /// benchmark harnesses hand their own child processes, and the Slurm scripts' settings
 /// (deploy/slurm, read by the scripts, not by `ncclscope`).
-pub const HARNESS_PREFIXES: &[&str] = &["NCCLSCOPE_TEST_", "NCCLSCOPE_BENCH_", "NCCLSCOPE_SLURM_"];
+pub const NOT_OURS: &[&str] = &["NCCLSCOPE_TEST_", "NCCLSCOPE_BENCH_", "NCCLSCOPE_SLURM_"];
 
-/// The `NCCLSCOPE_*` names in `names` that are neither in `known` nor a harness's, each with the
-/// closest known name when it is a likely typo of it (at most two edits away).
+/// The `NCCLSCOPE_*` names in `names` that are neither in `known` nor another's ([`NOT_OURS`]), each
+/// with the closest known name when it is a likely typo of it (at most two edits away).
 pub fn unknown<'a>(
     names: impl IntoIterator<Item = &'a str>,
     known: &[&'a str],
@@ -41,7 +41,7 @@ pub fn unknown<'a>(
     names
         .into_iter()
         .filter(|n| n.starts_with(PREFIX))
-        .filter(|n| !HARNESS_PREFIXES.iter().any(|p| n.starts_with(p)) && !known.contains(n))
+        .filter(|n| !NOT_OURS.iter().any(|p| n.starts_with(p)) && !known.contains(n))
         .map(|n| {
             let best = known
                 .iter()
