@@ -93,7 +93,7 @@ const MAX_IN_FLIGHT: usize = 4;
 /// the task.
 struct InFlight {
     items: Vec<Sent>,
-    /// (exported, spans in the batch).
+    /// (exported, spans of its live items: a re-sent item's spans were counted dropped once already).
     task: tokio::task::JoinHandle<(bool, u64)>,
 }
 
@@ -137,6 +137,7 @@ pub async fn run(
                     if in_flight.len() >= MAX_IN_FLIGHT {
                         finish(in_flight.pop_front().expect("non-empty"), &counters, dropped.as_deref()).await;
                     }
+                    let live: Vec<bool> = batch.iter().map(|i| i.acked.is_some()).collect();
                     let (colls, items): (Vec<Shared>, Vec<Sent>) = batch
                         .into_iter()
                         .map(|i| {
@@ -147,7 +148,7 @@ pub async fn run(
                             (i.coll, sent)
                         })
                         .unzip();
-                    let task = tokio::spawn(send_spans(cfg.clone(), host.clone(), traces.clone(), colls, counters.clone(), dropped.clone()));
+                    let task = tokio::spawn(send_spans(cfg.clone(), host.clone(), traces.clone(), colls, live, counters.clone(), dropped.clone()));
                     in_flight.push_back(InFlight { items, task });
                 }
                 None => spans_open = false,
@@ -181,9 +182,9 @@ async fn front_done(q: &mut std::collections::VecDeque<InFlight>) -> (bool, u64)
     }
 }
 
-/// Acknowledges items whose attempt ended: exported, or given up, their spans counted as dropped
-/// (in spans, as `spans_exported` counts them: the two add up to what was sent) and their instances
-/// remembered for re-sending.
+/// Acknowledges items whose attempt ended: exported, or given up, the live items' spans counted as
+/// dropped (in spans, as `spans_exported` counts them: the two add up to what was sent; a re-sent
+/// item failing again is no new loss) and every item's instance remembered for re-sending.
 fn acknowledge(
     items: Vec<Sent>,
     (ok, spans): (bool, u64),
@@ -204,19 +205,27 @@ fn acknowledge(
 }
 
 /// Sends one batch with retries; the request is rebuilt for each attempt rather than kept as a copy.
+/// `live[i]`: whether `colls[i]` comes from the live path (not a re-send). Returns whether it was
+/// exported and how many spans its live items had.
 async fn send_spans(
     cfg: Otlp,
     host: String,
     client: TraceServiceClient<Channel>,
     colls: Vec<Shared>,
+    live: Vec<bool>,
     counters: Arc<ExportCounters>,
     dropped: Option<Arc<Dropped>>,
 ) -> (bool, u64) {
-    let mut n = 0;
+    let (mut n, mut n_live) = (0, 0);
     let ok = with_retry(&cfg, &counters, dropped.as_deref(), || {
         let mut otlp_spans = Vec::with_capacity(colls.len() * 2);
-        for c in &colls {
+        n_live = 0;
+        for (c, &live) in colls.iter().zip(&live) {
+            let before = otlp_spans.len();
             spans::live_spans_of(c.view(), &mut otlp_spans);
+            if live {
+                n_live += (otlp_spans.len() - before) as u64;
+            }
         }
         n = otlp_spans.len() as u64;
         let request = ExportTraceServiceRequest {
@@ -237,7 +246,7 @@ async fn send_spans(
     if ok {
         counters.spans_exported.fetch_add(n, Ordering::Relaxed);
     }
-    (ok, n)
+    (ok, n_live)
 }
 
 async fn send_metrics(

@@ -102,17 +102,33 @@ impl Dropped {
     /// re-sender.
     pub fn answered(&self, ok: bool) {
         if !ok {
-            let now = self.epoch.elapsed().as_millis() as u64;
-            self.failed_at.store(now.max(1), Ordering::Relaxed);
+            self.failed_at
+                .store(self.now_ms().max(1), Ordering::Relaxed);
         } else if self.failed_at.swap(0, Ordering::Relaxed) != 0 {
             self.wake.notify_one();
         }
     }
 
-    /// Whether to re-send now: the last span export succeeded, or failed [`PROBE_AFTER`] ago.
+    /// Whether re-sending may start: the last span export succeeded, or failed [`PROBE_AFTER`] ago.
     fn answering(&self) -> bool {
         let at = self.failed_at.load(Ordering::Relaxed);
-        at == 0 || self.epoch.elapsed().as_millis() as u64 >= at + PROBE_AFTER.as_millis() as u64
+        at == 0 || self.now_ms() >= at + PROBE_AFTER.as_millis() as u64
+    }
+
+    /// Whether one more instance may be queued: always while the collector answers; while it fails,
+    /// one every [`PROBE_AFTER`], whose export says whether it answers again.
+    fn may_send(&self) -> bool {
+        let at = self.failed_at.load(Ordering::Relaxed);
+        let now = self.now_ms();
+        at == 0
+            || (now >= at + PROBE_AFTER.as_millis() as u64
+                && (self.failed_at)
+                    .compare_exchange(at, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok())
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
     }
 
     /// Takes one job's keys to re-send, while the collector answers.
@@ -261,9 +277,9 @@ impl Pace {
                 self.budget = RESEND_PER_TICK;
             }
             let tx = spans.upgrade()?;
-            // Live spans keep at least half the queue, and nothing is re-sent while the collector
-            // fails again (what fails then comes back as the exporter drops it).
-            if dropped.answering() && tx.capacity() * 2 >= tx.max_capacity() {
+            // Live spans keep at least half the queue, and while the collector fails only a probe
+            // goes (what fails comes back as the exporter gives it up).
+            if tx.capacity() * 2 >= tx.max_capacity() && dropped.may_send() {
                 self.budget -= 1;
                 return Some(tx);
             }
