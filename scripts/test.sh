@@ -9,8 +9,9 @@ cd "$(dirname "$0")/.."
 source scripts/install-nvcc.sh
 
 # The package tests install the .deb with dpkg into a scratch root and check its units with
-# systemd-analyze; the log tests use unshare (util-linux); nm (binutils) reads the binaries; `top` is
-# tested in a real terminal (tmux).
+# systemd-analyze; podman and debootstrap build and run the image (scripts/install-podman.sh); the log
+# tests use unshare (util-linux); nm (binutils) reads the binaries; `top` is tested in a real terminal
+# (tmux).
 need=()
 command -v tmux >/dev/null || need+=(tmux)
 command -v dpkg-deb >/dev/null || need+=(dpkg)
@@ -34,6 +35,16 @@ fi
 cargo build --workspace --all-targets
 # The .deb the package tests install (target/deb/): a release build of the daemon and the plugin.
 scripts/build-deb.sh
+# The daemon's image from that .deb, built by podman on a base made with debootstrap (no image registry
+# is reached here), for the image test in tests/tests/containers.rs. A machine whose kernel will not
+# let podman run a container still builds the image (chroot isolation); only the test is skipped.
+source scripts/install-podman.sh
+image=$(CONTAINER_TOOL=podman BASE=debootstrap IMAGE=localhost/ncclscope:test scripts/build-image.sh)
+if podman run --rm "$image" --version >/dev/null; then
+    export NCCLSCOPE_TEST_IMAGE="$image"
+else
+    echo "test.sh: podman cannot run containers on this machine: the image test is skipped" >&2
+fi
 cargo test --workspace --no-fail-fast
 
 # Coverage-guided fuzzing of the untrusted-input parsers, bounded (about a minute; FUZZ_SECONDS=0 skips).

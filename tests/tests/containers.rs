@@ -44,6 +44,8 @@ struct Node {
     prometheus: String,
     daemon: Option<Child>,
     ranks: Vec<Child>,
+    /// The plugin the ranks load (default: the one this workspace built).
+    plugin: Option<PathBuf>,
 }
 
 impl Node {
@@ -70,6 +72,7 @@ impl Node {
             prometheus: format!("127.0.0.1:{port}"),
             daemon: None,
             ranks: Vec::new(),
+            plugin: None,
         }
     }
 
@@ -155,7 +158,8 @@ impl Node {
     /// (CLOCK_MONOTONIC ns) and run `seconds`.
     fn start_ranks(&mut self, job: &str, nranks: u32, epoch: u64, seconds: u64) {
         for rank in 0..nranks {
-            let child = Command::new("unshare")
+            let mut cmd = Command::new("unshare");
+            cmd
                 .args(["--pid", "--fork", "--mount-proc", "--ipc", "--mount", "sh", "-c"])
                 // What the plugin left in this rank's /dev/shm, after it ran.
                 .arg(r#"mount -t tmpfs none /dev/shm && "$@"; echo "shm entries: $(ls -A /dev/shm | wc -l)""#)
@@ -169,10 +173,11 @@ impl Node {
                 .env("NCCLSCOPE_RING_MEMORY", "cpu")
                 .env("NCCLSCOPE_JOB_ID", job)
                 .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
-            self.ranks.push(child);
+                .stderr(Stdio::piped());
+            if let Some(p) = &self.plugin {
+                cmd.arg("--plugin").arg(p);
+            }
+            self.ranks.push(cmd.spawn().unwrap());
         }
     }
 
@@ -690,4 +695,143 @@ impl Drop for Planted {
             let _ = std::fs::remove_file(p);
         }
     }
+}
+
+/// The daemon's image (scripts/build-image.sh), named by NCCLSCOPE_TEST_IMAGE, which scripts/test.sh
+/// sets once podman built it; the test is skipped, and says so, without it.
+fn image() -> Option<String> {
+    let image = std::env::var("NCCLSCOPE_TEST_IMAGE").ok();
+    if image.is_none() {
+        eprintln!(
+            "skipped: NCCLSCOPE_TEST_IMAGE unset (scripts/test.sh builds the image with podman and sets it)"
+        );
+    }
+    image
+}
+
+fn podman(args: &[&str]) -> String {
+    let out = Command::new("podman").args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "podman {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A running container, removed when the test ends however it ends (killing `podman run` leaves it).
+struct Container(String);
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        let _ = Command::new("podman")
+            .args(["rm", "--force", "--time", "0", &self.0])
+            .output();
+    }
+}
+
+#[test]
+fn the_image_run_as_the_daemonset_runs_it_serves_ranks_in_their_own_namespaces() {
+    let Some(_serial) = privileged() else { return };
+    let Some(image) = image() else { return };
+    const JOB: &str = "image-job";
+    let mut node = Node::new();
+    let d = node.dir.path().to_str().unwrap().to_string();
+    // The init container's work: the image's plugin, copied to a host directory the job mounts.
+    std::fs::create_dir(node.dir.path().join("plugin")).unwrap();
+    let lib = format!(
+        "/usr/lib/{}-linux-gnu/libnccl-profiler-ncclscope.so",
+        std::env::consts::ARCH
+    );
+    podman(&[
+        "run",
+        "--rm",
+        "--read-only",
+        "--cap-drop",
+        "ALL",
+        "--volume",
+        &format!("{d}/plugin:/host-plugin"),
+        "--entrypoint",
+        "cp",
+        &image,
+        &lib,
+        "/host-plugin/",
+    ]);
+    node.plugin = Some(node.dir.path().join("plugin/libnccl-profiler-ncclscope.so"));
+    // The fake NCCL host loads its stand-in libnccl from the plugin's folder (a job brings its own).
+    let target = ncclscope_tests::daemon_binary();
+    let stand_in = "libfakenccl_nccl_rfc.so";
+    std::fs::copy(
+        target.with_file_name(stand_in),
+        node.dir.path().join("plugin").join(stand_in),
+    )
+    .unwrap();
+    // The daemon as the DaemonSet runs it: the host's PID namespace and network, a read-only root
+    // without capabilities, only the node directories mounted (here one, at the same path).
+    let name = format!("ncclscope-test-{}", std::process::id());
+    let _container = Container(name.clone());
+    let mut cmd = Command::new("podman");
+    cmd.args([
+        "run",
+        "--rm",
+        "--name",
+        &name,
+        "--pid",
+        "host",
+        "--network",
+        "host",
+    ])
+    .args([
+        "--read-only",
+        "--cap-drop",
+        "ALL",
+        "--security-opt",
+        "no-new-privileges",
+    ])
+    .args([
+        "--volume",
+        &format!("{d}:{d}"),
+        "--env",
+        "NCCLSCOPE_LOG=info",
+        &image,
+    ])
+    .args(["daemon", "--config", &format!("{d}/ncclscope.toml")])
+    .stdout(Stdio::null())
+    .stderr(std::fs::File::create(node.dir.path().join("daemon.log")).unwrap());
+    node.start_daemon(cmd);
+    node.start_ranks(JOB, 2, epoch_in(Duration::from_millis(500)), 3);
+    node.wait_metric("ncclscope_segments", 2.0, Duration::from_secs(20));
+    let live = node.stats(JOB);
+    let pids: BTreeSet<u64> = live["jobs"][0]["communicators"][0]["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["pid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(pids.len(), 2, "{live}");
+    assert!(
+        !pids.contains(&1),
+        "host pids (hostPID), not each container's 1: {pids:?}"
+    );
+    let produced: Vec<u64> = node.wait_ranks().into_iter().map(|(n, _)| n).collect();
+    let total: u64 = produced.iter().sum();
+    assert!(produced.iter().all(|&n| n > 0), "{produced:?}");
+    let v = node.wait_collectives(JOB, total);
+    let per_rank: Vec<u64> = v["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["collectives"].as_u64().unwrap())
+        .collect();
+    assert_eq!(per_rank, produced, "{}", v["ranks"]);
+    node.wait_metric("ncclscope_segments", 0.0, Duration::from_secs(20));
+    assert_eq!(node.spooled(JOB).0.len() as u64, total);
+    // `podman stop` (SIGTERM, as the kubelet sends) ends the daemon cleanly.
+    podman(&["stop", "--time", "20", &name]);
+    let status = node.daemon.take().unwrap().wait().unwrap();
+    assert!(status.success(), "{status}: {}", node.log());
+    eprintln!(
+        "image {image}: 2 ranks x {} collectives through its plugin, all ingested by its daemon",
+        produced[0]
+    );
 }
