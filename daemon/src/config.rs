@@ -210,7 +210,11 @@ impl Otlp {
             if !text.contains("-----BEGIN ") || !text.contains(pem) {
                 return Err(err(
                     key,
-                    format!("{}: no PEM {} in it", path.display(), pem.trim_end_matches('-')),
+                    format!(
+                        "{}: no PEM {} in it",
+                        path.display(),
+                        pem.trim_end_matches('-')
+                    ),
                 ));
             }
         }
@@ -630,7 +634,9 @@ fn otel_env(env: &[(String, String)]) -> Result<toml::Table, ConfigError> {
             (Some(t), Some(m)) if t != m => {
                 return Err(err(
                     traces,
-                    format!("differs from {metrics}: ncclscope sends traces and metrics to one receiver"),
+                    format!(
+                        "differs from {metrics}: ncclscope sends traces and metrics to one receiver"
+                    ),
                 ));
             }
             (Some(v), _) => (traces, v),
@@ -975,7 +981,10 @@ mod tests {
         let otel = [
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://generic:4317"),
             ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://traces:4317"),
-            ("OTEL_EXPORTER_OTLP_HEADERS", "X-Scope-OrgID=t1, authorization=Bearer%20abc"),
+            (
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "X-Scope-OrgID=t1, authorization=Bearer%20abc",
+            ),
             ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip"),
             ("OTEL_EXPORTER_OTLP_TIMEOUT", "7000"),
             ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
@@ -984,7 +993,10 @@ mod tests {
             ("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=prod"),
         ];
         let c = load("", &otel, Overrides::default()).unwrap();
-        assert_eq!(c.otlp.endpoint, "http://traces:4317", "the signal's variable first");
+        assert_eq!(
+            c.otlp.endpoint, "http://traces:4317",
+            "the signal's variable first"
+        );
         assert_eq!(c.otlp.compression, "gzip");
         assert_eq!(c.otlp.request_timeout_ms, 7000);
         assert_eq!(c.otlp.service_name, "svc");
@@ -997,7 +1009,10 @@ mod tests {
         let file = "[otlp]\nendpoint = \"http://file:4317\"\ncompression = \"none\"\nrequest_timeout_ms = 100\n";
         let c = load(file, &otel, Overrides::default()).unwrap();
         assert_eq!(c.otlp.endpoint, "http://file:4317");
-        assert_eq!((c.otlp.compression.as_str(), c.otlp.request_timeout_ms), ("none", 100));
+        assert_eq!(
+            (c.otlp.compression.as_str(), c.otlp.request_timeout_ms),
+            ("none", 100)
+        );
         assert_eq!(c.otlp.service_name, "svc", "what the file leaves alone");
         let mut env = otel.to_vec();
         env.push(("NCCLSCOPE_OTLP_ENDPOINT", "http://ncclscope-env:4317"));
@@ -1007,7 +1022,10 @@ mod tests {
             otlp_endpoint: Some("http://flag:4317".into()),
             ..Default::default()
         };
-        assert_eq!(load(file, &env, flags).unwrap().otlp.endpoint, "http://flag:4317");
+        assert_eq!(
+            load(file, &env, flags).unwrap().otlp.endpoint,
+            "http://flag:4317"
+        );
     }
 
     #[test]
@@ -1017,24 +1035,80 @@ mod tests {
         std::fs::write(&garbage, "not a certificate").unwrap();
         let https = "[otlp]\nendpoint = \"https://c:4317\"\n";
         for (file, env, origin, says) in [
-            ("[otlp]\nheaders = \"x-scope-orgid\"\n", vec![], "otlp.headers", "item 1 is not key=value"),
-            ("[otlp]\nheaders = \"bad key=1\"\n", vec![], "otlp.headers", "not a valid header name"),
-            ("[otlp]\nheaders = \"a=%zz\"\n", vec![], "otlp.headers", "percent-encoded"),
-            ("", vec![("OTEL_EXPORTER_OTLP_HEADERS", "secret-token")], "OTEL_EXPORTER_OTLP_HEADERS", "not key=value"),
-            ("", vec![("OTEL_EXPORTER_OTLP_TIMEOUT", "5s")], "OTEL_EXPORTER_OTLP_TIMEOUT", "milliseconds"),
-            ("", vec![("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")], "OTEL_EXPORTER_OTLP_PROTOCOL", "gRPC only"),
+            (
+                "[otlp]\nheaders = \"x-scope-orgid\"\n",
+                vec![],
+                "otlp.headers",
+                "item 1 is not key=value",
+            ),
+            (
+                "[otlp]\nheaders = \"bad key=1\"\n",
+                vec![],
+                "otlp.headers",
+                "not a valid header name",
+            ),
+            (
+                "[otlp]\nheaders = \"a=%zz\"\n",
+                vec![],
+                "otlp.headers",
+                "percent-encoded",
+            ),
             (
                 "",
-                vec![("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://a:4317"), ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "http://b:4317")],
+                vec![("OTEL_EXPORTER_OTLP_HEADERS", "secret-token")],
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "not key=value",
+            ),
+            (
+                "",
+                vec![("OTEL_EXPORTER_OTLP_TIMEOUT", "5s")],
+                "OTEL_EXPORTER_OTLP_TIMEOUT",
+                "milliseconds",
+            ),
+            (
+                "",
+                vec![("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")],
+                "OTEL_EXPORTER_OTLP_PROTOCOL",
+                "gRPC only",
+            ),
+            (
+                "",
+                vec![
+                    ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://a:4317"),
+                    ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "http://b:4317"),
+                ],
                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
                 "one receiver",
             ),
-            ("[otlp]\ncompression = \"zstd\"\n", vec![], "otlp.compression", "gzip"),
-            (&format!("{https}ca_file = \"/nonexistent/ca.pem\"\n"), vec![], "otlp.ca_file", "No such file"),
-            (&format!("{https}ca_file = \"{}\"\n", garbage.display()), vec![], "otlp.ca_file", "no PEM CERTIFICATE"),
-            (&format!("{https}cert_file = \"{}\"\n", garbage.display()), vec![], "otlp.cert_file", "go together"),
             (
-                &format!("[otlp]\nendpoint = \"http://c:4317\"\nca_file = \"{}\"\n", garbage.display()),
+                "[otlp]\ncompression = \"zstd\"\n",
+                vec![],
+                "otlp.compression",
+                "gzip",
+            ),
+            (
+                &format!("{https}ca_file = \"/nonexistent/ca.pem\"\n"),
+                vec![],
+                "otlp.ca_file",
+                "No such file",
+            ),
+            (
+                &format!("{https}ca_file = \"{}\"\n", garbage.display()),
+                vec![],
+                "otlp.ca_file",
+                "no PEM CERTIFICATE",
+            ),
+            (
+                &format!("{https}cert_file = \"{}\"\n", garbage.display()),
+                vec![],
+                "otlp.cert_file",
+                "go together",
+            ),
+            (
+                &format!(
+                    "[otlp]\nendpoint = \"http://c:4317\"\nca_file = \"{}\"\n",
+                    garbage.display()
+                ),
                 vec![],
                 "otlp.ca_file",
                 "not https",
@@ -1043,8 +1117,14 @@ mod tests {
             let e = load(file, &env, Overrides::default()).unwrap_err();
             assert_eq!(e.origin, origin, "{file} {env:?}: {e}");
             let text = e.to_string();
-            assert!(text.contains(says) && !text.contains('\n'), "{file} {env:?}: {text}");
-            assert!(!text.contains("secret-token"), "a header's value is never shown: {text}");
+            assert!(
+                text.contains(says) && !text.contains('\n'),
+                "{file} {env:?}: {text}"
+            );
+            assert!(
+                !text.contains("secret-token"),
+                "a header's value is never shown: {text}"
+            );
         }
     }
 

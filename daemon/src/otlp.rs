@@ -70,7 +70,12 @@ pub fn resource(cfg: &Otlp, host: &str) -> Resource {
     let given = key_values(&cfg.resource_attributes).unwrap_or_default();
     let name = (!cfg.service_name.is_empty())
         .then_some(cfg.service_name.as_str())
-        .or_else(|| given.iter().find(|(k, _)| k == "service.name").map(|(_, v)| v.as_str()))
+        .or_else(|| {
+            given
+                .iter()
+                .find(|(k, _)| k == "service.name")
+                .map(|(_, v)| v.as_str())
+        })
         .unwrap_or("ncclscope");
     let mut attributes = vec![
         kv("service.name", name),
@@ -186,11 +191,8 @@ struct Envelope {
 impl Envelope {
     /// `message` with the headers and a `grpc-timeout` that tells the receiver our deadline.
     fn request<T>(&self, message: T) -> tonic::Request<T> {
-        let mut r = tonic::Request::from_parts(
-            self.headers.clone(),
-            tonic::Extensions::default(),
-            message,
-        );
+        let mut r =
+            tonic::Request::from_parts(self.headers.clone(), tonic::Extensions::default(), message);
         r.set_timeout(self.timeout);
         r
     }

@@ -97,7 +97,10 @@ impl Receiver {
 fn attribute(kv: &KeyValue) -> (String, String) {
     let v = match kv.value.as_ref().and_then(|v| v.value.as_ref()) {
         Some(any_value::Value::StringValue(s)) => s.clone(),
-        other => format!("{:?}", other.cloned().map(|value| AnyValue { value: Some(value) })),
+        other => format!(
+            "{:?}",
+            other.cloned().map(|value| AnyValue { value: Some(value) })
+        ),
     };
     (kv.key.clone(), v)
 }
@@ -109,7 +112,11 @@ impl TraceService for Receiver {
         req: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
         for rs in &req.get_ref().resource_spans {
-            let spans = rs.scope_spans.iter().flat_map(|s| s.spans.clone()).collect();
+            let spans = rs
+                .scope_spans
+                .iter()
+                .flat_map(|s| s.spans.clone())
+                .collect();
             self.record(&req, rs.resource.as_ref(), spans);
         }
         Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
@@ -133,7 +140,10 @@ impl MetricsService for Receiver {
 /// accepts gzip; returns its https endpoint.
 async fn tls_receiver(pki: &Pki, receiver: Receiver) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("https://localhost:{}", listener.local_addr().unwrap().port());
+    let endpoint = format!(
+        "https://localhost:{}",
+        listener.local_addr().unwrap().port()
+    );
     let tls = ServerTlsConfig::new()
         .identity(Identity::from_pem(&pki.server.0, &pki.server.1))
         .client_ca_root(Certificate::from_pem(&pki.ca));
@@ -143,7 +153,9 @@ async fn tls_receiver(pki: &Pki, receiver: Receiver) -> String {
         .add_service(
             TraceServiceServer::new(receiver.clone()).accept_compressed(CompressionEncoding::Gzip),
         )
-        .add_service(MetricsServiceServer::new(receiver).accept_compressed(CompressionEncoding::Gzip))
+        .add_service(
+            MetricsServiceServer::new(receiver).accept_compressed(CompressionEncoding::Gzip),
+        )
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
     tokio::spawn(server);
     endpoint
@@ -160,16 +172,14 @@ impl Daemon {
     fn start(dir: &Path, config: &str, endpoint: &str, env: &[(&str, &str)]) -> Daemon {
         std::fs::write(dir.join("ncclscope.toml"), config).unwrap();
         let log = std::fs::File::create(dir.join("daemon.log")).unwrap();
-        let child = ncclscope_tests::daemon_args(
-            &mut Command::new(ncclscope_tests::daemon_binary()),
-            dir,
-        )
-        .args(["--prometheus-listen", "", "--otlp-endpoint", endpoint])
-        .envs(env.iter().copied())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
+        let child =
+            ncclscope_tests::daemon_args(&mut Command::new(ncclscope_tests::daemon_binary()), dir)
+                .args(["--prometheus-listen", "", "--otlp-endpoint", endpoint])
+                .envs(env.iter().copied())
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap();
         let mut d = Daemon {
             child,
             dir: dir.to_path_buf(),
@@ -179,7 +189,11 @@ impl Daemon {
             if let Some(st) = d.child.try_wait().unwrap() {
                 panic!("daemon exited with {st}: {}", d.log());
             }
-            assert!(Instant::now() < deadline, "daemon did not start: {}", d.log());
+            assert!(
+                Instant::now() < deadline,
+                "daemon did not start: {}",
+                d.log()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
         d
@@ -196,7 +210,11 @@ impl Daemon {
             .arg(self.dir.join("api.sock"))
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         serde_json::from_slice::<Value>(&out.stdout).unwrap()["health"].clone()
     }
 
@@ -226,7 +244,11 @@ impl Daemon {
             .map(|r| {
                 let out = r.wait_with_output().unwrap();
                 let stdout = String::from_utf8_lossy(&out.stdout);
-                assert!(out.status.success(), "sim-rank: {}", String::from_utf8_lossy(&out.stderr));
+                assert!(
+                    out.status.success(),
+                    "sim-rank: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
                 ncclscope::cli::sim_rank::parse_produced(&stdout).expect("sim-rank's count")
             })
             .collect()
@@ -269,7 +291,10 @@ fn a_tls_receiver_gets_every_span_with_the_headers_gzip_and_the_node() {
         &config,
         &endpoint,
         &[
-            ("OTEL_EXPORTER_OTLP_HEADERS", "X-Scope-OrgID=tenant-a,Authorization=Bearer%20s3cret"),
+            (
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "X-Scope-OrgID=tenant-a,Authorization=Bearer%20s3cret",
+            ),
             ("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test"),
         ],
     );
@@ -289,17 +314,29 @@ fn a_tls_receiver_gets_every_span_with_the_headers_gzip_and_the_node() {
     let health = daemon.health();
     assert_eq!(health["spans_exported"], expected);
     assert_eq!(health["export_errors"], 0, "{}", daemon.log());
-    let instance = seen[0].resource.iter().find(|(k, _)| k == "service.instance.id");
+    let instance = seen[0]
+        .resource
+        .iter()
+        .find(|(k, _)| k == "service.instance.id");
     for s in &seen {
         assert_eq!(s.orgid.as_deref(), Some("tenant-a"));
         assert_eq!(s.authorization.as_deref(), Some("Bearer s3cret"));
         assert_eq!(s.encoding.as_deref(), Some("gzip"));
-        let attr = |k: &str| s.resource.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
+        let attr = |k: &str| {
+            s.resource
+                .iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.as_str())
+        };
         assert_eq!(attr("service.name"), Some("ncclscope"));
         assert_eq!(attr("service.version"), Some(env!("CARGO_PKG_VERSION")));
         assert_eq!(attr("deployment.environment"), Some("test"));
         assert!(attr("host.name").is_some_and(|h| !h.is_empty()));
-        assert!(instance.is_some_and(|(_, v)| !v.is_empty()), "{:?}", s.resource);
+        assert!(
+            instance.is_some_and(|(_, v)| !v.is_empty()),
+            "{:?}",
+            s.resource
+        );
         assert_eq!(
             s.resource.iter().find(|(k, _)| k == "service.instance.id"),
             instance,
@@ -332,11 +369,20 @@ fn a_plain_receiver_behind_https_gets_nothing_and_the_failures_are_counted() {
     }
     let spans = rt.block_on(collector.exported_spans(1, Duration::from_secs(1)));
     let metrics = rt.block_on(collector.exported_metrics(1, Duration::from_millis(100)));
-    assert!(spans.is_empty() && metrics.is_empty(), "{} spans and {} metrics in clear text", spans.len(), metrics.len());
+    assert!(
+        spans.is_empty() && metrics.is_empty(),
+        "{} spans and {} metrics in clear text",
+        spans.len(),
+        metrics.len()
+    );
     let health = daemon.health();
     assert!(health["export_errors"].as_u64().unwrap() > 0, "{health}");
     assert_eq!(health["spans_exported"], 0);
-    assert!(daemon.child.try_wait().unwrap().is_none(), "the daemon runs on: {}", daemon.log());
+    assert!(
+        daemon.child.try_wait().unwrap().is_none(),
+        "the daemon runs on: {}",
+        daemon.log()
+    );
 }
 
 /// A malformed header or an unreadable CA file stops the daemon at start with one line naming it.
@@ -357,16 +403,14 @@ fn a_bad_header_or_ca_file_stops_the_daemon_with_one_line() {
         ),
     ] {
         std::fs::write(d.join("ncclscope.toml"), config).unwrap();
-        let out: Output = ncclscope_tests::daemon_args(
-            &mut Command::new(ncclscope_tests::daemon_binary()),
-            d,
-        )
-        .args(["--prometheus-listen", ""])
-        .env(env.0, env.1)
-        .env("RUST_BACKTRACE", "1")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+        let out: Output =
+            ncclscope_tests::daemon_args(&mut Command::new(ncclscope_tests::daemon_binary()), d)
+                .args(["--prometheus-listen", ""])
+                .env(env.0, env.1)
+                .env("RUST_BACKTRACE", "1")
+                .stdin(Stdio::null())
+                .output()
+                .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{stderr}");
         assert_eq!(stderr.lines().count(), 1, "{stderr}");
