@@ -242,7 +242,9 @@ fn export() -> f64 {
         );
         let mut cfg = Config::default().otlp;
         cfg.batch_spans = 2048;
-        let channel = otlp::channel(&format!("http://{addr}"), Duration::from_secs(10)).unwrap();
+        cfg.endpoint = format!("http://{addr}");
+        cfg.request_timeout_ms = 10_000;
+        let channel = otlp::channel(&cfg).unwrap();
         let (tx, rx) = tokio::sync::mpsc::channel(cfg.queue_spans);
         let (_mtx, mrx) = tokio::sync::mpsc::channel(1);
         let counters = Arc::new(ExportCounters::default());

@@ -1,5 +1,6 @@
-//! The daemon's configuration: built-in defaults, then the TOML file, then `NCCLSCOPE_*` environment
-//! variables, then command-line flags. Every layer is checked against the same schema (unknown keys
+//! The daemon's configuration: built-in defaults, then the OpenTelemetry SDKs' `OTEL_*` variables
+//! (for `[otlp]`), then the TOML file, then `NCCLSCOPE_*` environment variables, then command-line
+//! flags. Every layer is checked against the same schema (unknown keys
 //! are errors) and [`Config::validate`] checks what spans several keys; errors name the bad key.
 
 use std::net::SocketAddr;
@@ -152,6 +153,73 @@ pub struct Otlp {
     pub request_timeout_ms: u64,
     /// Period of the OTLP metrics export, in milliseconds.
     pub metrics_interval_ms: u64,
+    /// gRPC metadata sent with every export, `key=value,key=value` as OTEL_EXPORTER_OTLP_HEADERS
+    /// writes it (values percent-decoded): a tenant (`X-Scope-OrgID`), an `Authorization` token.
+    pub headers: String,
+    /// `none` or `gzip`.
+    pub compression: String,
+    /// PEM file of the CA(s) that sign the receiver's certificate (https only); empty: the system's
+    /// trust store.
+    pub ca_file: PathBuf,
+    /// PEM client certificate and its key, for a receiver that asks for one (mutual TLS).
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+    /// `service.name` of the exported resource; empty: `service.name` from `resource_attributes`,
+    /// else `ncclscope`.
+    pub service_name: String,
+    /// More resource attributes, `key=value,...` as OTEL_RESOURCE_ATTRIBUTES writes them; they
+    /// override the daemon's own (`host.name`, `service.instance.id`) except `service.name`.
+    pub resource_attributes: String,
+}
+
+impl Otlp {
+    /// Headers, compression, resource attributes and the TLS files: each is checked here so that a
+    /// mistake stops the daemon at start, naming the key, rather than failing every export.
+    fn validate_transport(&self) -> Result<(), ConfigError> {
+        crate::otlp::metadata(&self.headers).map_err(|e| err("otlp.headers", e))?;
+        crate::otlp::key_values(&self.resource_attributes)
+            .map_err(|e| err("otlp.resource_attributes", e))?;
+        if !["none", "gzip"].contains(&self.compression.as_str()) {
+            return Err(err(
+                "otlp.compression",
+                format!("{:?} is neither \"none\" nor \"gzip\"", self.compression),
+            ));
+        }
+        let files = [
+            ("otlp.ca_file", &self.ca_file, "CERTIFICATE-----"),
+            ("otlp.cert_file", &self.cert_file, "CERTIFICATE-----"),
+            ("otlp.key_file", &self.key_file, "PRIVATE KEY-----"),
+        ];
+        let set = |p: &PathBuf| !p.as_os_str().is_empty();
+        if set(&self.cert_file) != set(&self.key_file) {
+            return Err(err(
+                "otlp.cert_file",
+                "otlp.cert_file and otlp.key_file go together (a client certificate and its key)",
+            ));
+        }
+        let https = self.endpoint.starts_with("https://");
+        for (key, path, pem) in files.into_iter().filter(|f| set(f.1)) {
+            if !https {
+                return Err(err(
+                    key,
+                    "is set, but otlp.endpoint is not https:// (TLS files apply to https only)",
+                ));
+            }
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| err(key, format!("{}: {e}", path.display())))?;
+            if !text.contains("-----BEGIN ") || !text.contains(pem) {
+                return Err(err(
+                    key,
+                    format!(
+                        "{}: no PEM {} in it",
+                        path.display(),
+                        pem.trim_end_matches('-')
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -219,6 +287,13 @@ impl Default for Otlp {
             max_attempts: 5,
             request_timeout_ms: 5000,
             metrics_interval_ms: 10_000,
+            headers: String::new(),
+            compression: "none".into(),
+            ca_file: PathBuf::new(),
+            cert_file: PathBuf::new(),
+            key_file: PathBuf::new(),
+            service_name: String::new(),
+            resource_attributes: String::new(),
         }
     }
 }
@@ -268,6 +343,8 @@ impl Config {
     ) -> Result<Config, ConfigError> {
         let mut table =
             toml::Table::try_from(Config::default()).map_err(|e| err("defaults", e.to_string()))?;
+        let env: Vec<(String, String)> = env.into_iter().collect();
+        merge(&mut table, otel_env(&env)?);
         let path = file.unwrap_or(Path::new(DEFAULT_CONFIG_PATH));
         match std::fs::read_to_string(path) {
             Ok(text) => {
@@ -484,6 +561,7 @@ impl Config {
                 ));
             }
         }
+        self.otlp.validate_transport()?;
         if !self.prometheus.listen.is_empty()
             && self.prometheus.listen.parse::<SocketAddr>().is_err()
         {
@@ -519,6 +597,89 @@ fn merge(base: &mut toml::Table, top: toml::Table) {
             }
         }
     }
+}
+
+/// The OpenTelemetry SDKs' variables and the `[otlp]` keys they set: the lowest layer above the
+/// defaults, so that a node-wide OTEL_* environment (a container image, a Kubernetes pod spec) is
+/// honoured and the daemon's own configuration still wins. `OTEL_EXPORTER_OTLP_<X>` is read as
+/// `OTEL_EXPORTER_OTLP_TRACES_<X>` or `..._METRICS_<X>` when one is set (traces and metrics share one
+/// connection here, so the two must agree); an empty variable counts as unset, as the specification
+/// says.
+const OTEL_EXPORTER: [(&str, &str); 7] = [
+    ("ENDPOINT", "endpoint"),
+    ("HEADERS", "headers"),
+    ("COMPRESSION", "compression"),
+    ("TIMEOUT", "request_timeout_ms"),
+    ("CERTIFICATE", "ca_file"),
+    ("CLIENT_CERTIFICATE", "cert_file"),
+    ("CLIENT_KEY", "key_file"),
+];
+const OTEL_RESOURCE: [(&str, &str); 2] = [
+    ("OTEL_SERVICE_NAME", "service_name"),
+    ("OTEL_RESOURCE_ATTRIBUTES", "resource_attributes"),
+];
+
+/// The `[otlp]` table the OTEL_* variables in `env` make (see [`OTEL_EXPORTER`]).
+fn otel_env(env: &[(String, String)]) -> Result<toml::Table, ConfigError> {
+    let get = |name: &str| {
+        env.iter()
+            .find(|(k, v)| k == name && !v.is_empty())
+            .map(|(_, v)| v.as_str())
+    };
+    let mut otlp = toml::Table::new();
+    for (setting, key) in OTEL_EXPORTER.iter().chain(&[("PROTOCOL", "")]) {
+        let [traces, metrics, generic] =
+            ["TRACES_", "METRICS_", ""].map(|s| format!("OTEL_EXPORTER_OTLP_{s}{setting}"));
+        let (var, value) = match (get(&traces), get(&metrics)) {
+            (Some(t), Some(m)) if t != m => {
+                return Err(err(
+                    traces,
+                    format!(
+                        "differs from {metrics}: ncclscope sends traces and metrics to one receiver"
+                    ),
+                ));
+            }
+            (Some(v), _) => (traces, v),
+            (None, Some(v)) => (metrics, v),
+            (None, None) => match get(&generic) {
+                Some(v) => (generic, v),
+                None => continue,
+            },
+        };
+        let value = match *key {
+            "" if value == "grpc" => continue,
+            "" => {
+                return Err(err(
+                    var,
+                    format!("{value:?}: ncclscope exports OTLP over gRPC only (\"grpc\")"),
+                ));
+            }
+            "request_timeout_ms" => toml::Value::Integer(
+                value
+                    .parse::<u32>()
+                    .map_err(|_| err(&var, format!("{value:?} is not a number of milliseconds")))?
+                    .into(),
+            ),
+            "headers" => {
+                crate::otlp::metadata(value).map_err(|e| err(&var, e))?;
+                toml::Value::String(value.to_string())
+            }
+            _ => toml::Value::String(value.to_string()),
+        };
+        otlp.insert(key.to_string(), value);
+    }
+    for (var, key) in OTEL_RESOURCE {
+        if let Some(v) = get(var) {
+            if key == "resource_attributes" {
+                crate::otlp::key_values(v).map_err(|e| err(var, e))?;
+            }
+            otlp.insert(key.to_string(), toml::Value::String(v.to_string()));
+        }
+    }
+    Ok(toml::Table::from_iter([(
+        "otlp".to_string(),
+        toml::Value::Table(otlp),
+    )]))
 }
 
 /// Applies `NCCLSCOPE_<PATH>` variables to the keys they name (`NCCLSCOPE_OTLP_ENDPOINT` ->
@@ -642,6 +803,12 @@ pub fn help() -> String {
     for (var, default) in default_variables() {
         out.push_str(&format!("  {var:<40} {default}\n"));
     }
+    out.push_str(
+        "\nBelow the file (the file, these variables and the flags override them), the OpenTelemetry\n\
+         SDKs' variables set [otlp] keys: OTEL_EXPORTER_OTLP_{ENDPOINT,HEADERS,COMPRESSION,TIMEOUT,\n\
+         CERTIFICATE,CLIENT_CERTIFICATE,CLIENT_KEY} (or their _TRACES_/_METRICS_ forms, which must\n\
+         agree), OTEL_EXPORTER_OTLP_PROTOCOL (grpc only), OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES.\n",
+    );
     out.push_str(
         "\nAlso read: NCCLSCOPE_LOG, the log filter (tracing's EnvFilter syntax) [default: info].\n\
          Errors print one line and their causes; --debug adds the debug form, with the backtrace\n\
@@ -805,6 +972,159 @@ mod tests {
         ] {
             let e = load(file, &[], Overrides::default()).unwrap_err();
             assert_eq!(e.origin, key, "{file}: {e}");
+        }
+    }
+
+    /// Issue 17: the OTEL_* variables set `[otlp]` below the file, NCCLSCOPE_* and the flags.
+    #[test]
+    fn otel_variables_sit_between_the_defaults_and_the_file() {
+        let otel = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://generic:4317"),
+            ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://traces:4317"),
+            (
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "X-Scope-OrgID=t1, authorization=Bearer%20abc",
+            ),
+            ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip"),
+            ("OTEL_EXPORTER_OTLP_TIMEOUT", "7000"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE", ""),
+            ("OTEL_SERVICE_NAME", "svc"),
+            ("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=prod"),
+        ];
+        let c = load("", &otel, Overrides::default()).unwrap();
+        assert_eq!(
+            c.otlp.endpoint, "http://traces:4317",
+            "the signal's variable first"
+        );
+        assert_eq!(c.otlp.compression, "gzip");
+        assert_eq!(c.otlp.request_timeout_ms, 7000);
+        assert_eq!(c.otlp.service_name, "svc");
+        assert_eq!(c.otlp.resource_attributes, "deployment.environment=prod");
+        assert_eq!(c.otlp.ca_file, PathBuf::new(), "an empty variable is unset");
+        let md = crate::otlp::metadata(&c.otlp.headers).unwrap();
+        assert_eq!(md.get("x-scope-orgid").unwrap(), "t1");
+        assert_eq!(md.get("authorization").unwrap(), "Bearer abc");
+        // The file beats OTEL_*, NCCLSCOPE_* beats the file, the flag beats them all.
+        let file = "[otlp]\nendpoint = \"http://file:4317\"\ncompression = \"none\"\nrequest_timeout_ms = 100\n";
+        let c = load(file, &otel, Overrides::default()).unwrap();
+        assert_eq!(c.otlp.endpoint, "http://file:4317");
+        assert_eq!(
+            (c.otlp.compression.as_str(), c.otlp.request_timeout_ms),
+            ("none", 100)
+        );
+        assert_eq!(c.otlp.service_name, "svc", "what the file leaves alone");
+        let mut env = otel.to_vec();
+        env.push(("NCCLSCOPE_OTLP_ENDPOINT", "http://ncclscope-env:4317"));
+        let c = load(file, &env, Overrides::default()).unwrap();
+        assert_eq!(c.otlp.endpoint, "http://ncclscope-env:4317");
+        let flags = Overrides {
+            otlp_endpoint: Some("http://flag:4317".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            load(file, &env, flags).unwrap().otlp.endpoint,
+            "http://flag:4317"
+        );
+    }
+
+    #[test]
+    fn bad_otlp_transport_settings_are_one_line_errors_naming_the_key_or_variable() {
+        let dir = tempfile::tempdir().unwrap();
+        let garbage = dir.path().join("garbage.pem");
+        std::fs::write(&garbage, "not a certificate").unwrap();
+        let https = "[otlp]\nendpoint = \"https://c:4317\"\n";
+        for (file, env, origin, says) in [
+            (
+                "[otlp]\nheaders = \"x-scope-orgid\"\n",
+                vec![],
+                "otlp.headers",
+                "item 1 is not key=value",
+            ),
+            (
+                "[otlp]\nheaders = \"bad key=1\"\n",
+                vec![],
+                "otlp.headers",
+                "not a valid header name",
+            ),
+            (
+                "[otlp]\nheaders = \"a=%zz\"\n",
+                vec![],
+                "otlp.headers",
+                "percent-encoded",
+            ),
+            (
+                "",
+                vec![("OTEL_EXPORTER_OTLP_HEADERS", "secret-token")],
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "not key=value",
+            ),
+            (
+                "",
+                vec![("OTEL_EXPORTER_OTLP_TIMEOUT", "5s")],
+                "OTEL_EXPORTER_OTLP_TIMEOUT",
+                "milliseconds",
+            ),
+            (
+                "",
+                vec![("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")],
+                "OTEL_EXPORTER_OTLP_PROTOCOL",
+                "gRPC only",
+            ),
+            (
+                "",
+                vec![
+                    ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://a:4317"),
+                    ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "http://b:4317"),
+                ],
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "one receiver",
+            ),
+            (
+                "[otlp]\ncompression = \"zstd\"\n",
+                vec![],
+                "otlp.compression",
+                "gzip",
+            ),
+            (
+                &format!("{https}ca_file = \"/nonexistent/ca.pem\"\n"),
+                vec![],
+                "otlp.ca_file",
+                "No such file",
+            ),
+            (
+                &format!("{https}ca_file = \"{}\"\n", garbage.display()),
+                vec![],
+                "otlp.ca_file",
+                "no PEM CERTIFICATE",
+            ),
+            (
+                &format!("{https}cert_file = \"{}\"\n", garbage.display()),
+                vec![],
+                "otlp.cert_file",
+                "go together",
+            ),
+            (
+                &format!(
+                    "[otlp]\nendpoint = \"http://c:4317\"\nca_file = \"{}\"\n",
+                    garbage.display()
+                ),
+                vec![],
+                "otlp.ca_file",
+                "not https",
+            ),
+        ] {
+            let e = load(file, &env, Overrides::default()).unwrap_err();
+            assert_eq!(e.origin, origin, "{file} {env:?}: {e}");
+            let text = e.to_string();
+            assert!(
+                text.contains(says) && !text.contains('\n'),
+                "{file} {env:?}: {text}"
+            );
+            assert!(
+                !text.contains("secret-token"),
+                "a header's value is never shown: {text}"
+            );
         }
     }
 

@@ -34,6 +34,8 @@ pub enum Value {
 #[derive(Clone, Debug)]
 pub struct Family {
     pub name: &'static str,
+    /// UCUM, as OpenTelemetry metrics carry units (`us`, `GBy/s`, `{collective}` for a count).
+    pub unit: &'static str,
     pub help: &'static str,
     pub kind: Kind,
     /// Its points describe users' jobs (labelled job_id and uid), not the daemon.
@@ -42,9 +44,10 @@ pub struct Family {
 }
 
 impl Family {
-    fn new(name: &'static str, help: &'static str, kind: Kind) -> Family {
+    fn new(name: &'static str, unit: &'static str, help: &'static str, kind: Kind) -> Family {
         Family {
             name,
+            unit,
             help,
             kind,
             per_job: false,
@@ -95,12 +98,14 @@ fn comm_label(hash: u64) -> String {
 pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
     let mut exec = Family::new(
         "ncclscope_collective_exec_time_microseconds",
+        "us",
         "Execution time per collective instance (max over channels of the kernel work time)",
         Kind::Histogram,
     )
     .per_job();
     let mut busbw = Family::new(
         "ncclscope_collective_bus_bandwidth_gbs",
+        "GBy/s",
         "Bus bandwidth per collective instance as NCCL Inspector defines it, GB/s",
         Kind::Histogram,
     )
@@ -124,18 +129,21 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
     }
     let mut skew = Family::new(
         "ncclscope_rank_skew_microseconds",
+        "us",
         "How much later this rank's kernels started than the earliest rank of the same collective on this node",
         Kind::Histogram,
     )
     .per_job();
     let mut straggler = Family::new(
         "ncclscope_rank_straggler_total",
+        "{collective}",
         "Collectives in which this rank was the last of the node's ranks to start (when=start) or to end (when=end)",
         Kind::Counter,
     )
     .per_job();
     let mut per_rank = Family::new(
         "ncclscope_rank_collectives_total",
+        "{collective}",
         "Collective instances per rank",
         Kind::Counter,
     )
@@ -161,38 +169,43 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
         per_rank.push(labels, r.collectives as f64);
     }
     let mut out = vec![exec, busbw, skew, straggler, per_rank];
-    let counter = |name, help, v: u64| {
-        let mut f = Family::new(name, help, Kind::Counter);
+    let counter = |name, unit, help, v: u64| {
+        let mut f = Family::new(name, unit, help, Kind::Counter);
         f.push(Vec::new(), v as f64);
         f
     };
-    let gauge = |name, help, v: f64| {
-        let mut f = Family::new(name, help, Kind::Gauge);
+    let gauge = |name, unit, help, v: f64| {
+        let mut f = Family::new(name, unit, help, Kind::Gauge);
         f.push(Vec::new(), v);
         f
     };
     out.push(gauge(
         "ncclscope_segments",
+        "{segment}",
         "Segments (NCCL processes) attached",
         health.segments as f64,
     ));
     out.push(counter(
         "ncclscope_records_total",
+        "{record}",
         "Records read from segments",
         health.records_in,
     ));
     out.push(counter(
         "ncclscope_decode_errors_total",
+        "{record}",
         "Records that did not decode",
         health.decode_errors,
     ));
     out.push(counter(
         "ncclscope_collectives_total",
+        "{collective}",
         "Collective and p2p instances completed",
         health.collectives,
     ));
     let mut lost = Family::new(
         "ncclscope_lost_total",
+        "{event}",
         "Events lost (or declined) per stage: plugin counters and the daemon's own",
         Kind::Counter,
     );
@@ -202,6 +215,7 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
     out.push(lost);
     let mut by_uid = Family::new(
         "ncclscope_plugin_lost_total",
+        "{event}",
         "Events the plugins of one uid's processes reported lost, per stage (non-zero only)",
         Kind::Counter,
     );
@@ -214,11 +228,13 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
     out.push(by_uid);
     out.push(counter(
         "ncclscope_spans_exported_total",
+        "{span}",
         "Spans accepted by the OTLP receiver",
         health.spans_exported,
     ));
     out.push(counter(
         "ncclscope_export_resent_total",
+        "{instance}",
         "Instances whose spans were dropped (queue full, or given up) and queued again from the spool \
          once the OTLP receiver answered (ncclscope_lost_total{stage=\"export_not_resent\"}: those that \
          could not be)",
@@ -226,28 +242,33 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
     ));
     out.push(counter(
         "ncclscope_forced_commits_total",
+        "{commit}",
         "Segment tails committed past open operations or unacknowledged spans because the ring was \
          over half full: nothing is lost, but a daemon restarted then would not read those again",
         health.forced_commits,
     ));
     out.push(counter(
         "ncclscope_clock_steps_total",
+        "{step}",
         "Steps of the host clock (CLOCK_REALTIME against CLOCK_BOOTTIME, over 50 ms)",
         health.clock_steps,
     ));
     out.push(counter(
         "ncclscope_skew_clock_step_total",
+        "{collective}",
         "Collectives left out of the skew and straggler counts because a rank started them near a \
          host clock step",
         health.skew_clock_step,
     ));
     out.push(counter(
         "ncclscope_export_errors_total",
+        "{error}",
         "Failed OTLP export attempts",
         health.export_errors,
     ));
     out.push(gauge(
         "ncclscope_calibration_error_max_nanoseconds",
+        "ns",
         "Largest GPU-to-host clock calibration error bound among attached processes",
         health.max_calibration_error_ns as f64,
     ));
@@ -258,6 +279,7 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
     };
     out.push(gauge(
         "ncclscope_device_hook_join_ratio",
+        "1",
         "Fraction of device-hook work items joined to a host collective",
         join_rate,
     ));
@@ -348,6 +370,29 @@ fn attributes(labels: &[(&'static str, String)]) -> Vec<KeyValue> {
         .collect()
 }
 
+/// The family's name as OpenTelemetry names metrics: `ncclscope.` namespace, no unit (it is in
+/// `unit`) and no `_total`. A collector writing them to Prometheus adds the unit's suffix and
+/// `_total` back, which gives the names served on `/metrics`, except for the bus bandwidth, whose
+/// `GBy/s` it spells `gigabytes_per_second`.
+fn otel_name(f: &Family) -> String {
+    let mut name = f.name;
+    if f.kind == Kind::Counter {
+        name = name.strip_suffix("_total").unwrap_or(name);
+    }
+    let suffix = match f.unit {
+        "us" => "_microseconds",
+        "ns" => "_nanoseconds",
+        "GBy/s" => "_gbs",
+        "1" => "_ratio",
+        _ => "",
+    };
+    name = name.strip_suffix(suffix).unwrap_or(name);
+    match name.strip_prefix("ncclscope_") {
+        Some(rest) => format!("ncclscope.{rest}"),
+        None => name.to_string(),
+    }
+}
+
 /// OTLP metrics, cumulative since `start_ns`.
 pub fn to_otlp(families: &[Family], start_ns: u64, now_ns: u64) -> Vec<Metric> {
     let cumulative = AggregationTemporality::Cumulative as i32;
@@ -401,8 +446,9 @@ pub fn to_otlp(families: &[Family], start_ns: u64, now_ns: u64) -> Vec<Metric> {
                 }),
             };
             Metric {
-                name: f.name.to_string(),
+                name: otel_name(f),
                 description: f.help.to_string(),
+                unit: f.unit.to_string(),
                 data: Some(data),
                 ..Default::default()
             }
@@ -463,10 +509,38 @@ mod tests {
             "{public}"
         );
         let otlp = to_otlp(&families(&stats, &health), 1, 2);
+        assert_eq!(
+            (otlp[0].name.as_str(), otlp[0].unit.as_str()),
+            ("ncclscope.collective_exec_time", "us")
+        );
         let Some(metric::Data::Histogram(h)) = &otlp[0].data else {
             panic!()
         };
         assert_eq!(h.data_points[0].count, 3);
         assert_eq!(h.data_points[0].bucket_counts.iter().sum::<u64>(), 3);
+    }
+
+    /// What a collector's Prometheus exporter makes of each OTLP metric (unit suffix and `_total`
+    /// added back, `.` as `_`) is the name `/metrics` serves, but for the bandwidth's unit spelling.
+    #[test]
+    fn otlp_names_and_units_map_back_to_the_prometheus_names() {
+        let stats = Stats::new(1_000_000_000, 1000, 10);
+        let fams = families(&stats, &Health::default());
+        for f in &fams {
+            assert!(!f.unit.is_empty(), "{} has a unit", f.name);
+            let mut prom = otel_name(f).replace('.', "_");
+            prom.push_str(match f.unit {
+                "us" => "_microseconds",
+                "ns" => "_nanoseconds",
+                "GBy/s" => "_gigabytes_per_second",
+                "1" if f.kind == Kind::Gauge => "_ratio",
+                _ => "",
+            });
+            if f.kind == Kind::Counter {
+                prom.push_str("_total");
+            }
+            let expected = f.name.replace("_gbs", "_gigabytes_per_second");
+            assert_eq!(prom, expected, "unit {}", f.unit);
+        }
     }
 }

@@ -19,7 +19,9 @@ use opentelemetry_proto::tonic::metrics::v1::{Metric, ResourceMetrics, ScopeMetr
 use opentelemetry_proto::tonic::resource::v1::Resource;
 use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans};
 use tokio::sync::mpsc;
-use tonic::transport::{Channel, Endpoint};
+use tonic::codec::CompressionEncoding;
+use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::config::Otlp;
 use crate::resend::{self, Dropped};
@@ -49,18 +51,150 @@ pub struct ExportCounters {
     pub not_resent: AtomicU64,
 }
 
-fn resource(host: &str) -> Resource {
-    let kv = |k: &str, v: &str| KeyValue {
-        key: k.into(),
+fn kv(key: &str, v: &str) -> KeyValue {
+    KeyValue {
+        key: key.into(),
         value: Some(AnyValue {
             value: Some(any_value::Value::StringValue(v.into())),
         }),
         ..Default::default()
-    };
-    // One daemon serves many processes: process.pid is a span attribute, not a resource attribute.
+    }
+}
+
+/// The node's resource: `service.name` (`otlp.service_name`, else `service.name` from
+/// `otlp.resource_attributes`, else ncclscope), `service.version`, `host.name`, `service.instance.id`
+/// ([`instance_id`]: through a collector into Prometheus it becomes the `instance` label of every
+/// series), then `otlp.resource_attributes`, which may replace any of them but `service.name`.
+/// One daemon serves many processes: process.pid is a span attribute, not a resource attribute.
+pub fn resource(cfg: &Otlp, host: &str) -> Resource {
+    let given = key_values(&cfg.resource_attributes).unwrap_or_default();
+    let name = (!cfg.service_name.is_empty())
+        .then_some(cfg.service_name.as_str())
+        .or_else(|| {
+            given
+                .iter()
+                .find(|(k, _)| k == "service.name")
+                .map(|(_, v)| v.as_str())
+        })
+        .unwrap_or("ncclscope");
+    let mut attributes = vec![
+        kv("service.name", name),
+        kv("service.version", env!("CARGO_PKG_VERSION")),
+        kv("host.name", host),
+        kv("service.instance.id", &instance_id(host)),
+    ];
+    for (k, v) in given.iter().filter(|(k, _)| k != "service.name") {
+        match attributes.iter_mut().find(|a| a.key == *k) {
+            Some(a) => *a = kv(k, v),
+            None => attributes.push(kv(k, v)),
+        }
+    }
     Resource {
-        attributes: vec![kv("service.name", "ncclscope"), kv("host.name", host)],
+        attributes,
         ..Default::default()
+    }
+}
+
+/// A UUID stable for the machine: its machine id (/etc/machine-id) hashed with an application key
+/// (HMAC-SHA256, then the UUID version 4 bits), as machine-id(5) asks of applications, since the id
+/// itself is meant to stay on the machine; the host name where there is no machine id (a container
+/// without one: set `service.instance.id` through `otlp.resource_attributes` there).
+fn instance_id(host: &str) -> String {
+    const APP_KEY: &[u8] = b"ncclscope service.instance.id";
+    let Some(machine) = std::fs::read_to_string("/etc/machine-id")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit()))
+    else {
+        return host.to_string();
+    };
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, machine.as_bytes());
+    let tag = ring::hmac::sign(&key, APP_KEY);
+    let mut id = [0u8; 16];
+    id.copy_from_slice(&tag.as_ref()[..16]);
+    id[6] = (id[6] & 0x0f) | 0x40;
+    id[8] = (id[8] & 0x3f) | 0x80;
+    let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}
+
+/// A `key=value,key=value` list as the OpenTelemetry variables write one (OTEL_EXPORTER_OTLP_HEADERS,
+/// OTEL_RESOURCE_ATTRIBUTES): items trimmed, empty items skipped, values percent-decoded. Errors
+/// name the item by key or position, never by value (a value may be a credential).
+pub fn key_values(list: &str) -> Result<Vec<(String, String)>, String> {
+    let items = list.split(',').map(str::trim).filter(|i| !i.is_empty());
+    items
+        .enumerate()
+        .map(|(n, item)| {
+            let Some((k, v)) = item.split_once('=') else {
+                return Err(format!("item {} is not key=value", n + 1));
+            };
+            let k = k.trim();
+            if k.is_empty() {
+                return Err(format!("item {} has no key", n + 1));
+            }
+            let v = percent_decode(v.trim())
+                .ok_or_else(|| format!("{k:?}: the value is not valid percent-encoded UTF-8"))?;
+            Ok((k.to_string(), v))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> Option<String> {
+    let mut out = Vec::with_capacity(s.len());
+    let mut bytes = s.bytes();
+    while let Some(b) = bytes.next() {
+        if b == b'%' {
+            let hex = [bytes.next()?, bytes.next()?];
+            out.push(u8::from_str_radix(std::str::from_utf8(&hex).ok()?, 16).ok()?);
+        } else {
+            out.push(b);
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// `otlp.headers` as the gRPC metadata every export carries.
+pub fn metadata(headers: &str) -> Result<MetadataMap, String> {
+    let mut map = MetadataMap::new();
+    for (k, v) in key_values(headers)? {
+        let lower = k.to_ascii_lowercase();
+        if lower.ends_with("-bin") || lower.starts_with("grpc-") {
+            return Err(format!(
+                "{k:?}: binary (-bin) and grpc- headers are not supported"
+            ));
+        }
+        let key = MetadataKey::from_bytes(lower.as_bytes())
+            .map_err(|_| format!("{k:?} is not a valid header name"))?;
+        let value = MetadataValue::try_from(v.as_str())
+            .map_err(|_| format!("{k:?}: the value is not printable ASCII"))?;
+        map.append(key, value);
+    }
+    Ok(map)
+}
+
+/// What every export request carries beyond its data.
+#[derive(Clone)]
+struct Envelope {
+    resource: Resource,
+    headers: MetadataMap,
+    timeout: Duration,
+}
+
+impl Envelope {
+    /// `message` with the headers and a `grpc-timeout` that tells the receiver our deadline.
+    fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut r =
+            tonic::Request::from_parts(self.headers.clone(), tonic::Extensions::default(), message);
+        r.set_timeout(self.timeout);
+        r
     }
 }
 
@@ -72,17 +206,50 @@ fn scope() -> InstrumentationScope {
     }
 }
 
+/// The connection to the receiver: TLS for an https endpoint (the system's trust store, or only the
+/// CAs of `otlp.ca_file`; a client certificate with `otlp.cert_file`/`otlp.key_file`), so a receiver
+/// that does not speak TLS there fails every export (counted) instead of taking data in clear text.
+///
 /// A receiver that accepts and then stops answering keeps its connection established: a request
 /// that times out leaves it open, and every later request would wait on it, even once the receiver
 /// answers again on a new connection. So while requests are open, a connection that answers no
-/// HTTP/2 PING within `timeout` is closed, and the next request connects anew.
-pub fn channel(endpoint: &str, timeout: Duration) -> Result<Channel, tonic::transport::Error> {
-    Ok(Endpoint::from_shared(endpoint.to_string())?
+/// HTTP/2 PING within the request timeout is closed, and the next request connects anew.
+pub fn channel(cfg: &Otlp) -> Result<Channel, String> {
+    let timeout = Duration::from_millis(cfg.request_timeout_ms);
+    let endpoint = Endpoint::from_shared(cfg.endpoint.clone())
+        .map_err(|e| format!("otlp.endpoint {:?}: {e}", cfg.endpoint))?
         .timeout(timeout)
         .connect_timeout(timeout)
         .http2_keep_alive_interval(timeout)
-        .keep_alive_timeout(timeout)
-        .connect_lazy())
+        .keep_alive_timeout(timeout);
+    if endpoint.uri().scheme_str() != Some("https") {
+        return Ok(endpoint.connect_lazy());
+    }
+    let read = |key: &str, path: &std::path::Path| {
+        std::fs::read(path).map_err(|e| format!("otlp.{key} {}: {e}", path.display()))
+    };
+    let mut tls = ClientTlsConfig::new().timeout(timeout);
+    tls = if cfg.ca_file.as_os_str().is_empty() {
+        tls.with_native_roots()
+    } else {
+        tls.ca_certificate(Certificate::from_pem(read("ca_file", &cfg.ca_file)?))
+    };
+    if !cfg.cert_file.as_os_str().is_empty() {
+        tls = tls.identity(Identity::from_pem(
+            read("cert_file", &cfg.cert_file)?,
+            read("key_file", &cfg.key_file)?,
+        ));
+    }
+    let endpoint = endpoint.tls_config(tls).map_err(|e| {
+        let mut msg = format!("TLS for otlp.endpoint {}", cfg.endpoint);
+        let mut cause: Option<&dyn std::error::Error> = Some(&e);
+        while let Some(c) = cause {
+            msg.push_str(&format!(": {c}"));
+            cause = c.source();
+        }
+        msg
+    })?;
+    Ok(endpoint.connect_lazy())
 }
 
 /// Export requests in flight at once. Acknowledgements still go out in queue order: a batch is
@@ -115,8 +282,18 @@ pub async fn run(
     counters: Arc<ExportCounters>,
     dropped: Option<Arc<Dropped>>,
 ) {
-    let traces = TraceServiceClient::new(channel.clone());
+    let envelope = Envelope {
+        resource: resource(&cfg, &host),
+        // Checked when the configuration was loaded.
+        headers: metadata(&cfg.headers).unwrap_or_default(),
+        timeout: Duration::from_millis(cfg.request_timeout_ms),
+    };
+    let mut traces = TraceServiceClient::new(channel.clone());
     let mut metric_client = MetricsServiceClient::new(channel);
+    if cfg.compression == "gzip" {
+        traces = traces.send_compressed(CompressionEncoding::Gzip);
+        metric_client = metric_client.send_compressed(CompressionEncoding::Gzip);
+    }
     let batch_timeout = Duration::from_millis(cfg.batch_timeout_ms);
     let mut in_flight: std::collections::VecDeque<InFlight> = std::collections::VecDeque::new();
     let (mut spans_open, mut metrics_open) = (true, true);
@@ -148,13 +325,13 @@ pub async fn run(
                             (i.coll, sent)
                         })
                         .unzip();
-                    let task = tokio::spawn(send_spans(cfg.clone(), host.clone(), traces.clone(), colls, live, counters.clone(), dropped.clone()));
+                    let task = tokio::spawn(send_spans(cfg.clone(), envelope.clone(), traces.clone(), colls, live, counters.clone(), dropped.clone()));
                     in_flight.push_back(InFlight { items, task });
                 }
                 None => spans_open = false,
             },
             m = metrics.recv(), if metrics_open => match m {
-                Some(m) => send_metrics(&cfg, &host, &mut metric_client, m, &counters).await,
+                Some(m) => send_metrics(&cfg, &envelope, &mut metric_client, m, &counters).await,
                 None => metrics_open = false,
             },
             ok = front_done(&mut in_flight), if !in_flight.is_empty() => {
@@ -209,7 +386,7 @@ fn acknowledge(
 /// exported and how many spans its live items had.
 async fn send_spans(
     cfg: Otlp,
-    host: String,
+    envelope: Envelope,
     client: TraceServiceClient<Channel>,
     colls: Vec<Shared>,
     live: Vec<bool>,
@@ -230,7 +407,7 @@ async fn send_spans(
         n = otlp_spans.len() as u64;
         let request = ExportTraceServiceRequest {
             resource_spans: vec![ResourceSpans {
-                resource: Some(resource(&host)),
+                resource: Some(envelope.resource.clone()),
                 scope_spans: vec![ScopeSpans {
                     scope: Some(scope()),
                     spans: otlp_spans,
@@ -239,7 +416,7 @@ async fn send_spans(
                 ..Default::default()
             }],
         };
-        let mut c = client.clone();
+        let (mut c, request) = (client.clone(), envelope.request(request));
         async move { c.export(request).await.map(|_| ()) }
     })
     .await;
@@ -251,14 +428,14 @@ async fn send_spans(
 
 async fn send_metrics(
     cfg: &Otlp,
-    host: &str,
+    envelope: &Envelope,
     client: &mut MetricsServiceClient<Channel>,
     metrics: Vec<Metric>,
     counters: &ExportCounters,
 ) {
     let request = ExportMetricsServiceRequest {
         resource_metrics: vec![ResourceMetrics {
-            resource: Some(resource(host)),
+            resource: Some(envelope.resource.clone()),
             scope_metrics: vec![ScopeMetrics {
                 scope: Some(scope()),
                 metrics,
@@ -269,8 +446,7 @@ async fn send_metrics(
     };
     // Not told to the re-sender (`None`): it re-sends spans, whatever the metrics endpoint says.
     let ok = with_retry(cfg, counters, None::<&Dropped>, || {
-        let mut c = client.clone();
-        let r = request.clone();
+        let (mut c, r) = (client.clone(), envelope.request(request.clone()));
         async move { c.export(r).await.map(|_| ()) }
     })
     .await;
@@ -328,7 +504,11 @@ mod tests {
             batch_timeout_ms: 10,
             ..Otlp::default()
         };
-        let channel = channel(&cfg.endpoint, Duration::from_millis(200)).unwrap();
+        let channel = channel(&Otlp {
+            request_timeout_ms: 200,
+            ..cfg.clone()
+        })
+        .unwrap();
         let (tx, rx) = mpsc::channel(16);
         let (_metrics_tx, metrics_rx) = mpsc::channel(1);
         let counters = Arc::new(ExportCounters::default());

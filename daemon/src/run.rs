@@ -183,11 +183,7 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
     let exporter = if cfg.otlp.endpoint.is_empty() {
         None
     } else {
-        let channel = otlp::channel(
-            &cfg.otlp.endpoint,
-            Duration::from_millis(cfg.otlp.request_timeout_ms),
-        )
-        .with_context(|| format!("otlp.endpoint {}", cfg.otlp.endpoint))?;
+        let channel = otlp::channel(&cfg.otlp).map_err(anyhow::Error::msg)?;
         let (span_tx, span_rx) = mpsc::channel(cfg.otlp.queue_spans);
         let (metrics_tx, metrics_rx) = mpsc::channel(2);
         // Dropped spans can be re-sent only from a spool. The re-sender ends once the engine's

@@ -21,7 +21,7 @@
 use crate::instance::InstanceRef;
 use ncclscope_proto::api::LiveSpans;
 use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
-use opentelemetry_proto::tonic::trace::v1::{Span, span::SpanKind};
+use opentelemetry_proto::tonic::trace::v1::{Span, Status, span::SpanKind, status::StatusCode};
 
 fn splitmix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -148,6 +148,33 @@ fn common(c: InstanceRef) -> Vec<KeyValue> {
     ]
 }
 
+/// ERROR with what is wrong where the instance is known bad: closed without its end or without
+/// every channel's kernel work (timed out, its process ended: what the daemon counts as
+/// `incomplete`), or timed on a GPU clock never calibrated to the host's. Otherwise UNSET, as the
+/// specification asks of instrumentation (OK is the operator's to set).
+fn status(c: InstanceRef) -> Option<Status> {
+    let mut worked: Vec<u32> = c.channels.iter().map(|w| w.channel).collect();
+    worked.sort_unstable();
+    worked.dedup();
+    let worked = worked.len() as u32;
+    let message = if c.timing_source == "host" && c.end_unix_ns <= c.enqueue_unix_ns {
+        "incomplete: closed without its end (timed out, or its process ended)".to_string()
+    } else if worked < c.n_channels {
+        format!(
+            "incomplete: kernel work on {worked} of {} channels",
+            c.n_channels
+        )
+    } else if c.calibration_error_ns == u32::MAX {
+        "GPU times not calibrated to the host clock".to_string()
+    } else {
+        return None;
+    };
+    Some(Status {
+        message,
+        code: StatusCode::Error as i32,
+    })
+}
+
 /// Appends the spans the live export sends for `c`, as the engine decided when it recorded it
 /// ([`LiveSpans`]). The daemon's OTLP export and `export --format otlp-json` both write these.
 pub fn live_spans_of(c: InstanceRef, out: &mut Vec<Span>) {
@@ -166,6 +193,7 @@ pub fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
     let root_id = root_span_id(c.uid(), c.comm_hash, key).to_vec();
     let rank_id = rank_span_id(c.uid(), c.comm_hash, key, c.rank);
     let is_collective = !c.is_p2p;
+    let status = status(c);
     if is_collective && c.rank == 0 {
         out.push(Span {
             trace_id: trace_id.clone(),
@@ -179,6 +207,7 @@ pub fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
                 a.push(i("nccl.bytes", c.bytes as i64));
                 a
             },
+            status: status.clone(),
             ..Default::default()
         });
     }
@@ -219,6 +248,7 @@ pub fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
         start_time_unix_nano: c.start_unix_ns,
         end_time_unix_nano: c.end_unix_ns,
         attributes,
+        status,
         ..Default::default()
     });
     if channel_spans {
@@ -364,5 +394,58 @@ mod tests {
         spans_of(rank1.view(), false, &mut out);
         assert_eq!(out.len(), 1, "only rank 0 emits the root");
         assert_eq!(out[0].parent_span_id, root_span_id(0, 5, key).to_vec());
+    }
+
+    /// Issue 17: span status was never set. A complete instance leaves it UNSET; one closed without
+    /// its end, short of channels, or on an uncalibrated clock is ERROR, saying why.
+    #[test]
+    fn known_bad_instances_have_error_status() {
+        let good = ncclscope_proto::api::Collective {
+            func: "AllReduce".into(),
+            rank: 1,
+            nranks: 2,
+            n_channels: 1,
+            enqueue_unix_ns: 50,
+            start_unix_ns: 100,
+            end_unix_ns: 200,
+            timing_source: "kernel_gpu".into(),
+            channels: vec![ChannelWork {
+                channel: 0,
+                start_unix_ns: 100,
+                end_unix_ns: 200,
+                work_items: 1,
+            }],
+            ..Default::default()
+        };
+        let status_of = |c: &ncclscope_proto::api::Collective| {
+            let mut out = Vec::new();
+            spans_of(Shared::from(c).view(), false, &mut out);
+            out.pop().unwrap().status
+        };
+        assert_eq!(status_of(&good), None);
+        let no_end = ncclscope_proto::api::Collective {
+            timing_source: "host".into(),
+            channels: Vec::new(),
+            start_unix_ns: 50,
+            end_unix_ns: 50,
+            ..good.clone()
+        };
+        let short = ncclscope_proto::api::Collective {
+            n_channels: 4,
+            ..good.clone()
+        };
+        let uncalibrated = ncclscope_proto::api::Collective {
+            calibration_error_ns: u32::MAX,
+            ..good.clone()
+        };
+        for (c, says) in [
+            (no_end, "without its end"),
+            (short, "1 of 4 channels"),
+            (uncalibrated, "not calibrated"),
+        ] {
+            let s = status_of(&c).expect("a status");
+            assert_eq!(s.code, StatusCode::Error as i32);
+            assert!(s.message.contains(says), "{}", s.message);
+        }
     }
 }

@@ -2092,7 +2092,7 @@ async fn the_re_sender_queues_what_the_spool_holds_and_counts_what_it_does_not()
         batch_timeout_ms: 10,
         ..Default::default()
     };
-    let channel = otlp::channel(&cfg.endpoint, Duration::from_secs(5)).unwrap();
+    let channel = otlp::channel(&cfg).unwrap();
     let (tx, rx) = tokio::sync::mpsc::channel(cfg.queue_spans);
     let (metrics_tx, metrics_rx) = tokio::sync::mpsc::channel(1);
     let exporter = tokio::spawn(otlp::run(

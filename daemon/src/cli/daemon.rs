@@ -1,4 +1,5 @@
-//! `ncclscope daemon`: the node daemon. Configuration from /etc/ncclscope/ncclscope.toml, then
+//! `ncclscope daemon`: the node daemon. Configuration from OTEL_* variables (for [otlp]), then
+//! /etc/ncclscope/ncclscope.toml, then
 //! NCCLSCOPE_* variables, then these flags; READY=1 to systemd once every socket is bound; SIGTERM or
 //! SIGINT drains, flushes and exits.
 
