@@ -161,7 +161,8 @@ impl<C: Count> Exponential<C> {
         self.sum += v;
         self.min = self.min.min(v);
         self.max = self.max.max(v);
-        if !(v > 0.0) {
+        // Zero, and NaN (never recorded, but it must not index a bucket).
+        if v <= 0.0 || v.is_nan() {
             self.zero_count += 1;
             return;
         }

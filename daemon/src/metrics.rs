@@ -118,6 +118,8 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
             ("collective", k.func.to_string()),
             ("size_bucket", k.size_bucket.to_string()),
             ("n_nodes", s.nnodes.to_string()),
+            ("nranks", s.nranks.to_string()),
+            ("comm_name", s.comm_name.to_string()),
         ];
         exec.points
             .push((labels.clone(), Value::Histogram(s.exec_us.clone())));
@@ -541,6 +543,8 @@ mod tests {
                 uid: 1234,
                 job_id: "j\"1".into(),
                 comm_hash: 1,
+                comm_name: "dp".into(),
+                nranks: 8,
                 func: "AllReduce".into(),
                 bytes: 4096,
                 exec_ns: exec,
@@ -556,7 +560,7 @@ mod tests {
             ..Default::default()
         };
         let text = render_prometheus(&families(&stats, &health), true);
-        let l = "uid=\"1234\",job_id=\"j\\\"1\",comm=\"0000000000000001\",collective=\"AllReduce\",size_bucket=\"<=4KiB\",n_nodes=\"1\"";
+        let l = "uid=\"1234\",job_id=\"j\\\"1\",comm=\"0000000000000001\",collective=\"AllReduce\",size_bucket=\"<=4KiB\",n_nodes=\"1\",nranks=\"8\",comm_name=\"dp\"";
         assert!(
             text.contains(&format!(
                 "ncclscope_collective_exec_time_microseconds_bucket{{{l},le=\"2\"}} 1\n"

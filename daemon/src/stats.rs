@@ -69,7 +69,11 @@ impl hashbrown::Equivalent<SeriesKey> for SeriesRef<'_> {
 
 #[derive(Clone, Debug)]
 pub struct Series {
+    /// The communicator's size, nodes and name (NCCL's `commName`, "" without one), as its first
+    /// instance gave them: labels NCCL Inspector's dashboards filter on.
     pub nnodes: u32,
+    pub nranks: u32,
+    pub comm_name: Arc<str>,
     pub exec_us: Distribution,
     pub busbw_gbs: Distribution,
     rolling_exec_ns: Rolling,
@@ -334,6 +338,8 @@ impl Stats {
         };
         let new = || Series {
             nnodes: c.nnodes,
+            nranks: c.nranks,
+            comm_name: c.comm_name().into(),
             exec_us: Distribution::new(EXEC_US),
             busbw_gbs: Distribution::new(BUSBW_GBS),
             rolling_exec_ns: Rolling::default(),
