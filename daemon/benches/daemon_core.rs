@@ -137,7 +137,7 @@ fn ingest(ranks: u64, spool: bool) -> (f64, f64) {
         ..Config::default()
     };
     std::fs::create_dir_all(&cfg.state_dir).unwrap();
-    let (prom, _rx) = tokio::sync::watch::channel(Arc::new(String::new()));
+    let (prom, _rx) = tokio::sync::watch::channel(Arc::default());
     let outputs = Outputs {
         spans: None,
         metrics: None,

@@ -36,6 +36,7 @@ use crate::instance::{InstanceRef, Shared};
 use crate::loss::{Loss, Losses};
 use crate::metrics::{self, Health};
 use crate::otlp::{ExportCounters, SpanItem};
+use crate::prometheus;
 use crate::resend::Dropped;
 use crate::resume::{self, SegmentState};
 use crate::spool::{JobKey, Origin, Position};
@@ -101,7 +102,7 @@ pub struct Outputs {
     /// Where instances refused by a full export queue are remembered for re-sending from the spool
     /// (`None` without a spool or an exporter).
     pub dropped: Option<Arc<Dropped>>,
-    pub prometheus: watch::Sender<Arc<String>>,
+    pub prometheus: watch::Sender<Arc<prometheus::Snapshot>>,
 }
 
 /// Minimum samples in a series before "slower than slow_factor x p50" keeps an instance.
@@ -1044,20 +1045,18 @@ impl Engine {
                 max_calibration_error_ns: health.max_calibration_error_ns,
             }),
         });
-        let families = metrics::families(&self.stats, &health);
-        let _ = self
-            .out
-            .prometheus
-            .send(Arc::new(metrics::render_prometheus(
-                &families,
-                self.cfg.prometheus.job_series,
-            )));
+        let snapshot = Arc::new(prometheus::Snapshot::new(metrics::families(
+            &self.stats,
+            &health,
+        )));
+        let _ = self.out.prometheus.send(snapshot.clone());
         if let Some(tx) = &self.out.metrics {
             let due = self.last_metrics_export.elapsed()
                 >= Duration::from_millis(self.cfg.otlp.metrics_interval_ms);
             if due || final_export {
                 self.last_metrics_export = Instant::now();
-                let _ = tx.try_send(metrics::to_otlp(&families, self.started_ns, now_ns()));
+                let metrics = metrics::to_otlp(&snapshot.families, self.started_ns, now_ns());
+                let _ = tx.try_send(metrics);
             }
         }
     }
@@ -1274,7 +1273,9 @@ mod tests {
         (rustix::process::getuid().as_raw(), "j".into())
     }
 
-    fn engine(dir: &std::path::Path) -> (Engine, watch::Receiver<Arc<String>>, Arc<Hub>) {
+    fn engine(
+        dir: &std::path::Path,
+    ) -> (Engine, watch::Receiver<Arc<prometheus::Snapshot>>, Arc<Hub>) {
         engine_with(dir, None, Config::default().drain.batch_records)
     }
 
@@ -1282,7 +1283,7 @@ mod tests {
         dir: &std::path::Path,
         spool: Option<Box<dyn Durable>>,
         batch_records: usize,
-    ) -> (Engine, watch::Receiver<Arc<String>>, Arc<Hub>) {
+    ) -> (Engine, watch::Receiver<Arc<prometheus::Snapshot>>, Arc<Hub>) {
         let mut cfg = Config {
             state_dir: dir.to_path_buf(),
             ..Config::default()
@@ -1290,7 +1291,7 @@ mod tests {
         cfg.drain.batch_records = batch_records;
         // The tests read per-rank series, which Prometheus serves only when asked to.
         cfg.prometheus.job_series = true;
-        let (prom, rx) = watch::channel(Arc::new(String::new()));
+        let (prom, rx) = watch::channel(Arc::default());
         let hub = Arc::new(Hub::default());
         let out = Outputs {
             spans: None,
@@ -1617,7 +1618,7 @@ mod tests {
             }
             assert_eq!(published, (before..20).collect::<Vec<_>>());
             assert_eq!(e.health().collectives, 20 - before);
-            let text = rx.borrow().clone();
+            let text = metrics::render_prometheus(&rx.borrow().families, true);
             let counted: f64 = text
                 .lines()
                 .filter(|l| l.starts_with("ncclscope_rank_collectives_total{"))
@@ -1777,7 +1778,7 @@ mod tests {
             metrics: None,
             export_counters: Arc::default(),
             dropped: None,
-            prometheus: watch::channel(Arc::new(String::new())).0,
+            prometheus: watch::channel(Arc::default()).0,
         };
         let mut e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out);
         let mut p = producer(64);
@@ -1823,7 +1824,7 @@ mod tests {
             metrics: None,
             export_counters: Arc::default(),
             dropped: Some(dropped.clone()),
-            prometheus: watch::channel(Arc::new(String::new())).0,
+            prometheus: watch::channel(Arc::default()).0,
         };
         let mut e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out);
         let mut p = producer(64);

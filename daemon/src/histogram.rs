@@ -1,140 +1,352 @@
-//! The two histogram shapes the daemon keeps: cumulative explicit-bucket histograms for export
-//! (Prometheus, OTLP: never sampled, never reset) and rolling log-bucketed ones for percentiles.
+//! The histogram shapes the daemon keeps. For export (never sampled, never reset), each series keeps
+//! the same values twice ([`Distribution`]): classic buckets for Prometheus text, whose
+//! `histogram_quantile` interpolates linearly inside a bucket, and base-2 exponential buckets for OTLP
+//! (ExponentialHistogram) and Prometheus native histograms. Percentiles for `stats` and `top` come
+//! from exponential buckets over a rolling window ([`Rolling`]), interpolated inside the bucket.
 
-/// Upper bounds of the exported execution-time histogram, in microseconds.
-pub const EXEC_US_BOUNDS: &[f64] = &[
-    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5,
-    5e5, 1e6, 1e7,
-];
-/// Upper bounds of the exported bus-bandwidth histogram, in GB/s.
-pub const BUSBW_GBS_BOUNDS: &[f64] = &[
-    0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0,
-];
-/// Upper bounds of the exported cross-rank skew histogram, in microseconds.
-pub const SKEW_US_BOUNDS: &[f64] = &[
-    0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1e3, 1e4, 1e5, 1e6,
-];
+/// Classic bucket bounds per doubling: a ratio of 2^(1/8) (1.09) keeps `histogram_quantile` within 9%
+/// wherever the values sit inside a bucket (1-2-5 steps read an exec p99 83% high).
+const CLASSIC_PER_DOUBLING: i32 = 8;
 
-/// Buckets of the largest histogram above (+Inf included).
-const MAX_BUCKETS: usize = EXEC_US_BOUNDS.len() + 1;
+/// The classic bounds of one family: 2^(k/8) from `2^lo_exp` to `2^hi_exp`, then +Inf. They are
+/// the bucket boundaries of a native histogram of schema 3.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Range {
+    pub lo_exp: i32,
+    pub hi_exp: i32,
+}
 
-/// A cumulative histogram over fixed bounds (the last bucket is +Inf). The counts live inline: they
-/// are incremented for every instance, next to the series' other fields.
+impl Range {
+    /// Finite bounds (buckets less the +Inf one).
+    pub const fn bounds(self) -> usize {
+        ((self.hi_exp - self.lo_exp) * CLASSIC_PER_DOUBLING + 1) as usize
+    }
+}
+
+/// Execution time, microseconds: 1 us to 16.8 s (193 bounds).
+pub const EXEC_US: Range = Range {
+    lo_exp: 0,
+    hi_exp: 24,
+};
+/// Bus bandwidth, GB/s: 61 KB/s (a small message's, waiting for a late rank) to 2048 GB/s (201
+/// bounds).
+pub const BUSBW_GBS: Range = Range {
+    lo_exp: -14,
+    hi_exp: 11,
+};
+/// Cross-rank skew, microseconds: 0.5 us to 1.05 s (169 bounds).
+pub const SKEW_US: Range = Range {
+    lo_exp: -1,
+    hi_exp: 20,
+};
+
+/// Classic cumulative buckets over a [`Range`] (the last bucket is +Inf); `range.bounds() + 1`
+/// counts, at most 202 (1.6 KiB).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Buckets {
-    pub bounds: &'static [f64],
-    counts: [u64; MAX_BUCKETS],
-    pub sum: f64,
-    pub count: u64,
+    pub range: Range,
+    counts: Box<[u64]>,
 }
 
 impl Buckets {
-    pub fn new(bounds: &'static [f64]) -> Buckets {
-        assert!(bounds.len() < MAX_BUCKETS, "at most {MAX_BUCKETS} buckets");
+    pub fn new(range: Range) -> Buckets {
         Buckets {
-            bounds,
-            counts: [0; MAX_BUCKETS],
-            sum: 0.0,
-            count: 0,
+            range,
+            counts: vec![0; range.bounds() + 1].into_boxed_slice(),
         }
     }
 
     pub fn record(&mut self, v: f64) {
-        let i = self.bounds.partition_point(|&b| b < v);
+        // The first bound >= v: upper bounds are inclusive. NaN and <= 0 land in the first bucket.
+        let k = (v.log2() * CLASSIC_PER_DOUBLING as f64).ceil();
+        let first = (self.range.lo_exp * CLASSIC_PER_DOUBLING) as f64;
+        let i = (k - first).clamp(0.0, self.range.bounds() as f64) as usize;
         self.counts[i] += 1;
-        self.sum += v;
-        self.count += 1;
     }
 
-    /// Per-bucket (not cumulative) counts; one more than `bounds`.
+    /// Upper bound of bucket `i`; `None` for +Inf.
+    pub fn bound(&self, i: usize) -> Option<f64> {
+        (i < self.range.bounds()).then(|| {
+            let k = self.range.lo_exp * CLASSIC_PER_DOUBLING + i as i32;
+            (k as f64 / CLASSIC_PER_DOUBLING as f64).exp2()
+        })
+    }
+
+    /// Per-bucket (not cumulative) counts; one more than the bounds.
     pub fn counts(&self) -> &[u64] {
-        &self.counts[..self.bounds.len() + 1]
+        &self.counts
     }
 }
 
-const SUB_BITS: u32 = 3;
-const SUB: usize = 1 << SUB_BITS;
-const SLOTS: usize = (64 - SUB_BITS as usize + 1) * SUB;
+/// Scale of the exported exponential histograms: bucket boundaries 2^(1/32) apart, so a bucket's
+/// midpoint is within 1.1% of any value in it.
+pub const EXPORT_SCALE: i32 = 5;
+/// Buckets of an exported exponential histogram: values over a range of 2^10 keep [`EXPORT_SCALE`];
+/// a wider range halves the scale (OTLP's downscaling) rather than grow (2.5 KiB at most).
+const EXPORT_MAX_BUCKETS: usize = 320;
+/// Scale of the percentile histograms: boundaries 2^(1/128) (0.54%) apart while the window's values
+/// span up to 16x, 2^(1/64) (1.1%) up to 256x; interpolated inside the bucket, a percentile is
+/// within 1% over that.
+const PERCENTILE_SCALE: i32 = 7;
+/// Buckets of a percentile histogram (2 KiB at most).
+const PERCENTILE_MAX_BUCKETS: usize = 512;
 
-/// Log-linear buckets (8 per power of two, so within 12.5%) over u64 values, allocated on first use.
-#[derive(Clone, Debug, Default)]
-pub struct LogHistogram {
-    counts: Option<Box<[u32; SLOTS]>>,
-    total: u64,
+/// A bucket counter: u64 for cumulative export, u32 (saturating) for rolling windows.
+pub trait Count: Copy + Default + Into<u64> {
+    fn add(&mut self, n: Self);
+    fn one() -> Self;
 }
 
-fn slot(v: u64) -> usize {
-    if v < SUB as u64 {
-        return v as usize;
+impl Count for u32 {
+    fn add(&mut self, n: u32) {
+        *self = self.saturating_add(n);
     }
-    let e = 63 - v.leading_zeros(); // >= SUB_BITS
-    let sub = (v >> (e - SUB_BITS)) as usize & (SUB - 1);
-    (e - SUB_BITS + 1) as usize * SUB + sub
-}
-
-/// The smallest value of slot `i` (the percentile reported for it).
-fn slot_low(i: usize) -> u64 {
-    if i < SUB {
-        return i as u64;
+    fn one() -> u32 {
+        1
     }
-    let e = (i / SUB) as u32 + SUB_BITS - 1;
-    ((SUB + i % SUB) as u64) << (e - SUB_BITS)
 }
 
-impl LogHistogram {
-    pub fn record(&mut self, v: u64) {
-        let counts = self.counts.get_or_insert_with(|| Box::new([0; SLOTS]));
-        let c = &mut counts[slot(v)];
-        *c = c.saturating_add(1);
-        self.total += 1;
+impl Count for u64 {
+    fn add(&mut self, n: u64) {
+        *self = self.saturating_add(n);
+    }
+    fn one() -> u64 {
+        1
+    }
+}
+
+/// A base-2 exponential histogram, as OTLP's ExponentialHistogram and Prometheus native
+/// histograms define it: bucket `i` holds the values in (2^(i/2^scale), 2^((i+1)/2^scale)];
+/// zero (and anything not above it) is counted apart. The buckets are the dense range between the
+/// lowest and highest used, at most `max_buckets` long: a value beyond lowers the scale (merging
+/// neighbours) until the range fits. Scale never needs to go below -4 (Prometheus' lowest
+/// schema): 320 buckets of 2^16 cover every f64.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Exponential<C: Count> {
+    scale: i32,
+    /// Index of `counts[0]`.
+    offset: i32,
+    counts: Vec<C>,
+    max_buckets: usize,
+    zero_count: u64,
+    count: u64,
+    sum: f64,
+    min: f64,
+    max: f64,
+}
+
+/// The bucket of `v` (> 0) at `scale`.
+fn index(v: f64, scale: i32) -> i32 {
+    let i = (v.log2() * (scale as f64).exp2()).ceil() - 1.0;
+    i.clamp(i32::MIN as f64, i32::MAX as f64) as i32
+}
+
+impl<C: Count> Exponential<C> {
+    fn with(scale: i32, max_buckets: usize) -> Exponential<C> {
+        Exponential {
+            scale,
+            offset: 0,
+            counts: Vec::new(),
+            max_buckets,
+            zero_count: 0,
+            count: 0,
+            sum: 0.0,
+            min: f64::INFINITY,
+            max: f64::NEG_INFINITY,
+        }
+    }
+
+    pub fn record(&mut self, v: f64) {
+        self.count += 1;
+        self.sum += v;
+        self.min = self.min.min(v);
+        self.max = self.max.max(v);
+        // Zero, and NaN (never recorded, but it must not index a bucket).
+        if v <= 0.0 || v.is_nan() {
+            self.zero_count += 1;
+            return;
+        }
+        let mut i = index(v.min(f64::MAX), self.scale);
+        if self.counts.is_empty() {
+            self.offset = i;
+            self.counts.push(C::one());
+            return;
+        }
+        let top = self.offset + self.counts.len() as i32 - 1;
+        let (lo, hi) = (self.offset.min(i) as i64, top.max(i) as i64);
+        let mut shift = 0;
+        while (hi >> shift) - (lo >> shift) + 1 > self.max_buckets as i64 {
+            shift += 1;
+        }
+        if shift > 0 {
+            self.downscale(shift);
+            i >>= shift;
+        }
+        if i < self.offset {
+            let grow = (self.offset - i) as usize;
+            self.counts
+                .splice(0..0, std::iter::repeat_n(C::default(), grow));
+            self.offset = i;
+        }
+        let at = (i - self.offset) as usize;
+        if at >= self.counts.len() {
+            self.counts.resize(at + 1, C::default());
+        }
+        self.counts[at].add(C::one());
+    }
+
+    /// Lowers the scale by `shift`, merging each 2^shift neighbouring buckets into one.
+    fn downscale(&mut self, shift: i32) {
+        let offset = self.offset >> shift;
+        let mut counts = vec![C::default(); ((self.top() >> shift) - offset + 1) as usize];
+        for (j, c) in self.counts.iter().enumerate() {
+            counts[(((self.offset + j as i32) >> shift) - offset) as usize].add(*c);
+        }
+        (self.scale, self.offset, self.counts) = (self.scale - shift, offset, counts);
+    }
+
+    fn top(&self) -> i32 {
+        self.offset + self.counts.len() as i32 - 1
+    }
+
+    pub fn scale(&self) -> i32 {
+        self.scale
+    }
+
+    /// Index of the first of [`Exponential::bucket_counts`].
+    pub fn offset(&self) -> i32 {
+        self.offset
+    }
+
+    pub fn bucket_counts(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
+        self.counts.iter().map(|&c| c.into())
+    }
+
+    pub fn zero_count(&self) -> u64 {
+        self.zero_count
     }
 
     pub fn count(&self) -> u64 {
-        self.total
+        self.count
     }
 
-    /// The value at quantile `q` in [0, 1] over `self` and `other` together (0 when both are empty).
-    pub fn quantile_with(&self, other: &LogHistogram, q: f64) -> u64 {
-        let total = self.total + other.total;
+    pub fn sum(&self) -> f64 {
+        self.sum
+    }
+
+    /// Smallest and largest value recorded (`None` when empty).
+    pub fn min_max(&self) -> Option<(f64, f64)> {
+        (self.count > 0).then_some((self.min, self.max))
+    }
+
+    /// The value at quantile `q` in [0, 1] of `parts` together (0 when they are empty): the bucket
+    /// holding the nearest-rank value, interpolated geometrically inside it as if its values were
+    /// spread evenly on a log scale, and kept within the smallest and largest value recorded.
+    pub fn quantile_of(parts: &[&Exponential<C>], q: f64) -> f64 {
+        let total: u64 = parts.iter().map(|p| p.count).sum();
         if total == 0 {
-            return 0;
+            return 0.0;
         }
         let rank = ((q * total as f64).ceil() as u64).clamp(1, total);
-        let mut seen = 0u64;
-        for i in 0..SLOTS {
-            let n = |h: &LogHistogram| h.counts.as_ref().map_or(0, |c| c[i] as u64);
-            seen += n(self) + n(other);
-            if seen >= rank {
-                return slot_low(i);
+        let mut seen: u64 = parts.iter().map(|p| p.zero_count).sum();
+        if rank <= seen {
+            return 0.0;
+        }
+        let used = parts.iter().filter(|p| !p.counts.is_empty());
+        let scale = used.clone().map(|p| p.scale).min().unwrap_or(0);
+        let at = |p: &Exponential<C>, i: i32| i >> (p.scale - scale);
+        let lo = used.clone().map(|p| at(p, p.offset)).min().unwrap_or(0);
+        let hi = used.clone().map(|p| at(p, p.top())).max().unwrap_or(0);
+        let mut merged = vec![0u64; (hi - lo + 1) as usize];
+        for p in used {
+            for (j, c) in p.counts.iter().enumerate() {
+                merged[(at(p, p.offset + j as i32) - lo) as usize] += (*c).into();
             }
         }
-        slot_low(SLOTS - 1)
+        let (min, max) = parts
+            .iter()
+            .filter_map(|p| p.min_max())
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), (lo, hi)| {
+                (a.min(lo), b.max(hi))
+            });
+        for (k, &n) in merged.iter().enumerate() {
+            if n == 0 || seen + n < rank {
+                seen += n;
+                continue;
+            }
+            // The rank's place among the bucket's values, each at the middle of its share.
+            let frac = ((rank - seen) as f64 - 0.5) / n as f64;
+            let v = ((lo + k as i32) as f64 + frac) / (scale as f64).exp2();
+            return v.exp2().clamp(min, max);
+        }
+        max
     }
 }
 
-/// A log histogram over a sliding window of between one and two `window_ns`.
-#[derive(Clone, Debug, Default)]
+/// What one exported series keeps of its values: classic and exponential buckets.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Distribution {
+    pub classic: Buckets,
+    pub exponential: Exponential<u64>,
+}
+
+impl Distribution {
+    pub fn new(range: Range) -> Distribution {
+        Distribution {
+            classic: Buckets::new(range),
+            exponential: Exponential::with(EXPORT_SCALE, EXPORT_MAX_BUCKETS),
+        }
+    }
+
+    pub fn record(&mut self, v: f64) {
+        self.classic.record(v);
+        self.exponential.record(v);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.exponential.count
+    }
+
+    pub fn sum(&self) -> f64 {
+        self.exponential.sum
+    }
+}
+
+/// A percentile histogram over a sliding window of between one and two `window_ns`.
+#[derive(Clone, Debug)]
 pub struct Rolling {
-    cur: LogHistogram,
-    prev: LogHistogram,
+    cur: Exponential<u32>,
+    prev: Exponential<u32>,
     cur_since_ns: u64,
 }
 
+impl Default for Rolling {
+    fn default() -> Rolling {
+        let empty = Exponential::with(PERCENTILE_SCALE, PERCENTILE_MAX_BUCKETS);
+        Rolling {
+            cur: empty.clone(),
+            prev: empty,
+            cur_since_ns: 0,
+        }
+    }
+}
+
 impl Rolling {
-    pub fn record(&mut self, v: u64, now_ns: u64, window_ns: u64) {
+    pub fn record(&mut self, v: f64, now_ns: u64, window_ns: u64) {
         if now_ns.saturating_sub(self.cur_since_ns) >= window_ns {
-            self.prev = std::mem::take(&mut self.cur);
+            let empty = Exponential::with(PERCENTILE_SCALE, PERCENTILE_MAX_BUCKETS);
+            self.prev = std::mem::replace(&mut self.cur, empty);
             self.cur_since_ns = now_ns;
         }
         self.cur.record(v);
     }
 
-    pub fn quantile(&self, q: f64) -> u64 {
-        self.cur.quantile_with(&self.prev, q)
+    pub fn quantile(&self, q: f64) -> f64 {
+        Exponential::quantile_of(&[&self.cur, &self.prev], q)
     }
 
     pub fn count(&self) -> u64 {
-        self.cur.count() + self.prev.count()
+        self.cur.count + self.prev.count
     }
 }
 
@@ -142,53 +354,129 @@ impl Rolling {
 mod tests {
     use super::*;
 
-    #[test]
-    fn slots_are_monotonic_and_within_an_eighth() {
-        let mut last = 0;
-        for v in (0..100_000u64).chain([u64::MAX / 3, u64::MAX]) {
-            let s = slot(v);
-            assert!(s >= last && s < SLOTS, "{v}");
-            last = s;
-            let low = slot_low(s);
-            assert!(
-                low <= v && (v - low) as f64 <= v as f64 / 8.0,
-                "{v} -> {low}"
-            );
-        }
+    /// The nearest-rank quantile of `values` (sorted): what the histograms estimate.
+    fn exact(values: &[f64], q: f64) -> f64 {
+        let rank = ((q * values.len() as f64).ceil() as usize).clamp(1, values.len());
+        values[rank - 1]
+    }
+
+    fn rel(a: f64, b: f64) -> f64 {
+        (a - b).abs() / b
+    }
+
+    /// Deterministic values spread over `decades` (log-uniform), plus a bimodal cluster.
+    fn values(n: usize, decades: f64) -> Vec<f64> {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut out: Vec<f64> = (0..n)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+                if i % 4 == 0 {
+                    1680.0 + 20.0 * u
+                } else {
+                    4100.0 * 10f64.powf(decades * u)
+                }
+            })
+            .collect();
+        out.sort_by(f64::total_cmp);
+        out
     }
 
     #[test]
-    fn quantiles() {
-        let mut h = LogHistogram::default();
-        for v in 1..=1000u64 {
-            h.record(v * 1000);
+    fn exponential_buckets_are_upper_inclusive_and_bounded() {
+        let mut h = Exponential::<u64>::with(0, 4);
+        for v in [1.0, 2.0, 3.0, 4.0] {
+            h.record(v);
         }
-        let empty = LogHistogram::default();
-        let p50 = h.quantile_with(&empty, 0.5);
-        let p99 = h.quantile_with(&empty, 0.99);
-        assert!((440_000..=500_000).contains(&p50), "{p50}");
-        assert!((880_000..=990_000).contains(&p99), "{p99}");
-        assert_eq!(empty.quantile_with(&empty, 0.5), 0);
+        // (0.5, 1], (1, 2], (2, 4]
+        assert_eq!(
+            (h.offset(), h.bucket_counts().collect::<Vec<_>>()),
+            (-1, vec![1, 1, 2])
+        );
+        h.record(100.0);
+        assert_eq!(
+            h.scale(),
+            -2,
+            "(2^-1, 2^7] fits 4 buckets of 16, not of 2 or 4"
+        );
+        assert_eq!(h.bucket_counts().sum::<u64>(), 5);
+        assert!(h.bucket_counts().len() <= 4);
+        h.record(0.0);
+        assert_eq!((h.zero_count(), h.count()), (1, 6));
+        let mut wide = Exponential::<u64>::with(EXPORT_SCALE, EXPORT_MAX_BUCKETS);
+        for v in [f64::MIN_POSITIVE, 1.0, f64::MAX, f64::INFINITY] {
+            wide.record(v);
+        }
+        assert!(wide.scale() >= -4 && wide.bucket_counts().len() <= EXPORT_MAX_BUCKETS);
+    }
+
+    #[test]
+    fn percentiles_are_within_a_percent() {
+        for decades in [0.05, 0.5, 2.0] {
+            let v = values(20_000, decades);
+            let mut r = Rolling::default();
+            for &x in &v {
+                r.record(x, 0, u64::MAX);
+            }
+            for q in [0.01, 0.5, 0.9, 0.99, 0.999] {
+                let (got, want) = (r.quantile(q), exact(&v, q));
+                assert!(
+                    rel(got, want) < 0.01,
+                    "{decades} decades, q {q}: {got} vs {want}"
+                );
+            }
+        }
+        let empty = Rolling::default();
+        assert_eq!(empty.quantile(0.5), 0.0);
+    }
+
+    #[test]
+    fn exported_quantiles_are_within_the_bucket_width() {
+        let v = values(20_000, 0.5);
+        let mut d = Distribution::new(EXEC_US);
+        for &x in &v {
+            d.record(x);
+        }
+        assert_eq!(d.exponential.scale(), EXPORT_SCALE);
+        let width = (EXPORT_SCALE as f64).exp2().recip().exp2() - 1.0;
+        for q in [0.5, 0.99] {
+            let got = Exponential::quantile_of(&[&d.exponential], q);
+            assert!(rel(got, exact(&v, q)) < width, "q {q}: {got}");
+        }
+        assert_eq!(d.classic.counts().iter().sum::<u64>(), d.count());
     }
 
     #[test]
     fn rolling_forgets_after_two_windows() {
         let mut r = Rolling::default();
-        r.record(1_000_000, 0, 100);
-        r.record(10, 150, 100);
+        r.record(1_000_000.0, 0, 100);
+        r.record(10.0, 150, 100);
         assert_eq!(r.count(), 2);
-        r.record(10, 260, 100);
+        r.record(10.0, 260, 100);
         assert_eq!(r.count(), 2);
-        assert_eq!(r.quantile(1.0), 10);
+        assert_eq!(r.quantile(1.0), 10.0);
     }
 
     #[test]
-    fn buckets_are_upper_inclusive() {
-        let mut b = Buckets::new(&[1.0, 10.0]);
-        for v in [0.5, 1.0, 5.0, 10.0, 11.0] {
+    fn classic_buckets_are_upper_inclusive() {
+        let mut b = Buckets::new(Range {
+            lo_exp: 0,
+            hi_exp: 1,
+        });
+        // Bounds 1, 2^(1/8), ..., 2, +Inf.
+        assert_eq!(
+            (b.bound(0), b.bound(8), b.bound(9)),
+            (Some(1.0), Some(2.0), None)
+        );
+        for v in [0.5, 1.0, 1.05, 2.0, 2.5] {
             b.record(v);
         }
-        assert_eq!(b.counts(), [2, 2, 1]);
-        assert_eq!(b.count, 5);
+        let c = b.counts();
+        assert_eq!(
+            (c[0], c[1], c[8], c[9], c.iter().sum::<u64>()),
+            (2, 1, 1, 1, 5)
+        );
     }
 }

@@ -1,54 +1,243 @@
-//! A minimal HTTP/1.1 responder for Prometheus scrapes: `GET /metrics` returns the latest rendered
-//! text; anything else is 404. One short request per connection, with a read timeout.
+//! The Prometheus endpoint, an HTTP/1.1 server (hyper): `GET` and `HEAD` of `/metrics` (text format
+//! 0.0.4, or the protobuf format with native histograms when the scraper asks for it; gzip when it
+//! accepts gzip) and of [`HEALTH_PATH`]; keep-alive. Rendered per request from the ingest thread's
+//! latest [`Snapshot`], off that thread.
 
+use std::convert::Infallible;
+use std::io::Write;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use flate2::Compression;
+use flate2::write::GzEncoder;
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper::header::{self, HeaderMap, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, watch};
 
-const MAX_REQUEST: usize = 8192;
+use crate::metrics::{self, Family};
 
-pub async fn serve(listener: TcpListener, text: watch::Receiver<Arc<String>>) {
+/// Answers 200 while the ingest thread publishes snapshots (every second), 503 once the latest is
+/// older than [`STALE_AFTER`]: for liveness probes and load balancers.
+pub const HEALTH_PATH: &str = "/healthz";
+const STALE_AFTER: Duration = Duration::from_secs(30);
+/// A connection sending no complete request header for this long is closed (an idle keep-alive
+/// one too): a silent client holds no connection.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
+/// After this long a connection finishes the request in progress and closes (the scraper opens a
+/// new one), within [`GRACE`]: a client that stops reading a response holds no connection.
+const LIFETIME: Duration = Duration::from_secs(60);
+const GRACE: Duration = Duration::from_secs(10);
+/// Connections served at once; further ones wait in the listen backlog.
+const MAX_CONNECTIONS: usize = 64;
+
+const TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+const PROTOBUF: &str =
+    "application/vnd.google.protobuf; proto=io.prometheus.client.MetricFamily; encoding=delimited";
+
+/// The ingest thread's latest metric families and when it built them.
+pub struct Snapshot {
+    pub families: Vec<Family>,
+    pub at: Instant,
+}
+
+impl Snapshot {
+    pub fn new(families: Vec<Family>) -> Snapshot {
+        Snapshot {
+            families,
+            at: Instant::now(),
+        }
+    }
+}
+
+impl Default for Snapshot {
+    fn default() -> Snapshot {
+        Snapshot::new(Vec::new())
+    }
+}
+
+/// Serves `listener` until the task is dropped; per-job families only with `job_series`.
+pub async fn serve(
+    listener: TcpListener,
+    snapshots: watch::Receiver<Arc<Snapshot>>,
+    job_series: bool,
+) {
+    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            return;
+        };
         let Ok((stream, _)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
-        let text = text.clone();
+        let snapshots = snapshots.clone();
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(5), respond(stream, text)).await;
+            let service = hyper::service::service_fn(move |req: Request<_>| {
+                let snapshot = snapshots.borrow().clone();
+                let response = respond(
+                    req.method(),
+                    req.uri().path(),
+                    req.headers(),
+                    &snapshot,
+                    job_series,
+                );
+                async move { Ok::<_, Infallible>(response) }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = tokio::time::sleep(LIFETIME) => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(GRACE, conn).await;
+                }
+            }
+            drop(permit);
         });
     }
 }
 
-async fn respond(mut stream: TcpStream, text: watch::Receiver<Arc<String>>) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < MAX_REQUEST {
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 {
-            break;
-        }
-        buf.extend_from_slice(&chunk[..n]);
+fn respond(
+    method: &Method,
+    path: &str,
+    headers: &HeaderMap,
+    snapshot: &Snapshot,
+    job_series: bool,
+) -> Response<Full<Bytes>> {
+    if method != Method::GET && method != Method::HEAD {
+        let mut r = plain(StatusCode::METHOD_NOT_ALLOWED, "GET or HEAD\n");
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return r;
     }
-    let request_line = buf.split(|&b| b == b'\r').next().unwrap_or_default();
-    let mut parts = request_line.split(|&b| b == b' ');
-    let (method, path) = (
-        parts.next().unwrap_or_default(),
-        parts.next().unwrap_or_default(),
+    match path {
+        "/metrics" => {
+            let (body, content_type) = if wants_protobuf(headers) {
+                let body = metrics::render_protobuf(&snapshot.families, job_series);
+                (body, PROTOBUF)
+            } else {
+                let text = metrics::render_prometheus(&snapshot.families, job_series);
+                (text.into_bytes(), TEXT)
+            };
+            let gzip = accepts_gzip(headers);
+            let body = if gzip { gzipped(&body) } else { body };
+            let mut r = Response::new(Full::new(Bytes::from(body)));
+            let h = r.headers_mut();
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+            h.insert(
+                header::VARY,
+                HeaderValue::from_static("Accept, Accept-Encoding"),
+            );
+            if gzip {
+                h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+            }
+            r
+        }
+        HEALTH_PATH => {
+            let age = snapshot.at.elapsed();
+            if age < STALE_AFTER {
+                plain(StatusCode::OK, "ok\n")
+            } else {
+                let why = format!("ingest stalled: last snapshot {} s ago\n", age.as_secs());
+                plain(StatusCode::SERVICE_UNAVAILABLE, &why)
+            }
+        }
+        _ => plain(StatusCode::NOT_FOUND, "not found: /metrics or /healthz\n"),
+    }
+}
+
+fn plain(status: StatusCode, text: &str) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(text.to_string())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
     );
-    let response = if method == b"GET" && (path == b"/metrics" || path.starts_with(b"/metrics?")) {
-        let body = text.borrow().clone();
-        format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
-            body.len(),
-            body
-        )
-    } else {
-        "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_string()
-    };
-    stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await
+    r
+}
+
+/// Whether the scraper lists Prometheus' protobuf format (it does when native histograms are on).
+fn wants_protobuf(headers: &HeaderMap) -> bool {
+    headers.get_all(header::ACCEPT).iter().any(|v| {
+        let v = v.to_str().unwrap_or("");
+        v.contains("application/vnd.google.protobuf")
+            && v.contains("proto=io.prometheus.client.MetricFamily")
+            && v.contains("encoding=delimited")
+    })
+}
+
+/// Whether `Accept-Encoding` lists gzip with a non-zero weight.
+fn accepts_gzip(headers: &HeaderMap) -> bool {
+    let codings = headers.get_all(header::ACCEPT_ENCODING).iter();
+    codings
+        .flat_map(|v| v.to_str().unwrap_or("").split(','))
+        .any(|coding| {
+            let mut parts = coding.split(';').map(str::trim);
+            let name = parts.next().unwrap_or("");
+            let q = parts
+                .find_map(|p| p.strip_prefix("q="))
+                .map_or(1.0, |q| q.parse::<f64>().unwrap_or(0.0));
+            name.eq_ignore_ascii_case("gzip") && q > 0.0
+        })
+}
+
+fn gzipped(body: &[u8]) -> Vec<u8> {
+    let mut gz = GzEncoder::new(Vec::with_capacity(body.len() / 8), Compression::fast());
+    gz.write_all(body).expect("writing to a Vec");
+    gz.finish().expect("writing to a Vec")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(header::HeaderName, &'static str)]) -> HeaderMap {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.clone(), HeaderValue::from_static(v)))
+            .collect()
+    }
+
+    #[test]
+    fn gzip_only_when_accepted() {
+        let yes = ["gzip", "br, gzip;q=0.5", "GZIP", "identity, gzip"];
+        for v in yes {
+            assert!(
+                accepts_gzip(&headers(&[(header::ACCEPT_ENCODING, v)])),
+                "{v}"
+            );
+        }
+        for v in ["identity", "gzip;q=0", "br", "xgzip"] {
+            assert!(
+                !accepts_gzip(&headers(&[(header::ACCEPT_ENCODING, v)])),
+                "{v}"
+            );
+        }
+        assert!(!accepts_gzip(&HeaderMap::new()));
+    }
+
+    #[test]
+    fn health_turns_503_when_snapshots_stop() {
+        let fresh = Snapshot::default();
+        let r = respond(&Method::GET, HEALTH_PATH, &HeaderMap::new(), &fresh, false);
+        assert_eq!(r.status(), StatusCode::OK);
+        let Some(at) = Instant::now().checked_sub(STALE_AFTER + Duration::from_secs(1)) else {
+            return; // a machine up for less than that
+        };
+        let stale = Snapshot {
+            families: Vec::new(),
+            at,
+        };
+        let r = respond(&Method::GET, HEALTH_PATH, &HeaderMap::new(), &stale, false);
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let r = respond(&Method::POST, "/metrics", &HeaderMap::new(), &fresh, false);
+        assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+    }
 }

@@ -172,7 +172,7 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
         .and_then(|l| l.local_addr().ok());
     let host = hostname();
     let export_counters = Arc::new(ExportCounters::default());
-    let (prom_tx, prom_rx) = watch::channel(Arc::new(String::new()));
+    let (prom_tx, prom_rx) = watch::channel(Arc::default());
     let mut outputs = Outputs {
         spans: None,
         metrics: None,
@@ -224,7 +224,8 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
     };
     let mut listeners = vec![tokio::spawn(register::serve(registration, reg_tx))];
     if let Some(l) = prometheus_listener {
-        listeners.push(tokio::spawn(prometheus::serve(l, prom_rx)));
+        let job_series = cfg.prometheus.job_series;
+        listeners.push(tokio::spawn(prometheus::serve(l, prom_rx, job_series)));
     }
     let (api_shutdown, api_stop) = oneshot::channel::<()>();
     let service = api::QueryService::new(hub, reader);

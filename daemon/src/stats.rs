@@ -11,7 +11,7 @@ use std::sync::Arc;
 use ncclscope_proto::api::{CollStats, RankStats};
 
 use crate::bandwidth;
-use crate::histogram::{BUSBW_GBS_BOUNDS, Buckets, EXEC_US_BOUNDS, Rolling, SKEW_US_BOUNDS};
+use crate::histogram::{BUSBW_GBS, Distribution, EXEC_US, Rolling, SKEW_US};
 use crate::instance::InstanceRef;
 
 /// Label of the series that absorbs everything beyond `max_series`.
@@ -69,11 +69,15 @@ impl hashbrown::Equivalent<SeriesKey> for SeriesRef<'_> {
 
 #[derive(Clone, Debug)]
 pub struct Series {
+    /// The communicator's size, nodes and name (NCCL's `commName`, "" without one), as its first
+    /// instance gave them: labels NCCL Inspector's dashboards filter on.
     pub nnodes: u32,
-    pub exec_us: Buckets,
-    pub busbw_gbs: Buckets,
+    pub nranks: u32,
+    pub comm_name: Arc<str>,
+    pub exec_us: Distribution,
+    pub busbw_gbs: Distribution,
     rolling_exec_ns: Rolling,
-    rolling_busbw_mbs: Rolling,
+    rolling_busbw_gbs: Rolling,
     p50_exec_ns: u64,
     p50_age: u32,
     /// Daemon time of the latest instance, for evicting series of finished jobs.
@@ -135,7 +139,7 @@ fn job_entry<'a>(
 #[derive(Clone, Debug)]
 pub struct RankSeries {
     pub collectives: u64,
-    pub skew_us: Buckets,
+    pub skew_us: Distribution,
     /// Collectives in which this rank's kernels started last / ended last among the node's ranks.
     pub last_to_start: u64,
     pub last_to_end: u64,
@@ -250,18 +254,17 @@ impl Stats {
             // A settled p50 moves slowly: once the series has a few windows' worth of samples,
             // recompute it every P50_EVERY samples rather than on every instance.
             if s.p50_age >= P50_EVERY || s.rolling_exec_ns.count() < 4 * P50_EVERY as u64 {
-                s.p50_exec_ns = s.rolling_exec_ns.quantile(0.5);
+                s.p50_exec_ns = s.rolling_exec_ns.quantile(0.5).round() as u64;
                 s.p50_age = 0;
             }
             s.p50_age += 1;
             s.last_ns = now_ns;
             let p50 = (s.rolling_exec_ns.count() >= min_samples).then_some(s.p50_exec_ns);
             s.exec_us.record(c.exec_ns as f64 / 1000.0);
-            s.rolling_exec_ns.record(c.exec_ns, now_ns, window);
+            s.rolling_exec_ns.record(c.exec_ns as f64, now_ns, window);
             if c.exec_ns > 0 {
                 s.busbw_gbs.record(c.busbw_gbs);
-                s.rolling_busbw_mbs
-                    .record((c.busbw_gbs * 1000.0) as u64, now_ns, window);
+                s.rolling_busbw_gbs.record(c.busbw_gbs, now_ns, window);
             }
             p50
         });
@@ -290,7 +293,7 @@ impl Stats {
             };
             let series = RankSeries {
                 collectives: 0,
-                skew_us: Buckets::new(SKEW_US_BOUNDS),
+                skew_us: Distribution::new(SKEW_US),
                 last_to_start: 0,
                 last_to_end: 0,
                 rolling_exec_ns: Rolling::default(),
@@ -305,7 +308,7 @@ impl Stats {
         r.last_ns = now_ns;
         r.first_end_ns = r.first_end_ns.min(c.end_unix_ns);
         r.last_end_ns = r.last_end_ns.max(c.end_unix_ns);
-        r.rolling_exec_ns.record(c.exec_ns, now_ns, window);
+        r.rolling_exec_ns.record(c.exec_ns as f64, now_ns, window);
         // Skew needs at least two of the collective's ranks on this node.
         let local = self
             .local_ranks
@@ -335,10 +338,12 @@ impl Stats {
         };
         let new = || Series {
             nnodes: c.nnodes,
-            exec_us: Buckets::new(EXEC_US_BOUNDS),
-            busbw_gbs: Buckets::new(BUSBW_GBS_BOUNDS),
+            nranks: c.nranks,
+            comm_name: c.comm_name().into(),
+            exec_us: Distribution::new(EXEC_US),
+            busbw_gbs: Distribution::new(BUSBW_GBS),
             rolling_exec_ns: Rolling::default(),
-            rolling_busbw_mbs: Rolling::default(),
+            rolling_busbw_gbs: Rolling::default(),
             p50_exec_ns: 0,
             p50_age: u32::MAX,
             last_ns: now_ns,
@@ -539,10 +544,10 @@ impl Stats {
                 comm_hash: k.comm_hash,
                 func: k.func.to_string(),
                 size_bucket: k.size_bucket.to_string(),
-                count: s.exec_us.count,
-                exec_p50_us: s.rolling_exec_ns.quantile(0.5) as f64 / 1000.0,
-                exec_p99_us: s.rolling_exec_ns.quantile(0.99) as f64 / 1000.0,
-                busbw_p50_gbs: s.rolling_busbw_mbs.quantile(0.5) as f64 / 1000.0,
+                count: s.exec_us.count(),
+                exec_p50_us: s.rolling_exec_ns.quantile(0.5) / 1000.0,
+                exec_p99_us: s.rolling_exec_ns.quantile(0.99) / 1000.0,
+                busbw_p50_gbs: s.rolling_busbw_gbs.quantile(0.5),
             })
             .collect();
         out.sort_by(|a, b| {
@@ -571,9 +576,9 @@ impl Stats {
                 comm_hash: k.comm_hash,
                 rank: k.rank,
                 collectives: r.collectives,
-                exec_p50_us: r.rolling_exec_ns.quantile(0.5) as f64 / 1000.0,
-                exec_p99_us: r.rolling_exec_ns.quantile(0.99) as f64 / 1000.0,
-                skew_p50_us: r.rolling_skew_ns.quantile(0.5) as f64 / 1000.0,
+                exec_p50_us: r.rolling_exec_ns.quantile(0.5) / 1000.0,
+                exec_p99_us: r.rolling_exec_ns.quantile(0.99) / 1000.0,
+                skew_p50_us: r.rolling_skew_ns.quantile(0.5) / 1000.0,
                 straggler_count: r.last_to_start,
                 lost: lost_by_rank
                     .get(&(k.uid, k.job.clone(), k.comm_hash, k.rank))
@@ -625,7 +630,7 @@ fn evaluate(
             continue;
         };
         r.skew_us.record(skew as f64 / 1000.0);
-        r.rolling_skew_ns.record(skew, now_ns, window_ns);
+        r.rolling_skew_ns.record(skew as f64, now_ns, window_ns);
         if Some(a.rank) == last_start {
             r.last_to_start += 1;
         }
@@ -676,7 +681,7 @@ mod tests {
             vec![0, 0, 10]
         );
         assert!(
-            (4.3..=5.0).contains(&ranks[2].skew_p50_us),
+            (4.95..=5.05).contains(&ranks[2].skew_p50_us),
             "{}",
             ranks[2].skew_p50_us
         );
@@ -860,7 +865,7 @@ mod tests {
             }
         }
         let p50 = p50.unwrap();
-        assert!((8_750..=10_007).contains(&p50), "{p50}");
+        assert!((9_950..=10_060).contains(&p50), "{p50}");
     }
 
     #[test]

@@ -32,6 +32,12 @@ pub mod perfetto {
     tonic::include_proto!("perfetto.protos");
 }
 
+#[cfg(feature = "grpc")]
+#[allow(clippy::all, missing_docs)]
+pub mod prometheus {
+    tonic::include_proto!("io.prometheus.client");
+}
+
 /// CLOCK_REALTIME in nanoseconds since the Unix epoch: the host time base of every record.
 pub fn now_ns() -> u64 {
     let ts = rustix::time::clock_gettime(rustix::time::ClockId::Realtime);

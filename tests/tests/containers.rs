@@ -205,7 +205,7 @@ impl Node {
 
     fn metric(&self, name: &str) -> Option<f64> {
         let mut s = std::net::TcpStream::connect(&self.prometheus).ok()?;
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             .ok()?;
         let mut text = String::new();
         let _ = s.read_to_string(&mut text);

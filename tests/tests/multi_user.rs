@@ -297,7 +297,7 @@ impl Node {
 
     fn metrics(&self) -> String {
         let mut s = std::net::TcpStream::connect(&self.prometheus).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             .unwrap();
         let mut text = String::new();
         let _ = s.read_to_string(&mut text);
