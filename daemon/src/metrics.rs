@@ -176,7 +176,7 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
     let mut out = vec![exec, busbw, skew, straggler, per_rank];
     let mut build = Family::new(
         "ncclscope_build_info",
-        "1",
+        "",
         "The daemon's version, always 1",
         Kind::Gauge,
     );
@@ -792,7 +792,8 @@ mod tests {
                         last as u64
                     })
                     .collect();
-                let otlp = otlp.iter().find(|m| m.name == family).unwrap();
+                let otel = otel_name(fams.iter().find(|f| f.name == family).unwrap());
+                let otlp = otlp.iter().find(|m| m.name == otel).unwrap();
                 let Some(metric::Data::ExponentialHistogram(e)) = &otlp.data else {
                     panic!("{family} is not exponential in OTLP")
                 };
@@ -843,7 +844,12 @@ mod tests {
         let stats = Stats::new(1_000_000_000, 1000, 10);
         let fams = families(&stats, &Health::default());
         for f in &fams {
-            assert!(!f.unit.is_empty(), "{} has a unit", f.name);
+            // An info metric's value is no quantity: it alone has no unit.
+            assert!(
+                !f.unit.is_empty() || f.name.ends_with("_info"),
+                "{} has a unit",
+                f.name
+            );
             let mut prom = otel_name(f).replace('.', "_");
             prom.push_str(match f.unit {
                 "us" => "_microseconds",
