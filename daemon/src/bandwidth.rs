@@ -76,6 +76,42 @@ pub fn size_bucket(bytes: u64) -> &'static str {
     LABELS[log.saturating_sub(10).min(LABELS.len() - 1)]
 }
 
+/// NCCL Inspector's message size: count x the datatype's size (for AllGather and ReduceScatter one
+/// rank's part, not [`inspector_bytes`]); `bytes` where the datatype is unknown.
+pub fn message_bytes(datatype: &str, count: u64, bytes: u64) -> u64 {
+    datatype_size(datatype).map_or(bytes, |size| size.saturating_mul(count))
+}
+
+const UNITS: [&str; 5] = ["B", "KB", "MB", "GB", "TB"];
+
+/// The scale of Inspector's message-size ranges for `bytes`: the largest 1024^k <= bytes (k <= 4).
+fn unit_of(bytes: u64) -> (usize, u64) {
+    let (mut k, mut unit) = (0, 1u64);
+    while k < UNITS.len() - 1 && bytes / unit >= 1024 {
+        k += 1;
+        unit *= 1024;
+    }
+    (k, unit)
+}
+
+/// The lower bound in bytes of NCCL Inspector's Prometheus `message_size` range holding `bytes`:
+/// whole units of the largest binary unit not above it (1536 B in [1 KB, 2 KB): 1024; 0: 0).
+pub fn message_size_range(bytes: u64) -> u64 {
+    let (_, unit) = unit_of(bytes);
+    bytes / unit * unit
+}
+
+/// Inspector's label of the range starting at `lower` ([`message_size_range`]): `1-2KB`,
+/// `8-9MB`, `0B` (units of 1024, as Inspector names them).
+pub fn message_size_label(lower: u64) -> String {
+    if lower == 0 {
+        return "0B".into();
+    }
+    let (k, unit) = unit_of(lower);
+    let n = lower / unit;
+    format!("{n}-{}{}", n + 1, UNITS[k])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,6 +148,25 @@ mod tests {
         assert_eq!(bus_factor("Broadcast", 8), 1.0);
         assert_eq!(bus_factor("Send", 8), 1.0);
         assert_eq!(bandwidths("AllReduce", 10, 2, 0), (0.0, 0.0));
+    }
+
+    #[test]
+    fn inspector_message_sizes() {
+        let label = |b| message_size_label(message_size_range(b));
+        assert_eq!(label(0), "0B");
+        assert_eq!(label(1), "1-2B");
+        assert_eq!(label(1023), "1023-1024B");
+        assert_eq!(label(1024), "1-2KB");
+        assert_eq!(label(1536), "1-2KB");
+        assert_eq!(label(2048), "2-3KB");
+        assert_eq!(label(1024 * 1024 - 1), "1023-1024KB");
+        assert_eq!(label(3 << 20), "3-4MB");
+        assert_eq!(label((8 << 20) + (1 << 19)), "8-9MB");
+        assert_eq!(label(2 << 30), "2-3GB");
+        assert_eq!(label(5000 << 40), "5000-5001TB");
+        // A 1 MiB per-rank all-gather of 4 ranks: Inspector's size is the rank's part.
+        assert_eq!(message_bytes("ncclFloat32", 262_144, 4 << 20), 1 << 20);
+        assert_eq!(message_bytes("ncclSomething", 7, 99), 99);
     }
 
     #[test]

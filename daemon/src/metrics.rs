@@ -18,6 +18,7 @@ use opentelemetry_proto::tonic::metrics::v1::{
 };
 use prost::Message;
 
+use crate::bandwidth;
 use crate::histogram::Distribution;
 use crate::stats::Stats;
 
@@ -97,6 +98,12 @@ fn comm_label(hash: u64) -> String {
     format!("{hash:016x}")
 }
 
+/// NCCL Inspector's `algo_proto` label: `RING_LL`, `unknown` for a part the record lacks.
+fn algo_proto(algo: &str, proto: &str) -> String {
+    let known = |s: &str| if s.is_empty() { "unknown" } else { s }.to_string();
+    format!("{}_{}", known(algo), known(proto))
+}
+
 /// Builds every metric family from the statistics and the health counters.
 pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
     let mut exec = Family::new(
@@ -125,6 +132,8 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
             ("n_nodes", s.nnodes.to_string()),
             ("nranks", s.nranks.to_string()),
             ("comm_name", s.comm_name.to_string()),
+            ("algo_proto", algo_proto(&k.algo, &k.proto)),
+            ("message_size", bandwidth::message_size_label(k.message_size)),
         ];
         exec.points
             .push((labels.clone(), Value::Histogram(s.exec_us.clone())));
@@ -593,6 +602,10 @@ mod tests {
                 comm_name: "dp".into(),
                 nranks: 8,
                 func: "AllReduce".into(),
+                datatype: "ncclFloat32".into(),
+                count: 1024,
+                algo: "RING".into(),
+                proto: "LL".into(),
                 bytes: 4096,
                 exec_ns: exec,
                 busbw_gbs: 1.0,
@@ -607,7 +620,7 @@ mod tests {
             ..Default::default()
         };
         let text = render_prometheus(&families(&stats, &health), true);
-        let l = "uid=\"1234\",job_id=\"j\\\"1\",comm=\"0000000000000001\",collective=\"AllReduce\",size_bucket=\"<=4KiB\",n_nodes=\"1\",nranks=\"8\",comm_name=\"dp\"";
+        let l = "uid=\"1234\",job_id=\"j\\\"1\",comm=\"0000000000000001\",collective=\"AllReduce\",size_bucket=\"<=4KiB\",n_nodes=\"1\",nranks=\"8\",comm_name=\"dp\",algo_proto=\"RING_LL\",message_size=\"4-5KB\"";
         assert!(
             text.contains(&format!(
                 "ncclscope_collective_exec_time_microseconds_bucket{{{l},le=\"2\"}} 1\n"

@@ -1,5 +1,6 @@
 //! Statistics over completed instances, across every process on the node: per (uid, job,
-//! communicator, collective, size bucket) and per (uid, job, communicator, rank), plus the cross-rank
+//! communicator, collective, size bucket, algorithm and protocol, NCCL Inspector's message-size
+//! range) and per (uid, job, communicator, rank), plus the cross-rank
 //! skew and the straggler of each collective among this node's ranks of one uid. The uid is the one the
 //! kernel reported at registration; job id and communicator hash are whatever the segment says, so
 //! another user's process claiming them lands in its own series, never in the claimed one. Bounded: the series count is capped and the
@@ -43,6 +44,12 @@ pub struct SeriesKey {
     pub comm_hash: u64,
     pub func: Arc<str>,
     pub size_bucket: &'static str,
+    /// NCCL's algorithm and protocol (`RING`, `LL`; "" where the record has none) and the lower
+    /// bound of NCCL Inspector's message-size range ([`bandwidth::message_size_range`]): Inspector's
+    /// Prometheus series are keyed by these, so ours are too.
+    pub algo: Arc<str>,
+    pub proto: Arc<str>,
+    pub message_size: u64,
 }
 
 /// A [`SeriesKey`] borrowed from an instance; same fields in the same order, so the same hash.
@@ -53,6 +60,9 @@ struct SeriesRef<'a> {
     comm_hash: u64,
     func: &'a str,
     size_bucket: &'static str,
+    algo: &'a str,
+    proto: &'a str,
+    message_size: u64,
 }
 
 impl hashbrown::Equivalent<SeriesKey> for SeriesRef<'_> {
@@ -61,9 +71,21 @@ impl hashbrown::Equivalent<SeriesKey> for SeriesRef<'_> {
             self.comm_hash,
             self.uid,
             self.size_bucket,
+            self.message_size,
             self.func,
             self.job,
-        ) == (k.comm_hash, k.uid, k.size_bucket, &*k.func, &*k.job)
+            self.algo,
+            self.proto,
+        ) == (
+            k.comm_hash,
+            k.uid,
+            k.size_bucket,
+            k.message_size,
+            &*k.func,
+            &*k.job,
+            &*k.algo,
+            &*k.proto,
+        )
     }
 }
 
@@ -335,6 +357,13 @@ impl Stats {
             comm_hash: c.comm_hash,
             func: c.func(),
             size_bucket: bandwidth::size_bucket(c.bytes),
+            algo: c.algo(),
+            proto: c.proto(),
+            message_size: bandwidth::message_size_range(bandwidth::message_bytes(
+                c.datatype(),
+                c.count,
+                c.bytes,
+            )),
         };
         let new = || Series {
             nnodes: c.nnodes,
@@ -361,6 +390,9 @@ impl Stats {
                         comm_hash: key.comm_hash,
                         func: key.func.into(),
                         size_bucket: key.size_bucket,
+                        algo: key.algo.into(),
+                        proto: key.proto.into(),
+                        message_size: key.message_size,
                     };
                     return f(v.insert(owned, new()).1);
                 }
@@ -373,6 +405,9 @@ impl Stats {
             comm_hash: 0,
             func: self.none.clone(),
             size_bucket: OVERFLOW_BUCKET,
+            algo: self.none.clone(),
+            proto: self.none.clone(),
+            message_size: 0,
         };
         f(self.series.entry(overflow).or_insert_with(new))
     }
