@@ -25,6 +25,10 @@ fi
 # The Kubernetes manifests' schema checker (tests/tests/k8s.rs).
 scripts/install-k8s-validate.sh
 
+# Debian's Prometheus and promtool, extracted into .prometheus/ (tests/tests/prometheus_real.rs: the
+# shipped configs, rules and dashboard queries against a real Prometheus scraping a daemon).
+scripts/install-prometheus.sh
+
 # Perfetto's own trace schema (its Python package), which reads the protobuf traces `export` writes in
 # tests/tests/tools_daemon.rs.
 if [ ! -x .venv-perfetto/bin/python ]; then
