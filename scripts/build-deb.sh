@@ -41,6 +41,8 @@ install -m 0644 deploy/ncclscope.socket "$stage/usr/lib/systemd/system/"
 install -D -m 0644 deploy/ncclscope.sysusers "$stage/usr/lib/sysusers.d/ncclscope.conf"
 install -D -m 0644 deploy/ncclscope.toml "$stage/etc/ncclscope/ncclscope.toml"
 install -D -m 0644 -t "$stage/usr/share/ncclscope" deploy/grafana-dashboard.json deploy/otel-collector.yaml
+install -D -m 0644 -t "$stage/usr/share/ncclscope/prometheus" deploy/prometheus/ncclscope-rules.yaml \
+    deploy/prometheus/prometheus-scrape.yml
 # Slurm: TaskProlog and Epilog (deploy/slurm/), the plugin's path for this architecture.
 install -d "$stage/usr/lib/ncclscope/slurm"
 for f in task-prolog epilog; do
