@@ -54,12 +54,12 @@ const W_RECORDS: usize = 96;
 
 /// Largest ring a reader accepts (records); bounds what an untrusted header can make us map.
 pub const MAX_CAPACITY: u64 = 1 << 24;
-/// Default ring size: 256 Ki records = 16 MiB. Sized from CUDA-graph replays on the device-hook path:
-/// a replay writes (operations x channels) records at once (50 x 64 = 3,200 for 250 us of GPU time,
-/// 12.8 M records/s while it replays), and the ring must hold what arrives while the daemon is off the
-/// CPU; 64 Ki records lost a quarter of them on a loaded 2-core host where 256 Ki lost none
-/// (docs/benchmarks.md, "CUDA graph replays").
-pub const DEFAULT_CAPACITY: u64 = 1 << 18;
+/// Default ring size: 1 Mi records = 64 MiB (memfd, charged to the rank's process, touched as the ring
+/// fills). Sized from real NCCL 2.30 with the device hook (one H100, 2 ranks): a CUDA graph of 50
+/// collectives replayed 300 times back to back writes 433 k records per rank in about a second, in
+/// bursts faster than the daemon drains them; 256 Ki records lost 16-18% of them (`ring_full`), 1 Mi
+/// and 2 Mi none (docs/benchmarks.md, "Real NCCL 2.30.7 with the device-hook RFC").
+pub const DEFAULT_CAPACITY: u64 = 1 << 20;
 
 /// The seals a segment must carry before a reader maps it: its size can never change (so no access
 /// through the mapping can fault), and no seal can be added later (a write seal would stop a restarted
