@@ -223,6 +223,11 @@ impl Pool {
         self.drop_refs(cache, live.index, live.generation, 1);
     }
 
+    /// Frees `live` at once, whatever references it holds (an event declined after all).
+    pub fn abandon(&self, cache: &mut Cache, live: &Live<'_>) {
+        self.drop_refs(cache, live.index, live.generation, u32::MAX);
+    }
+
     /// Takes up to `n` references of `generation` from slot `index`; frees it when the count reaches 0.
     /// Returns whether this call freed it.
     fn drop_refs(&self, cache: &mut Cache, index: u32, generation: u32, n: u32) -> bool {

@@ -575,6 +575,12 @@ impl Plugin {
                 };
                 let event = c.event(comm, live.id(), host_ns, false);
                 let at = self.push(l, event, [comm_slot.last(), Dep::NONE]);
+                if at == Dep::NONE {
+                    // Dropped (counted): declined, so no stop or kernel record names a start that
+                    // never reaches the daemon.
+                    self.pool.abandon(&mut l.cache, &live);
+                    return std::ptr::null_mut();
+                }
                 comm_slot.advance(at);
                 live.slot.dep.store(at.raw(), Ordering::Relaxed);
                 self.pool.handle(&live)
@@ -586,6 +592,12 @@ impl Plugin {
                 };
                 let event = p.event(comm, live.id(), host_ns, false);
                 let at = self.push(l, event, [comm_slot.last(), Dep::NONE]);
+                if at == Dep::NONE {
+                    // Dropped (counted): declined, so no stop or kernel record names a start that
+                    // never reaches the daemon.
+                    self.pool.abandon(&mut l.cache, &live);
+                    return std::ptr::null_mut();
+                }
                 comm_slot.advance(at);
                 live.slot.dep.store(at.raw(), Ordering::Relaxed);
                 self.pool.handle(&live)
