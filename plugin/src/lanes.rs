@@ -138,6 +138,7 @@ impl Lanes {
 
     /// Queues `event` after `deps` in `lane`, which the caller holds. Returns the event's own position (a
     /// dependency for later events), or the event back when the lane is full.
+    #[inline(always)]
     pub fn push(&self, lane: usize, event: Event, deps: [Dep; 2]) -> Result<Dep, Event> {
         let Some(l) = self.lanes.get(lane) else {
             return Err(event);

@@ -26,7 +26,7 @@ use crate::lanes::{Dep, LANE_EVENTS, Lanes};
 use crate::pool::{Cache, Kind, POOL_SLOTS, Pool};
 
 /// Lane depth at which an NCCL thread wakes the sleeping forwarding thread.
-const WAKE_DEPTH: u64 = LANE_EVENTS as u64 / 8;
+const WAKE_DEPTH: u64 = LANE_EVENTS as u64 / 2;
 /// Communicators alive at once in one process.
 pub const MAX_COMMS: usize = 1024;
 /// How long a stopped Coll/P2p may wait for its announced KernelCh children before [`Plugin::sweep`]
@@ -395,6 +395,7 @@ impl Plugin {
 
     /// Queues `event` after `deps` in the thread's lane; returns its position (what later events that
     /// must follow it depend on), or [`Dep::NONE`] when it was dropped (counted).
+    #[inline(always)]
     fn push(&self, local: &mut Local, event: Event, deps: [Dep; 2]) -> Dep {
         let Some(lane) = local.lane else {
             self.count(Counter::QueueFull);
@@ -528,7 +529,8 @@ impl Plugin {
                 self.count(Counter::Ignored);
                 std::ptr::null_mut()
             }
-            start => self.with_local(|l| self.start_event(l, ctx, parent, start)),
+            // By reference: the descriptor's fields are not moved through the closure.
+            start => self.with_local(|l| self.start_event(l, ctx, parent, &start)),
         }
     }
 
@@ -537,7 +539,7 @@ impl Plugin {
         l: &mut Local,
         ctx: *mut c_void,
         parent: *mut c_void,
-        start: Start,
+        start: &Start,
     ) -> *mut c_void {
         let Some(comm_slot) = self.comm(ctx) else {
             self.count(Counter::Ignored);
@@ -606,7 +608,7 @@ impl Plugin {
                 self.count(Counter::ReplayKernelCh);
                 std::ptr::null_mut()
             }
-            Start::KernelCh { channel, p_timer } => {
+            &Start::KernelCh { channel, p_timer } => {
                 let op = self.pool.lookup(parent).filter(|p| p.kind.is_op());
                 let Some(live) = self.alloc(l, Kind::KernelCh, comm_slot, 1) else {
                     if let Some(op) = op {
@@ -628,7 +630,7 @@ impl Plugin {
                 }
                 self.pool.handle(&live)
             }
-            Start::KernelPhase {
+            &Start::KernelPhase {
                 channel,
                 phase,
                 p_timer,
@@ -694,6 +696,11 @@ impl Plugin {
         if !live.stop() {
             return;
         }
+        self.with_local(|l| self.stopped(l, &live));
+    }
+
+    /// The record of a stopped event, queued; the slot released.
+    fn stopped(&self, l: &mut Local, live: &crate::pool::Live<'_>) {
         let comm = live.slot.comm.load(Ordering::Relaxed);
         let channel = live.slot.channel.load(Ordering::Relaxed);
         let gpu_start = live.slot.gpu_start.load(Ordering::Relaxed);
@@ -701,7 +708,7 @@ impl Plugin {
         let parent = live.slot.parent.load(Ordering::Relaxed);
         let start = Dep::from_raw(live.slot.dep.load(Ordering::Relaxed));
         let comm_slot = self.comms.get((channel >> 16) as usize);
-        let record = match live.kind {
+        let event = Event::Ready(match live.kind {
             Kind::Coll | Kind::P2p => {
                 let host_ns = clock::stamp();
                 // Kept for `sweep`: how long the operation has waited for its KernelCh children.
@@ -728,15 +735,13 @@ impl Plugin {
                 gpu_start,
                 gpu_stop,
             },
-        };
-        self.with_local(|l| {
-            self.pool.release(&mut l.cache, &live);
-            let last = comm_slot.map_or(Dep::NONE, CommSlot::last);
-            let at = self.push(l, Event::Ready(record), [start, last]);
-            if let Some(c) = comm_slot {
-                c.advance(at);
-            }
         });
+        self.pool.release(&mut l.cache, live);
+        let last = comm_slot.map_or(Dep::NONE, CommSlot::last);
+        let at = self.push(l, event, [start, last]);
+        if let Some(c) = comm_slot {
+            c.advance(at);
+        }
     }
 
     /// Releases operations stopped before `stopped_before` (a [`clock::stamp`]) that still wait for
