@@ -26,7 +26,7 @@ use crate::lanes::{Dep, LANE_EVENTS, Lanes};
 use crate::pool::{Cache, Kind, POOL_SLOTS, Pool};
 
 /// Lane depth at which an NCCL thread wakes the sleeping forwarding thread.
-const WAKE_DEPTH: u64 = LANE_EVENTS as u64 / 2;
+const WAKE_DEPTH: u64 = LANE_EVENTS as u64 / 4;
 /// Communicators alive at once in one process.
 pub const MAX_COMMS: usize = 1024;
 /// How long a stopped Coll/P2p may wait for its announced KernelCh children before [`Plugin::sweep`]

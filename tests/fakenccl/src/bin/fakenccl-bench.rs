@@ -377,6 +377,9 @@ fn child(a: &Args) -> anyhow::Result<()> {
                 }
                 for c in &mut consumers {
                     while c.read_raw(4096, &mut buf).unwrap_or(0) > 0 {
+                        if let Some((pos, _)) = buf.last() {
+                            c.commit(pos + 1);
+                        }
                         buf.clear();
                     }
                 }
@@ -430,6 +433,7 @@ fn measure(
             })
             .collect::<anyhow::Result<_>>()?;
         let mut seq = 0;
+        let mut drops_before = dropped(catcher);
         for mode in &a.modes {
             for &channels in &a.channels {
                 if mode == "pair" && channels != a.channels[0] {
@@ -444,7 +448,12 @@ fn measure(
                         let hs: Vec<_> = (0..threads)
                             .map(|i| {
                                 let (p, ctx, barrier) = (&p, ctxs[i], &barrier);
-                                s.spawn(move || rank(p, ctx, a, mode, channels, seq, barrier))
+                                std::thread::Builder::new()
+                                    .name(format!("rank-{i}"))
+                                    .spawn_scoped(s, move || {
+                                        rank(p, ctx, a, mode, channels, seq, barrier)
+                                    })
+                                    .expect("rank thread")
                             })
                             .collect();
                         hs.into_iter().map(|h| h.join().expect("rank")).collect()
@@ -454,6 +463,14 @@ fn measure(
                     let ns = slowest.as_nanos() as f64 / (a.burst * a.bursts) as f64;
                     let ch = if mode == "pair" { 0 } else { channels };
                     println!("result {mode} {ch} {threads} {name} {ns:.1}");
+                    // What this case dropped (ncclscope: its segment's counters, moved there by its
+                    // forwarding thread within 20 ms).
+                    if !is_peer(name) && name != "empty" {
+                        std::thread::sleep(Duration::from_millis(40));
+                        let total = dropped(catcher);
+                        println!("drops {mode} {ch} {threads} {name} {}", total - drops_before);
+                        drops_before = total;
+                    }
                 }
             }
         }
@@ -471,6 +488,20 @@ fn measure(
         }
         Ok(())
     }
+}
+
+/// Events the plugin's segments count as dropped so far (lane or segment full, pool exhausted).
+fn dropped(catcher: &ncclscope_fakenccl::process::Catcher) -> u64 {
+    use ncclscope_proto::Counter;
+    catcher
+        .segments()
+        .iter()
+        .map(|s| {
+            s.counter(Counter::QueueFull)
+                + s.counter(Counter::RingFull)
+                + s.counter(Counter::PoolExhausted)
+        })
+        .sum()
 }
 
 /// A directory with the CUDA stand-in under the names the peers load.
@@ -509,6 +540,7 @@ fn main() -> anyhow::Result<()> {
     // (mode, channels, threads, plugin) -> ns per collective, one per round.
     let mut results: BTreeMap<(String, u8, usize, String), Vec<f64>> = BTreeMap::new();
     let mut counters: BTreeMap<(String, String), u64> = BTreeMap::new();
+    let mut drops: BTreeMap<(String, u8, usize, String), u64> = BTreeMap::new();
     for round in 0..a.rounds {
         for k in 0..a.plugins.len() {
             let spec = &a.plugins[(round + k) % a.plugins.len()];
@@ -546,6 +578,11 @@ fn main() -> anyhow::Result<()> {
                         .entry((mode.to_string(), ch.parse()?, threads.parse()?, name.to_string()))
                         .or_default()
                         .push(ns.parse()?),
+                    ["drops", mode, ch, threads, name, n] => {
+                        *drops
+                            .entry((mode.to_string(), ch.parse()?, threads.parse()?, name.to_string()))
+                            .or_default() += n.parse::<u64>()?
+                    }
                     ["counter", name, counter, n] => {
                         *counters
                             .entry((name.to_string(), counter.to_string()))
@@ -611,6 +648,13 @@ fn main() -> anyhow::Result<()> {
             ) {
                 println!("{n} {mode} {ch} {threads} {:.2}", median(at) / median(one));
             }
+        }
+    }
+    if !drops.is_empty() {
+        println!("\nevents dropped and counted (all rounds; a dropped event is cheaper than a queued one)");
+        for ((mode, ch, threads, name), n) in &drops {
+            let emitted = a.rounds as u64 * *threads as u64 * a.burst * a.bursts;
+            println!("{name} {mode} {ch} {threads}: {n} over {emitted} collectives");
         }
     }
     for ((name, counter), n) in &counters {
