@@ -213,7 +213,9 @@ impl Forwarder {
                 let room = EARLY_EVENTS.saturating_sub(self.early.len());
                 if room > 0 {
                     let early = &mut self.early;
-                    self.plugin.lanes.drain(room, &mut |event| early.push(event));
+                    self.plugin
+                        .lanes
+                        .drain(room, &mut |event| early.push(event));
                 }
                 std::thread::sleep(Duration::from_micros(100));
                 continue;

@@ -146,7 +146,9 @@ impl Lanes {
         let Some(queue) = l.queue.get() else {
             return Err(event);
         };
-        queue.push(Item { event, deps }).map_err(|item| item.event)?;
+        queue
+            .push(Item { event, deps })
+            .map_err(|item| item.event)?;
         let pos = l.pushed.0.load(Ordering::Relaxed) + 1;
         l.pushed.0.store(pos, Ordering::Release);
         Ok(Dep::new(lane, pos))

@@ -284,9 +284,10 @@ impl Pool {
         let first = &self.slots[(chain.head - 1) as usize];
         let mut top = self.free.load(Ordering::Acquire);
         loop {
-            first
-                .chain
-                .store(((top as u32 as u64) << 32) | chain.len as u64, Ordering::Relaxed);
+            first.chain.store(
+                ((top as u32 as u64) << 32) | chain.len as u64,
+                Ordering::Relaxed,
+            );
             let new = ((top >> 32).wrapping_add(1) << 32) | chain.head as u64;
             match self
                 .free
@@ -307,7 +308,9 @@ impl Pool {
             }
             // Read before the CAS; if another thread took this chain meanwhile, the tag changed and the
             // CAS fails, so a stale value is never used.
-            let link = self.slots[(head - 1) as usize].chain.load(Ordering::Relaxed);
+            let link = self.slots[(head - 1) as usize]
+                .chain
+                .load(Ordering::Relaxed);
             let new = ((top >> 32).wrapping_add(1) << 32) | (link >> 32);
             match self
                 .free
@@ -335,7 +338,8 @@ impl Pool {
                 continue;
             }
             let generation = (slot.refs.load(Ordering::Acquire) >> 32) as u32;
-            if self.drop_refs(&mut cache, index as u32, generation, u32::MAX) && state & STOPPED == 0
+            if self.drop_refs(&mut cache, index as u32, generation, u32::MAX)
+                && state & STOPPED == 0
             {
                 unfinished += 1;
             }
@@ -447,7 +451,9 @@ mod tests {
         assert!(pool.lookup(pool.handle(&a)).is_none());
         assert_eq!(pool.in_use(), 1);
         assert_eq!(
-            (0..7).filter_map(|_| pool.alloc(&mut c, Kind::P2p, 1, 1)).count(),
+            (0..7)
+                .filter_map(|_| pool.alloc(&mut c, Kind::P2p, 1, 1))
+                .count(),
             7
         );
     }
@@ -471,7 +477,8 @@ mod tests {
         pool.release(&mut c, &again);
         assert_eq!(pool.in_use(), 0);
         assert!(
-            pool.alloc(&mut c, Kind::P2p, 0, 1).is_some() && pool.alloc(&mut c, Kind::P2p, 0, 1).is_none(),
+            pool.alloc(&mut c, Kind::P2p, 0, 1).is_some()
+                && pool.alloc(&mut c, Kind::P2p, 0, 1).is_none(),
             "freed once"
         );
     }
@@ -536,7 +543,9 @@ mod tests {
         assert_eq!(pool.in_use(), 0);
         let mut c = Cache::default();
         assert_eq!(
-            (0..300).filter_map(|_| pool.alloc(&mut c, Kind::P2p, 0, 1)).count(),
+            (0..300)
+                .filter_map(|_| pool.alloc(&mut c, Kind::P2p, 0, 1))
+                .count(),
             256,
             "every slot came back"
         );

@@ -520,7 +520,12 @@ impl Plugin {
     }
 
     /// `startEvent`: the handle NCCL keeps, or NULL to decline.
-    pub fn start(&'static self, ctx: *mut c_void, parent: *mut c_void, start: Start) -> *mut c_void {
+    pub fn start(
+        &'static self,
+        ctx: *mut c_void,
+        parent: *mut c_void,
+        start: Start,
+    ) -> *mut c_void {
         match start {
             // Nothing to queue or keep: no thread state needed.
             Start::Group => group_handle(),
@@ -617,12 +622,13 @@ impl Plugin {
                     return std::ptr::null_mut();
                 };
                 // Its record follows its operation's start.
-                let (parent_id, dep) = op.map_or((0, 0), |op| {
-                    (op.id(), op.slot.dep.load(Ordering::Relaxed))
-                });
+                let (parent_id, dep) =
+                    op.map_or((0, 0), |op| (op.id(), op.slot.dep.load(Ordering::Relaxed)));
                 live.slot.parent.store(parent_id, Ordering::Relaxed);
                 live.slot.dep.store(dep, Ordering::Relaxed);
-                live.slot.channel.fetch_or(channel as u32, Ordering::Relaxed);
+                live.slot
+                    .channel
+                    .fetch_or(channel as u32, Ordering::Relaxed);
                 live.slot.gpu_start.store(p_timer, Ordering::Relaxed);
                 if let Some(op) = op {
                     // This child has its parent's id now; the parent no longer waits for it.

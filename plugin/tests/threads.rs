@@ -68,9 +68,7 @@ fn kernel_start(ctx: Ptr, parent: Ptr, channel: u8, p_timer: u64) -> Ptr {
 fn kernel_stop(h: Ptr, p_timer: u64) {
     let mut t = p_timer;
     // SAFETY: recordEventState with NCCL's 8-byte state args (kernelCh.pTimer).
-    unsafe {
-        (VT.record_event_state)(h.0, state::KERNEL_CH_STOP as u32, (&raw mut t).cast())
-    };
+    unsafe { (VT.record_event_state)(h.0, state::KERNEL_CH_STOP as u32, (&raw mut t).cast()) };
     stop(h);
 }
 
@@ -176,7 +174,11 @@ fn by_comm(records: &[Record]) -> HashMap<u64, Seen> {
 /// Every collective `0..colls` of the communicator with its stop and `channels` kernels, exactly once.
 fn assert_complete(seen: &Seen, what: &str, colls: u64, channels: u8) {
     assert!(seen.duplicates.is_empty(), "{what}: {:?}", seen.duplicates);
-    assert!(seen.out_of_order.is_empty(), "{what}: {:?}", seen.out_of_order);
+    assert!(
+        seen.out_of_order.is_empty(),
+        "{what}: {:?}",
+        seen.out_of_order
+    );
     assert_eq!(seen.starts.len() as u64, colls, "{what}: starts");
     for (seq, id) in &seen.starts {
         assert!(seen.stops.contains(id), "{what}: op {seq} has no stop");
@@ -280,7 +282,12 @@ fn threads_deliver_every_record_once_after_its_parent_or_count_it() {
     let seg = catcher.only_segment().expect("segment contents");
     assert!(seg.closed, "the last finalize closes the segment");
     let seen = by_comm(&seg.records);
-    assert_complete(&seen[&0x1], "thread that exited with its events queued", 1000, 4);
+    assert_complete(
+        &seen[&0x1],
+        "thread that exited with its events queued",
+        1000,
+        4,
+    );
     assert_complete(&seen[&0x2], "3000 short-lived threads", 3000, 4);
     assert_complete(&seen[&0x3], "stops on other threads", 200, 2);
     assert_eq!(seg.counter(Counter::PoolExhausted), 0);

@@ -34,7 +34,10 @@ pub extern "C" fn cudaGetErrorString(_error: c_int) -> *const c_char {
 /// # Safety
 /// `event` is NULL or writable.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cudaEventCreateWithFlags(event: *mut *mut c_void, _flags: c_uint) -> c_int {
+pub unsafe extern "C" fn cudaEventCreateWithFlags(
+    event: *mut *mut c_void,
+    _flags: c_uint,
+) -> c_int {
     if !event.is_null() {
         // SAFETY: non-NULL and writable per the contract.
         unsafe { *event = 8 as *mut c_void };

@@ -72,10 +72,17 @@ struct Args {
 /// What NCCL passes as `logfn`: a variadic C function. This one reads only the fixed arguments, which
 /// the x86-64 and AArch64 C ABIs pass the same way for a variadic callee; with FAKENCCL_BENCH_LOG set
 /// it prints the format string (not its arguments) to stderr.
-extern "C" fn quiet_log(_l: c_int, _f: c_ulong, _file: *const c_char, _line: c_int, fmt: *const c_char) {
+extern "C" fn quiet_log(
+    _l: c_int,
+    _f: c_ulong,
+    _file: *const c_char,
+    _line: c_int,
+    fmt: *const c_char,
+) {
     if !fmt.is_null() && std::env::var_os("FAKENCCL_BENCH_LOG").is_some() {
-        // SAFETY: NCCL's loggers take a C format string.
-        eprintln!("log: {}", unsafe { std::ffi::CStr::from_ptr(fmt) }.to_string_lossy());
+        // SAFETY: a plugin passes a NUL-terminated format string, as to NCCL's logger.
+        let fmt = unsafe { std::ffi::CStr::from_ptr(fmt) };
+        eprintln!("log: {}", fmt.to_string_lossy());
     }
 }
 
@@ -355,9 +362,7 @@ enum Msg {
 }
 
 fn child(a: &Args) -> anyhow::Result<()> {
-    let (name, path) = a.plugins[0]
-        .split_once('=')
-        .unwrap_or(("empty", "empty"));
+    let (name, path) = a.plugins[0].split_once('=').unwrap_or(("empty", "empty"));
     let catcher = ncclscope_fakenccl::process::Catcher::start();
     // SAFETY: before any plugin or thread reads the environment.
     unsafe { std::env::set_var("NCCLSCOPE_SOCKET", catcher.socket()) };
@@ -468,7 +473,10 @@ fn measure(
                     if !is_peer(name) && name != "empty" {
                         std::thread::sleep(Duration::from_millis(40));
                         let total = dropped(catcher);
-                        println!("drops {mode} {ch} {threads} {name} {}", total - drops_before);
+                        println!(
+                            "drops {mode} {ch} {threads} {name} {}",
+                            total - drops_before
+                        );
                         drops_before = total;
                     }
                 }
@@ -575,12 +583,22 @@ fn main() -> anyhow::Result<()> {
                 let f: Vec<&str> = line.split_whitespace().collect();
                 match f.as_slice() {
                     ["result", mode, ch, threads, name, ns] => results
-                        .entry((mode.to_string(), ch.parse()?, threads.parse()?, name.to_string()))
+                        .entry((
+                            mode.to_string(),
+                            ch.parse()?,
+                            threads.parse()?,
+                            name.to_string(),
+                        ))
                         .or_default()
                         .push(ns.parse()?),
                     ["drops", mode, ch, threads, name, n] => {
                         *drops
-                            .entry((mode.to_string(), ch.parse()?, threads.parse()?, name.to_string()))
+                            .entry((
+                                mode.to_string(),
+                                ch.parse()?,
+                                threads.parse()?,
+                                name.to_string(),
+                            ))
                             .or_default() += n.parse::<u64>()?
                     }
                     ["counter", name, counter, n] => {
@@ -631,7 +649,10 @@ fn main() -> anyhow::Result<()> {
         let row: Vec<String> = names[1..]
             .iter()
             .map(|n| {
-                match (first, results.get(&(mode.clone(), *ch, *threads, n.clone()))) {
+                match (
+                    first,
+                    results.get(&(mode.clone(), *ch, *threads, n.clone())),
+                ) {
                     (Some(a), Some(b)) => format!("{n}={:.2}", median(a) / median(b)),
                     _ => format!("{n}=-"),
                 }
@@ -651,7 +672,9 @@ fn main() -> anyhow::Result<()> {
         }
     }
     if !drops.is_empty() {
-        println!("\nevents dropped and counted (all rounds; a dropped event is cheaper than a queued one)");
+        println!(
+            "\nevents dropped and counted (all rounds; a dropped event is cheaper than a queued one)"
+        );
         for ((mode, ch, threads, name), n) in &drops {
             let emitted = a.rounds as u64 * *threads as u64 * a.burst * a.bursts;
             println!("{name} {mode} {ch} {threads}: {n} over {emitted} collectives");
