@@ -1,11 +1,12 @@
 //! The forwarding thread ("ncclscope-fwd"): the segment's only producer.
 //!
-//! NCCL threads push [`Event`]s into a bounded lock-free queue and return; this thread turns them into
+//! NCCL threads push [`Event`]s into their own bounded lane (`lanes`) and return; this thread takes them
+//! out in an order that keeps every event after the ones it depends on, turns them into
 //! records (interning NCCL's static strings on the way), drains the device-hook rings, flushes the loss
 //! counters into the segment header, heartbeats the segment and hands it to the daemon (again after a
 //! daemon restart). When there
-//! is nothing to do it sleeps, 1 ms growing to 20 ms; NCCL threads wake it early when the queue fills up.
-//! It empties NCCL's queue from its first moment; for the first millisecond, until the TSC rate is
+//! is nothing to do it sleeps, 1 ms growing to 20 ms; NCCL threads wake it early when their lane fills
+//! up. It empties the lanes from its first moment; for the first millisecond, until the TSC rate is
 //! measured, the events wait in the thread's own buffer.
 
 use std::collections::HashMap;
@@ -32,6 +33,8 @@ const MAX_IDLE: Duration = Duration::from_millis(20);
 const REGISTER_SETTLE: Duration = Duration::from_secs(1);
 /// Events handled per batch before the thread looks at the device rings and the heartbeat again.
 const BATCH: usize = 4096;
+/// Events held while the TSC rate is measured (the first millisecond).
+const EARLY_EVENTS: usize = 1 << 15;
 /// Device-hook records held back while the host events queued before them are written (see `run`);
 /// reaching it writes them early, in the same order.
 const HELD: usize = 8192;
@@ -100,7 +103,7 @@ pub struct Forwarder {
     sweep_due: Instant,
     /// NCCL threads' stamps -> CLOCK_REALTIME.
     clock: Converter,
-    /// Events taken off NCCL's queue before the clock could convert their stamps (the first ms).
+    /// Events taken out of the lanes before the clock could convert their stamps (the first ms).
     early: Vec<Event>,
     /// While the rings are drained: their records, written after the host events queued before them.
     holding: bool,
@@ -155,12 +158,10 @@ impl Forwarder {
             return;
         }
         let mut held = std::mem::take(&mut self.held);
-        // At most a queue's worth: everything queued before the rings were read, not what NCCL
-        // threads keep adding meanwhile.
-        for _ in 0..crate::profiler::QUEUE_EVENTS {
-            let Some(event) = self.plugin.queue.pop() else {
-                break;
-            };
+        // Everything queued before the rings were read (and what NCCL threads added meanwhile, up to
+        // where each lane was when this pass looked at it).
+        let plugin = self.plugin;
+        plugin.lanes.drain_all(&mut |event| {
             if matches!(event, Event::CommEnd { .. }) {
                 // Its end drains the communicator's rings again: the older records go first.
                 for r in held.drain(..) {
@@ -168,7 +169,7 @@ impl Forwarder {
                 }
             }
             self.forward(event);
-        }
+        });
         for r in held.drain(..) {
             self.producer.push(&r);
         }
@@ -184,10 +185,7 @@ impl Forwarder {
             return;
         }
         profiler::fail("the forwarding thread");
-        let mut lost = 1 + self.early.len() as u64;
-        while self.plugin.queue.pop().is_some() {
-            lost += 1;
-        }
+        let lost = 1 + self.early.len() as u64 + self.plugin.lanes.discard_all();
         let segment = self.producer.segment();
         segment.count(Counter::ForwardPanic, lost);
         self.plugin.flush_counters(segment);
@@ -210,12 +208,14 @@ impl Forwarder {
                 .poll(Instant::now(), self.producer.segment().fd());
             self.clock.tick(Instant::now());
             if !self.clock.ready() {
-                // NCCL's queue is emptied from the first moment; the events wait here for the
-                // clock (and the rings for them: a work item follows its operation's host event).
-                while self.early.len() < crate::profiler::QUEUE_EVENTS
-                    && let Some(event) = self.plugin.queue.pop()
-                {
-                    self.early.push(event);
+                // The lanes are emptied from the first moment; the events wait here for the clock
+                // (and the rings for them: a work item follows its operation's host event).
+                let room = EARLY_EVENTS.saturating_sub(self.early.len());
+                if room > 0 {
+                    let early = &mut self.early;
+                    self.plugin
+                        .lanes
+                        .drain(room, &mut |event| early.push(event));
                 }
                 std::thread::sleep(Duration::from_micros(100));
                 continue;
@@ -223,14 +223,8 @@ impl Forwarder {
             for event in std::mem::take(&mut self.early) {
                 self.forward(event);
             }
-            let mut work = 0;
-            while let Some(event) = self.plugin.queue.pop() {
-                self.forward(event);
-                work += 1;
-                if work == BATCH {
-                    break;
-                }
-            }
+            let plugin = self.plugin;
+            let mut work = plugin.lanes.drain(BATCH, &mut |event| self.forward(event));
             forwarded += work as u64;
             if let Some(n) = self.plugin.config.test_panic_forward
                 && forwarded >= n
@@ -252,7 +246,7 @@ impl Forwarder {
                 continue;
             }
             self.plugin.fwd_idle.store(true, Ordering::SeqCst);
-            if self.plugin.queue.is_empty() {
+            if self.plugin.lanes.is_empty() {
                 std::thread::park_timeout(idle);
             }
             self.plugin.fwd_idle.store(false, Ordering::SeqCst);

@@ -11,7 +11,8 @@
 //! - `launch`: the plugin's start in a process and each communicator's `init`;
 //! - `profiler`: per-process and per-communicator state, what each callback does;
 //! - `clock`: cheap host timestamps (TSC) converted to CLOCK_REALTIME off the hot path;
-//! - `pool`: bounded, validated event handles; `event`: what NCCL's threads queue; `forward`: the
+//! - `pool`: bounded, validated event handles (free slots cached per thread); `event`: what NCCL's
+//!   threads queue; `lanes`: their per-thread queues, and the order across them; `forward`: the
 //!   forwarding thread; `register`: the daemon.
 
 mod abi;
@@ -22,6 +23,7 @@ pub mod entry;
 mod event;
 mod forward;
 mod host;
+mod lanes;
 mod launch;
 mod pool;
 mod profiler;

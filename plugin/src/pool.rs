@@ -2,9 +2,16 @@
 //!
 //! A handle given to NCCL is the address of a [`Slot`] in one preallocated array: no allocation per event,
 //! and a handle can be validated before use (inside the array, on a slot boundary, slot live), so a
-//! garbage pointer from the host is ignored instead of dereferenced. Free slots form a lock-free stack
-//! (Treiber stack with a tag against ABA). Every slot field is an atomic, so a stale handle can at worst
-//! produce a wrong record, never undefined behaviour.
+//! garbage pointer from the host is ignored instead of dereferenced. Every slot field is an atomic, so a
+//! stale handle can at worst produce a wrong record, never undefined behaviour.
+//!
+//! Free slots are cached per thread ([`Cache`], two "magazines" of up to [`MAGAZINE`] slots, linked
+//! through the slots themselves): an NCCL thread takes and returns slots without touching anything
+//! another thread writes. Only a full magazine (or an empty one) goes to or comes from the process-wide
+//! stack, one compare-and-swap per [`MAGAZINE`] slots (a Treiber stack of chains, with a tag against
+//! ABA). A slot freed on another thread than the one that took it (NCCL's proxy thread releases the
+//! Coll its KernelCh children belong to) simply joins that thread's cache. A thread that exits hands its
+//! cache back ([`Pool::flush`]), so thousands of short-lived threads strand nothing.
 //!
 //! A Coll/P2p slot is reference-counted: one reference for NCCL's `stopEvent` and one per announced
 //! KernelCh child (`nChannels`), because NCCL starts the KernelCh events after the Coll has stopped and
@@ -18,6 +25,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// Slots per process: in-flight Coll/P2p (until their last KernelCh started) plus in-flight kernel events.
 pub const POOL_SLOTS: u32 = 1 << 16;
+/// Slots per magazine: a thread holds at most two magazines.
+pub const MAGAZINE: u32 = 32;
 
 const FREE: u32 = 0;
 const STOPPED: u32 = 0x100;
@@ -53,6 +62,7 @@ impl Kind {
 #[derive(Default)]
 pub struct Slot {
     state: AtomicU32,
+    /// Free: the next slot of its chain (index + 1; 0 ends it).
     next_free: AtomicU32,
     /// generation << 32 | references.
     refs: AtomicU64,
@@ -64,12 +74,39 @@ pub struct Slot {
     pub gpu_start: AtomicU64,
     /// Kernel events: the GPU stop time. Coll/P2p: the host time of their stopEvent.
     pub gpu_stop: AtomicU64,
+    /// What this event's records must follow in the segment (a [`crate::lanes::Dep`]): an operation's
+    /// own start record; a kernel event's operation's start record.
+    pub dep: AtomicU64,
+    /// Free, first of a chain on the process-wide stack: (next chain's first index + 1) << 32 | length.
+    chain: AtomicU64,
 }
 const _: () = assert!(size_of::<Slot>() == 64);
 
+/// A chain of free slots linked through `next_free`: `head` is index + 1 (0: empty).
+#[derive(Clone, Copy, Default, Debug)]
+struct Chain {
+    head: u32,
+    len: u32,
+}
+
+/// One thread's free slots: two magazines, so a thread that alternates taking and returning a slot
+/// at a magazine's edge does not go to the shared stack every time.
+#[derive(Default, Debug)]
+pub struct Cache {
+    loaded: Chain,
+    spare: Chain,
+}
+
+impl Cache {
+    pub const EMPTY: Cache = Cache {
+        loaded: Chain { head: 0, len: 0 },
+        spare: Chain { head: 0, len: 0 },
+    };
+}
+
 pub struct Pool {
     slots: Box<[Slot]>,
-    /// Top of the free stack: tag << 32 | (index + 1); index + 1 == 0 means empty.
+    /// Top of the stack of free chains: tag << 32 | (first index + 1); 0 in the low half means empty.
     free: AtomicU64,
 }
 
@@ -96,42 +133,45 @@ impl Live<'_> {
 
 impl Pool {
     pub fn new(slots: u32) -> Pool {
-        let slots: Box<[Slot]> = (0..slots)
-            .map(|i| {
-                let s = Slot::default();
-                s.next_free
-                    .store(if i + 1 < slots { i + 2 } else { 0 }, Ordering::Relaxed);
-                s
-            })
-            .collect();
-        let first = if slots.is_empty() { 0 } else { 1 };
-        Pool {
-            slots,
-            free: AtomicU64::new(first),
+        let pool = Pool {
+            slots: (0..slots).map(|_| Slot::default()).collect(),
+            free: AtomicU64::new(0),
+        };
+        // Full magazines on the stack, in index order (the stack hands out the last pushed first).
+        let mut first = slots;
+        while first > 0 {
+            let from = first.saturating_sub(MAGAZINE);
+            for i in from..first {
+                let next = if i + 1 < first { i + 2 } else { 0 };
+                pool.slots[i as usize]
+                    .next_free
+                    .store(next, Ordering::Relaxed);
+            }
+            pool.push_chain(Chain {
+                head: from + 1,
+                len: first - from,
+            });
+            first = from;
         }
+        pool
     }
 
     /// Takes a free slot for an event of `kind` in `comm` holding `refs` references.
-    pub fn alloc(&self, kind: Kind, comm: u32, refs: u32) -> Option<Live<'_>> {
-        let mut head = self.free.load(Ordering::Acquire);
-        let index = loop {
-            let top = head as u32;
-            if top == 0 {
-                return None;
+    pub fn alloc(&self, cache: &mut Cache, kind: Kind, comm: u32, refs: u32) -> Option<Live<'_>> {
+        if cache.loaded.len == 0 {
+            if cache.spare.len > 0 {
+                std::mem::swap(&mut cache.loaded, &mut cache.spare);
+            } else {
+                cache.loaded = self.pop_chain()?;
             }
-            let next = self.slots[(top - 1) as usize]
-                .next_free
-                .load(Ordering::Relaxed);
-            let new = ((head >> 32).wrapping_add(1) << 32) | next as u64;
-            match self
-                .free
-                .compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => break top - 1,
-                Err(h) => head = h,
-            }
-        };
+        }
+        let index = cache.loaded.head - 1;
         let slot = &self.slots[index as usize];
+        cache.loaded.head = slot.next_free.load(Ordering::Relaxed);
+        cache.loaded.len -= 1;
+        if cache.loaded.head == 0 {
+            cache.loaded.len = 0; // a chain is never longer than its links
+        }
         let generation = (slot.refs.load(Ordering::Relaxed) >> 32) as u32 + 1;
         slot.comm.store(comm, Ordering::Relaxed);
         slot.refs
@@ -140,6 +180,7 @@ impl Pool {
         slot.parent.store(0, Ordering::Relaxed);
         slot.gpu_start.store(0, Ordering::Relaxed);
         slot.gpu_stop.store(0, Ordering::Relaxed);
+        slot.dep.store(0, Ordering::Relaxed);
         slot.state.store(kind as u32, Ordering::Release);
         Some(Live {
             index,
@@ -176,15 +217,20 @@ impl Pool {
         })
     }
 
-    /// Drops one reference of `live`'s generation; the last one frees the slot. A release of an
-    /// older generation, or of a slot already released to 0, does nothing.
-    pub fn release(&self, live: &Live<'_>) {
-        self.drop_refs(live.index, live.generation, 1);
+    /// Drops one reference of `live`'s generation; the last one frees the slot into `cache`. A release
+    /// of an older generation, or of a slot already released to 0, does nothing.
+    pub fn release(&self, cache: &mut Cache, live: &Live<'_>) {
+        self.drop_refs(cache, live.index, live.generation, 1);
+    }
+
+    /// Frees `live` at once, whatever references it holds (an event declined after all).
+    pub fn abandon(&self, cache: &mut Cache, live: &Live<'_>) {
+        self.drop_refs(cache, live.index, live.generation, u32::MAX);
     }
 
     /// Takes up to `n` references of `generation` from slot `index`; frees it when the count reaches 0.
     /// Returns whether this call freed it.
-    fn drop_refs(&self, index: u32, generation: u32, n: u32) -> bool {
+    fn drop_refs(&self, cache: &mut Cache, index: u32, generation: u32, n: u32) -> bool {
         let slot = &self.slots[index as usize];
         let mut cur = slot.refs.load(Ordering::Acquire);
         loop {
@@ -198,7 +244,7 @@ impl Pool {
                 .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) if new as u32 == 0 => {
-                    self.free(index);
+                    self.free(cache, index);
                     return true;
                 }
                 Ok(_) => return false,
@@ -207,19 +253,76 @@ impl Pool {
         }
     }
 
-    fn free(&self, index: u32) {
+    fn free(&self, cache: &mut Cache, index: u32) {
         let slot = &self.slots[index as usize];
         slot.state.store(FREE, Ordering::Release);
-        let mut head = self.free.load(Ordering::Acquire);
+        if cache.loaded.len >= MAGAZINE {
+            if cache.spare.len > 0 {
+                self.push_chain(cache.spare);
+            }
+            cache.spare = std::mem::take(&mut cache.loaded);
+        }
+        slot.next_free.store(cache.loaded.head, Ordering::Relaxed);
+        cache.loaded.head = index + 1;
+        cache.loaded.len += 1;
+    }
+
+    /// Hands every slot of `cache` back to the process-wide stack (a thread's end, or a cache used for
+    /// one call).
+    pub fn flush(&self, cache: &mut Cache) {
+        for chain in [
+            std::mem::take(&mut cache.loaded),
+            std::mem::take(&mut cache.spare),
+        ] {
+            if chain.len > 0 {
+                self.push_chain(chain);
+            }
+        }
+    }
+
+    fn push_chain(&self, chain: Chain) {
+        let first = &self.slots[(chain.head - 1) as usize];
+        let mut top = self.free.load(Ordering::Acquire);
         loop {
-            slot.next_free.store(head as u32, Ordering::Relaxed);
-            let new = ((head >> 32).wrapping_add(1) << 32) | (index + 1) as u64;
+            first.chain.store(
+                ((top as u32 as u64) << 32) | chain.len as u64,
+                Ordering::Relaxed,
+            );
+            let new = ((top >> 32).wrapping_add(1) << 32) | chain.head as u64;
             match self
                 .free
-                .compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange_weak(top, new, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => return,
-                Err(h) => head = h,
+                Err(t) => top = t,
+            }
+        }
+    }
+
+    fn pop_chain(&self) -> Option<Chain> {
+        let mut top = self.free.load(Ordering::Acquire);
+        loop {
+            let head = top as u32;
+            if head == 0 {
+                return None;
+            }
+            // Read before the CAS; if another thread took this chain meanwhile, the tag changed and the
+            // CAS fails, so a stale value is never used.
+            let link = self.slots[(head - 1) as usize]
+                .chain
+                .load(Ordering::Relaxed);
+            let new = ((top >> 32).wrapping_add(1) << 32) | (link >> 32);
+            match self
+                .free
+                .compare_exchange_weak(top, new, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    return Some(Chain {
+                        head,
+                        len: (link as u32).max(1),
+                    });
+                }
+                Err(t) => top = t,
             }
         }
     }
@@ -227,6 +330,7 @@ impl Pool {
     /// Frees every slot of a finalized communicator; returns how many events were started but never
     /// stopped. NCCL makes no more calls for the communicator, so nothing else touches these slots.
     pub fn reclaim(&self, comm: u32) -> u64 {
+        let mut cache = Cache::default();
         let mut unfinished = 0;
         for (index, slot) in self.slots.iter().enumerate() {
             let state = slot.state.load(Ordering::Acquire);
@@ -234,16 +338,20 @@ impl Pool {
                 continue;
             }
             let generation = (slot.refs.load(Ordering::Acquire) >> 32) as u32;
-            if self.drop_refs(index as u32, generation, u32::MAX) && state & STOPPED == 0 {
+            if self.drop_refs(&mut cache, index as u32, generation, u32::MAX)
+                && state & STOPPED == 0
+            {
                 unfinished += 1;
             }
         }
+        self.flush(&mut cache);
         unfinished
     }
 
     /// Releases Coll/P2p events stopped before `stopped_before_ns` (host time) that still wait for
     /// KernelCh children NCCL never started; returns how many. Runs on the forwarding thread.
     pub fn sweep(&self, stopped_before_ns: u64) -> u64 {
+        let mut cache = Cache::default();
         let mut released = 0;
         for (index, slot) in self.slots.iter().enumerate() {
             let state = slot.state.load(Ordering::Acquire);
@@ -255,11 +363,12 @@ impl Pool {
             let stop_ns = slot.gpu_stop.load(Ordering::Relaxed);
             if stop_ns != 0
                 && stop_ns < stopped_before_ns
-                && self.drop_refs(index as u32, (refs >> 32) as u32, u32::MAX)
+                && self.drop_refs(&mut cache, index as u32, (refs >> 32) as u32, u32::MAX)
             {
                 released += 1;
             }
         }
+        self.flush(&mut cache);
         released
     }
 
@@ -279,16 +388,17 @@ mod tests {
 
     #[test]
     fn alloc_until_exhausted_then_reuse_with_a_new_id() {
+        let mut c = Cache::default();
         let pool = Pool::new(4);
         let a: Vec<_> = (0..4)
-            .map(|_| pool.alloc(Kind::KernelCh, 1, 1).unwrap())
+            .map(|_| pool.alloc(&mut c, Kind::KernelCh, 1, 1).unwrap())
             .collect();
-        assert!(pool.alloc(Kind::KernelCh, 1, 1).is_none());
+        assert!(pool.alloc(&mut c, Kind::KernelCh, 1, 1).is_none());
         let first_id = a[2].id();
         let h = pool.handle(&a[2]);
-        pool.release(&a[2]);
+        pool.release(&mut c, &a[2]);
         assert!(pool.lookup(h).is_none(), "a freed handle is not live");
-        let b = pool.alloc(Kind::Coll, 2, 1).unwrap();
+        let b = pool.alloc(&mut c, Kind::Coll, 2, 1).unwrap();
         assert_eq!(b.index, a[2].index);
         assert_ne!(b.id(), first_id);
         assert_eq!(pool.lookup(h).unwrap().kind, Kind::Coll);
@@ -296,8 +406,9 @@ mod tests {
 
     #[test]
     fn garbage_handles_are_rejected_without_touching_them() {
+        let mut c = Cache::default();
         let pool = Pool::new(4);
-        let live = pool.alloc(Kind::P2p, 0, 1).unwrap();
+        let live = pool.alloc(&mut c, Kind::P2p, 0, 1).unwrap();
         let h = pool.handle(&live) as usize;
         for bad in [
             0usize,
@@ -314,103 +425,159 @@ mod tests {
 
     #[test]
     fn op_lives_until_stop_and_all_announced_children() {
+        let mut c = Cache::default();
         let pool = Pool::new(2);
-        let op = pool.alloc(Kind::Coll, 0, 3).unwrap(); // stop + 2 children
+        let op = pool.alloc(&mut c, Kind::Coll, 0, 3).unwrap(); // stop + 2 children
         let h = pool.handle(&op);
         assert!(op.stop());
         assert!(!op.stop(), "second stop is refused");
-        pool.release(&op);
-        pool.release(&op);
+        pool.release(&mut c, &op);
+        pool.release(&mut c, &op);
         assert!(pool.lookup(h).is_some());
-        pool.release(&op);
+        pool.release(&mut c, &op);
         assert!(pool.lookup(h).is_none());
         assert_eq!(pool.in_use(), 0);
     }
 
     #[test]
     fn reclaim_frees_a_communicator_and_counts_unstopped() {
+        let mut c = Cache::default();
         let pool = Pool::new(8);
-        let a = pool.alloc(Kind::KernelCh, 7, 1).unwrap();
-        let b = pool.alloc(Kind::Coll, 7, 5).unwrap();
+        let a = pool.alloc(&mut c, Kind::KernelCh, 7, 1).unwrap();
+        let b = pool.alloc(&mut c, Kind::Coll, 7, 5).unwrap();
         b.stop();
-        let _c = pool.alloc(Kind::Coll, 8, 1).unwrap();
+        let _c = pool.alloc(&mut c, Kind::Coll, 8, 1).unwrap();
         assert_eq!(pool.reclaim(7), 1, "only the KernelCh was never stopped");
         assert!(pool.lookup(pool.handle(&a)).is_none());
         assert_eq!(pool.in_use(), 1);
         assert_eq!(
-            (0..7).filter_map(|_| pool.alloc(Kind::P2p, 1, 1)).count(),
+            (0..7)
+                .filter_map(|_| pool.alloc(&mut c, Kind::P2p, 1, 1))
+                .count(),
             7
         );
     }
 
     #[test]
     fn a_stale_release_after_reuse_does_not_touch_the_new_event() {
+        let mut c = Cache::default();
         let pool = Pool::new(1);
-        let op = pool.alloc(Kind::Coll, 0, 2).unwrap();
+        let op = pool.alloc(&mut c, Kind::Coll, 0, 2).unwrap();
         let stale = op; // a child that looked the parent up
         assert!(op.stop());
-        pool.release(&op);
-        pool.release(&stale); // count 0: freed
-        let again = pool.alloc(Kind::KernelCh, 0, 1).unwrap();
-        pool.release(&stale); // an extra release of the old generation
+        pool.release(&mut c, &op);
+        pool.release(&mut c, &stale); // count 0: freed
+        let again = pool.alloc(&mut c, Kind::KernelCh, 0, 1).unwrap();
+        pool.release(&mut c, &stale); // an extra release of the old generation
         assert_eq!(
             pool.lookup(pool.handle(&again)).unwrap().kind,
             Kind::KernelCh,
             "still live"
         );
-        pool.release(&again);
+        pool.release(&mut c, &again);
         assert_eq!(pool.in_use(), 0);
         assert!(
-            pool.alloc(Kind::P2p, 0, 1).is_some() && pool.alloc(Kind::P2p, 0, 1).is_none(),
+            pool.alloc(&mut c, Kind::P2p, 0, 1).is_some()
+                && pool.alloc(&mut c, Kind::P2p, 0, 1).is_none(),
             "freed once"
         );
     }
 
     #[test]
     fn sweep_releases_only_old_stopped_operations_waiting_for_children() {
+        let mut c = Cache::default();
         let pool = Pool::new(4);
-        let old = pool.alloc(Kind::Coll, 0, 3).unwrap();
+        let old = pool.alloc(&mut c, Kind::Coll, 0, 3).unwrap();
         old.stop();
         old.slot.gpu_stop.store(100, Ordering::Relaxed);
-        pool.release(&old);
-        let young = pool.alloc(Kind::P2p, 0, 2).unwrap();
+        pool.release(&mut c, &old);
+        let young = pool.alloc(&mut c, Kind::P2p, 0, 2).unwrap();
         young.stop();
         young.slot.gpu_stop.store(500, Ordering::Relaxed);
-        pool.release(&young);
-        let running = pool.alloc(Kind::Coll, 0, 2).unwrap();
-        let kernel = pool.alloc(Kind::KernelCh, 0, 1).unwrap();
+        pool.release(&mut c, &young);
+        let running = pool.alloc(&mut c, Kind::Coll, 0, 2).unwrap();
+        let kernel = pool.alloc(&mut c, Kind::KernelCh, 0, 1).unwrap();
         assert_eq!(pool.sweep(200), 1);
         assert!(pool.lookup(pool.handle(&old)).is_none());
         for live in [young, running, kernel] {
             assert!(pool.lookup(pool.handle(&live)).is_some());
         }
-        pool.release(&old); // a child arriving after the sweep: nothing happens
+        pool.release(&mut c, &old); // a child arriving after the sweep: nothing happens
         assert_eq!(pool.in_use(), 3);
     }
 
     #[test]
     fn concurrent_alloc_and_free_never_hand_out_a_slot_twice() {
-        let pool = Pool::new(64);
+        let pool = Pool::new(256);
         std::thread::scope(|s| {
             for t in 0..4u32 {
                 let pool = &pool;
                 s.spawn(move || {
-                    for _ in 0..20_000 {
-                        let Some(l) = pool.alloc(Kind::KernelCh, t, 1) else {
-                            continue;
-                        };
-                        l.slot.parent.store(t as u64, Ordering::Relaxed);
+                    let mut c = Cache::default();
+                    let mut held = Vec::new();
+                    for n in 0..20_000 {
+                        if let Some(l) = pool.alloc(&mut c, Kind::KernelCh, t, 1) {
+                            l.slot.parent.store(t as u64, Ordering::Relaxed);
+                            held.push(l);
+                        }
                         std::hint::spin_loop();
-                        assert_eq!(
-                            l.slot.parent.load(Ordering::Relaxed),
-                            t as u64,
-                            "slot shared by two threads"
-                        );
-                        pool.release(&l);
+                        // Release in bursts so magazines fill, spill and refill.
+                        if n % 97 == 0 {
+                            for l in held.drain(..) {
+                                assert_eq!(
+                                    l.slot.parent.load(Ordering::Relaxed),
+                                    t as u64,
+                                    "slot shared by two threads"
+                                );
+                                pool.release(&mut c, &l);
+                            }
+                        }
                     }
+                    for l in held.drain(..) {
+                        pool.release(&mut c, &l);
+                    }
+                    pool.flush(&mut c);
                 });
             }
         });
         assert_eq!(pool.in_use(), 0);
+        let mut c = Cache::default();
+        assert_eq!(
+            (0..300)
+                .filter_map(|_| pool.alloc(&mut c, Kind::P2p, 0, 1))
+                .count(),
+            256,
+            "every slot came back"
+        );
+    }
+
+    #[test]
+    fn a_slot_taken_on_one_thread_and_freed_on_another_comes_back() {
+        let pool = Pool::new(2 * MAGAZINE);
+        let mut app = Cache::default();
+        for _ in 0..1000 {
+            let live: Vec<_> = (0..MAGAZINE)
+                .map(|_| pool.alloc(&mut app, Kind::Coll, 0, 1).expect("a slot"))
+                .collect();
+            // The "proxy thread" frees them into its own cache and ends.
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    let mut proxy = Cache::default();
+                    for l in &live {
+                        pool.release(&mut proxy, l);
+                    }
+                    pool.flush(&mut proxy);
+                });
+            });
+        }
+        pool.flush(&mut app);
+        assert_eq!(pool.in_use(), 0);
+        let mut c = Cache::default();
+        assert_eq!(
+            (0..3 * MAGAZINE)
+                .filter_map(|_| pool.alloc(&mut c, Kind::P2p, 0, 1))
+                .count(),
+            2 * MAGAZINE as usize
+        );
     }
 }

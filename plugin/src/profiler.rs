@@ -1,18 +1,18 @@
 //! The plugin's process-wide state and what each NCCL callback does with an event once the entry point
 //! (`entry.rs`) has read it out of NCCL's descriptor.
 //!
-//! Hot path (startEvent / stopEvent / recordEventState): validate the handle, take or return a pool slot,
-//! push one [`Event`] into the bounded queue. No lock, no allocation, no syscall (timestamps are TSC
-//! reads, see `clock`); a full pool or queue drops the event and counts it.
+//! Hot path (startEvent / stopEvent / recordEventState): validate the handle, take or return a pool slot
+//! from the thread's own cache, push one [`Event`] into the thread's own lane. No lock, no allocation, no
+//! syscall (timestamps are TSC reads, see `clock`), no cache line written by another NCCL thread; a full
+//! pool or lane drops the event and counts it.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-use crossbeam_queue::ArrayQueue;
 use ncclscope_proto::segment::Segment;
 use ncclscope_proto::{Counter, Record, TimingPath};
 
@@ -22,12 +22,11 @@ use crate::config::Config;
 use crate::devhook;
 use crate::event::{CText, Event};
 use crate::host::{self, HostInfo};
-use crate::pool::{Kind, POOL_SLOTS, Pool};
+use crate::lanes::{Dep, LANE_EVENTS, Lanes};
+use crate::pool::{Cache, Kind, POOL_SLOTS, Pool};
 
-/// Events waiting for the forwarding thread.
-pub const QUEUE_EVENTS: usize = 1 << 15;
-/// Queue depth at which an NCCL thread wakes the sleeping forwarding thread.
-const WAKE_DEPTH: usize = QUEUE_EVENTS / 8;
+/// Lane depth at which an NCCL thread wakes the sleeping forwarding thread.
+const WAKE_DEPTH: u64 = LANE_EVENTS as u64 / 4;
 /// Communicators alive at once in one process.
 pub const MAX_COMMS: usize = 1024;
 /// How long a stopped Coll/P2p may wait for its announced KernelCh children before [`Plugin::sweep`]
@@ -84,6 +83,62 @@ struct CommSlot {
     nranks: AtomicU32,
     nnodes: AtomicU32,
     name: Mutex<Vec<u8>>,
+    /// Where its latest event was queued (a [`Dep`]): the next one follows it, so the daemon reads a
+    /// communicator's records in the order NCCL's threads produced them (see `lanes`). On its own cache
+    /// line: written at every event, by the threads of this communicator only.
+    last: PaddedU64,
+}
+
+#[repr(align(64))]
+#[derive(Default)]
+struct PaddedU64(AtomicU64);
+
+impl CommSlot {
+    /// What the communicator's next event must follow.
+    fn last(&self) -> Dep {
+        Dep::from_raw(self.last.0.load(Ordering::Acquire))
+    }
+
+    /// The communicator's latest event was queued `at`.
+    fn advance(&self, at: Dep) {
+        if at != Dep::NONE {
+            self.last.0.store(at.raw(), Ordering::Release);
+        }
+    }
+}
+
+/// An NCCL thread's own state: its lane and its free slots. Given back when the thread exits.
+pub(crate) struct Local {
+    plugin: Option<&'static Plugin>,
+    lane: Option<usize>,
+    cache: Cache,
+}
+
+impl Local {
+    const fn new() -> Local {
+        Local {
+            plugin: None,
+            lane: None,
+            cache: Cache::EMPTY,
+        }
+    }
+}
+
+impl Drop for Local {
+    /// Thread exit: the free slots go back to the pool, the lane (with what it still holds, which the
+    /// forwarding thread drains as usual) to the lanes. Never unwinds.
+    fn drop(&mut self) {
+        let Some(plugin) = self.plugin.take() else {
+            return;
+        };
+        let (lane, cache) = (self.lane.take(), &mut self.cache);
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            plugin.pool.flush(cache);
+            if let Some(lane) = lane {
+                plugin.lanes.release(lane);
+            }
+        }));
+    }
 }
 
 /// A Coll read from its descriptor.
@@ -173,7 +228,7 @@ pub struct Plugin {
     comms: Box<[CommSlot]>,
     next_comm: AtomicU32,
     live_comms: AtomicU32,
-    pub(crate) queue: ArrayQueue<Event>,
+    pub(crate) lanes: Lanes,
     /// Losses counted on NCCL threads, moved into the segment header by the forwarding thread.
     pending: [AtomicU64; Counter::ALL.len()],
     /// NCCL's activation mask (one global int for all communicators) and the value we want in it.
@@ -215,6 +270,8 @@ pub(crate) extern "C" fn forked_child() {
 thread_local! {
     /// The communicator whose `init` ran last on this thread: NCCL calls `getDeviceHook` right after it.
     static LAST_INIT: Cell<Option<u32>> = const { Cell::new(None) };
+    /// This thread's lane and free slots.
+    static LOCAL: RefCell<Local> = const { RefCell::new(Local::new()) };
 }
 
 /// The plugin, if it is running.
@@ -254,7 +311,7 @@ impl Plugin {
             comms: (0..MAX_COMMS).map(|_| CommSlot::default()).collect(),
             next_comm: AtomicU32::new(0),
             live_comms: AtomicU32::new(0),
-            queue: ArrayQueue::new(QUEUE_EVENTS),
+            lanes: Lanes::new(),
             pending: Default::default(),
             mask_ptr: AtomicPtr::new(std::ptr::null_mut()),
             fwd: OnceLock::new(),
@@ -303,17 +360,58 @@ impl Plugin {
         }
     }
 
-    fn push(&self, event: Event) {
-        if self.queue.push(event).is_err() {
-            self.count(Counter::QueueFull);
-            return;
+    /// Runs `f` with this thread's [`Local`] (taking a lane at the thread's first event). A thread
+    /// whose thread-local state is gone (it is exiting) or that holds no lane (all taken) borrows a free
+    /// lane for the call, and its slots go back to the pool at once.
+    fn with_local<R>(&'static self, f: impl FnOnce(&mut Local) -> R) -> R {
+        let mut f = Some(f);
+        let done = LOCAL
+            .try_with(|local| {
+                let mut local = local.try_borrow_mut().ok()?;
+                let plugin = *local.plugin.get_or_insert(self);
+                if !std::ptr::eq(plugin, self) {
+                    return None;
+                }
+                if local.lane.is_none() {
+                    local.lane = self.lanes.claim();
+                    local.lane?;
+                }
+                f.take().map(|f| f(&mut local))
+            })
+            .ok()
+            .flatten();
+        if let Some(r) = done {
+            return r;
         }
+        let mut borrowed = Local::new();
+        borrowed.lane = self.lanes.claim();
+        let r = (f.take().expect("not called yet"))(&mut borrowed);
+        self.pool.flush(&mut borrowed.cache);
+        if let Some(lane) = borrowed.lane.take() {
+            self.lanes.release(lane);
+        }
+        r
+    }
+
+    /// Queues `event` after `deps` in the thread's lane; returns its position (what later events that
+    /// must follow it depend on), or [`Dep::NONE`] when it was dropped (counted).
+    #[inline(always)]
+    fn push(&self, local: &mut Local, event: Event, deps: [Dep; 2]) -> Dep {
+        let Some(lane) = local.lane else {
+            self.count(Counter::QueueFull);
+            return Dep::NONE;
+        };
+        let Ok(at) = self.lanes.push(lane, event, deps) else {
+            self.count(Counter::QueueFull);
+            return Dep::NONE;
+        };
         if self.fwd_idle.load(Ordering::Relaxed)
-            && self.queue.len() >= WAKE_DEPTH
+            && self.lanes.depth(lane) >= WAKE_DEPTH
             && self.fwd_idle.swap(false, Ordering::SeqCst)
         {
             self.wake();
         }
+        at
     }
 
     fn wake(&self) {
@@ -323,7 +421,7 @@ impl Plugin {
     }
 
     pub(crate) fn open_comm(
-        &self,
+        &'static self,
         comm_hash: u64,
         name: Vec<u8>,
         nnodes: c_int,
@@ -352,27 +450,25 @@ impl Plugin {
             *n = name;
         }
         slot.ended.store(false, Ordering::Relaxed);
+        slot.last.0.store(0, Ordering::Relaxed);
         slot.announced.store(false, Ordering::Release);
         self.live_comms.fetch_add(1, Ordering::AcqRel);
         LAST_INIT.set(Some(index as u32));
         // On an RFC host the timing path is known once `getDeviceHook` has run; announce then.
         if !self.host.is_rfc() {
-            self.announce(
-                slot,
-                TimingPath::KernelCh,
-                devhook::calibrate_current_device(),
-            );
+            let cuda_dev = devhook::calibrate_current_device();
+            self.with_local(|l| self.announce(l, slot, TimingPath::KernelCh, cuda_dev));
         }
         slot as *const CommSlot as *mut c_void
     }
 
     /// Queues the communicator's [`Record::Comm`], once.
-    fn announce(&self, slot: &CommSlot, path: TimingPath, cuda_dev: i32) {
+    fn announce(&self, local: &mut Local, slot: &CommSlot, path: TimingPath, cuda_dev: i32) {
         if slot.announced.swap(true, Ordering::AcqRel) {
             return;
         }
         let name = slot.name.lock().map(|n| n.clone()).unwrap_or_default();
-        self.push(Event::Comm {
+        let event = Event::Comm {
             comm: slot.id.load(Ordering::Relaxed),
             comm_hash: slot.comm_hash.load(Ordering::Relaxed),
             rank: slot.rank.load(Ordering::Relaxed),
@@ -382,7 +478,9 @@ impl Plugin {
             name,
             path,
             host_ns: clock::stamp(),
-        });
+        };
+        let at = self.push(local, event, [Dep::NONE; 2]);
+        slot.advance(at);
     }
 
     /// The communicator behind an NCCL context pointer, if it is one of ours and alive.
@@ -397,7 +495,7 @@ impl Plugin {
     }
 
     /// `getDeviceHook` has run for the communicator last initialised on this thread.
-    pub fn device_hook_offered(&self, cuda_dev: i32, active: bool) {
+    pub fn device_hook_offered(&'static self, cuda_dev: i32, active: bool) {
         let Some(slot) = LAST_INIT.get().and_then(|i| self.comms.get(i as usize)) else {
             return;
         };
@@ -410,7 +508,7 @@ impl Plugin {
         } else {
             TimingPath::KernelCh
         };
-        self.announce(slot, path, cuda_dev);
+        self.with_local(|l| self.announce(l, slot, path, cuda_dev));
     }
 
     /// The communicator id `getDeviceHook` is about (the last `init` on this thread).
@@ -422,13 +520,38 @@ impl Plugin {
     }
 
     /// `startEvent`: the handle NCCL keeps, or NULL to decline.
-    pub fn start(&self, ctx: *mut c_void, parent: *mut c_void, start: Start) -> *mut c_void {
+    pub fn start(
+        &'static self,
+        ctx: *mut c_void,
+        parent: *mut c_void,
+        start: Start,
+    ) -> *mut c_void {
+        match start {
+            // Nothing to queue or keep: no thread state needed.
+            Start::Group => group_handle(),
+            Start::Api { captured } => api_handle(captured),
+            Start::Other => {
+                self.count(Counter::Ignored);
+                std::ptr::null_mut()
+            }
+            // By reference: the descriptor's fields are not moved through the closure.
+            start => self.with_local(|l| self.start_event(l, ctx, parent, &start)),
+        }
+    }
+
+    fn start_event(
+        &self,
+        l: &mut Local,
+        ctx: *mut c_void,
+        parent: *mut c_void,
+        start: &Start,
+    ) -> *mut c_void {
         let Some(comm_slot) = self.comm(ctx) else {
             self.count(Counter::Ignored);
             return std::ptr::null_mut();
         };
         if !comm_slot.announced.load(Ordering::Relaxed) {
-            self.announce(comm_slot, TimingPath::KernelCh, -1);
+            self.announce(l, comm_slot, TimingPath::KernelCh, -1);
         }
         let comm = comm_slot.id.load(Ordering::Relaxed);
         let host_ns = clock::stamp();
@@ -441,78 +564,103 @@ impl Plugin {
         };
         let captured = parent == api_handle(true);
         match start {
-            Start::Group => group_handle(),
-            Start::Api { captured } => api_handle(captured),
+            Start::Group | Start::Api { .. } | Start::Other => std::ptr::null_mut(),
             Start::Coll(c) if captured => {
-                self.push(c.event(comm, self.captured_id(), host_ns, true));
+                let event = c.event(comm, self.captured_id(), host_ns, true);
+                comm_slot.advance(self.push(l, event, [comm_slot.last(), Dep::NONE]));
                 captured_op_handle()
             }
             Start::P2p(p) if captured => {
-                self.push(p.event(comm, self.captured_id(), host_ns, true));
+                let event = p.event(comm, self.captured_id(), host_ns, true);
+                comm_slot.advance(self.push(l, event, [comm_slot.last(), Dep::NONE]));
                 captured_op_handle()
             }
             Start::Coll(c) => {
-                let Some(live) = self.alloc(Kind::Coll, comm, 1 + kernel_children(c.n_channels))
-                else {
+                let refs = 1 + kernel_children(c.n_channels);
+                let Some(live) = self.alloc(l, Kind::Coll, comm_slot, refs) else {
                     return std::ptr::null_mut();
                 };
-                self.push(c.event(comm, live.id(), host_ns, false));
+                let event = c.event(comm, live.id(), host_ns, false);
+                let at = self.push(l, event, [comm_slot.last(), Dep::NONE]);
+                if at == Dep::NONE {
+                    // Dropped (counted): declined, so no stop or kernel record names a start that
+                    // never reaches the daemon.
+                    self.pool.abandon(&mut l.cache, &live);
+                    return std::ptr::null_mut();
+                }
+                comm_slot.advance(at);
+                live.slot.dep.store(at.raw(), Ordering::Relaxed);
                 self.pool.handle(&live)
             }
             Start::P2p(p) => {
-                let Some(live) = self.alloc(Kind::P2p, comm, 1 + kernel_children(p.n_channels))
-                else {
+                let refs = 1 + kernel_children(p.n_channels);
+                let Some(live) = self.alloc(l, Kind::P2p, comm_slot, refs) else {
                     return std::ptr::null_mut();
                 };
-                self.push(p.event(comm, live.id(), host_ns, false));
+                let event = p.event(comm, live.id(), host_ns, false);
+                let at = self.push(l, event, [comm_slot.last(), Dep::NONE]);
+                if at == Dep::NONE {
+                    // Dropped (counted): declined, so no stop or kernel record names a start that
+                    // never reaches the daemon.
+                    self.pool.abandon(&mut l.cache, &live);
+                    return std::ptr::null_mut();
+                }
+                comm_slot.advance(at);
+                live.slot.dep.store(at.raw(), Ordering::Relaxed);
                 self.pool.handle(&live)
             }
             Start::KernelCh { .. } if parent == captured_op_handle() => {
                 self.count(Counter::ReplayKernelCh);
                 std::ptr::null_mut()
             }
-            Start::KernelCh { channel, p_timer } => {
+            &Start::KernelCh { channel, p_timer } => {
                 let op = self.pool.lookup(parent).filter(|p| p.kind.is_op());
-                let Some(live) = self.alloc(Kind::KernelCh, comm, 1) else {
+                let Some(live) = self.alloc(l, Kind::KernelCh, comm_slot, 1) else {
                     if let Some(op) = op {
-                        self.pool.release(&op);
+                        self.pool.release(&mut l.cache, &op);
                     }
                     return std::ptr::null_mut();
                 };
+                // Its record follows its operation's start.
+                let (parent_id, dep) =
+                    op.map_or((0, 0), |op| (op.id(), op.slot.dep.load(Ordering::Relaxed)));
+                live.slot.parent.store(parent_id, Ordering::Relaxed);
+                live.slot.dep.store(dep, Ordering::Relaxed);
                 live.slot
-                    .parent
-                    .store(op.map_or(0, |op| op.id()), Ordering::Relaxed);
-                live.slot.channel.store(channel as u32, Ordering::Relaxed);
+                    .channel
+                    .fetch_or(channel as u32, Ordering::Relaxed);
                 live.slot.gpu_start.store(p_timer, Ordering::Relaxed);
                 if let Some(op) = op {
                     // This child has its parent's id now; the parent no longer waits for it.
-                    self.pool.release(&op);
+                    self.pool.release(&mut l.cache, &op);
                 }
                 self.pool.handle(&live)
             }
-            Start::KernelPhase {
+            &Start::KernelPhase {
                 channel,
                 phase,
                 p_timer,
             } => {
-                let op_id = self
+                let kernel = self
                     .pool
                     .lookup(parent)
-                    .filter(|p| p.kind == Kind::KernelCh)
-                    .map_or(0, |p| p.slot.parent.load(Ordering::Relaxed));
-                let Some(live) = self.alloc(Kind::KernelPhase, comm, 1) else {
+                    .filter(|p| p.kind == Kind::KernelCh);
+                let (op_id, dep) = kernel.map_or((0, 0), |k| {
+                    (
+                        k.slot.parent.load(Ordering::Relaxed),
+                        k.slot.dep.load(Ordering::Relaxed),
+                    )
+                });
+                let Some(live) = self.alloc(l, Kind::KernelPhase, comm_slot, 1) else {
                     return std::ptr::null_mut();
                 };
                 live.slot.parent.store(op_id, Ordering::Relaxed);
+                live.slot.dep.store(dep, Ordering::Relaxed);
                 live.slot
                     .channel
-                    .store(channel as u32 | (phase as u32) << 8, Ordering::Relaxed);
+                    .fetch_or(channel as u32 | (phase as u32) << 8, Ordering::Relaxed);
                 live.slot.gpu_start.store(p_timer, Ordering::Relaxed);
                 self.pool.handle(&live)
-            }
-            Start::Other => {
-                self.count(Counter::Ignored);
-                std::ptr::null_mut()
             }
         }
     }
@@ -521,16 +669,30 @@ impl Plugin {
         self.next_captured.fetch_add(1, Ordering::Relaxed) << 32 | 1 << 31
     }
 
-    fn alloc(&self, kind: Kind, comm: u32, refs: u32) -> Option<crate::pool::Live<'_>> {
-        let live = self.pool.alloc(kind, comm, refs);
-        if live.is_none() {
+    /// A slot for an event of `comm`, with the communicator's table index in the top half of
+    /// `channel` (where its stop finds the communicator).
+    fn alloc(
+        &self,
+        l: &mut Local,
+        kind: Kind,
+        comm: &CommSlot,
+        refs: u32,
+    ) -> Option<crate::pool::Live<'_>> {
+        let id = comm.id.load(Ordering::Relaxed);
+        let Some(live) = self.pool.alloc(&mut l.cache, kind, id, refs) else {
             self.count(Counter::PoolExhausted);
-        }
-        live
+            return None;
+        };
+        let table = (comm as *const CommSlot as usize - self.comms.as_ptr() as usize)
+            / size_of::<CommSlot>();
+        live.slot
+            .channel
+            .store((table as u32) << 16, Ordering::Relaxed);
+        Some(live)
     }
 
-    /// `stopEvent`.
-    pub fn stop(&self, handle: *mut c_void) {
+    /// `stopEvent` (possibly on another thread than the start: the slot carries everything).
+    pub fn stop(&'static self, handle: *mut c_void) {
         let Some(live) = self.pool.lookup(handle) else {
             if !is_static(handle) && !handle.is_null() {
                 self.count(Counter::Ignored);
@@ -540,12 +702,19 @@ impl Plugin {
         if !live.stop() {
             return;
         }
+        self.with_local(|l| self.stopped(l, &live));
+    }
+
+    /// The record of a stopped event, queued; the slot released.
+    fn stopped(&self, l: &mut Local, live: &crate::pool::Live<'_>) {
         let comm = live.slot.comm.load(Ordering::Relaxed);
         let channel = live.slot.channel.load(Ordering::Relaxed);
         let gpu_start = live.slot.gpu_start.load(Ordering::Relaxed);
         let gpu_stop = live.slot.gpu_stop.load(Ordering::Relaxed);
         let parent = live.slot.parent.load(Ordering::Relaxed);
-        let record = match live.kind {
+        let start = Dep::from_raw(live.slot.dep.load(Ordering::Relaxed));
+        let comm_slot = self.comms.get((channel >> 16) as usize);
+        let event = Event::Ready(match live.kind {
             Kind::Coll | Kind::P2p => {
                 let host_ns = clock::stamp();
                 // Kept for `sweep`: how long the operation has waited for its KernelCh children.
@@ -568,13 +737,17 @@ impl Plugin {
                 comm,
                 parent,
                 channel: channel as u8,
-                phase: (channel >> 8) as u8,
+                phase: (channel >> 8 & 0xff) as u8,
                 gpu_start,
                 gpu_stop,
             },
-        };
-        self.pool.release(&live);
-        self.push(Event::Ready(record));
+        });
+        self.pool.release(&mut l.cache, live);
+        let last = comm_slot.map_or(Dep::NONE, CommSlot::last);
+        let at = self.push(l, event, [start, last]);
+        if let Some(c) = comm_slot {
+            c.advance(at);
+        }
     }
 
     /// Releases operations stopped before `stopped_before` (a [`clock::stamp`]) that still wait for
@@ -606,10 +779,14 @@ impl Plugin {
     }
 
     /// `finalize`: frees the communicator's events and waits (bounded) until its end is in the segment.
-    pub fn finalize(&self, ctx: *mut c_void) {
+    pub fn finalize(&'static self, ctx: *mut c_void) {
         let Some(slot) = self.comm(ctx) else { return };
         let table = (ctx as usize - self.comms.as_ptr() as usize) / size_of::<CommSlot>();
-        self.announce(slot, TimingPath::KernelCh, -1);
+        self.with_local(|l| self.finalize_comm(l, slot, table));
+    }
+
+    fn finalize_comm(&self, l: &mut Local, slot: &CommSlot, table: usize) {
+        self.announce(l, slot, TimingPath::KernelCh, -1);
         let comm = slot.id.load(Ordering::Relaxed);
         let unfinished = self.pool.reclaim(comm);
         self.pending[Counter::Unfinished as usize].fetch_add(unfinished, Ordering::Relaxed);
@@ -620,9 +797,14 @@ impl Plugin {
             table: table as u32,
             host_ns: clock::stamp(),
         });
+        // After everything queued before it, in every lane (the proxy thread's last kernel events).
         while let Some(event) = end.take() {
-            if let Err(event) = self.queue.push(event) {
-                if Instant::now() >= deadline || failed() {
+            let pushed = match l.lane {
+                Some(lane) => self.lanes.push(lane, event, [Dep::ALL, Dep::NONE]),
+                None => Err(event),
+            };
+            if let Err(event) = pushed {
+                if Instant::now() >= deadline || failed() || l.lane.is_none() {
                     self.count(Counter::QueueFull);
                     break;
                 }
@@ -661,12 +843,9 @@ impl Plugin {
                 std::thread::sleep(Duration::from_millis(1));
             }
         };
-        // Written once the queue is empty and the thread found nothing more to do.
-        wait(&|| self.queue.is_empty() && self.fwd_idle.load(Ordering::SeqCst));
-        let mut left = 0;
-        while self.queue.pop().is_some() {
-            left += 1;
-        }
+        // Written once the lanes are empty and the thread found nothing more to do.
+        wait(&|| self.lanes.is_empty() && self.fwd_idle.load(Ordering::SeqCst));
+        let left = self.lanes.discard_all();
         if left > 0 {
             let pending = &self.pending[Counter::ExitUnflushed as usize];
             pending.fetch_add(left, Ordering::Relaxed);

@@ -86,6 +86,16 @@ impl Catcher {
         }
     }
 
+    /// Another mapping of every segment handed over so far, in order (e.g. to drain them as a daemon).
+    pub fn segments(&self) -> Vec<Segment> {
+        self.caught
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|(seg, _)| Segment::open(seg.fd().try_clone_to_owned().ok()?).ok())
+            .collect()
+    }
+
     /// Reads the only segment handed over so far.
     pub fn only_segment(&self) -> anyhow::Result<Contents> {
         let mut caught = self.caught.lock().unwrap();

@@ -1,0 +1,360 @@
+//! The queues from NCCL's threads to the forwarding thread: one lane per thread.
+//!
+//! A thread takes a free lane at its first event and keeps it until it exits (`profiler`'s thread-local
+//! state gives it back); a lane and what is queued in it outlive the thread, so a thread that exits with
+//! events queued loses none of them, and the next thread to take the lane queues behind them. Only the
+//! lane's owner pushes, so an NCCL thread never writes a cache line that another NCCL thread writes (the
+//! lane's queue is crossbeam's `ArrayQueue`, whose only other user is the forwarding thread). A full lane
+//! drops the event and the caller counts it; a thread that finds no free lane ([`MAX_LANES`] threads
+//! hold one) borrows one for the call, or drops and counts: nothing spins or blocks.
+//!
+//! Order. Each lane is FIFO. Across lanes, an event that must follow others carries up to two [`Dep`]s:
+//! the lane and position of an event it must follow. Every event of a communicator follows the
+//! communicator's previous event (the communicator keeps where its latest one was queued), so one
+//! communicator's records reach the segment in the order NCCL's threads produced them, as with one
+//! shared queue; a kernel event or an OpStop also follows its operation's start (kept in the pool slot:
+//! this holds even when the communicator's chain was overtaken by a racing thread), and `CommEnd`
+//! follows everything queued before it in any lane ([`Dep::ALL`]). The forwarding thread, before handing
+//! an event on, drains the lanes it depends on up to those positions. Positions count every event a
+//! lane ever accepted, so a dependency stays valid after its lane changed owner. The daemon's assembler
+//! relies on this: a KernelCh whose operation it has not seen is not joined, an OpStop without its
+//! start is ignored, p2p operations are numbered in their communicator's order, and device-hook work
+//! joins its communicator's operations in launch order. Records of different communicators may
+//! interleave differently than they were produced.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use crossbeam_queue::ArrayQueue;
+
+use crate::event::Event;
+
+/// Lanes per process: NCCL threads that hold one at a time (application threads, one proxy thread and,
+/// from NCCL 2.31, one profiler thread per communicator). A lane's queue is allocated when a thread first
+/// takes it and kept for the life of the process.
+pub const MAX_LANES: usize = 128;
+/// Events queued per lane.
+pub const LANE_EVENTS: usize = 8192;
+
+/// The event a queued event must follow: lane + 1 in the top 16 bits, its position (1-based) below.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Dep(u64);
+
+impl Dep {
+    pub const NONE: Dep = Dep(0);
+    /// Everything queued in any lane before it (a communicator's end).
+    pub const ALL: Dep = Dep(u64::MAX);
+
+    fn new(lane: usize, pos: u64) -> Dep {
+        Dep(((lane as u64 + 1) << 48) | pos)
+    }
+
+    /// As stored in an atomic (pool slots, communicators).
+    pub fn raw(self) -> u64 {
+        self.0
+    }
+
+    pub fn from_raw(raw: u64) -> Dep {
+        Dep(raw)
+    }
+
+    /// (lane, position), for a dependency on one event.
+    fn target(self) -> Option<(usize, u64)> {
+        let lane = (self.0 >> 48) as usize;
+        (self != Dep::ALL && lane > 0).then_some((lane - 1, self.0 & ((1 << 48) - 1)))
+    }
+}
+
+struct Item {
+    event: Event,
+    deps: [Dep; 2],
+}
+
+#[repr(align(64))]
+#[derive(Default)]
+struct Padded(AtomicU64);
+
+#[derive(Default)]
+struct Lane {
+    owned: AtomicBool,
+    queue: OnceLock<ArrayQueue<Item>>,
+    /// Events the lane accepted, ever (its owner's line).
+    pushed: Padded,
+    /// Events taken out, ever (the consumer's line).
+    popped: Padded,
+}
+
+/// The consumer's side (the forwarding thread; at exit, the exiting thread), one at a time.
+struct Consumer {
+    /// Where the next [`Lanes::drain`] starts, so no lane waits behind busy ones.
+    cursor: usize,
+    /// Lanes with an event taken out and not yet handed on (while its dependencies are drained).
+    busy: Vec<bool>,
+}
+
+pub struct Lanes {
+    lanes: Box<[Lane]>,
+    consumer: Mutex<Consumer>,
+}
+
+impl Default for Lanes {
+    fn default() -> Self {
+        Lanes::new()
+    }
+}
+
+impl Lanes {
+    pub fn new() -> Lanes {
+        Lanes {
+            lanes: (0..MAX_LANES).map(|_| Lane::default()).collect(),
+            consumer: Mutex::new(Consumer {
+                cursor: 0,
+                busy: vec![false; MAX_LANES],
+            }),
+        }
+    }
+
+    /// Takes a free lane for the calling thread (until [`Lanes::release`]); None if all are held.
+    pub fn claim(&self) -> Option<usize> {
+        self.lanes.iter().position(|lane| {
+            let free = !lane.owned.load(Ordering::Relaxed)
+                && lane
+                    .owned
+                    .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok();
+            if free {
+                lane.queue.get_or_init(|| ArrayQueue::new(LANE_EVENTS));
+            }
+            free
+        })
+    }
+
+    /// Gives a lane back; what it holds stays queued.
+    pub fn release(&self, lane: usize) {
+        if let Some(l) = self.lanes.get(lane) {
+            l.owned.store(false, Ordering::Release);
+        }
+    }
+
+    /// Queues `event` after `deps` in `lane`, which the caller holds. Returns the event's own position (a
+    /// dependency for later events), or the event back when the lane is full.
+    #[inline(always)]
+    pub fn push(&self, lane: usize, event: Event, deps: [Dep; 2]) -> Result<Dep, Event> {
+        let Some(l) = self.lanes.get(lane) else {
+            return Err(event);
+        };
+        let Some(queue) = l.queue.get() else {
+            return Err(event);
+        };
+        queue
+            .push(Item { event, deps })
+            .map_err(|item| item.event)?;
+        let pos = l.pushed.0.load(Ordering::Relaxed) + 1;
+        l.pushed.0.store(pos, Ordering::Release);
+        Ok(Dep::new(lane, pos))
+    }
+
+    /// Events queued in `lane` (approximate while the consumer runs).
+    pub fn depth(&self, lane: usize) -> u64 {
+        self.lanes.get(lane).map_or(0, |l| {
+            l.pushed
+                .0
+                .load(Ordering::Relaxed)
+                .saturating_sub(l.popped.0.load(Ordering::Relaxed))
+        })
+    }
+
+    /// Whether every lane is empty.
+    pub fn is_empty(&self) -> bool {
+        self.lanes
+            .iter()
+            .all(|l| l.queue.get().is_none_or(|q| q.is_empty()))
+    }
+
+    fn consumer(&self) -> std::sync::MutexGuard<'_, Consumer> {
+        self.consumer.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes up to about `limit` events out (a few more when dependencies pull them in), each after the
+    /// events it depends on, and hands them to `f` in that order. Returns how many.
+    pub fn drain(&self, limit: usize, f: &mut dyn FnMut(Event)) -> usize {
+        let mut c = self.consumer();
+        let mut n = 0;
+        let start = c.cursor;
+        for k in 0..MAX_LANES {
+            let lane = (start + k) % MAX_LANES;
+            while n < limit && self.pop_one(&mut c, lane, f, 0, &mut n) {}
+            if n >= limit {
+                c.cursor = (lane + 1) % MAX_LANES;
+                return n;
+            }
+        }
+        n
+    }
+
+    /// Takes out every event queued so far (and those their dependencies pull in), in order.
+    pub fn drain_all(&self, f: &mut dyn FnMut(Event)) -> usize {
+        let mut c = self.consumer();
+        let mut n = 0;
+        self.satisfy(&mut c, Dep::ALL, f, 0, &mut n);
+        n
+    }
+
+    /// Takes out and drops everything queued; returns how many (the caller counts them lost).
+    pub fn discard_all(&self) -> u64 {
+        let _c = self.consumer();
+        let mut n = 0;
+        for l in self.lanes.iter() {
+            let Some(q) = l.queue.get() else { continue };
+            while q.pop().is_some() {
+                l.popped
+                    .0
+                    .store(l.popped.0.load(Ordering::Relaxed) + 1, Ordering::Release);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Takes one event out of `lane` and hands it on after its dependencies; false if there is none
+    /// (or the lane is busy further up the dependency chain: what it still holds came later).
+    fn pop_one(
+        &self,
+        c: &mut Consumer,
+        lane: usize,
+        f: &mut dyn FnMut(Event),
+        depth: usize,
+        n: &mut usize,
+    ) -> bool {
+        let l = &self.lanes[lane];
+        if c.busy[lane] {
+            return false;
+        }
+        let Some(item) = l.queue.get().and_then(ArrayQueue::pop) else {
+            return false;
+        };
+        l.popped
+            .0
+            .store(l.popped.0.load(Ordering::Relaxed) + 1, Ordering::Release);
+        *n += 1;
+        c.busy[lane] = true;
+        for dep in item.deps {
+            self.satisfy(c, dep, f, depth + 1, n);
+        }
+        c.busy[lane] = false;
+        f(item.event);
+        true
+    }
+
+    /// Hands on what `dep` names, if it is still queued.
+    fn satisfy(
+        &self,
+        c: &mut Consumer,
+        dep: Dep,
+        f: &mut dyn FnMut(Event),
+        depth: usize,
+        n: &mut usize,
+    ) {
+        // Dependencies point at events queued earlier, so a chain cannot be longer than the lanes; the
+        // bound only guards against a corrupted dependency.
+        if dep == Dep::NONE || depth > MAX_LANES + 1 {
+            return;
+        }
+        let mut drain_to = |c: &mut Consumer, lane: usize, pos: u64, n: &mut usize| {
+            let popped = &self.lanes[lane].popped.0;
+            while popped.load(Ordering::Relaxed) < pos && self.pop_one(c, lane, f, depth, n) {}
+        };
+        match dep.target() {
+            Some((lane, pos)) if lane < MAX_LANES => drain_to(c, lane, pos, n),
+            Some(_) => {}
+            None => {
+                for lane in 0..MAX_LANES {
+                    let now = self.lanes[lane].pushed.0.load(Ordering::Acquire);
+                    drain_to(c, lane, now, n);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ncclscope_proto::Record;
+
+    fn ev(id: u64) -> Event {
+        Event::Ready(Record::OpStop {
+            comm: 0,
+            id,
+            host_ns: 0,
+        })
+    }
+
+    fn id(e: &Event) -> u64 {
+        match e {
+            Event::Ready(Record::OpStop { id, .. }) => *id,
+            _ => u64::MAX,
+        }
+    }
+
+    #[test]
+    fn an_event_follows_its_dependency_in_another_lane_and_each_lane_stays_fifo() {
+        let lanes = Lanes::new();
+        let (a, b) = (lanes.claim().unwrap(), lanes.claim().unwrap());
+        assert_ne!(a, b);
+        // b's events come first in drain order (lane order), but 11 depends on a's 2.
+        let d1 = lanes.push(a, ev(1), [Dep::NONE; 2]).unwrap();
+        let d2 = lanes.push(a, ev(2), [d1, Dep::NONE]).unwrap();
+        lanes.push(b, ev(10), [Dep::NONE; 2]).unwrap();
+        lanes.push(b, ev(11), [Dep::NONE, d2]).unwrap();
+        lanes.push(a, ev(3), [Dep::NONE; 2]).unwrap();
+        let mut out = Vec::new();
+        // Start draining at b's lane.
+        lanes.consumer().cursor = b;
+        lanes.drain(100, &mut |e| out.push(id(&e)));
+        assert_eq!(out, [10, 1, 2, 11, 3]);
+        assert!(lanes.is_empty());
+    }
+
+    #[test]
+    fn a_barrier_follows_everything_queued_before_it_but_not_later_events_of_its_lane() {
+        let lanes = Lanes::new();
+        let (a, b) = (lanes.claim().unwrap(), lanes.claim().unwrap());
+        lanes.push(a, ev(1), [Dep::NONE; 2]).unwrap();
+        lanes.push(b, ev(2), [Dep::ALL, Dep::NONE]).unwrap();
+        lanes.push(b, ev(3), [Dep::NONE; 2]).unwrap();
+        lanes.push(a, ev(4), [Dep::NONE; 2]).unwrap();
+        lanes.consumer().cursor = b;
+        let mut out = Vec::new();
+        lanes.drain(100, &mut |e| out.push(id(&e)));
+        assert_eq!(out, [1, 4, 2, 3]);
+    }
+
+    #[test]
+    fn a_released_lane_keeps_its_events_and_positions_for_the_next_owner() {
+        let lanes = Lanes::new();
+        let a = lanes.claim().unwrap();
+        let d = lanes.push(a, ev(1), [Dep::NONE; 2]).unwrap();
+        lanes.release(a);
+        let again = lanes.claim().unwrap();
+        assert_eq!(again, a, "the first free lane is reused");
+        let d2 = lanes.push(again, ev(2), [d, Dep::NONE]).unwrap();
+        assert_ne!(d, d2);
+        let mut out = Vec::new();
+        lanes.drain_all(&mut |e| out.push(id(&e)));
+        assert_eq!(out, [1, 2]);
+    }
+
+    #[test]
+    fn a_full_lane_gives_the_event_back() {
+        let lanes = Lanes::new();
+        let a = lanes.claim().unwrap();
+        for i in 0..LANE_EVENTS as u64 {
+            lanes.push(a, ev(i), [Dep::NONE; 2]).unwrap();
+        }
+        assert!(lanes.push(a, ev(0), [Dep::NONE; 2]).is_err());
+        assert_eq!(lanes.depth(a), LANE_EVENTS as u64);
+        assert_eq!(lanes.discard_all(), LANE_EVENTS as u64);
+        assert_eq!(lanes.depth(a), 0);
+    }
+}
