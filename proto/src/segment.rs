@@ -54,8 +54,8 @@ const W_RECORDS: usize = 96;
 
 /// Largest ring a reader accepts (records); bounds what an untrusted header can make us map.
 pub const MAX_CAPACITY: u64 = 1 << 24;
-/// Default ring size: 1 Mi records = 64 MiB (memfd, charged to the rank's process, touched as the ring
-/// fills). Sized from real NCCL 2.30 with the device hook (one H100, 2 ranks): a CUDA graph of 50
+/// Default ring size: 1 Mi records = 64 MiB (memfd, reserved at creation and charged to the rank's
+/// process). Sized from real NCCL 2.30 with the device hook (one H100, 2 ranks): a CUDA graph of 50
 /// collectives replayed 300 times back to back writes 433 k records per rank in about a second, in
 /// bursts faster than the daemon drains them; 256 Ki records lost 16-18% of them (`ring_full`), 1 Mi
 /// and 2 Mi none (docs/benchmarks.md, "Real NCCL 2.30.7 with the device-hook RFC").
