@@ -4,6 +4,8 @@
 //! and resource; a plain receiver behind an https endpoint gets nothing and the daemon counts the
 //! failures; a bad setting stops the daemon at start with one line.
 
+mod common;
+
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
@@ -220,38 +222,7 @@ impl Daemon {
 
     /// Simulated ranks of one job through the real plugin for `seconds`; the instances they made.
     fn run_ranks(&self, nranks: u32, seconds: u64) -> Vec<u64> {
-        // The ranks' common start, on the monotonic clock, in half a second.
-        let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-        let epoch = now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64 + 500_000_000;
-        let ranks: Vec<Child> = (0..nranks)
-            .map(|rank| {
-                Command::new(ncclscope_tests::daemon_binary())
-                    .arg("sim-rank")
-                    .args(["--rank", &rank.to_string(), "--nranks", &nranks.to_string()])
-                    .args(["--seconds", &seconds.to_string(), "--straggler", "0"])
-                    .args(["--epoch-ns", &epoch.to_string()])
-                    .env("NCCLSCOPE_SOCKET", self.dir.join("reg.sock"))
-                    .env("NCCLSCOPE_RING_MEMORY", "cpu") // no GPU: CPU rings, simulated GPU clock
-                    .env("NCCLSCOPE_JOB_ID", "otlp-tls")
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
-        ranks
-            .into_iter()
-            .map(|r| {
-                let out = r.wait_with_output().unwrap();
-                let stdout = String::from_utf8_lossy(&out.stdout);
-                assert!(
-                    out.status.success(),
-                    "sim-rank: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-                ncclscope::cli::sim_rank::parse_produced(&stdout).expect("sim-rank's count")
-            })
-            .collect()
+        common::run_sim_ranks(&self.dir.join("reg.sock"), "otlp-tls", nranks, seconds, 0)
     }
 }
 

@@ -86,8 +86,14 @@ fn the_package_holds_exactly_the_daemon_the_plugin_the_units_and_the_config() {
         ("/usr/lib/ncclscope/slurm/epilog", "-rwxr-xr-x"),
         ("/usr/share/ncclscope/grafana-dashboard.json", "-rw-r--r--"),
         ("/usr/share/ncclscope/otel-collector.yaml", "-rw-r--r--"),
-        ("/usr/share/ncclscope/prometheus/ncclscope-rules.yaml", "-rw-r--r--"),
-        ("/usr/share/ncclscope/prometheus/prometheus-scrape.yml", "-rw-r--r--"),
+        (
+            "/usr/share/ncclscope/prometheus/ncclscope-rules.yaml",
+            "-rw-r--r--",
+        ),
+        (
+            "/usr/share/ncclscope/prometheus/prometheus-scrape.yml",
+            "-rw-r--r--",
+        ),
         ("/usr/share/ncclscope/enroot/ncclscope.fstab", "-rw-r--r--"),
         ("/usr/share/doc/ncclscope/README.md", "-rw-r--r--"),
         ("/usr/share/doc/ncclscope/copyright", "-rw-r--r--"),

@@ -4,6 +4,8 @@
 //! the exact values of the run's spooled instances; and the HTTP itself (HEAD, keep-alive, gzip,
 //! the health endpoint, build info).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
@@ -99,39 +101,8 @@ fn curl(args: &[&str]) -> Vec<u8> {
 
 /// Runs `nranks` simulated ranks of [`JOB`] for `seconds`, rank 1 late; the instances they made.
 fn run_ranks(socket: &Path, nranks: u32, seconds: u64) -> u64 {
-    let epoch = ncclscope::cli::sim_rank::monotonic_ns() + 500_000_000;
-    let children: Vec<Child> = (0..nranks)
-        .map(|rank| {
-            Command::new(ncclscope_tests::daemon_binary())
-                .arg("sim-rank")
-                .args(["--rank", &rank.to_string(), "--nranks", &nranks.to_string()])
-                .args([
-                    "--epoch-ns",
-                    &epoch.to_string(),
-                    "--seconds",
-                    &seconds.to_string(),
-                ])
-                .args(["--straggler", "1", "--straggler-delay-us", "3000"])
-                .env("NCCLSCOPE_SOCKET", socket)
-                .env("NCCLSCOPE_RING_MEMORY", "cpu")
-                .env("NCCLSCOPE_JOB_ID", JOB)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    children
+    common::run_sim_ranks(socket, JOB, nranks, seconds, 1)
         .into_iter()
-        .map(|c| {
-            let out = c.wait_with_output().unwrap();
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            ncclscope::cli::sim_rank::parse_produced(&String::from_utf8_lossy(&out.stdout)).unwrap()
-        })
         .sum()
 }
 

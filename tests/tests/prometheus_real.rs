@@ -8,6 +8,8 @@
 //! promtool checks both Prometheus configurations and the rules, and runs the rules' unit tests;
 //! the stack's compose file and Grafana provisioning are parsed and their mounts checked.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -255,22 +257,9 @@ fn start(native: bool) -> Setup {
     wait_for(&format!("{prom}/-/ready"), "Prometheus");
 
     let nranks = 4;
-    let epoch = ncclscope::cli::sim_rank::monotonic_ns() + 500_000_000;
-    let ranks = (0..nranks)
-        .map(|rank| {
-            Command::new(ncclscope_tests::daemon_binary())
-                .arg("sim-rank")
-                .args(["--rank", &rank.to_string(), "--nranks", &nranks.to_string()])
-                .args(["--epoch-ns", &epoch.to_string(), "--seconds", "40"])
-                .args(["--straggler", "1", "--straggler-delay-us", "3000"])
-                .env("NCCLSCOPE_SOCKET", dir.path().join("reg.sock"))
-                .env("NCCLSCOPE_RING_MEMORY", "cpu")
-                .env("NCCLSCOPE_JOB_ID", JOB)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
+    let ranks = common::sim_ranks(&dir.path().join("reg.sock"), JOB, nranks, 40, 1)
+        .iter_mut()
+        .map(|c| c.stdout(Stdio::null()).spawn().unwrap())
         .collect();
     Setup {
         _daemon: daemon,

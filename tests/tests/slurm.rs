@@ -4,6 +4,8 @@
 //! node's trace of exactly those collectives into the configured directory, owned by the job's user,
 //! and exits 0 where there is nothing to export.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
@@ -121,45 +123,23 @@ fn task_prolog(conf: &Path, env: &[(&str, &str)]) -> BTreeMap<String, String> {
 /// Two simulated ranks as the job's user with nothing of the job's but what the TaskProlog exported;
 /// each loads the plugin that NCCL_PROFILER_PLUGIN names. Returns the instances they produced.
 fn run_job(d: &Daemon, exported: &BTreeMap<String, String>) -> u64 {
-    let epoch = {
-        let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64 + 500_000_000
-    };
-    let ranks: Vec<Child> = (0..2)
-        .map(|rank| {
-            Command::new(ncclscope_tests::daemon_binary())
-                .arg("sim-rank")
-                .arg("--plugin")
+    // The job's identity comes from the Slurm environment the TaskProlog exported, nothing else.
+    let ranks: Vec<Child> = common::sim_ranks(&d.path("reg.sock"), "", 2, 2, 1)
+        .iter_mut()
+        .map(|c| {
+            c.arg("--plugin")
                 .arg(&exported["NCCL_PROFILER_PLUGIN"])
-                .args([
-                    "--rank",
-                    &rank.to_string(),
-                    "--nranks",
-                    "2",
-                    "--seconds",
-                    "2",
-                ])
-                .args(["--epoch-ns", &epoch.to_string(), "--straggler", "1"])
                 .env_clear()
                 .envs(exported)
                 .env("NCCLSCOPE_SOCKET", d.path("reg.sock"))
                 .env("NCCLSCOPE_RING_MEMORY", "cpu")
                 .uid(UID)
                 .gid(UID)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
                 .spawn()
                 .unwrap()
         })
         .collect();
-    ranks
-        .into_iter()
-        .map(|r| {
-            let out = r.wait_with_output().unwrap();
-            assert!(out.status.success(), "{out:?}");
-            ncclscope::cli::sim_rank::parse_produced(&String::from_utf8_lossy(&out.stdout)).unwrap()
-        })
-        .sum()
+    common::produced(ranks).into_iter().sum()
 }
 
 /// Waits until the daemon has every instance of the job (root's view: `--uid`).

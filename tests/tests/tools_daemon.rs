@@ -4,6 +4,8 @@
 //! as a Perfetto trace (through the API and straight from the spool), the spool survives a SIGKILL of the
 //! daemon, `top` names the straggler, and errors are clear.
 
+mod common;
+
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -138,50 +140,7 @@ fn run_ranks(d: &Daemon, job: &str, nranks: u32, seconds: u64, straggler: u32) -
 
 /// [`run_ranks`] against the registration socket `socket` (while the daemon behind it restarts).
 fn run_ranks_at(socket: &Path, job: &str, nranks: u32, seconds: u64, straggler: u32) -> Vec<u64> {
-    let epoch = {
-        let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64 + 500_000_000
-    };
-    let children: Vec<Child> = (0..nranks)
-        .map(|rank| {
-            Command::new(ncclscope_bin())
-                .arg("sim-rank")
-                .args(["--rank", &rank.to_string(), "--nranks", &nranks.to_string()])
-                .args([
-                    "--epoch-ns",
-                    &epoch.to_string(),
-                    "--seconds",
-                    &seconds.to_string(),
-                ])
-                .args([
-                    "--straggler",
-                    &straggler.to_string(),
-                    "--straggler-delay-us",
-                    "3000",
-                ])
-                .env("NCCLSCOPE_SOCKET", socket)
-                .env("NCCLSCOPE_RING_MEMORY", "cpu") // simulation: no GPU; CPU rings, simulated GPU clock
-                .env("NCCLSCOPE_JOB_ID", job)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    children
-        .into_iter()
-        .map(|c| {
-            let out = c.wait_with_output().unwrap();
-            let stdout = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                out.status.success(),
-                "sim-rank failed: {stdout}{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            ncclscope::cli::sim_rank::parse_produced(&stdout)
-                .expect("sim-rank reports what it produced")
-        })
-        .collect()
+    common::run_sim_ranks(socket, job, nranks, seconds, straggler)
 }
 
 fn stats_json(d: &Daemon, job: &str) -> Value {
