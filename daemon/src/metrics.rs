@@ -133,7 +133,10 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
             ("nranks", s.nranks.to_string()),
             ("comm_name", s.comm_name.to_string()),
             ("algo_proto", algo_proto(&k.algo, &k.proto)),
-            ("message_size", bandwidth::message_size_label(k.message_size)),
+            (
+                "message_size",
+                bandwidth::message_size_label(k.message_size),
+            ),
         ];
         exec.points
             .push((labels.clone(), Value::Histogram(s.exec_us.clone())));

@@ -203,6 +203,41 @@ impl Node {
             .collect()
     }
 
+    /// While `n` ranks of `job` run: their pids as the daemon sees them, checked to be `n` distinct
+    /// pids of the daemon's namespace (not each container's 1).
+    fn live_pids(&self, job: &str, n: usize) -> BTreeSet<u64> {
+        self.wait_metric("ncclscope_segments", n as f64, Duration::from_secs(20));
+        let live = self.stats(job);
+        let ranks = &live["jobs"][0]["communicators"][0]["ranks"];
+        let pids: BTreeSet<u64> = ranks
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["pid"].as_u64().unwrap())
+            .collect();
+        assert_eq!(pids.len(), n, "processes told apart: {ranks}");
+        assert!(
+            !pids.contains(&1),
+            "pids as the daemon's namespace sees them, not each container's 1: {pids:?}"
+        );
+        pids
+    }
+
+    /// Once the ranks end: the collectives each made, checked to be what the daemon counted for it.
+    fn wait_counted_per_rank(&mut self, job: &str) -> Vec<u64> {
+        let produced: Vec<u64> = self.wait_ranks().into_iter().map(|(n, _)| n).collect();
+        assert!(produced.iter().all(|&n| n > 0), "{produced:?}");
+        let v = self.wait_collectives(job, produced.iter().sum());
+        let per_rank: Vec<u64> = v["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["collectives"].as_u64().unwrap())
+            .collect();
+        assert_eq!(per_rank, produced, "{}", v["ranks"]);
+        produced
+    }
+
     fn metric(&self, name: &str) -> Option<f64> {
         let mut s = std::net::TcpStream::connect(&self.prometheus).ok()?;
         s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -312,35 +347,10 @@ fn ranks_in_their_own_namespaces_are_ingested_per_rank_and_leave_nothing_behind(
     node.start_daemon(node.daemon_command());
     node.start_ranks(JOB, 3, epoch_in(Duration::from_millis(500)), 3);
     // While they run: every rank's segment attached, each under its pid as the daemon sees it.
-    node.wait_metric("ncclscope_segments", 3.0, Duration::from_secs(20));
-    let live = node.stats(JOB);
-    let ranks = &live["jobs"][0]["communicators"][0]["ranks"];
-    let pids: BTreeSet<u64> = ranks
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["pid"].as_u64().unwrap())
-        .collect();
-    assert_eq!(pids.len(), 3, "three processes told apart: {ranks}");
-    assert!(
-        !pids.contains(&1),
-        "pids as the daemon's namespace sees them, not each container's 1: {pids:?}"
-    );
-    let produced: Vec<u64> = node.wait_ranks().into_iter().map(|(n, _)| n).collect();
+    let pids = node.live_pids(JOB, 3);
+    let produced = node.wait_counted_per_rank(JOB);
     let total: u64 = produced.iter().sum();
-    assert!(
-        produced.iter().all(|&n| n > 0 && n == produced[0]),
-        "{produced:?}"
-    );
-    // Every collective of every rank, per rank.
-    let v = node.wait_collectives(JOB, total);
-    let per_rank: Vec<u64> = v["ranks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["collectives"].as_u64().unwrap())
-        .collect();
-    assert_eq!(per_rank, produced, "{}", v["ranks"]);
+    assert!(produced.iter().all(|&n| n == produced[0]), "{produced:?}");
     // The segments are gone with their processes: drained, then dropped.
     node.wait_metric("ncclscope_segments", 0.0, Duration::from_secs(20));
     let (spooled, per_pid) = node.spooled(JOB);
@@ -800,30 +810,9 @@ fn the_image_run_as_the_daemonset_runs_it_serves_ranks_in_their_own_namespaces()
     .stderr(std::fs::File::create(node.dir.path().join("daemon.log")).unwrap());
     node.start_daemon(cmd);
     node.start_ranks(JOB, 2, epoch_in(Duration::from_millis(500)), 3);
-    node.wait_metric("ncclscope_segments", 2.0, Duration::from_secs(20));
-    let live = node.stats(JOB);
-    let pids: BTreeSet<u64> = live["jobs"][0]["communicators"][0]["ranks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["pid"].as_u64().unwrap())
-        .collect();
-    assert_eq!(pids.len(), 2, "{live}");
-    assert!(
-        !pids.contains(&1),
-        "host pids (hostPID), not each container's 1: {pids:?}"
-    );
-    let produced: Vec<u64> = node.wait_ranks().into_iter().map(|(n, _)| n).collect();
+    node.live_pids(JOB, 2);
+    let produced = node.wait_counted_per_rank(JOB);
     let total: u64 = produced.iter().sum();
-    assert!(produced.iter().all(|&n| n > 0), "{produced:?}");
-    let v = node.wait_collectives(JOB, total);
-    let per_rank: Vec<u64> = v["ranks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["collectives"].as_u64().unwrap())
-        .collect();
-    assert_eq!(per_rank, produced, "{}", v["ranks"]);
     node.wait_metric("ncclscope_segments", 0.0, Duration::from_secs(20));
     assert_eq!(node.spooled(JOB).0.len() as u64, total);
     // `podman stop` (SIGTERM, as the kubelet sends) ends the daemon cleanly.
