@@ -577,37 +577,15 @@ impl Plugin {
             }
             Start::Coll(c) => {
                 let refs = 1 + kernel_children(c.n_channels);
-                let Some(live) = self.alloc(l, Kind::Coll, comm_slot, refs) else {
-                    return std::ptr::null_mut();
-                };
-                let event = c.event(comm, live.id(), host_ns, false);
-                let at = self.push(l, event, [comm_slot.last(), Dep::NONE]);
-                if at == Dep::NONE {
-                    // Dropped (counted): declined, so no stop or kernel record names a start that
-                    // never reaches the daemon.
-                    self.pool.abandon(&mut l.cache, &live);
-                    return std::ptr::null_mut();
-                }
-                comm_slot.advance(at);
-                live.slot.dep.store(at.raw(), Ordering::Relaxed);
-                self.pool.handle(&live)
+                self.start_op(l, comm_slot, Kind::Coll, refs, |id| {
+                    c.event(comm, id, host_ns, false)
+                })
             }
             Start::P2p(p) => {
                 let refs = 1 + kernel_children(p.n_channels);
-                let Some(live) = self.alloc(l, Kind::P2p, comm_slot, refs) else {
-                    return std::ptr::null_mut();
-                };
-                let event = p.event(comm, live.id(), host_ns, false);
-                let at = self.push(l, event, [comm_slot.last(), Dep::NONE]);
-                if at == Dep::NONE {
-                    // Dropped (counted): declined, so no stop or kernel record names a start that
-                    // never reaches the daemon.
-                    self.pool.abandon(&mut l.cache, &live);
-                    return std::ptr::null_mut();
-                }
-                comm_slot.advance(at);
-                live.slot.dep.store(at.raw(), Ordering::Relaxed);
-                self.pool.handle(&live)
+                self.start_op(l, comm_slot, Kind::P2p, refs, |id| {
+                    p.event(comm, id, host_ns, false)
+                })
             }
             Start::KernelCh { .. } if parent == captured_op_handle() => {
                 self.count(Counter::ReplayKernelCh);
@@ -667,6 +645,30 @@ impl Plugin {
 
     fn captured_id(&self) -> u64 {
         self.next_captured.fetch_add(1, Ordering::Relaxed) << 32 | 1 << 31
+    }
+
+    /// An eager Coll or P2p: a slot for it and its `refs - 1` kernel children, and its start queued
+    /// after the communicator's last event. A start that cannot be queued (dropped, counted) declines
+    /// the operation, so no stop or kernel record names a start that never reaches the daemon.
+    fn start_op(
+        &self,
+        l: &mut Local,
+        comm_slot: &CommSlot,
+        kind: Kind,
+        refs: u32,
+        event: impl FnOnce(u64) -> Event,
+    ) -> *mut c_void {
+        let Some(live) = self.alloc(l, kind, comm_slot, refs) else {
+            return std::ptr::null_mut();
+        };
+        let at = self.push(l, event(live.id()), [comm_slot.last(), Dep::NONE]);
+        if at == Dep::NONE {
+            self.pool.abandon(&mut l.cache, &live);
+            return std::ptr::null_mut();
+        }
+        comm_slot.advance(at);
+        live.slot.dep.store(at.raw(), Ordering::Relaxed);
+        self.pool.handle(&live)
     }
 
     /// A slot for an event of `comm`, with the communicator's table index in the top half of
