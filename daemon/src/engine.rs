@@ -125,6 +125,11 @@ const DICT_SAVE_SHARE: u32 = 50;
 /// How far a job's spool may run past a segment's saved `spool_mark` before the state is saved again:
 /// bounds what a restarted engine reads back per segment.
 const MARK_LAG: u64 = 1 << 20;
+/// An operation open this long is parked (see `Assembler::park`): the tail moves past its records
+/// and the resume state carries it. Long enough that an operation rarely is (its records come within
+/// a few drain intervals), short enough that one whose record was lost uncounted (a gap the plugin
+/// did not see) holds a small share of its ring.
+const PARK_AFTER: Duration = Duration::from_millis(100);
 /// How long after start a resume state waits for its segment to be handed over again (plugins retry
 /// at least every 2 s) before it is taken for one whose process ended while no daemon ran.
 const STATE_CLAIM_WINDOW: Duration = Duration::from_secs(300);
@@ -160,6 +165,12 @@ struct Attached {
     dict_save_cost: Duration,
     /// The spool position in the saved state.
     spool_mark: Option<Position>,
+    /// The parked operations in the saved state, and the read position they are as of: saved
+    /// again as they were by a save that does not move the tail (see `deliver`).
+    saved_parked: (Vec<resume::SavedOp>, u64),
+    /// Records lost in the segment as last seen (plugin loss counters, records of unknown
+    /// operations, undecodable records): a rise is a gap (see `observe_gaps`).
+    gaps: u64,
     exited: bool,
 }
 
@@ -172,6 +183,24 @@ impl Attached {
             let v = &mut self.plugin_lost[c as usize];
             *v = (*v).max(self.consumer.segment().counter(c));
         }
+    }
+
+    /// After [`Self::observe_plugin_counters`]: whether records were lost since the last call,
+    /// somewhere before the producer's head. The plugin counts a record it drops (ring or queue
+    /// full, ...) before writing later ones, and the daemon counts records of operations it does not
+    /// know as it reads them: an operation read so far may be missing one, and is parked rather than
+    /// left to hold the tail until it times out.
+    fn observe_gaps(&mut self) -> bool {
+        let plugin = (Counter::ALL.iter())
+            .filter(|c| c.is_loss())
+            .fold(0u64, |t, &c| t.saturating_add(self.plugin_lost[c as usize]));
+        let c = &self.asm.counters;
+        let gaps = plugin
+            .saturating_add(c.kernel_unjoined)
+            .saturating_add(c.decode_errors);
+        let rose = gaps > self.gaps;
+        self.gaps = gaps;
+        rose
     }
 }
 
@@ -242,6 +271,8 @@ pub struct Engine {
     daemon_lost: Losses,
     /// Commits past open operations or unacknowledged spans because the ring was over half full.
     forced_commits: u64,
+    /// Operations parked (see `Assembler::park`).
+    parked_ops: u64,
     collectives: u64,
     /// Dictionary budget of each uid with segments attached (shared by its assemblers).
     uid_budgets: HashMap<u32, Arc<UidBudget>>,
@@ -298,6 +329,7 @@ impl Engine {
             reaped_asm: AssembleCounters::default(),
             daemon_lost: Losses::default(),
             forced_commits: 0,
+            parked_ops: 0,
             clock: StepDetector::default(),
             collectives: 0,
             uid_budgets: HashMap::new(),
@@ -439,6 +471,7 @@ impl Engine {
         .with_uid_budget(budget);
         let mut state_saved = false;
         let mut spool_mark = None;
+        let mut saved_parked = (Vec::new(), 0);
         let mut consumer = Consumer::new(segment);
         match resume::load(&self.cfg.state_dir, &label) {
             Ok(Some(st)) if finish_commit(&mut consumer, st.tail) => {
@@ -447,7 +480,9 @@ impl Engine {
                 if let Some(spool) = &self.spool {
                     // Spooled by the previous daemon after it saved this state: recorded already.
                     match spool.recorded_since(&job, st.spool_mark) {
-                        Ok(origins) => mark_recorded(&mut delivered, &key, tail, origins),
+                        Ok(origins) => {
+                            mark_recorded(&mut delivered, &key, tail, &st.parked, origins)
+                        }
                         Err(e) => {
                             tracing::warn!(segment = %label, error = %e, "cannot read the spool back; what it holds past the saved state may be recorded twice");
                             self.daemon_lost.add(Loss::SpoolUnreadable, 1);
@@ -455,8 +490,10 @@ impl Engine {
                     }
                 }
                 asm.restore(st.dictionary, delivered);
+                asm.restore_parked(&st.parked, st.parked_upto, now_ns());
                 state_saved = true;
                 spool_mark = st.spool_mark;
+                saved_parked = (st.parked, st.parked_upto);
             }
             Ok(Some(_)) | Ok(None) => {
                 if consumer.segment().tail() > 0 {
@@ -507,6 +544,8 @@ impl Engine {
             dict_saved_at: Instant::now(),
             dict_save_cost: Duration::ZERO,
             spool_mark,
+            saved_parked,
+            gaps: 0,
             exited,
             plugin_lost: [0; Counter::ALL.len()],
         });
@@ -597,6 +636,9 @@ impl Engine {
             }
             busy |= left == 0;
             seg.observe_plugin_counters();
+            if seg.observe_gaps() {
+                self.parked_ops += seg.asm.park(seg.read_upto, u64::MAX);
+            }
             comms_changed |= seg.asm.take_comms_changed();
             self.end_run(i);
             // With many busy segments, deliver while what was assembled is still in cache.
@@ -693,7 +735,10 @@ impl Engine {
                         .any(|c| c.prior & done::RECORDED == 0)
                 {
                     let tail = seg.consumer.segment().tail();
-                    if let Err(e) = save_state(&self.cfg.state_dir, seg, tail, Some(end)) {
+                    // The parked operations as last saved (for this tail): some may have
+                    // completed in this very batch, and are recorded (or not) only by what follows.
+                    let parked = Parked::AsSaved;
+                    if let Err(e) = save_state(&self.cfg.state_dir, seg, tail, Some(end), parked) {
                         tracing::error!(segment = %seg.label, error = %e, "cannot save resume state before spooling; a crash now could record these instances twice");
                         self.daemon_lost.add(Loss::StateWriteFailed, 1);
                     }
@@ -817,7 +862,15 @@ impl Engine {
     /// Saves state and commits each segment whose commit point moved (at most every [`COMMIT_EVERY`]
     /// unless `now` or the ring is a quarter full).
     fn commit_all(&mut self, now: bool) {
+        let now_ns = now_ns();
         for seg in &mut self.segments {
+            // Operations open long, or all of them once the ring is over half full, no longer hold
+            // the tail: the state carries them.
+            let read_before = match ring_pressed(seg) {
+                true => u64::MAX,
+                false => now_ns.saturating_sub(PARK_AFTER.as_nanos() as u64),
+            };
+            self.parked_ops += seg.asm.park(seg.read_upto, read_before);
             let end = self.spool.as_ref().map(|s| s.end(&seg.job));
             commit(
                 &self.cfg.state_dir,
@@ -949,6 +1002,7 @@ impl Engine {
             dev_work: asm.dev_work,
             dev_joined: asm.dev_joined,
             forced_commits: self.forced_commits,
+            parked_ops: self.parked_ops,
             clock_steps: self.clock.steps,
             skew_clock_step: self.stats.skew_clock_step,
             plugin_lost_by_uid,
@@ -1121,20 +1175,26 @@ fn mark_stale(mark: Option<Position>, end: Option<Position>) -> bool {
 }
 
 /// Adds the operations of `name` that `origins` (read back from the spool) show as recorded to a
-/// restored `delivered` list; operations before `tail` are committed and never read again.
+/// restored `delivered` list; operations before `tail` are committed and never read again, except
+/// the `parked` ones, which the restarted engine continues.
 fn mark_recorded(
     delivered: &mut Vec<(u64, u64, u8)>,
     key: &SegmentKey,
     tail: u64,
+    parked: &[resume::SavedOp],
     origins: Vec<Origin>,
 ) {
+    let continued: std::collections::HashSet<(u64, u64)> =
+        parked.iter().map(|p| (p.id, p.first_pos)).collect();
     let mut known: HashMap<u64, usize> = delivered
         .iter()
         .enumerate()
         .map(|(i, d)| (d.0, i))
         .collect();
     for o in origins {
-        if (o.uid, o.pid, o.inode) != (key.uid, key.pid, key.inode) || o.first_pos < tail {
+        if (o.uid, o.pid, o.inode) != (key.uid, key.pid, key.inode)
+            || (o.first_pos < tail && !continued.contains(&(o.op_id, o.first_pos)))
+        {
             continue;
         }
         match known.get(&o.op_id) {
@@ -1168,8 +1228,7 @@ fn commit(
     // and save the state as often as that takes. They are delivered as usual; only a daemon
     // restarted before they finish would not read them again.
     let capacity = seg.consumer.segment().capacity();
-    // The head is the producer's word: saturating, so a head behind the tail is not "full".
-    let pressed = seg.consumer.segment().head().saturating_sub(tail) > capacity / 2;
+    let pressed = ring_pressed(seg);
     let forcing = pressed && target < seg.read_upto;
     if forcing {
         target = seg.read_upto;
@@ -1199,8 +1258,11 @@ fn commit(
     // A replay cursor that moved before the new tail makes the saved state stale for it.
     let cursors_moved = seg.asm.prune_prior(target);
     // A saved state stays valid for any later tail: with the same dictionary, nothing delivered past
-    // the new tail and a recent spool mark, there is nothing new to save (a segment fully drained).
+    // the new tail, no operation parked (the saved ones are continued from where they were saved)
+    // and a recent spool mark, there is nothing new to save (a segment fully drained).
     if seg.delivered.is_empty()
+        && !seg.asm.has_parked()
+        && seg.saved_parked.0.is_empty()
         && seg.asm.prior_deliveries().next().is_none()
         && !dict_changed
         && !stale
@@ -1213,7 +1275,7 @@ fn commit(
         return;
     }
     let started = Instant::now();
-    if let Err(e) = save_state(state_dir, seg, target.max(tail), spool_end) {
+    if let Err(e) = save_state(state_dir, seg, target.max(tail), spool_end, Parked::Now) {
         // Without saved state a restart could not interpret what lies before the tail: keep it.
         tracing::error!(segment = %seg.label, error = %e, "cannot save resume state; not committing");
         lost.add(Loss::StateWriteFailed, 1);
@@ -1229,13 +1291,31 @@ fn commit(
     seg.dirty = false;
 }
 
+/// Whether the segment's ring is over half full: the producer is about to drop records.
+fn ring_pressed(seg: &Attached) -> bool {
+    let s = seg.consumer.segment();
+    // The head is the producer's word: saturating, so a head behind the tail is not "full".
+    s.head().saturating_sub(s.tail()) > s.capacity() / 2
+}
+
+/// Which parked operations a saved state carries.
+#[derive(Clone, Copy)]
+enum Parked {
+    /// Those in flight now that began before the tail, as of the read position.
+    Now,
+    /// Those of the last save, as they were then (the tail has not moved since).
+    AsSaved,
+}
+
 /// Saves the segment's resume state for a committed tail of `tail`: its dictionary, what it delivered
-/// past the tail, and the spool position everything it spools later will follow.
+/// past the tail, the operations in flight that began before it, and the spool position everything
+/// it spools later will follow.
 fn save_state(
     state_dir: &std::path::Path,
     seg: &mut Attached,
     tail: u64,
     spool_mark: Option<Position>,
+    parked: Parked,
 ) -> std::io::Result<()> {
     let mut delivered: Vec<(u64, u64, u8)> = seg
         .delivered
@@ -1248,16 +1328,23 @@ fn save_state(
             .filter(|(id, _, _)| !seg.delivered.contains_key(id)),
     );
     delivered.sort_unstable();
+    let (parked, parked_upto) = match parked {
+        Parked::Now => (seg.asm.parked_ops(tail), seg.read_upto),
+        Parked::AsSaved => seg.saved_parked.clone(),
+    };
     let st = SegmentState {
         segment: seg.label.clone(),
         tail,
         dictionary: seg.asm.dictionary(),
         delivered,
         spool_mark,
+        parked_upto: if parked.is_empty() { 0 } else { parked_upto },
+        parked,
     };
     resume::store(state_dir, &st)?;
     seg.state_saved = true;
     seg.spool_mark = spool_mark;
+    seg.saved_parked = (st.parked, st.parked_upto);
     Ok(())
 }
 
@@ -1436,7 +1523,9 @@ mod tests {
             40 * 8 + 1,
             "every operation delivered, the open one too"
         );
-        assert!(h.forced_commits > 0);
+        // Passed with its state saved (parked), not forgotten: a restart would continue it.
+        assert_eq!(h.parked_ops, 1);
+        assert_eq!(h.forced_commits, 0);
         assert_eq!(h.lost.values().sum::<u64>(), 0, "{:?}", h.lost);
     }
 
@@ -1650,7 +1739,7 @@ mod tests {
         let target = e1.segments[0].read_upto;
         assert!(target > committed);
         let end = e1.spool.as_ref().map(|s| s.end(&job_j()));
-        save_state(&state_dir, &mut e1.segments[0], target, end).unwrap();
+        save_state(&state_dir, &mut e1.segments[0], target, end, Parked::Now).unwrap();
         // ... and the daemon is killed before the tail is committed.
         drop(e1);
         assert_eq!(p.segment().tail(), committed);
@@ -1759,6 +1848,194 @@ mod tests {
         // and counted; the one that never started has nothing to deliver.
         let lost = e.health().lost;
         assert_eq!(lost["incomplete"], 2, "{lost:?}");
+    }
+
+    /// A collective of `write_colls`'s communicator with kernel work on `channels` of 2 (op id seq +
+    /// 1), started unless `start` is false, stopped unless `stop` is false.
+    fn coll_with_work(p: &mut Producer, seq: u64, start: bool, channels: &[u32], stop: bool) {
+        let mut rec = coll_start(seq);
+        if let Record::CollStart { n_channels, .. } = &mut rec {
+            *n_channels = 2;
+        }
+        if start {
+            assert!(p.push(&rec));
+        }
+        for &channel in channels {
+            assert!(p.push(&Record::KernelCh {
+                comm: 0,
+                parent: seq + 1,
+                channel: channel as u8,
+                gpu_start: 1000 * seq + 10,
+                gpu_stop: 1000 * seq + 500,
+                host_ns: 10,
+            }));
+        }
+        if stop {
+            assert!(p.push(&Record::OpStop {
+                comm: 0,
+                id: seq + 1,
+                host_ns: 20,
+            }));
+        }
+    }
+
+    fn calibration() -> Record {
+        Record::Calibration {
+            cuda_dev: 0,
+            offset_ns: 0,
+            error_ns: 100,
+            drift_ppb: 0,
+            host_ns: 0,
+        }
+    }
+
+    /// Issue 16: a record the plugin counts as lost (here an OpStop and a KernelCh) parks the
+    /// operations read so far at once: the tail moves past the two that can no longer complete,
+    /// rather than waiting on them until they time out while the ring fills. Without the count the
+    /// tail waits on the first of them (checked first). A gap the daemon sees itself (kernel work of
+    /// an operation whose start never came) does the same.
+    #[test]
+    fn a_counted_gap_parks_the_operations_read_so_far_and_frees_their_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut p = producer(1 << 12);
+        write_dictionary(&mut p);
+        p.push(&calibration());
+        let (mut e, _rx, hub) = engine(dir.path());
+        let mut live = hub.subscribe();
+        let _conn = hand_over(&mut e, &p);
+        for seq in 0..10 {
+            coll_with_work(&mut p, seq, true, &[0, 1], true);
+        }
+        let no_stop = p.segment().head();
+        coll_with_work(&mut p, 10, true, &[0, 1], false);
+        coll_with_work(&mut p, 11, true, &[1], true);
+        for seq in 12..20 {
+            coll_with_work(&mut p, seq, true, &[0, 1], true);
+        }
+        e.tick();
+        e.commit_all(true);
+        assert_eq!(p.segment().tail(), no_stop, "no gap seen: the tail waits");
+        assert_eq!(e.health().parked_ops, 0);
+
+        // What the plugin does on dropping the two records: count them in the segment's header.
+        p.segment().count(Counter::QueueFull, 2);
+        e.tick();
+        e.commit_all(true);
+        assert_eq!(
+            p.segment().tail(),
+            p.segment().head(),
+            "the tail moved past them"
+        );
+        assert_eq!(e.health().parked_ops, 2);
+        let state = resume::load(dir.path(), &key_of(&p).to_string())
+            .unwrap()
+            .unwrap();
+        let parked: Vec<u64> = state.parked.iter().map(|o| o.desc.seq).collect();
+        assert_eq!(parked, [10, 11], "the resume state carries them");
+
+        // Uncounted: an operation without its stop, then one whose start is missing.
+        coll_with_work(&mut p, 20, true, &[0, 1], false);
+        e.tick();
+        e.commit_all(true);
+        assert!(
+            p.segment().tail() < p.segment().head(),
+            "no gap seen: the tail waits"
+        );
+        coll_with_work(&mut p, 21, false, &[0, 1], true);
+        for seq in 22..30 {
+            coll_with_work(&mut p, seq, true, &[0, 1], true);
+        }
+        e.tick();
+        e.commit_all(true);
+        assert_eq!(
+            p.segment().tail(),
+            p.segment().head(),
+            "the tail moved past it"
+        );
+        assert_eq!(e.health().parked_ops, 3);
+        let mut seen: Vec<u64> = std::iter::from_fn(|| live.try_recv().ok())
+            .map(|c| c.inst.seq)
+            .collect();
+        seen.sort_unstable();
+        let expected: Vec<u64> = (0..30).filter(|s| ![10, 11, 20, 21].contains(s)).collect();
+        assert_eq!(seen, expected, "every other operation delivered");
+    }
+
+    /// A parked operation is continued by a restarted engine from the saved state: delivered once,
+    /// complete, with the kernel work read before and after the restart; also when the killed
+    /// engine had already spooled it but not saved a state saying so (the state dir unwritable
+    /// stands for the kill: the tail stays where the last state was saved).
+    #[test]
+    fn a_parked_operation_is_continued_after_a_restart_and_recorded_once() {
+        for killed_after_spooling in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let state_dir = dir.path().join("state");
+            std::fs::create_dir_all(&state_dir).unwrap();
+            let spool = || Spool::open(dir.path().join("spool"), SpoolLimits::default()).unwrap();
+            let mut p = producer(1 << 12);
+            write_dictionary(&mut p);
+            p.push(&calibration());
+            let (mut e1, _rx, _hub) = engine_with(&state_dir, Some(Box::new(spool())), 1 << 12);
+            let _conn1 = hand_over(&mut e1, &p);
+            coll_with_work(&mut p, 0, true, &[0], false);
+            for seq in 1..10 {
+                coll_with_work(&mut p, seq, true, &[0, 1], true);
+            }
+            p.segment().count(Counter::QueueFull, 1);
+            e1.tick();
+            e1.commit_all(true);
+            assert_eq!(p.segment().tail(), p.segment().head());
+            assert_eq!(e1.health().parked_ops, 1);
+            // The rest of operation 0 (its record was late, not lost), then more.
+            coll_with_work(&mut p, 0, false, &[1], true);
+            for seq in 10..15 {
+                coll_with_work(&mut p, seq, true, &[0, 1], true);
+            }
+            if killed_after_spooling {
+                let away = dir.path().join("state.away");
+                std::fs::rename(&state_dir, &away).unwrap();
+                std::fs::write(&state_dir, b"not a directory").unwrap();
+                e1.tick();
+                e1.commit_all(true);
+                assert_eq!(e1.health().collectives, 15, "all spooled before the kill");
+                std::fs::remove_file(&state_dir).unwrap();
+                std::fs::rename(&away, &state_dir).unwrap();
+            }
+            drop(e1);
+            let (mut e2, _rx, hub) = engine_with(&state_dir, Some(Box::new(spool())), 1 << 12);
+            let mut live = hub.subscribe();
+            let _conn2 = hand_over(&mut e2, &p);
+            e2.tick();
+            e2.commit_all(true);
+            let spooled: Vec<_> = crate::spool::SpoolReader::open_dir(dir.path().join("spool"))
+                .unwrap()
+                .read_job(&job_j())
+                .map(|c| c.unwrap())
+                .collect();
+            let mut seqs: Vec<u64> = spooled.iter().map(|c| c.seq).collect();
+            seqs.sort_unstable();
+            assert_eq!(
+                seqs,
+                (0..15).collect::<Vec<_>>(),
+                "each once (killed after spooling: {killed_after_spooling})"
+            );
+            let op0 = spooled.iter().find(|c| c.seq == 0).unwrap();
+            assert_eq!(
+                op0.channels.len(),
+                2,
+                "work from before and after the restart"
+            );
+            let published: Vec<u64> = std::iter::from_fn(|| live.try_recv().ok())
+                .map(|c| c.inst.seq)
+                .collect();
+            match killed_after_spooling {
+                true => assert!(published.is_empty(), "{published:?}"),
+                false => assert_eq!(published, [0, 10, 11, 12, 13, 14]),
+            }
+            let mut lost = e2.health().lost;
+            assert_eq!(lost.remove("queue_full"), Some(1));
+            assert!(lost.values().all(|&n| n == 0), "{lost:?}");
+        }
     }
 
     /// Spans are at-least-once across a kill: an operation that started first but finished after
