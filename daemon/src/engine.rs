@@ -31,7 +31,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::assemble::{AssembleCounters, Assembler, Completed, UidBudget, done};
 use crate::clock_step::StepDetector;
 use crate::config::Config;
-use crate::hub::{Durable, Hub};
+use crate::group_commit::{BACKLOG_PAUSE, SpoolWriter};
+use crate::hub::{Durable, Hub, SpoolRun};
 use crate::instance::{InstanceRef, Shared};
 use crate::loss::{Loss, Losses};
 use crate::metrics::{self, Health};
@@ -168,10 +169,35 @@ struct Attached {
     /// The parked operations in the saved state, and the read position they are as of: saved
     /// again as they were by a save that does not move the tail (see `deliver`).
     saved_parked: (Vec<resume::SavedOp>, u64),
+    /// Batches queued for the spool and not yet durable, in queue order.
+    spooling: VecDeque<Spooling>,
     /// Records lost in the segment as last seen (plugin loss counters, records of unknown
     /// operations, undecodable records): a rise is a gap (see `observe_gaps`).
     gaps: u64,
     exited: bool,
+}
+
+/// A segment's instances in a batch queued for the spool writer and not yet durable.
+struct Spooling {
+    batch: u64,
+    /// The spool's end before the batch was queued: at or before where the batch lands.
+    mark: Position,
+    /// First record of the earliest of its operations: the tail waits there until it is durable.
+    first_pos: u64,
+    /// Its operations, for `delivered` once durable.
+    ops: Vec<OpDone>,
+}
+
+/// An operation delivered: (op id, position of its first record, sinks: see [`done`]).
+type OpDone = (u64, u64, u8);
+
+/// The spool position a segment's state may save: at or before everything of it the spool takes
+/// from now on and everything of it queued and not yet durable.
+fn spool_mark(seg: &Attached, spool: &SpoolWriter) -> Position {
+    match seg.spooling.front() {
+        Some(s) => s.mark,
+        None => spool.end(&seg.job),
+    }
 }
 
 /// One segment's (or uid's) plugin counters, by [`Counter`].
@@ -261,7 +287,9 @@ pub struct Engine {
     segments: Vec<Attached>,
     stats: Stats,
     hub: Arc<Hub>,
-    spool: Option<Box<dyn Durable>>,
+    spool: Option<SpoolWriter>,
+    /// Instances the spool writer reported it could not append, as last counted.
+    spool_failed: u64,
     out: Outputs,
     started_ns: u64,
     /// Plugin counters and assembler counters of segments already reaped.
@@ -321,8 +349,15 @@ impl Engine {
             .with_job_limit(cfg.limits.max_job_series),
             cfg,
             segments: Vec::new(),
+            spool: spool.and_then(|s| match SpoolWriter::start(s, hub.clone()) {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot start the spool writer thread; nothing is spooled");
+                    None
+                }
+            }),
+            spool_failed: 0,
             hub,
-            spool,
             out,
             started_ns: now_ns(),
             reaped_plugin: HashMap::new(),
@@ -367,11 +402,16 @@ impl Engine {
         }
         let deadline = Instant::now() + self.cfg.shutdown_timeout();
         while self.tick() && Instant::now() < deadline {}
+        // What the spool writer holds, durable before the last states are saved.
+        if let Some(spool) = &self.spool {
+            spool.flush(deadline.saturating_duration_since(Instant::now()));
+        }
         // Wait for the exporter's acknowledgements, so a clean restart re-sends nothing.
         while self.segments.iter().any(|s| !s.unacked.is_empty()) && Instant::now() < deadline {
             std::thread::sleep(min);
             self.tick();
         }
+        self.collect_spooled();
         self.commit_all(true);
         self.snapshot(true);
         tracing::info!(segments = self.segments.len(), "ingest stopped");
@@ -545,6 +585,7 @@ impl Engine {
             dict_save_cost: Duration::ZERO,
             spool_mark,
             saved_parked,
+            spooling: VecDeque::new(),
             gaps: 0,
             exited,
             plugin_lost: [0; Counter::ALL.len()],
@@ -601,8 +642,14 @@ impl Engine {
             self.stats.clock_stepped(step.at_ns, step.delta_ns);
         }
         let now = now_ns();
-        let batch = self.cfg.drain.batch_records;
-        let mut busy = false;
+        // A spool writer that fell behind (a slow disk) holds reading, not this thread: the records
+        // wait in the rings meanwhile.
+        let spool_behind = self.spool_behind();
+        let batch = match spool_behind {
+            true => 0,
+            false => self.cfg.drain.batch_records,
+        };
+        let mut busy = spool_behind;
         let mut comms_changed = false;
         let mut broken = Vec::new();
         for i in 0..self.segments.len() {
@@ -679,6 +726,7 @@ impl Engine {
             self.forget(&seg);
             self.retire(seg);
         }
+        self.collect_spooled();
         self.collect_acks();
         self.commit_all(false);
         self.reap();
@@ -686,6 +734,19 @@ impl Engine {
             self.snapshot(false);
         }
         busy
+    }
+
+    /// Waits (at most `timeout`) until the spool writer made everything queued durable, and takes
+    /// note of it; whether it did. Shutdown does this; tests and benchmarks that read the spool too.
+    pub fn flush_spool(&mut self, timeout: Duration) -> bool {
+        let flushed = self.spool.as_ref().is_none_or(|s| s.flush(timeout));
+        self.collect_spooled();
+        flushed
+    }
+
+    /// Whether reading waits for the spool writer (see [`BACKLOG_PAUSE`]).
+    pub fn spool_behind(&self) -> bool {
+        (self.spool.as_ref()).is_some_and(|s| s.backlog() >= BACKLOG_PAUSE)
     }
 
     /// Marks the instances completed since the last run as segment `i`'s.
@@ -696,7 +757,10 @@ impl Engine {
         }
     }
 
-    /// Spool first (durable), then the hub, statistics and the export queue.
+    /// Statistics, then the spool (queued for the writer thread, which publishes to the hub once
+    /// the instances are durable; without a spool, published here), then the export queue. An
+    /// operation enters `delivered` (the saved state's "recorded") only once its batch is durable
+    /// (see [`Self::collect_spooled`]); until then it holds its segment's tail.
     fn deliver(&mut self, now: u64) {
         if self.completed.is_empty() {
             return;
@@ -706,7 +770,7 @@ impl Engine {
         // Statistics first, for the live-export decision ("slow" is judged against the series before
         // the instance joins it), which the spool keeps so that a file export writes the same spans.
         // Nothing outside the engine reads the statistics before this pass ends (snapshots come after
-        // it), so what they count is still spooled first.
+        // it), so what they count is still queued for the spool first.
         for (i, range) in &runs {
             let names = self.segments[*i].asm.names();
             for c in &mut completed[range.clone()] {
@@ -724,8 +788,8 @@ impl Engine {
                 c.coll.live_spans = live_spans(otlp, slow, inst);
             }
         }
-        if let Some(spool) = self.spool.as_mut() {
-            // Write-ahead: the saved state's spool mark must precede what the segment appends now.
+        if let Some(spool) = &self.spool {
+            // Write-ahead: the saved state's spool mark must precede what the segment queues now.
             for (i, range) in &runs {
                 let seg = &mut self.segments[*i];
                 let end = spool.end(&seg.job);
@@ -738,53 +802,29 @@ impl Engine {
                     // The parked operations as last saved (for this tail): some may have
                     // completed in this very batch, and are recorded (or not) only by what follows.
                     let parked = Parked::AsSaved;
-                    if let Err(e) = save_state(&self.cfg.state_dir, seg, tail, Some(end), parked) {
+                    let mark = spool_mark(seg, spool);
+                    if let Err(e) = save_state(&self.cfg.state_dir, seg, tail, Some(mark), parked) {
                         tracing::error!(segment = %seg.label, error = %e, "cannot save resume state before spooling; a crash now could record these instances twice");
                         self.daemon_lost.add(Loss::StateWriteFailed, 1);
                     }
                 }
             }
-            let fresh: Vec<(Origin, InstanceRef)> = runs
-                .iter()
-                .flat_map(|(i, range)| {
-                    let seg = &self.segments[*i];
-                    let names = seg.asm.names();
-                    let key = &seg.key;
-                    completed[range.clone()]
-                        .iter()
-                        .filter(|c| c.prior & done::RECORDED == 0)
-                        .map(move |c| {
-                            let origin = Origin {
-                                uid: key.uid,
-                                pid: key.pid,
-                                inode: key.inode,
-                                op_id: c.op_id,
-                                first_pos: c.first_pos,
-                            };
-                            (
-                                origin,
-                                InstanceRef {
-                                    inst: &c.coll,
-                                    names,
-                                },
-                            )
-                        })
-                })
-                .collect();
-            if !fresh.is_empty()
-                && let Err(e) = spool.append(&fresh)
-            {
-                tracing::error!(error = %e, n = fresh.len(), "spool append failed; instances not spooled");
-                self.daemon_lost.add(Loss::SpoolFailed, fresh.len() as u64);
-            }
         }
+        let mut batch = Vec::new();
+        // Per segment index: (the spool's end before this batch, its operations in the batch).
+        let mut spooled: Vec<(usize, Position, Vec<OpDone>)> = Vec::new();
         for (i, range) in runs.drain(..) {
             let seg = &mut self.segments[i];
             let names = seg.asm.names();
+            let mut ops = Vec::new();
+            let mut items = Vec::new();
             for c in &mut completed[range] {
                 let mut flags = c.prior;
-                if c.prior & done::RECORDED == 0 {
-                    self.hub.publish(&c.coll, names);
+                let fresh = c.prior & done::RECORDED == 0;
+                if fresh {
+                    if self.spool.is_none() {
+                        self.hub.publish(&c.coll, names);
+                    }
                     self.collectives += 1;
                     flags |= done::RECORDED;
                 } else if c.prior & done::EXPORTED == 0 {
@@ -798,12 +838,17 @@ impl Engine {
                 if c.coll.live_spans == LiveSpans::None {
                     flags |= done::EXPORTED;
                 }
+                let to_spool = fresh && self.spool.is_some();
                 if flags & done::EXPORTED == 0 {
                     match &self.out.spans {
                         Some(tx) => {
                             let emit_no = seg.next_emit;
+                            let inst = match to_spool {
+                                true => c.coll.clone(),
+                                false => std::mem::take(&mut c.coll),
+                            };
                             let coll = Shared {
-                                inst: std::mem::take(&mut c.coll),
+                                inst,
                                 names: names.clone(),
                             };
                             match tx.try_send(SpanItem {
@@ -838,13 +883,91 @@ impl Engine {
                         None => flags |= done::EXPORTED,
                     }
                 }
-                seg.delivered.insert(c.op_id, (c.first_pos, flags));
-                seg.dirty = true;
+                if to_spool {
+                    let origin = Origin {
+                        uid: seg.key.uid,
+                        pid: seg.key.pid,
+                        inode: seg.key.inode,
+                        op_id: c.op_id,
+                        first_pos: c.first_pos,
+                    };
+                    items.push((origin, std::mem::take(&mut c.coll)));
+                    ops.push((c.op_id, c.first_pos, flags));
+                } else {
+                    seg.delivered.insert(c.op_id, (c.first_pos, flags));
+                    seg.dirty = true;
+                }
+            }
+            if let Some(spool) = &self.spool
+                && !ops.is_empty()
+            {
+                spooled.push((i, spool_mark(seg, spool), ops));
+                let names = names.clone();
+                batch.push(SpoolRun { names, items });
             }
         }
         completed.clear();
         self.completed = completed;
         self.completed_runs = runs;
+        let Some(spool) = &mut self.spool else {
+            return;
+        };
+        if batch.is_empty() {
+            return;
+        }
+        let queued = spool.queue(batch);
+        for (i, mark, ops) in spooled {
+            let seg = &mut self.segments[i];
+            match queued {
+                Ok(no) => seg.spooling.push_back(Spooling {
+                    batch: no,
+                    mark,
+                    first_pos: ops.iter().map(|o| o.1).min().unwrap_or(u64::MAX),
+                    ops,
+                }),
+                Err(_) => {
+                    // Recorded without the spool (counted), as when an append fails.
+                    for (id, pos, flags) in ops {
+                        seg.delivered.insert(id, (pos, flags));
+                    }
+                    seg.dirty = true;
+                }
+            }
+        }
+        if let Err(batch) = queued {
+            let n: usize = batch.iter().map(|r| r.items.len()).sum();
+            tracing::warn!(n, "spool writer behind; instances not spooled");
+            self.daemon_lost.add(Loss::SpoolBacklog, n as u64);
+            for run in &batch {
+                for (_, inst) in &run.items {
+                    self.hub.publish(inst, &run.names);
+                }
+            }
+        }
+    }
+
+    /// Moves the operations of batches the spool writer made durable into `delivered`, and counts
+    /// the instances it could not append.
+    fn collect_spooled(&mut self) {
+        let Some(spool) = &self.spool else {
+            return;
+        };
+        let durable = spool.durable();
+        for seg in &mut self.segments {
+            while seg.spooling.front().is_some_and(|s| s.batch <= durable) {
+                let s = seg.spooling.pop_front().expect("checked");
+                for (id, pos, flags) in s.ops {
+                    seg.delivered.insert(id, (pos, flags));
+                }
+                seg.dirty = true;
+            }
+        }
+        let failed = spool.failed();
+        if failed > self.spool_failed {
+            self.daemon_lost
+                .add(Loss::SpoolFailed, failed - self.spool_failed);
+            self.spool_failed = failed;
+        }
     }
 
     fn collect_acks(&mut self) {
@@ -854,6 +977,10 @@ impl Engine {
                 if let Some(e) = seg.delivered.get_mut(&id) {
                     e.1 |= done::EXPORTED;
                     seg.dirty = true;
+                } else if let Some(op) =
+                    (seg.spooling.iter_mut()).find_map(|s| s.ops.iter_mut().find(|o| o.0 == id))
+                {
+                    op.2 |= done::EXPORTED; // acknowledged before the spool made it durable
                 }
             }
         }
@@ -871,7 +998,7 @@ impl Engine {
                 false => now_ns.saturating_sub(PARK_AFTER.as_nanos() as u64),
             };
             self.parked_ops += seg.asm.park(seg.read_upto, read_before);
-            let end = self.spool.as_ref().map(|s| s.end(&seg.job));
+            let end = self.spool.as_ref().map(|s| spool_mark(seg, s));
             commit(
                 &self.cfg.state_dir,
                 seg,
@@ -891,10 +1018,11 @@ impl Engine {
             let drained = s.exited
                 && s.consumer.pending() == 0
                 && s.asm.pending() == 0
-                && s.unacked.is_empty();
+                && s.unacked.is_empty()
+                && s.spooling.is_empty();
             if drained {
                 let mut seg = self.segments.remove(i);
-                let end = self.spool.as_ref().map(|s| s.end(&seg.job));
+                let end = self.spool.as_ref().map(|s| spool_mark(&seg, s));
                 commit(
                     &self.cfg.state_dir,
                     &mut seg,
@@ -1221,6 +1349,10 @@ fn commit(
         target = target.min(p);
     }
     if let Some(p) = seg.unacked.oldest_pos() {
+        target = target.min(p);
+    }
+    // Not past an operation whose instance the spool has not made durable yet.
+    if let Some(p) = seg.spooling.iter().map(|s| s.first_pos).min() {
         target = target.min(p);
     }
     // Over half full, the producer is about to drop records (a burst of graph replays, a slow
@@ -1593,7 +1725,7 @@ mod tests {
     }
 
     impl Durable for KillAfterAppend {
-        fn append(&mut self, batch: &[(Origin, InstanceRef)]) -> std::io::Result<()> {
+        fn append(&mut self, batch: &[SpoolRun]) -> std::io::Result<()> {
             Durable::append(&mut self.spool, batch)?;
             self.appends += 1;
             if self.appends == self.kill_at {
@@ -1603,16 +1735,8 @@ mod tests {
             Ok(())
         }
 
-        fn end(&self, job: &JobKey) -> Position {
-            self.spool.end(job)
-        }
-
-        fn recorded_since(
-            &self,
-            job: &JobKey,
-            from: Option<Position>,
-        ) -> std::io::Result<Vec<Origin>> {
-            self.spool.recorded_since(job, from)
+        fn index(&self) -> crate::spool::SpoolIndex {
+            self.spool.index()
         }
     }
 
@@ -1641,6 +1765,7 @@ mod tests {
         e.attach(key.parse().unwrap(), seg, Some(theirs)).unwrap();
         for _ in 0..100 {
             e.tick();
+            e.flush_spool(Duration::from_secs(10));
             e.commit_all(true);
         }
         panic!("not killed");
@@ -1693,6 +1818,7 @@ mod tests {
             let mut live = hub.subscribe();
             let _conn = hand_over(&mut e, &p);
             while e.tick() {}
+            e.flush_spool(Duration::from_secs(10));
             e.commit_all(true);
             e.snapshot(true);
             assert_eq!(
@@ -1729,11 +1855,13 @@ mod tests {
         let (mut e1, _rx1, _hub1) = engine_with(&state_dir, Some(spool()), 8192);
         let _conn1 = hand_over(&mut e1, &p);
         e1.tick();
+        e1.flush_spool(Duration::from_secs(10));
         e1.commit_all(true);
         write_colls(&mut p, 10..20);
         // No commit inside this tick: the next one is not due.
         e1.segments[0].last_commit = Instant::now() + Duration::from_secs(60);
         e1.tick();
+        e1.flush_spool(Duration::from_secs(10));
         let committed = e1.segments[0].consumer.segment().tail();
         // What `commit` does first, without the second step: the state for the new tail is saved...
         let target = e1.segments[0].read_upto;
@@ -1754,6 +1882,7 @@ mod tests {
             "commit finished"
         );
         while e2.tick() {}
+        e2.flush_spool(Duration::from_secs(10));
         let mut seen = Vec::new();
         while let Ok(c) = live.try_recv() {
             assert_eq!(c.view().func(), "AllReduce", "dictionary restored");
@@ -1983,6 +2112,7 @@ mod tests {
             }
             p.segment().count(Counter::QueueFull, 1);
             e1.tick();
+            e1.flush_spool(Duration::from_secs(10));
             e1.commit_all(true);
             assert_eq!(p.segment().tail(), p.segment().head());
             assert_eq!(e1.health().parked_ops, 1);
@@ -1996,6 +2126,7 @@ mod tests {
                 std::fs::rename(&state_dir, &away).unwrap();
                 std::fs::write(&state_dir, b"not a directory").unwrap();
                 e1.tick();
+                e1.flush_spool(Duration::from_secs(10));
                 e1.commit_all(true);
                 assert_eq!(e1.health().collectives, 15, "all spooled before the kill");
                 std::fs::remove_file(&state_dir).unwrap();
@@ -2006,6 +2137,7 @@ mod tests {
             let mut live = hub.subscribe();
             let _conn2 = hand_over(&mut e2, &p);
             e2.tick();
+            e2.flush_spool(Duration::from_secs(10));
             e2.commit_all(true);
             let spooled: Vec<_> = crate::spool::SpoolReader::open_dir(dir.path().join("spool"))
                 .unwrap()
@@ -2036,6 +2168,67 @@ mod tests {
             assert_eq!(lost.remove("queue_full"), Some(1));
             assert!(lost.values().all(|&n| n == 0), "{lost:?}");
         }
+    }
+
+    /// Group commit (issue 16 item 3): ingest does not wait for the spool. While the spool's append
+    /// is blocked (a slow fdatasync), ticks go on reading, assembling and counting, and the tail stays
+    /// at the first operation not yet durable; once the spool has them, the tail moves past them and
+    /// the spool holds each once, in completion order.
+    #[test]
+    fn ingest_goes_on_while_the_spool_syncs_and_the_tail_waits_for_it() {
+        struct Gated {
+            spool: Spool,
+            open: Arc<AtomicBool>,
+        }
+        impl Durable for Gated {
+            fn append(&mut self, batch: &[SpoolRun]) -> std::io::Result<()> {
+                while !self.open.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Durable::append(&mut self.spool, batch)
+            }
+
+            fn index(&self) -> crate::spool::SpoolIndex {
+                self.spool.index()
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let open = Arc::new(AtomicBool::new(false));
+        let spool = Gated {
+            spool: Spool::open(dir.path().join("spool"), SpoolLimits::default()).unwrap(),
+            open: open.clone(),
+        };
+        let (mut e, _rx, hub) = engine_with(dir.path(), Some(Box::new(spool)), 1 << 12);
+        let mut live = hub.subscribe();
+        let mut p = producer(1 << 12);
+        write_dictionary(&mut p);
+        let first = p.segment().head();
+        let _conn = hand_over(&mut e, &p);
+        for round in 0..3 {
+            write_colls(&mut p, round * 10..round * 10 + 10);
+            e.tick();
+            e.commit_all(true);
+            assert_eq!(e.health().collectives, round * 10 + 10, "ingest went on");
+            assert_eq!(p.segment().tail(), first, "the tail waits for the spool");
+        }
+        assert!(
+            live.try_recv().is_err(),
+            "published once durable, not before"
+        );
+        open.store(true, Ordering::Release);
+        assert!(e.flush_spool(Duration::from_secs(10)));
+        e.commit_all(true);
+        assert_eq!(p.segment().tail(), p.segment().head());
+        let spooled: Vec<u64> = crate::spool::SpoolReader::open_dir(dir.path().join("spool"))
+            .unwrap()
+            .read_job(&job_j())
+            .map(|c| c.unwrap().seq)
+            .collect();
+        assert_eq!(spooled, (0..30).collect::<Vec<_>>());
+        let published: Vec<u64> = std::iter::from_fn(|| live.try_recv().ok())
+            .map(|c| c.inst.seq)
+            .collect();
+        assert_eq!(published, (0..30).collect::<Vec<_>>());
     }
 
     /// Spans are at-least-once across a kill: an operation that started first but finished after

@@ -364,6 +364,16 @@ impl Assembler {
     /// device-hook path joins work by order, which a restart could not continue from a saved
     /// operation. Returns how many were parked.
     pub fn park(&mut self, upto: u64, read_before_ns: u64) -> u64 {
+        // The front is in flight (finished entries leave it eagerly) and the oldest read: if it
+        // is younger, so is everything (the common case, one lookup per commit).
+        if let Some(&(_, id)) = self.by_pos.front()
+            && self
+                .ops
+                .get(&id)
+                .is_some_and(|o| !o.parked && o.opened_ns >= read_before_ns)
+        {
+            return 0;
+        }
         let mut n = 0;
         let from = self
             .by_pos
