@@ -381,10 +381,23 @@ const RANKS: u64 = 64;
 const RECORDS_PER_SEC: u64 = 1_000_000;
 const RUN: Duration = Duration::from_secs(10);
 
-/// A simulated rank process: `socket|rank`, writing RECORDS_PER_SEC / RANKS records a second.
+/// What `rss` runs: `NCCLSCOPE_BENCH_RSS=ranks,records_per_sec,spool` (spool 0 or 1; default
+/// RANKS, RECORDS_PER_SEC, 0), e.g. `32,500000,1` for the spool at 32 ranks.
+fn rss_params() -> (u64, u64, bool) {
+    let v = std::env::var("NCCLSCOPE_BENCH_RSS").unwrap_or_default();
+    let f: Vec<u64> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+    match f[..] {
+        [ranks, rate, spool] => (ranks.max(1), rate, spool != 0),
+        _ => (RANKS, RECORDS_PER_SEC, false),
+    }
+}
+
+/// A simulated rank process: `socket|rank|ranks|records_per_sec`, writing its share of the records
+/// a second.
 fn rank_child(spec: &str) {
-    let (socket, rank) = spec.split_once('|').unwrap();
-    let rank: u64 = rank.parse().unwrap();
+    let f: Vec<&str> = spec.split('|').collect();
+    let (socket, rank) = (f[0], f[1].parse::<u64>().unwrap());
+    let (ranks, rate): (u64, u64) = (f[2].parse().unwrap(), f[3].parse().unwrap());
     let claims = Claims {
         hostname: "bench".into(),
         job_id: "bench".into(),
@@ -396,7 +409,7 @@ fn rank_child(spec: &str) {
         Duration::from_secs(10),
     );
     prelude(&mut p, 0xbe7c_0000 + rank / 8, (rank % 8) as u32, 8, 0);
-    let colls_per_sec = RECORDS_PER_SEC as f64 / RANKS as f64 / (2 + CHANNELS) as f64;
+    let colls_per_sec = rate as f64 / ranks as f64 / (2 + CHANNELS) as f64;
     let t0 = Instant::now();
     let mut seq = 0;
     while t0.elapsed() < RUN {
@@ -432,6 +445,7 @@ fn status_kib(pid: u32, field: &str) -> u64 {
 }
 
 fn rss() {
+    let (nranks, rate, spool) = rss_params();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -456,15 +470,19 @@ fn rss() {
         .unwrap()
         .port();
     let config = dir.path().join("ncclscope.toml");
+    let spool_dir = match spool {
+        true => format!("{d}/spool"),
+        false => String::new(),
+    };
     std::fs::write(
         &config,
         format!(
             "socket = \"{d}/s.sock\"\napi_socket = \"{d}/api.sock\"\nstate_dir = \"{d}/state\"\n\
-             [spool]\ndir = \"\"\n[otlp]\nendpoint = \"http://{addr}\"\nsample_ratio = 0.01\nmetrics_interval_ms = 3600000\n[prometheus]\nlisten = \"127.0.0.1:{port}\"\n"
+             [spool]\ndir = \"{spool_dir}\"\n[otlp]\nendpoint = \"http://{addr}\"\nsample_ratio = 0.01\nmetrics_interval_ms = 3600000\n[prometheus]\nlisten = \"127.0.0.1:{port}\"\n"
         ),
     )
     .unwrap();
-    let mut daemon = std::process::Command::new(env!("CARGO_BIN_EXE_ncclscope"))
+    let mut daemon = std::process::Command::new(daemon_binary())
         .args(["daemon", "--config"])
         .arg(&config)
         .env("NCCLSCOPE_LOG", "warn")
@@ -474,6 +492,7 @@ fn rss() {
     while std::os::unix::net::UnixStream::connect(&socket).is_err() {
         std::thread::sleep(Duration::from_millis(20));
     }
+    let cpu0 = run_ns(daemon.id(), None);
     // Peak private (anonymous) memory, sampled: VmHWM also counts the segments' shared pages, which
     // belong to the ranks' rings (64 x 4 MiB here) rather than to the daemon.
     let daemon_pid = daemon.id();
@@ -490,10 +509,13 @@ fn rss() {
             (anon, shmem)
         })
     };
-    let ranks: Vec<_> = (0..RANKS)
+    let ranks: Vec<_> = (0..nranks)
         .map(|r| {
             std::process::Command::new(std::env::current_exe().unwrap())
-                .env(RANK_ENV, format!("{}|{r}", socket.display()))
+                .env(
+                    RANK_ENV,
+                    format!("{}|{r}|{nranks}|{rate}", socket.display()),
+                )
                 .spawn()
                 .unwrap()
         })
@@ -512,6 +534,11 @@ fn rss() {
         t
     };
     let hwm = status_kib(daemon_pid, "VmHWM");
+    let cpu = run_ns(daemon_pid, None) - cpu0;
+    let (ingest, spooler) = (
+        run_ns(daemon_pid, Some("ncclscope-ingest")),
+        run_ns(daemon_pid, Some("ncclscope-spool")),
+    );
     sampling.store(false, Ordering::Relaxed);
     let (anon, shmem) = sampler.join().unwrap();
     let _ = rustix::process::kill_process(
@@ -527,21 +554,35 @@ fn rss() {
     };
     println!(
         "rss: daemon peak private (anon) RSS {:.1} MiB; VmHWM {:.1} MiB incl. up to {:.1} MiB of mapped segment pages; \
-         {RANKS} ranks at {:.2} M records/s offered for {:?}; ingested {:.0} records, {:.0} collectives, {} spans received",
+         {nranks} ranks at {:.2} M records/s offered for {:?}{}; ingested {:.0} records, {:.0} collectives, {} spans received; \
+         daemon CPU {:.2} s (ingest thread {:.2} s, spool writer thread {:.2} s)",
         anon as f64 / 1024.0,
         hwm as f64 / 1024.0,
         shmem as f64 / 1024.0,
-        RECORDS_PER_SEC as f64 / 1e6,
+        rate as f64 / 1e6,
         RUN,
+        if spool { ", spool on" } else { "" },
         value("ncclscope_records_total"),
         value("ncclscope_collectives_total"),
-        received.load(Ordering::Relaxed)
+        received.load(Ordering::Relaxed),
+        cpu as f64 / 1e9,
+        ingest as f64 / 1e9,
+        spooler as f64 / 1e9,
     );
     let losses: Vec<&str> = metrics
         .lines()
         .filter(|l| l.starts_with("ncclscope_lost_total{") && !l.ends_with(" 0"))
         .collect();
     println!("rss: non-zero loss counters: {losses:?}");
+}
+
+/// The daemon binary `rss` and `real` run: this build's, or `NCCLSCOPE_BENCH_DAEMON` (another
+/// build's, to compare side by side).
+fn daemon_binary() -> std::path::PathBuf {
+    std::env::var_os("NCCLSCOPE_BENCH_DAEMON").map_or(
+        env!("CARGO_BIN_EXE_ncclscope").into(),
+        std::path::PathBuf::from,
+    )
 }
 
 /// Run time of a thread (/proc/PID/task/TID/schedstat, ns) or of all of a process's threads.
@@ -610,12 +651,7 @@ fn real(ranks: u64, spool: bool, late_kernels: bool) -> (f64, f64) {
             p
         })
         .collect();
-    // NCCLSCOPE_BENCH_DAEMON: another build's binary, to compare side by side.
-    let binary = std::env::var_os("NCCLSCOPE_BENCH_DAEMON").map_or(
-        env!("CARGO_BIN_EXE_ncclscope").into(),
-        std::path::PathBuf::from,
-    );
-    let mut daemon = std::process::Command::new(binary)
+    let mut daemon = std::process::Command::new(daemon_binary())
         .args(["daemon", "--config"])
         .arg(&config)
         .env("NCCLSCOPE_LOG", "warn")
@@ -693,7 +729,17 @@ fn main() {
         .any(|p| args.iter().any(|a| a == p));
     let want = |part: &str| all || args.iter().any(|a| a == part);
     if want("ingest") {
+        // NCCLSCOPE_BENCH_INGEST=ranks,spool (e.g. `8,1`): that case only (to profile it).
+        let only: Vec<u64> = (std::env::var("NCCLSCOPE_BENCH_INGEST").unwrap_or_default())
+            .split(',')
+            .filter_map(|x| x.trim().parse().ok())
+            .collect();
         for (ranks, spool) in [(1, false), (8, false), (8, true)] {
+            if let [r, s] = only[..]
+                && (r, s != 0) != (ranks, spool)
+            {
+                continue;
+            }
             let (wall, cpu, process) = ingest(ranks, spool);
             let sinks = if spool { " + spool" } else { "" };
             println!(

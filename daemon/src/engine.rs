@@ -301,6 +301,8 @@ pub struct Engine {
     forced_commits: u64,
     /// Operations parked (see `Assembler::park`).
     parked_ops: u64,
+    /// The time the last tick read records at (what the operations it read were opened at).
+    tick_ns: u64,
     collectives: u64,
     /// Dictionary budget of each uid with segments attached (shared by its assemblers).
     uid_budgets: HashMap<u32, Arc<UidBudget>>,
@@ -365,6 +367,7 @@ impl Engine {
             daemon_lost: Losses::default(),
             forced_commits: 0,
             parked_ops: 0,
+            tick_ns: 0,
             clock: StepDetector::default(),
             collectives: 0,
             uid_budgets: HashMap::new(),
@@ -401,7 +404,11 @@ impl Engine {
             std::thread::sleep(interval);
         }
         let deadline = Instant::now() + self.cfg.shutdown_timeout();
-        while self.tick() && Instant::now() < deadline {}
+        while self.tick() && Instant::now() < deadline {
+            if self.spool_behind() {
+                std::thread::sleep(min);
+            }
+        }
         // What the spool writer holds, durable before the last states are saved.
         if let Some(spool) = &self.spool {
             spool.flush(deadline.saturating_duration_since(Instant::now()));
@@ -642,6 +649,7 @@ impl Engine {
             self.stats.clock_stepped(step.at_ns, step.delta_ns);
         }
         let now = now_ns();
+        self.tick_ns = now;
         // A spool writer that fell behind (a slow disk) holds reading, not this thread: the records
         // wait in the rings meanwhile.
         let spool_behind = self.spool_behind();
@@ -817,7 +825,10 @@ impl Engine {
             let seg = &mut self.segments[i];
             let names = seg.asm.names();
             let mut ops = Vec::new();
-            let mut items = Vec::new();
+            let mut items = match &self.spool {
+                Some(spool) => spool.buffer(),
+                None => Vec::new(),
+            };
             for c in &mut completed[range] {
                 let mut flags = c.prior;
                 let fresh = c.prior & done::RECORDED == 0;
@@ -991,10 +1002,11 @@ impl Engine {
     fn commit_all(&mut self, now: bool) {
         let now_ns = now_ns();
         for seg in &mut self.segments {
-            // Operations open long, or all of them once the ring is over half full, no longer hold
-            // the tail: the state carries them.
+            // Operations open long, or once the ring is over half full all but those read by the
+            // last tick (which mostly complete with the next; parking them would save the state at
+            // every commit), no longer hold the tail: the state carries them.
             let read_before = match ring_pressed(seg) {
-                true => u64::MAX,
+                true => self.tick_ns,
                 false => now_ns.saturating_sub(PARK_AFTER.as_nanos() as u64),
             };
             self.parked_ops += seg.asm.park(seg.read_upto, read_before);

@@ -26,8 +26,11 @@ pub const BACKLOG_PAUSE: u64 = 16;
 pub const QUEUE_BATCHES: usize = 1024;
 /// Instances appended (and synced) at once at most.
 const GROUP_INSTANCES: usize = 16_384;
+/// Emptied buffers kept for reuse.
+const SPARE_BUFFERS: usize = 256;
 
 type Batch = Vec<SpoolRun>;
+type Items = Vec<(Origin, crate::instance::Instance)>;
 
 /// What the writer reports back, read by the engine.
 #[derive(Default)]
@@ -40,6 +43,9 @@ struct Progress {
 
 pub struct SpoolWriter {
     tx: Option<mpsc::SyncSender<Batch>>,
+    /// Emptied runs' buffers back from the writer, for the next batches: a fresh buffer each time
+    /// cost the ingest thread a page fault per page and a copy per growth.
+    spare: mpsc::Receiver<Items>,
     index: SpoolIndex,
     progress: Arc<Progress>,
     /// Batches queued so far.
@@ -52,20 +58,27 @@ impl SpoolWriter {
     pub fn start(spool: Box<dyn Durable>, hub: Arc<Hub>) -> std::io::Result<SpoolWriter> {
         let index = spool.index();
         let (tx, rx) = mpsc::sync_channel(QUEUE_BATCHES);
+        let (spare_tx, spare) = mpsc::sync_channel(SPARE_BUFFERS);
         let progress = Arc::new(Progress::default());
         let thread = {
             let progress = progress.clone();
             std::thread::Builder::new()
                 .name("ncclscope-spool".into())
-                .spawn(move || write_loop(spool, hub, rx, &progress))?
+                .spawn(move || write_loop(spool, hub, rx, spare_tx, &progress))?
         };
         Ok(SpoolWriter {
             tx: Some(tx),
+            spare,
             index,
             progress,
             queued: 0,
             thread: Some(thread),
         })
+    }
+
+    /// An empty buffer for a run of instances (one the writer is done with, if any).
+    pub fn buffer(&self) -> Items {
+        self.spare.try_recv().unwrap_or_default()
     }
 
     /// Queues `batch`; its number (see [`Self::durable`]), or the batch back if the queue is full.
@@ -144,6 +157,7 @@ fn write_loop(
     mut spool: Box<dyn Durable>,
     hub: Arc<Hub>,
     rx: mpsc::Receiver<Batch>,
+    spare: mpsc::SyncSender<Items>,
     progress: &Progress,
 ) {
     let mut group: Batch = Vec::new();
@@ -165,12 +179,13 @@ fn write_loop(
                 .failed
                 .fetch_add(instances as u64, Ordering::Relaxed);
         }
-        for run in &group {
+        for mut run in group.drain(..) {
             for (_, inst) in &run.items {
                 hub.publish(inst, &run.names);
             }
+            run.items.clear();
+            let _ = spare.try_send(run.items);
         }
-        group.clear();
         progress.done.fetch_add(n, Ordering::Release);
     }
 }

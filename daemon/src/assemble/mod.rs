@@ -149,6 +149,9 @@ pub struct Assembler {
     paired: Vec<(u64, Work)>,
     /// Operations in flight that are parked (see [`Self::park`]).
     parked: usize,
+    /// Operations continued from a previous daemon's state, and the read position it was saved as
+    /// of: their records before it are in them already and, read again, are skipped.
+    restored: Map<u64, u64>,
     /// Every parkable operation whose first record lies before this position was offered to
     /// [`Self::park`] (parked unless [`MAX_PARKED`] were).
     park_from: u64,
@@ -181,6 +184,7 @@ impl Assembler {
             committed: 0,
             paired: Vec::new(),
             parked: 0,
+            restored: Map::default(),
             park_from: 0,
             counters: AssembleCounters::default(),
         }
@@ -428,7 +432,8 @@ impl Assembler {
                 continue;
             }
             let prior = self.prior.get(&s.id).map_or(0, |p| p.1);
-            let op = Op::restored(s, upto, now_ns, prior);
+            let op = Op::restored(s, now_ns, prior);
+            self.restored.insert(s.id, upto);
             // Position order: restored before anything is read, and saved in that order.
             self.by_pos.push_back((s.first_pos, s.id));
             self.ops.insert(s.id, op);
@@ -633,10 +638,10 @@ impl Assembler {
                 self.host_event(pos, event, now_ns, out);
             }
             Record::OpStop { id, host_ns, .. } => {
+                if !self.restored.is_empty() && self.restored.get(&id).is_some_and(|&u| pos < u) {
+                    return; // in the operation a previous daemon saved
+                }
                 if let Some(op) = self.ops.get_mut(&id) {
-                    if pos < op.skip_below {
-                        return; // in the operation a previous daemon saved
-                    }
                     op.stop_ns = Some(host_ns);
                     op.last_progress_ns = now_ns;
                     if op_ready(&self.dict, op) {
@@ -654,10 +659,11 @@ impl Assembler {
                 host_ns,
                 ..
             } => {
+                if !self.restored.is_empty() && self.restored.get(&parent).is_some_and(|&u| pos < u)
+                {
+                    return; // in the operation a previous daemon saved
+                }
                 if let Some(op) = self.ops.get_mut(&parent) {
-                    if pos < op.skip_below {
-                        return; // in the operation a previous daemon saved
-                    }
                     // One record per channel: more would grow the op (and keep it alive) forever.
                     let channels = if op.desc.n_channels == 0 {
                         MAX_CHANNELS
@@ -1255,6 +1261,9 @@ impl Assembler {
         if let Some(old) = self.ops.insert(id, op) {
             // A reused id: close the old one as it is rather than mixing the two.
             self.parked -= old.parked as usize;
+            if !self.restored.is_empty() {
+                self.restored.remove(&id);
+            }
             self.counters.incomplete += 1;
             self.prune_by_pos();
         }
@@ -1419,6 +1428,9 @@ impl Assembler {
             return;
         };
         self.parked -= op.parked as usize;
+        if !self.restored.is_empty() {
+            self.restored.remove(&id);
+        }
         self.prune_by_pos();
         self.comm_ops.finished(op.comm, op.first_pos, id);
         let elem_bytes = self.dict.datatype_size(op.desc.datatype);

@@ -35,9 +35,6 @@ pub(super) struct Op {
     /// Parked (see `Assembler::park`): the commit point does not wait on it; the resume state
     /// carries it instead.
     pub parked: bool,
-    /// Restored from a resume state as of this read position: its records before it are in it
-    /// already and, read again, are skipped (0: not restored).
-    pub skip_below: u64,
 }
 
 impl Op {
@@ -67,7 +64,6 @@ impl Op {
             lost: 0,
             opened_ns: now_ns,
             parked: false,
-            skip_below: 0,
         }
     }
 
@@ -87,9 +83,9 @@ impl Op {
         }
     }
 
-    /// A parked operation of a previous daemon, continued: read at `now_ns`, its records before
-    /// `upto` already in it; `prior`: sinks that daemon delivered it to.
-    pub fn restored(s: &SavedOp, upto: u64, now_ns: u64, prior: u8) -> Op {
+    /// A parked operation of a previous daemon, continued: read at `now_ns`; `prior`: sinks that
+    /// daemon delivered it to.
+    pub fn restored(s: &SavedOp, now_ns: u64, prior: u8) -> Op {
         let mut op = Op::new(s.comm, s.first_pos, s.desc, s.enqueue_ns, now_ns, 0);
         op.stop_ns = s.stop_ns;
         op.host_anchor = s.host_anchor;
@@ -98,7 +94,6 @@ impl Op {
         }
         op.prior = prior;
         op.parked = true;
-        op.skip_below = upto;
         op
     }
 
