@@ -131,6 +131,8 @@ const MARK_LAG: u64 = 1 << 20;
 /// a few drain intervals), short enough that one whose record was lost uncounted (a gap the plugin
 /// did not see) holds a small share of its ring.
 const PARK_AFTER: Duration = Duration::from_millis(100);
+/// [`PARK_AFTER`] while the ring is over half full.
+const PARK_PRESSED: Duration = Duration::from_millis(10);
 /// How long after start a resume state waits for its segment to be handed over again (plugins retry
 /// at least every 2 s) before it is taken for one whose process ended while no daemon ran.
 const STATE_CLAIM_WINDOW: Duration = Duration::from_secs(300);
@@ -1002,13 +1004,15 @@ impl Engine {
     fn commit_all(&mut self, now: bool) {
         let now_ns = now_ns();
         for seg in &mut self.segments {
-            // Operations open long, or once the ring is over half full all but those read by the
-            // last tick (which mostly complete with the next; parking them would save the state at
-            // every commit), no longer hold the tail: the state carries them.
-            let read_before = match ring_pressed(seg) {
-                true => self.tick_ns,
-                false => now_ns.saturating_sub(PARK_AFTER.as_nanos() as u64),
+            // Operations open long (sooner once the ring is over half full) no longer hold the
+            // tail: the state carries them. Not younger ones even then: they mostly complete within
+            // a few ticks, and parking them would save the state at every commit (a forced commit
+            // passes them instead).
+            let after = match ring_pressed(seg) {
+                true => PARK_PRESSED,
+                false => PARK_AFTER,
             };
+            let read_before = (now_ns.saturating_sub(after.as_nanos() as u64)).min(self.tick_ns);
             self.parked_ops += seg.asm.park(seg.read_upto, read_before);
             let end = self.spool.as_ref().map(|s| spool_mark(seg, s));
             commit(
@@ -1667,9 +1671,7 @@ mod tests {
             40 * 8 + 1,
             "every operation delivered, the open one too"
         );
-        // Passed with its state saved (parked), not forgotten: a restart would continue it.
-        assert_eq!(h.parked_ops, 1);
-        assert_eq!(h.forced_commits, 0);
+        assert!(h.forced_commits > 0);
         assert_eq!(h.lost.values().sum::<u64>(), 0, "{:?}", h.lost);
     }
 

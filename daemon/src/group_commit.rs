@@ -26,8 +26,9 @@ pub const BACKLOG_PAUSE: u64 = 16;
 pub const QUEUE_BATCHES: usize = 1024;
 /// Instances appended (and synced) at once at most.
 const GROUP_INSTANCES: usize = 16_384;
-/// Emptied buffers kept for reuse.
-const SPARE_BUFFERS: usize = 256;
+/// Emptied buffers kept for reuse, and the largest kept (instances): at most about 7 MiB held.
+const SPARE_BUFFERS: usize = 32;
+const SPARE_CAPACITY: usize = 1024;
 
 type Batch = Vec<SpoolRun>;
 type Items = Vec<(Origin, crate::instance::Instance)>;
@@ -183,8 +184,10 @@ fn write_loop(
             for (_, inst) in &run.items {
                 hub.publish(inst, &run.names);
             }
-            run.items.clear();
-            let _ = spare.try_send(run.items);
+            if run.items.capacity() <= SPARE_CAPACITY {
+                run.items.clear();
+                let _ = spare.try_send(run.items);
+            }
         }
         progress.done.fetch_add(n, Ordering::Release);
     }
