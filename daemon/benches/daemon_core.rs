@@ -7,6 +7,10 @@
 //! 3. rss: the real `ncclscope daemon` with 64 rank processes (8 communicators of 8 ranks) writing
 //!    1 M records/s in total for 10 s, OTLP to the counting receiver at sample_ratio 0.01, spool off;
 //!    reports the daemon's peak RSS (VmHWM), the records it ingested and every loss counter.
+//! 4. real: the real `ncclscope daemon` binary ingesting prefilled segments (150 k collectives,
+//!    900 k records, in all), handed over on its socket at once as ranks register: records per
+//!    CPU-second of the daemon process and of its ingest thread, kernel records in order or each
+//!    written 8 operations late, spool off or on, 1 to 64 ranks.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -95,6 +99,56 @@ fn bench_segment(engine: &mut Engine, pid: u32, capacity: u64) -> (Producer, std
     (p, ours)
 }
 
+/// `fill` with each operation's KernelCh records written `lag` operations late (after the host
+/// events of the operations that follow), as NCCL's proxy thread reports kernels while the host
+/// enqueues the next collectives.
+fn fill_late_kernels(p: &mut Producer, seq0: u64, n: u64, lag: u64) -> u64 {
+    let mut records = 0;
+    let kernels = |p: &mut Producer, seq: u64| {
+        for ch in 0..CHANNELS {
+            let t = 1_000_000 + seq * 10_000 + ch * 10;
+            p.push(&Record::KernelCh {
+                comm: 0,
+                parent: seq + 1,
+                channel: ch as u8,
+                gpu_start: t,
+                gpu_stop: t + 5000 + seq % 977,
+                host_ns: 0,
+            });
+        }
+    };
+    for seq in seq0..seq0 + n {
+        p.push(&Record::CollStart {
+            comm: 0,
+            id: seq + 1,
+            seq,
+            func: StrId(1),
+            datatype: StrId(2),
+            algo: StrId(3),
+            proto: StrId(4),
+            count: 1 << (10 + seq % 12),
+            root: -1,
+            n_channels: CHANNELS as u8,
+            n_warps: 16,
+            host_ns: seq,
+            captured: false,
+        });
+        p.push(&Record::OpStop {
+            comm: 0,
+            id: seq + 1,
+            host_ns: seq,
+        });
+        if seq >= seq0 + lag {
+            kernels(p, seq - lag);
+        }
+        records += 2 + CHANNELS;
+    }
+    for seq in (seq0 + n).saturating_sub(lag).max(seq0)..seq0 + n {
+        kernels(p, seq);
+    }
+    records
+}
+
 /// What a rank announces before its collectives: the strings `fill` uses, its communicator and a
 /// calibration of its device.
 fn prelude(p: &mut Producer, comm_hash: u64, rank: u32, nranks: u32, cuda_dev: i32) {
@@ -127,10 +181,12 @@ fn prelude(p: &mut Producer, comm_hash: u64, rank: u32, nranks: u32, cuda_dev: i
     });
 }
 
-/// (records/s of wall time, records/s of the engine thread's CPU time) with `ranks` processes' segments,
-/// ranks of one communicator (from 2 on, every collective also goes through the cross-rank skew);
-/// `spool`: every instance also appended to a spool in a temporary directory (fdatasync per tick).
-fn ingest(ranks: u64, spool: bool) -> (f64, f64) {
+/// (records/s of wall time, records/s of the engine thread's CPU time, records/s of the process's
+/// CPU time: the engine and the spool writer thread) with `ranks` processes' segments, ranks of one
+/// communicator (from 2 on, every collective also goes through the cross-rank skew); `spool`: every
+/// instance also appended to a spool in a temporary directory (by the spool writer thread, one
+/// fdatasync per group of batches), each round timed until the spool has it all.
+fn ingest(ranks: u64, spool: bool) -> (f64, f64, f64) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = Config {
         state_dir: dir.path().join("state"),
@@ -165,18 +221,27 @@ fn ingest(ranks: u64, spool: bool) -> (f64, f64) {
         producers.push((conn, p));
     }
     let (mut records, mut wall, mut cpu) = (0u64, Duration::ZERO, Duration::ZERO);
+    let mut process = Duration::ZERO;
     for round in 0..7 {
         let mut written = 0;
         for (_, p) in &mut producers {
             written += fill(p, round * per_rank, per_rank);
         }
-        let (t, c) = (Instant::now(), thread_cpu());
-        while engine.tick() {}
+        let (t, c, pc) = (Instant::now(), thread_cpu(), process_cpu());
+        while engine.tick() {
+            if engine.spool_behind() {
+                // As the daemon's loop does (it ticks again after 1 ms when busy).
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
         engine.tick();
+        let c = thread_cpu() - c;
+        assert!(engine.flush_spool(Duration::from_secs(60)), "spool flushed");
         if round > 0 {
             records += written;
             wall += t.elapsed();
-            cpu += thread_cpu() - c;
+            cpu += c;
+            process += process_cpu() - pc;
         }
         // Untimed: the engine commits a drained tail at most every 10 ms; free the rings for the next round.
         std::thread::sleep(Duration::from_millis(15));
@@ -193,7 +258,14 @@ fn ingest(ranks: u64, spool: bool) -> (f64, f64) {
     (
         records as f64 / wall.as_secs_f64(),
         records as f64 / cpu.as_secs_f64(),
+        records as f64 / process.as_secs_f64(),
     )
+}
+
+/// CPU time of this process (all its threads).
+fn process_cpu() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
 /// CPU time of this thread: "per core" figures that do not depend on what else the machine runs.
@@ -309,10 +381,23 @@ const RANKS: u64 = 64;
 const RECORDS_PER_SEC: u64 = 1_000_000;
 const RUN: Duration = Duration::from_secs(10);
 
-/// A simulated rank process: `socket|rank`, writing RECORDS_PER_SEC / RANKS records a second.
+/// What `rss` runs: `NCCLSCOPE_BENCH_RSS=ranks,records_per_sec,spool` (spool 0 or 1; default
+/// RANKS, RECORDS_PER_SEC, 0), e.g. `32,500000,1` for the spool at 32 ranks.
+fn rss_params() -> (u64, u64, bool) {
+    let v = std::env::var("NCCLSCOPE_BENCH_RSS").unwrap_or_default();
+    let f: Vec<u64> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+    match f[..] {
+        [ranks, rate, spool] => (ranks.max(1), rate, spool != 0),
+        _ => (RANKS, RECORDS_PER_SEC, false),
+    }
+}
+
+/// A simulated rank process: `socket|rank|ranks|records_per_sec`, writing its share of the records
+/// a second.
 fn rank_child(spec: &str) {
-    let (socket, rank) = spec.split_once('|').unwrap();
-    let rank: u64 = rank.parse().unwrap();
+    let f: Vec<&str> = spec.split('|').collect();
+    let (socket, rank) = (f[0], f[1].parse::<u64>().unwrap());
+    let (ranks, rate): (u64, u64) = (f[2].parse().unwrap(), f[3].parse().unwrap());
     let claims = Claims {
         hostname: "bench".into(),
         job_id: "bench".into(),
@@ -324,7 +409,7 @@ fn rank_child(spec: &str) {
         Duration::from_secs(10),
     );
     prelude(&mut p, 0xbe7c_0000 + rank / 8, (rank % 8) as u32, 8, 0);
-    let colls_per_sec = RECORDS_PER_SEC as f64 / RANKS as f64 / (2 + CHANNELS) as f64;
+    let colls_per_sec = rate as f64 / ranks as f64 / (2 + CHANNELS) as f64;
     let t0 = Instant::now();
     let mut seq = 0;
     while t0.elapsed() < RUN {
@@ -360,6 +445,7 @@ fn status_kib(pid: u32, field: &str) -> u64 {
 }
 
 fn rss() {
+    let (nranks, rate, spool) = rss_params();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -384,15 +470,19 @@ fn rss() {
         .unwrap()
         .port();
     let config = dir.path().join("ncclscope.toml");
+    let spool_dir = match spool {
+        true => format!("{d}/spool"),
+        false => String::new(),
+    };
     std::fs::write(
         &config,
         format!(
             "socket = \"{d}/s.sock\"\napi_socket = \"{d}/api.sock\"\nstate_dir = \"{d}/state\"\n\
-             [spool]\ndir = \"\"\n[otlp]\nendpoint = \"http://{addr}\"\nsample_ratio = 0.01\nmetrics_interval_ms = 3600000\n[prometheus]\nlisten = \"127.0.0.1:{port}\"\n"
+             [spool]\ndir = \"{spool_dir}\"\n[otlp]\nendpoint = \"http://{addr}\"\nsample_ratio = 0.01\nmetrics_interval_ms = 3600000\n[prometheus]\nlisten = \"127.0.0.1:{port}\"\n"
         ),
     )
     .unwrap();
-    let mut daemon = std::process::Command::new(env!("CARGO_BIN_EXE_ncclscope"))
+    let mut daemon = std::process::Command::new(daemon_binary())
         .args(["daemon", "--config"])
         .arg(&config)
         .env("NCCLSCOPE_LOG", "warn")
@@ -402,6 +492,7 @@ fn rss() {
     while std::os::unix::net::UnixStream::connect(&socket).is_err() {
         std::thread::sleep(Duration::from_millis(20));
     }
+    let cpu0 = run_ns(daemon.id(), None);
     // Peak private (anonymous) memory, sampled: VmHWM also counts the segments' shared pages, which
     // belong to the ranks' rings (64 x 4 MiB here) rather than to the daemon.
     let daemon_pid = daemon.id();
@@ -418,10 +509,13 @@ fn rss() {
             (anon, shmem)
         })
     };
-    let ranks: Vec<_> = (0..RANKS)
+    let ranks: Vec<_> = (0..nranks)
         .map(|r| {
             std::process::Command::new(std::env::current_exe().unwrap())
-                .env(RANK_ENV, format!("{}|{r}", socket.display()))
+                .env(
+                    RANK_ENV,
+                    format!("{}|{r}|{nranks}|{rate}", socket.display()),
+                )
                 .spawn()
                 .unwrap()
         })
@@ -440,6 +534,11 @@ fn rss() {
         t
     };
     let hwm = status_kib(daemon_pid, "VmHWM");
+    let cpu = run_ns(daemon_pid, None) - cpu0;
+    let (ingest, spooler) = (
+        run_ns(daemon_pid, Some("ncclscope-ingest")),
+        run_ns(daemon_pid, Some("ncclscope-spool")),
+    );
     sampling.store(false, Ordering::Relaxed);
     let (anon, shmem) = sampler.join().unwrap();
     let _ = rustix::process::kill_process(
@@ -455,21 +554,165 @@ fn rss() {
     };
     println!(
         "rss: daemon peak private (anon) RSS {:.1} MiB; VmHWM {:.1} MiB incl. up to {:.1} MiB of mapped segment pages; \
-         {RANKS} ranks at {:.2} M records/s offered for {:?}; ingested {:.0} records, {:.0} collectives, {} spans received",
+         {nranks} ranks at {:.2} M records/s offered for {:?}{}; ingested {:.0} records, {:.0} collectives, {} spans received; \
+         daemon CPU {:.2} s (ingest thread {:.2} s, spool writer thread {:.2} s)",
         anon as f64 / 1024.0,
         hwm as f64 / 1024.0,
         shmem as f64 / 1024.0,
-        RECORDS_PER_SEC as f64 / 1e6,
+        rate as f64 / 1e6,
         RUN,
+        if spool { ", spool on" } else { "" },
         value("ncclscope_records_total"),
         value("ncclscope_collectives_total"),
-        received.load(Ordering::Relaxed)
+        received.load(Ordering::Relaxed),
+        cpu as f64 / 1e9,
+        ingest as f64 / 1e9,
+        spooler as f64 / 1e9,
     );
     let losses: Vec<&str> = metrics
         .lines()
         .filter(|l| l.starts_with("ncclscope_lost_total{") && !l.ends_with(" 0"))
         .collect();
     println!("rss: non-zero loss counters: {losses:?}");
+}
+
+/// The daemon binary `rss` and `real` run: this build's, or `NCCLSCOPE_BENCH_DAEMON` (another
+/// build's, to compare side by side).
+fn daemon_binary() -> std::path::PathBuf {
+    std::env::var_os("NCCLSCOPE_BENCH_DAEMON").map_or(
+        env!("CARGO_BIN_EXE_ncclscope").into(),
+        std::path::PathBuf::from,
+    )
+}
+
+/// Run time of a thread (/proc/PID/task/TID/schedstat, ns) or of all of a process's threads.
+fn run_ns(pid: u32, thread: Option<&str>) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    let mut ns = 0;
+    for t in tasks.flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        // The kernel keeps 15 bytes of a thread's name.
+        if thread.is_some_and(|name| comm.trim() != &name[..name.len().min(15)]) {
+            continue;
+        }
+        let stat = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default();
+        ns += stat
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    ns
+}
+
+/// The real daemon binary over prefilled segments: (records per CPU-second of the process, of its
+/// ingest thread), every loss counter checked zero. The CPU time is counted from just before the
+/// segments are handed over until the daemon's metrics (refreshed every second) count every
+/// collective, so it includes up to a second of idle ticks.
+fn real(ranks: u64, spool: bool, late_kernels: bool) -> (f64, f64) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = dir.path().join("ncclscope.toml");
+    let spool_dir = match spool {
+        true => format!("{d}/spool"),
+        false => String::new(),
+    };
+    std::fs::write(
+        &config,
+        format!(
+            "socket = \"{d}/s.sock\"\napi_socket = \"{d}/api.sock\"\nstate_dir = \"{d}/state\"\n\
+             [spool]\ndir = \"{spool_dir}\"\n[prometheus]\nlisten = \"127.0.0.1:{port}\"\n"
+        ),
+    )
+    .unwrap();
+    // The segments first: the daemon finds them full, as after a burst or its own restart.
+    let per_rank = 150_000 / ranks;
+    let capacity = (per_rank * (2 + CHANNELS) + 64).next_power_of_two();
+    let mut records = 0;
+    let producers: Vec<Producer> = (0..ranks)
+        .map(|rank| {
+            let claims = Claims {
+                hostname: "bench".into(),
+                job_id: "bench".into(),
+            };
+            let mut p = Producer::new(Segment::create(&claims, capacity).unwrap());
+            prelude(&mut p, 0xbe7c, rank as u32, ranks as u32, rank as i32);
+            records += match late_kernels {
+                true => fill_late_kernels(&mut p, 0, per_rank, 8),
+                false => fill(&mut p, 0, per_rank),
+            };
+            p
+        })
+        .collect();
+    let mut daemon = std::process::Command::new(daemon_binary())
+        .args(["daemon", "--config"])
+        .arg(&config)
+        .env("NCCLSCOPE_LOG", "warn")
+        .spawn()
+        .unwrap();
+    let socket = dir.path().join("s.sock");
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let scrape = || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut t = String::new();
+        s.read_to_string(&mut t).unwrap();
+        t
+    };
+    let value = |text: &str, name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let pid = daemon.id();
+    std::thread::sleep(Duration::from_millis(200));
+    let (t0, cpu0, ingest0) = (
+        Instant::now(),
+        run_ns(pid, None),
+        run_ns(pid, Some("ncclscope-ingest")),
+    );
+    let conns: Vec<_> = (producers.iter())
+        .map(|p| {
+            let fd = p.segment().fd();
+            ncclscope_fakenccl::process::register(&socket, fd, Duration::from_secs(10)).unwrap()
+        })
+        .collect();
+    let expected = (per_rank * ranks) as f64;
+    let text = loop {
+        let text = scrape();
+        if value(&text, "ncclscope_collectives_total") >= expected {
+            break text;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(300), "not ingested");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let cpu = run_ns(pid, None) - cpu0;
+    let ingest = run_ns(pid, Some("ncclscope-ingest")) - ingest0;
+    let lost: Vec<&str> = (text.lines())
+        .filter(|l| l.starts_with("ncclscope_lost_total{") && !l.ends_with(" 0"))
+        .collect();
+    assert!(lost.is_empty(), "nothing lost: {lost:?}");
+    drop(conns);
+    let _ = rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).unwrap(),
+        rustix::process::Signal::TERM,
+    );
+    let _ = daemon.wait();
+    let records = records as f64;
+    (
+        records / (cpu as f64 / 1e9),
+        records / (ingest as f64 / 1e9),
+    )
 }
 
 fn main() {
@@ -481,18 +724,30 @@ fn main() {
     }
     // `cargo bench -p ncclscope --bench daemon_core -- [ingest] [export] [rss]`: a subset; default all.
     let args: Vec<String> = std::env::args().collect();
-    let all = !["ingest", "export", "rss"]
+    let all = !["ingest", "export", "rss", "real"]
         .iter()
         .any(|p| args.iter().any(|a| a == p));
     let want = |part: &str| all || args.iter().any(|a| a == part);
     if want("ingest") {
+        // NCCLSCOPE_BENCH_INGEST=ranks,spool (e.g. `8,1`): that case only (to profile it).
+        let only: Vec<u64> = (std::env::var("NCCLSCOPE_BENCH_INGEST").unwrap_or_default())
+            .split(',')
+            .filter_map(|x| x.trim().parse().ok())
+            .collect();
         for (ranks, spool) in [(1, false), (8, false), (8, true)] {
-            let (wall, cpu) = ingest(ranks, spool);
+            if let [r, s] = only[..]
+                && (r, s != 0) != (ranks, spool)
+            {
+                continue;
+            }
+            let (wall, cpu, process) = ingest(ranks, spool);
             let sinks = if spool { " + spool" } else { "" };
             println!(
-                "ingest, {ranks} rank(s){sinks}: {:.2} M records per CPU-second of the engine thread \
-                 ({:.2} M/s of wall time) (engine tick: drain + decode + assemble + stats + hub{sinks})",
+                "ingest, {ranks} rank(s){sinks}: {:.2} M records per CPU-second of the engine thread, \
+                 {:.2} M of the process ({:.2} M/s of wall time) (engine tick: drain + decode + \
+                 assemble + stats + hub{sinks})",
                 cpu / 1e6,
+                process / 1e6,
                 wall / 1e6
             );
         }
@@ -506,5 +761,30 @@ fn main() {
     }
     if want("rss") {
         rss();
+    }
+    if want("real") {
+        for (ranks, spool, late) in [
+            (1, false, false),
+            (1, false, true),
+            (8, false, false),
+            (8, false, true),
+            (8, true, false),
+            (32, true, false),
+            (64, true, false),
+        ] {
+            let (process, ingest) = real(ranks, spool, late);
+            println!(
+                "real daemon, {ranks} prefilled segment(s){}{}: {:.2} M records per CPU-second of the \
+                 process, {:.2} M of its ingest thread",
+                if late {
+                    ", kernel records 8 operations late"
+                } else {
+                    ""
+                },
+                if spool { " + spool" } else { "" },
+                process / 1e6,
+                ingest / 1e6,
+            );
+        }
     }
 }

@@ -1,8 +1,9 @@
 //! The meeting point between the daemon's ingest/aggregation side and its consumers (gRPC API, spool,
 //! `top`): completed collective instances and the latest statistics snapshot.
 //!
-//! Contract: the aggregator calls [`Hub::publish`] for every completed instance, in completion order,
-//! after the spool has accepted it; it replaces the snapshots about once a second.
+//! Contract: every completed instance is published ([`Hub::publish`]) once, in completion order, after
+//! the spool has accepted it (by the spool writer thread; by the engine when there is no spool); the
+//! engine replaces the snapshots about once a second.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -11,31 +12,42 @@ use ncclscope_proto::api::{ListJobsResponse, StatsResponse};
 use tokio::sync::broadcast;
 
 use crate::instance::{Instance, InstanceRef, Names, Shared};
-use crate::spool::{JobKey, Origin, Position, Spool};
+use crate::spool::{Origin, Spool, SpoolIndex};
 
-/// Where completed instances become durable before they are published: the spool. The engine calls
-/// it with each batch in completion order; `Ok` means the batch survives a crash. Each instance carries
-/// its origin, so a restarted engine can tell which operations its predecessor already recorded.
+/// Where completed instances become durable before they are published: the spool. The spool
+/// writer thread (`group_commit`) calls it with the batches the engine queued, in completion order,
+/// several at once when they queued up meanwhile; `Ok` means they survive a crash. Each instance
+/// carries its origin, so a restarted engine can tell which operations its predecessor already
+/// recorded.
 pub trait Durable: Send {
-    fn append(&mut self, batch: &[(Origin, InstanceRef)]) -> std::io::Result<()>;
-    /// See [`Spool::end`].
-    fn end(&self, job: &JobKey) -> Position;
-    /// See [`Spool::recorded_since`].
-    fn recorded_since(&self, job: &JobKey, from: Option<Position>) -> std::io::Result<Vec<Origin>>;
+    fn append(&mut self, batch: &[SpoolRun]) -> std::io::Result<()>;
+    /// Where the spool stands, read by the engine's thread while appends go on.
+    fn index(&self) -> SpoolIndex;
+}
+
+/// Instances of one process for the spool, each with its origin, sharing the process's names (one
+/// reference for the run, not one per instance).
+#[derive(Debug)]
+pub struct SpoolRun {
+    pub names: Arc<Names>,
+    pub items: Vec<(Origin, Instance)>,
 }
 
 impl Durable for Spool {
-    fn append(&mut self, batch: &[(Origin, InstanceRef)]) -> std::io::Result<()> {
-        let messages: Vec<_> = batch.iter().map(|(o, i)| (*o, i.to_message())).collect();
+    fn append(&mut self, batch: &[SpoolRun]) -> std::io::Result<()> {
+        let messages: Vec<_> = (batch.iter())
+            .flat_map(|run| {
+                (run.items.iter()).map(|(o, inst)| {
+                    let names = &run.names;
+                    (*o, InstanceRef { inst, names }.to_message())
+                })
+            })
+            .collect();
         Spool::append(self, &messages)
     }
 
-    fn end(&self, job: &JobKey) -> Position {
-        Spool::end(self, job)
-    }
-
-    fn recorded_since(&self, job: &JobKey, from: Option<Position>) -> std::io::Result<Vec<Origin>> {
-        Spool::recorded_since(self, job, from)
+    fn index(&self) -> SpoolIndex {
+        Spool::index(self)
     }
 }
 

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod clock_step;
 pub mod config;
 pub mod engine;
+pub mod group_commit;
 pub mod histogram;
 pub mod hub;
 pub mod instance;

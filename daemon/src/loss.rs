@@ -43,6 +43,9 @@ stages! {
     StateWriteFailed => "state_write_failed",
     /// Instances the spool could not take (a full disk, an I/O error).
     SpoolFailed => "spool_failed",
+    /// Instances not spooled because the spool writer had `group_commit::QUEUE_BATCHES` batches
+    /// queued (a disk slower than ingest): ingest does not wait for it.
+    SpoolBacklog => "spool_backlog",
     /// Instances refused at the exporter's queue (a slow or absent collector).
     ExportQueueFull => "export_queue_full",
 }

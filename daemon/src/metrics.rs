@@ -87,6 +87,10 @@ pub struct Health {
     pub dev_joined: u64,
     /// Commits past open operations or unacknowledged spans because a ring was over half full.
     pub forced_commits: u64,
+    /// Operations in flight parked: the tail moved past their first record, the resume state
+    /// carrying them (after a gap in a segment's records, or open longer than the engine's
+    /// `PARK_AFTER`).
+    pub parked_ops: u64,
     /// Host clock steps the daemon saw, and collectives left out of the skew near them.
     pub clock_steps: u64,
     pub skew_clock_step: u64,
@@ -274,6 +278,14 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
         "Segment tails committed past open operations or unacknowledged spans because the ring was \
          over half full: nothing is lost, but a daemon restarted then would not read those again",
         health.forced_commits,
+    ));
+    out.push(counter(
+        "ncclscope_parked_operations_total",
+        "{operation}",
+        "Operations in flight the segment tail was committed past with their state saved for a \
+         restart (after a record lost in their segment, or while they stayed open), so that an \
+         operation that can no longer complete holds no ring space",
+        health.parked_ops,
     ));
     out.push(counter(
         "ncclscope_clock_steps_total",

@@ -144,6 +144,24 @@ pub struct SavedTemplate {
     pub ambiguous_items: Vec<u64>,
 }
 
+/// An operation in flight whose first record lies before the committed tail ("parked": see
+/// `Assembler::park`), as of the read position `SegmentState::parked_upto`: its records from the
+/// tail up to there are already in it; a restarted daemon continues it from here.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SavedOp {
+    /// The plugin's operation id.
+    pub id: u64,
+    pub comm: u32,
+    pub first_pos: u64,
+    #[serde(flatten)]
+    pub desc: Desc,
+    pub enqueue_ns: u64,
+    pub stop_ns: Option<u64>,
+    /// (channel, GPU start, GPU stop) of the kernel work joined so far.
+    pub channels: Vec<(u32, u64, u64)>,
+    pub host_anchor: Option<i64>,
+}
+
 #[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SegmentState {
     /// The segment this belongs to (a reused file name with another owner is ignored).
@@ -157,6 +175,17 @@ pub struct SegmentState {
     /// lies past it (`None`: written without a spool, or by a daemon that did not record it).
     #[serde(default)]
     pub spool_mark: Option<Position>,
+    /// Operations in flight that began before `tail` (absent when there are none, as in states
+    /// written before they were kept).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parked: Vec<SavedOp>,
+    /// Read position `parked` is as of: records before it are in them already.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub parked_upto: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 pub fn path(dir: &Path, segment: &str) -> PathBuf {
@@ -321,8 +350,45 @@ mod tests {
                 seq: 2,
                 offset: 4096,
             }),
+            parked: vec![],
+            parked_upto: 0,
         };
         assert_eq!(serde_json::to_string(&state).unwrap(), GOLDEN);
         assert_eq!(serde_json::from_str::<SegmentState>(GOLDEN).unwrap(), state);
+    }
+
+    /// Operations in flight before the tail: added after the fields above, only when there are some
+    /// (so a state without them is written as before, and a daemon before them reads this one,
+    /// ignoring them, as a state that only lacks the parked operations).
+    #[test]
+    fn parked_operations_keep_their_format() {
+        const PARKED: &str = r#"{"segment":"s.1.2.3","tail":50,"dictionary":{"strings":[],"func_names":[],"calibrations":[],"comms":[],"templates":[],"p2p_seqs":[]},"delivered":[],"spool_mark":null,"parked":[{"id":7,"comm":0,"first_pos":40,"seq":3,"is_p2p":false,"func":1,"datatype":2,"algo":0,"proto":0,"count":16,"root":-1,"peer":-1,"n_channels":4,"enqueue_ns":100,"stop_ns":null,"channels":[[0,1000,1500],[2,1010,1490]],"host_anchor":-5}],"parked_upto":64}"#;
+        let state = SegmentState {
+            segment: "s.1.2.3".into(),
+            tail: 50,
+            parked: vec![SavedOp {
+                id: 7,
+                comm: 0,
+                first_pos: 40,
+                desc: Desc {
+                    seq: 3,
+                    func: StrId(1),
+                    datatype: StrId(2),
+                    count: 16,
+                    root: -1,
+                    peer: -1,
+                    n_channels: 4,
+                    ..Desc::default()
+                },
+                enqueue_ns: 100,
+                stop_ns: None,
+                channels: vec![(0, 1000, 1500), (2, 1010, 1490)],
+                host_anchor: Some(-5),
+            }],
+            parked_upto: 64,
+            ..SegmentState::default()
+        };
+        assert_eq!(serde_json::to_string(&state).unwrap(), PARKED);
+        assert_eq!(serde_json::from_str::<SegmentState>(PARKED).unwrap(), state);
     }
 }

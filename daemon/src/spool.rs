@@ -24,6 +24,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -143,9 +144,68 @@ pub struct Spool {
     dir: PathBuf,
     limits: SpoolLimits,
     index: Arc<Mutex<Index>>,
-    next_seq: u64,
+    /// The next file's sequence number (shared with [`SpoolIndex`], written only here).
+    next_seq: Arc<AtomicU64>,
     /// Open append handle per job (its newest file).
     open: BTreeMap<JobKey, File>,
+}
+
+/// Where a spool stands (acknowledged ends, the next file's number, origins read back), readable
+/// from any thread while its [`Spool`] appends on another: what the engine asks while the spool
+/// writer thread appends (see `group_commit`).
+#[derive(Clone)]
+pub struct SpoolIndex {
+    index: Arc<Mutex<Index>>,
+    next_seq: Arc<AtomicU64>,
+}
+
+impl SpoolIndex {
+    /// A position at or before where the job's next record will go (its newest file's acknowledged
+    /// end, or the start of the next file the spool will create).
+    pub fn end(&self, job: &JobKey) -> Position {
+        // The next file's number first: a file created meanwhile has it, and a later one a higher.
+        let next_seq = self.next_seq.load(Ordering::Acquire);
+        match lock(&self.index).jobs.get(job).and_then(|f| f.last()) {
+            Some(f) => Position {
+                seq: f.seq,
+                offset: f.len,
+            },
+            None => Position {
+                seq: next_seq,
+                offset: 0,
+            },
+        }
+    }
+
+    /// Origins of the job's records at or after `from` (all of the job's records if `None`), in
+    /// append order. Reads what lies between: the caller keeps `from` recent.
+    pub fn recorded_since(&self, job: &JobKey, from: Option<Position>) -> io::Result<Vec<Origin>> {
+        let from = from.unwrap_or_default();
+        let files = lock(&self.index).jobs.get(job).cloned().unwrap_or_default();
+        let mut out = Vec::new();
+        for entry in files.iter().filter(|f| f.seq >= from.seq) {
+            let Some(mut cur) = open_cursor(entry)? else {
+                continue;
+            };
+            let mut at = MAGIC.len() as u64;
+            if entry.seq == from.seq && from.offset > at {
+                let skip = (from.offset - at).min(cur.remaining);
+                cur.reader.seek_relative(skip as i64)?;
+                cur.remaining -= skip;
+                at += skip;
+            }
+            while let Some((origin, _, used)) = read_record(&mut cur.reader, cur.remaining)
+                .map_err(|e| {
+                    io::Error::new(e.kind(), format!("{} at {at}: {e}", entry.path.display()))
+                })?
+            {
+                cur.remaining -= used;
+                at += used;
+                out.push(origin);
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// A cheap, cloneable, `Send` handle that reads what the spool has acknowledged, concurrently with
@@ -187,11 +247,19 @@ impl Spool {
             dir,
             limits,
             index: Arc::new(Mutex::new(index)),
-            next_seq,
+            next_seq: Arc::new(AtomicU64::new(next_seq)),
             open: BTreeMap::new(),
         };
         spool.enforce_limits()?;
         Ok(spool)
+    }
+
+    /// Where the spool stands, for another thread while this one appends.
+    pub fn index(&self) -> SpoolIndex {
+        SpoolIndex {
+            index: self.index.clone(),
+            next_seq: self.next_seq.clone(),
+        }
     }
 
     pub fn reader(&self) -> SpoolReader {
@@ -236,49 +304,14 @@ impl Spool {
         result
     }
 
-    /// A position at or before where the job's next record will go (its newest file's acknowledged
-    /// end, or the start of the next file the spool will create).
+    /// See [`SpoolIndex::end`].
     pub fn end(&self, job: &JobKey) -> Position {
-        match lock(&self.index).jobs.get(job).and_then(|f| f.last()) {
-            Some(f) => Position {
-                seq: f.seq,
-                offset: f.len,
-            },
-            None => Position {
-                seq: self.next_seq,
-                offset: 0,
-            },
-        }
+        self.index().end(job)
     }
 
-    /// Origins of the job's records at or after `from` (all of the job's records if `None`), in
-    /// append order. Reads what lies between: the caller keeps `from` recent.
+    /// See [`SpoolIndex::recorded_since`].
     pub fn recorded_since(&self, job: &JobKey, from: Option<Position>) -> io::Result<Vec<Origin>> {
-        let from = from.unwrap_or_default();
-        let files = lock(&self.index).jobs.get(job).cloned().unwrap_or_default();
-        let mut out = Vec::new();
-        for entry in files.iter().filter(|f| f.seq >= from.seq) {
-            let Some(mut cur) = open_cursor(entry)? else {
-                continue;
-            };
-            let mut at = MAGIC.len() as u64;
-            if entry.seq == from.seq && from.offset > at {
-                let skip = (from.offset - at).min(cur.remaining);
-                cur.reader.seek_relative(skip as i64)?;
-                cur.remaining -= skip;
-                at += skip;
-            }
-            while let Some((origin, _, used)) = read_record(&mut cur.reader, cur.remaining)
-                .map_err(|e| {
-                    io::Error::new(e.kind(), format!("{} at {at}: {e}", entry.path.display()))
-                })?
-            {
-                cur.remaining -= used;
-                at += used;
-                out.push(origin);
-            }
-        }
-        Ok(out)
+        self.index().recorded_since(job, from)
     }
 
     fn append_job(&mut self, job: &JobKey, bytes: &[u8]) -> io::Result<()> {
@@ -339,7 +372,7 @@ impl Spool {
             File::open(&self.dir)?.sync_all()?;
             File::open(&uid_dir)?.sync_all()?;
         }
-        let seq = self.next_seq;
+        let seq = self.next_seq.load(Ordering::Relaxed);
         let path = job_dir.join(format!("{seq:016x}.{EXT}"));
         let mut file = OpenOptions::new()
             .create_new(true)
@@ -352,7 +385,7 @@ impl Spool {
         }
         // The new directory entry must survive a crash too.
         File::open(&job_dir)?.sync_all()?;
-        self.next_seq += 1;
+        self.next_seq.store(seq + 1, Ordering::Release);
         self.open.insert(job.clone(), file);
         let mut index = lock(&self.index);
         index.stats.bytes += MAGIC.len() as u64;

@@ -36,7 +36,9 @@ use ncclscope_proto::{MAX_CHANNELS, Record, StrId, TimingPath};
 use crate::config::Limits;
 use crate::instance::Names;
 pub use crate::resume::Dictionary;
-use crate::resume::{Calibration, CapturedOp, CommInfo, Desc, ReplayCursor, SavedTemplate};
+use crate::resume::{
+    Calibration, CapturedOp, CommInfo, Desc, ReplayCursor, SavedOp, SavedTemplate,
+};
 
 mod build;
 mod counters;
@@ -145,8 +147,20 @@ pub struct Assembler {
     committed: u64,
     /// [`Lane::pair`]'s buffer, kept between calls.
     paired: Vec<(u64, Work)>,
+    /// Operations in flight that are parked (see [`Self::park`]).
+    parked: usize,
+    /// Operations continued from a previous daemon's state, and the read position it was saved as
+    /// of: their records before it are in them already and, read again, are skipped.
+    restored: Map<u64, u64>,
+    /// Every parkable operation whose first record lies before this position was offered to
+    /// [`Self::park`] (parked unless [`MAX_PARKED`] were).
+    park_from: u64,
     pub counters: AssembleCounters,
 }
+
+/// Operations parked at once, at most: each is saved with every state written while it is in
+/// flight. Beyond it an operation keeps the commit point as before (until the ring is half full).
+pub const MAX_PARKED: usize = 4096;
 
 impl Assembler {
     /// `uid`: the process's uid as the kernel reported it (see [`Names::uid`]).
@@ -169,6 +183,9 @@ impl Assembler {
             early_works: 0,
             committed: 0,
             paired: Vec::new(),
+            parked: 0,
+            restored: Map::default(),
+            park_from: 0,
             counters: AssembleCounters::default(),
         }
     }
@@ -325,9 +342,10 @@ impl Assembler {
         self.pid
     }
 
-    /// Position of the first record of the oldest operation still in flight, or work item held, at or
-    /// after `from` (the committed tail): what lies before it cannot be read again, so it pins nothing.
-    /// Something in flight lies before the tail only after a commit forced by a nearly full ring.
+    /// Position of the first record of the oldest operation still in flight and not parked, or work
+    /// item held, at or after `from` (the committed tail): what lies before it cannot be read again,
+    /// so it pins nothing. Something in flight lies before the tail after it was parked, or after a
+    /// commit forced by a nearly full ring.
     pub fn oldest_pending_pos(&self, from: u64) -> Option<u64> {
         let held = (self.holds.values())
             .filter(|h| !h.items.is_empty() && h.first_pos >= from)
@@ -335,9 +353,95 @@ impl Assembler {
         // `by_pos` is in position order: skip what lies before `from`, then its first live entry.
         let after = self.by_pos.partition_point(|&(pos, _)| pos < from);
         let open = (self.by_pos.range(after..))
-            .find(|&&(pos, id)| self.ops.get(&id).is_some_and(|o| o.first_pos == pos))
+            .find(|&&(pos, id)| {
+                (self.ops.get(&id)).is_some_and(|o| o.first_pos == pos && !o.parked)
+            })
             .map(|&(pos, _)| pos);
         open.into_iter().chain(held).min()
+    }
+
+    /// Parks the operations in flight whose first record lies before `upto` and that were read
+    /// before `read_before_ns`: the commit point no longer waits on them, and the resume state
+    /// carries them instead ([`Self::parked_ops`]), so the tail moves past their records with the
+    /// restart guarantee kept. For an operation whose record was lost (a gap the plugin counted), or
+    /// that is slow to complete. Only operations joined by id (the KernelCh path, eager): the
+    /// device-hook path joins work by order, which a restart could not continue from a saved
+    /// operation. Returns how many were parked.
+    pub fn park(&mut self, upto: u64, read_before_ns: u64) -> u64 {
+        // The front is in flight (finished entries leave it eagerly) and the oldest read: if it
+        // is younger, so is everything (the common case, one lookup per commit).
+        if let Some(&(_, id)) = self.by_pos.front()
+            && self
+                .ops
+                .get(&id)
+                .is_some_and(|o| !o.parked && o.opened_ns >= read_before_ns)
+        {
+            return 0;
+        }
+        let mut n = 0;
+        let from = self
+            .by_pos
+            .partition_point(|&(pos, _)| pos < self.park_from);
+        for &(pos, id) in self.by_pos.range(from..) {
+            if pos >= upto || self.parked >= MAX_PARKED {
+                break;
+            }
+            let Some(op) = self.ops.get_mut(&id).filter(|o| o.first_pos == pos) else {
+                self.park_from = pos + 1;
+                continue; // finished
+            };
+            if op.opened_ns >= read_before_ns {
+                break; // read in stream order: so are the ones after it
+            }
+            self.park_from = pos + 1;
+            let hook = self.dict.comms.get(&op.comm).is_none_or(|c| c.device_hook);
+            if op.parked || op.replay > 0 || hook {
+                continue;
+            }
+            op.parked = true;
+            self.parked += 1;
+            n += 1;
+        }
+        n
+    }
+
+    /// Whether an operation in flight is parked.
+    pub fn has_parked(&self) -> bool {
+        self.parked > 0
+    }
+
+    /// The parked operations whose first record lies before `tail`, for the resume state (those
+    /// at or after it are read again from their first record).
+    pub fn parked_ops(&self, tail: u64) -> Vec<SavedOp> {
+        if self.parked == 0 {
+            return Vec::new();
+        }
+        let mut v: Vec<SavedOp> = (self.ops.iter())
+            .filter(|(_, o)| o.parked && o.first_pos < tail)
+            .map(|(&id, o)| o.saved(id))
+            .collect();
+        v.sort_unstable_by_key(|o| o.first_pos);
+        v
+    }
+
+    /// Continues the operations a previous daemon parked (after [`Self::restore`]): their records
+    /// before `upto` are in them already. Read at `now_ns`.
+    pub fn restore_parked(&mut self, saved: &[SavedOp], upto: u64, now_ns: u64) {
+        for s in saved.iter().take(MAX_PARKED) {
+            if self.ops.contains_key(&s.id) || !self.dict.comms.contains_key(&s.comm) {
+                continue;
+            }
+            let prior = self.prior.get(&s.id).map_or(0, |p| p.1);
+            let op = Op::restored(s, now_ns, prior);
+            self.restored.insert(s.id, upto);
+            // Position order: restored before anything is read, and saved in that order.
+            self.by_pos.push_back((s.first_pos, s.id));
+            self.ops.insert(s.id, op);
+            self.comm_ops
+                .get_mut(s.comm)
+                .push(s.first_pos, s.id, &self.ops);
+            self.parked += 1;
+        }
     }
 
     pub fn pending(&self) -> usize {
@@ -534,6 +638,9 @@ impl Assembler {
                 self.host_event(pos, event, now_ns, out);
             }
             Record::OpStop { id, host_ns, .. } => {
+                if !self.restored.is_empty() && self.restored.get(&id).is_some_and(|&u| pos < u) {
+                    return; // in the operation a previous daemon saved
+                }
                 if let Some(op) = self.ops.get_mut(&id) {
                     op.stop_ns = Some(host_ns);
                     op.last_progress_ns = now_ns;
@@ -552,6 +659,10 @@ impl Assembler {
                 host_ns,
                 ..
             } => {
+                if !self.restored.is_empty() && self.restored.get(&parent).is_some_and(|&u| pos < u)
+                {
+                    return; // in the operation a previous daemon saved
+                }
                 if let Some(op) = self.ops.get_mut(&parent) {
                     // One record per channel: more would grow the op (and keep it alive) forever.
                     let channels = if op.desc.n_channels == 0 {
@@ -1147,8 +1258,12 @@ impl Assembler {
         }
         let (first_pos, comm, now_ns) = (op.first_pos, op.comm, op.last_progress_ns);
         self.by_pos.push_back((first_pos, id));
-        if self.ops.insert(id, op).is_some() {
+        if let Some(old) = self.ops.insert(id, op) {
             // A reused id: close the old one as it is rather than mixing the two.
+            self.parked -= old.parked as usize;
+            if !self.restored.is_empty() {
+                self.restored.remove(&id);
+            }
             self.counters.incomplete += 1;
             self.prune_by_pos();
         }
@@ -1312,6 +1427,10 @@ impl Assembler {
         let Some(mut op) = self.ops.remove(&id) else {
             return;
         };
+        self.parked -= op.parked as usize;
+        if !self.restored.is_empty() {
+            self.restored.remove(&id);
+        }
         self.prune_by_pos();
         self.comm_ops.finished(op.comm, op.first_pos, id);
         let elem_bytes = self.dict.datatype_size(op.desc.datatype);

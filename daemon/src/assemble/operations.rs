@@ -8,7 +8,7 @@ use ncclscope_proto::api::ChannelWork;
 
 use super::Map;
 use crate::instance::Instance;
-use crate::resume::Desc;
+use crate::resume::{Desc, SavedOp};
 
 pub(super) struct Op {
     pub comm: u32,
@@ -30,6 +30,11 @@ pub(super) struct Op {
     /// Channels whose work item was dropped as ambiguous (see `hold`): the op can no longer
     /// complete, and is closed once the others are in.
     pub lost: u64,
+    /// When it was read (its first record).
+    pub opened_ns: u64,
+    /// Parked (see `Assembler::park`): the commit point does not wait on it; the resume state
+    /// carries it instead.
+    pub parked: bool,
 }
 
 impl Op {
@@ -57,7 +62,39 @@ impl Op {
             awaiting_calibration: false,
             replay,
             lost: 0,
+            opened_ns: now_ns,
+            parked: false,
         }
+    }
+
+    /// What the resume state keeps of a parked operation `id`.
+    pub fn saved(&self, id: u64) -> SavedOp {
+        SavedOp {
+            id,
+            comm: self.comm,
+            first_pos: self.first_pos,
+            desc: self.desc,
+            enqueue_ns: self.enqueue_ns,
+            stop_ns: self.stop_ns,
+            channels: (self.channels.iter())
+                .map(|c| (c.channel, c.start_unix_ns, c.end_unix_ns))
+                .collect(),
+            host_anchor: self.host_anchor,
+        }
+    }
+
+    /// A parked operation of a previous daemon, continued: read at `now_ns`; `prior`: sinks that
+    /// daemon delivered it to.
+    pub fn restored(s: &SavedOp, now_ns: u64, prior: u8) -> Op {
+        let mut op = Op::new(s.comm, s.first_pos, s.desc, s.enqueue_ns, now_ns, 0);
+        op.stop_ns = s.stop_ns;
+        op.host_anchor = s.host_anchor;
+        for &(channel, start, stop) in &s.channels {
+            op.add_work(channel as u8, start, stop, now_ns);
+        }
+        op.prior = prior;
+        op.parked = true;
+        op
     }
 
     #[inline]
