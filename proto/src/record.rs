@@ -340,8 +340,7 @@ impl Record {
         let comm = (w[0] >> 32) as u32;
         let byte1 = (w[0] >> 8) as u8;
         let channel = |field| {
-            // NCCL has at most 64 channels (MAXCHANNELS).
-            if byte1 < 64 {
+            if byte1 < MAX_CHANNELS {
                 Ok(byte1)
             } else {
                 Err(DecodeError::BadField { kind: k, field })
