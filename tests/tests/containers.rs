@@ -138,19 +138,31 @@ impl Node {
             let mut hms = time.split(':').map(|f| f.parse::<f64>().ok());
             Some(hms.next()?? * 3600.0 + hms.next()?? * 60.0 + hms.next()??)
         };
-        let log = self.log();
-        let lines: Vec<&str> = log.lines().collect();
-        let start = lines
-            .iter()
-            .rposition(|l| l.contains("ncclscope daemon started"))
-            .expect("a start in the log");
-        let attached: Vec<f64> = lines[start..]
-            .iter()
-            .filter(|l| l.contains("segment attached"))
-            .filter_map(|l| at(l))
-            .collect();
-        let started = at(lines[start]).expect("a timestamp on the start line");
-        Duration::from_secs_f64(attached[n - 1] - started)
+        // The log is read until it holds `n` attachments: the test may get here first.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let log = self.log();
+            let lines: Vec<&str> = log.lines().collect();
+            let start = lines
+                .iter()
+                .rposition(|l| l.contains("ncclscope daemon started"))
+                .expect("a start in the log");
+            let attached: Vec<f64> = lines[start..]
+                .iter()
+                .filter(|l| l.contains("segment attached"))
+                .filter_map(|l| at(l))
+                .collect();
+            if attached.len() >= n {
+                let started = at(lines[start]).expect("a timestamp on the start line");
+                return Duration::from_secs_f64(attached[n - 1] - started);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} of {n} segments attached since the start: {log}",
+                attached.len()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Starts `nranks` simulated ranks of `job`, each in namespaces of its own with a private
