@@ -605,6 +605,7 @@ pub fn to_otlp(families: &[Family], start_ns: u64, now_ns: u64) -> Vec<Metric> {
 mod tests {
     use super::*;
     use crate::instance::Shared;
+    use ncclscope_tests::promql::{histogram_quantile, native_quantile};
 
     #[test]
     fn prometheus_text_has_cumulative_buckets_and_escaped_labels() {
@@ -699,39 +700,6 @@ mod tests {
                 (le, l.rsplit(' ').next().unwrap().parse().unwrap())
             })
             .collect()
-    }
-
-    /// `histogram_quantile` over classic buckets as Prometheus computes it: linear inside the
-    /// bucket that holds rank q * count, from the previous bound (0 for the first).
-    fn histogram_quantile(q: f64, buckets: &[(f64, f64)]) -> f64 {
-        let total = buckets.last().unwrap().1;
-        let rank = q * total;
-        let b = buckets.iter().position(|&(_, c)| c >= rank).unwrap();
-        if b == buckets.len() - 1 {
-            return buckets[b - 1].0;
-        }
-        let (start, before) = if b == 0 { (0.0, 0.0) } else { buckets[b - 1] };
-        let (end, cum) = buckets[b];
-        start + (end - start) * (rank - before) / (cum - before)
-    }
-
-    /// The quantile of a native (or OTLP exponential) histogram as Prometheus computes it:
-    /// `counts` of the buckets from (2^((first-1)/2^schema), 2^(first/2^schema)] on, interpolated
-    /// exponentially inside the bucket holding rank q * count.
-    fn native_quantile(q: f64, schema: i32, first: i32, counts: &[u64]) -> f64 {
-        let rank = q * counts.iter().sum::<u64>() as f64;
-        let mut seen = 0.0;
-        let bound = |i: i32| (i as f64 / (schema as f64).exp2()).exp2();
-        for (k, &c) in counts.iter().enumerate() {
-            let c = c as f64;
-            if seen + c >= rank && c > 0.0 {
-                let i = first + k as i32;
-                let (lo, hi) = (bound(i - 1).log2(), bound(i).log2());
-                return (lo + (hi - lo) * (rank - seen) / c).exp2();
-            }
-            seen += c;
-        }
-        unreachable!()
     }
 
     /// Issue 17: the 1-2-5 buckets read an all-reduce exec p99 as 9491 us where the exact value was

@@ -56,3 +56,39 @@ pub fn attr<'a>(s: &'a ExportedSpan, k: &str) -> &'a str {
     }
     v
 }
+
+/// Quantiles as Prometheus computes them from what the daemon exports, to compare with exact values.
+pub mod promql {
+    /// `histogram_quantile` over classic cumulative buckets `(upper bound, count)`, +Inf last:
+    /// linear inside the bucket that holds rank q * count, from the previous bound (0 for the
+    /// first); in the +Inf bucket, the highest finite bound.
+    pub fn histogram_quantile(q: f64, buckets: &[(f64, f64)]) -> f64 {
+        let rank = q * buckets.last().unwrap().1;
+        let b = buckets.iter().position(|&(_, c)| c >= rank).unwrap();
+        if b == buckets.len() - 1 {
+            return buckets[b - 1].0;
+        }
+        let (start, before) = if b == 0 { (0.0, 0.0) } else { buckets[b - 1] };
+        let (end, cum) = buckets[b];
+        start + (end - start) * (rank - before) / (cum - before)
+    }
+
+    /// A native (or OTLP exponential) histogram's quantile: exponential interpolation inside the
+    /// bucket holding rank q * count. `counts[k]` is bucket `first + k`, (base^(i-1), base^i] with
+    /// base 2^(2^-schema).
+    pub fn native_quantile(q: f64, schema: i32, first: i32, counts: &[u64]) -> f64 {
+        let rank = q * counts.iter().sum::<u64>() as f64;
+        let log_bound = |i: i32| i as f64 / (schema as f64).exp2();
+        let mut seen = 0.0;
+        for (k, &c) in counts.iter().enumerate() {
+            let c = c as f64;
+            if c > 0.0 && seen + c >= rank {
+                let i = first + k as i32;
+                let (lo, hi) = (log_bound(i - 1), log_bound(i));
+                return (lo + (hi - lo) * (rank - seen) / c).exp2();
+            }
+            seen += c;
+        }
+        panic!("rank {rank} beyond the buckets")
+    }
+}

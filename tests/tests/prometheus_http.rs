@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use ncclscope::spool::SpoolReader;
 use ncclscope_proto::prometheus::MetricFamily;
+use ncclscope_tests::promql::{histogram_quantile, native_quantile};
 use prost::Message;
 use serde_json::Value;
 
@@ -112,37 +113,6 @@ type ExecAndBusbw = (Vec<f64>, Vec<f64>);
 /// The nearest-rank quantile of sorted `values`: what `stats` reports.
 fn exact(values: &[f64], q: f64) -> f64 {
     values[((q * values.len() as f64).ceil() as usize).clamp(1, values.len()) - 1]
-}
-
-/// `histogram_quantile` over classic buckets as Prometheus computes it: linear inside the bucket
-/// holding rank q * count, from the previous bound (0 for the first); (le, cumulative count).
-fn histogram_quantile(q: f64, buckets: &[(f64, f64)]) -> f64 {
-    let rank = q * buckets.last().unwrap().1;
-    let b = buckets.iter().position(|&(_, c)| c >= rank).unwrap();
-    if b == buckets.len() - 1 {
-        return buckets[b - 1].0;
-    }
-    let (start, before) = if b == 0 { (0.0, 0.0) } else { buckets[b - 1] };
-    let (end, cum) = buckets[b];
-    start + (end - start) * (rank - before) / (cum - before)
-}
-
-/// A native histogram's quantile as Prometheus computes it: exponential interpolation inside the
-/// bucket holding rank q * count. `counts[k]` is bucket `first + k`, (base^(i-1), base^i].
-fn native_quantile(q: f64, schema: i32, first: i32, counts: &[u64]) -> f64 {
-    let rank = q * counts.iter().sum::<u64>() as f64;
-    let log_bound = |i: i32| i as f64 / (schema as f64).exp2();
-    let mut seen = 0.0;
-    for (k, &c) in counts.iter().enumerate() {
-        let c = c as f64;
-        if c > 0.0 && seen + c >= rank {
-            let i = first + k as i32;
-            let (lo, hi) = (log_bound(i - 1), log_bound(i));
-            return (lo + (hi - lo) * (rank - seen) / c).exp2();
-        }
-        seen += c;
-    }
-    panic!("rank {rank} beyond the buckets")
 }
 
 /// Issue 17: `stats` read p50/p99 3-9% low and Grafana an all-reduce exec p99 83% high. Every
