@@ -463,25 +463,13 @@ fn rss() {
         addr
     });
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let config = dir.path().join("ncclscope.toml");
-    let spool_dir = match spool {
-        true => format!("{d}/spool"),
-        false => String::new(),
-    };
-    std::fs::write(
-        &config,
-        format!(
-            "socket = \"{d}/s.sock\"\napi_socket = \"{d}/api.sock\"\nstate_dir = \"{d}/state\"\n\
-             [spool]\ndir = \"{spool_dir}\"\n[otlp]\nendpoint = \"http://{addr}\"\nsample_ratio = 0.01\nmetrics_interval_ms = 3600000\n[prometheus]\nlisten = \"127.0.0.1:{port}\"\n"
+    let (config, port) = daemon_config(
+        dir.path(),
+        spool,
+        &format!(
+            "[otlp]\nendpoint = \"http://{addr}\"\nsample_ratio = 0.01\nmetrics_interval_ms = 3600000\n"
         ),
-    )
-    .unwrap();
+    );
     let mut daemon = std::process::Command::new(daemon_binary())
         .args(["daemon", "--config"])
         .arg(&config)
@@ -607,31 +595,38 @@ fn run_ns(pid: u32, thread: Option<&str>) -> u64 {
     ns
 }
 
+/// A daemon's configuration in `dir`: its sockets and state there, the spool too if `spool`,
+/// Prometheus on a free port, then `more` (further sections). Its path and the Prometheus port.
+fn daemon_config(dir: &std::path::Path, spool: bool, more: &str) -> (std::path::PathBuf, u16) {
+    let d = dir.display();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let spool_dir = match spool {
+        true => format!("{d}/spool"),
+        false => String::new(),
+    };
+    let config = dir.join("ncclscope.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "socket = \"{d}/s.sock\"\napi_socket = \"{d}/api.sock\"\nstate_dir = \"{d}/state\"\n\
+             [spool]\ndir = \"{spool_dir}\"\n[prometheus]\nlisten = \"127.0.0.1:{port}\"\n{more}"
+        ),
+    )
+    .unwrap();
+    (config, port)
+}
+
 /// The real daemon binary over prefilled segments: (records per CPU-second of the process, of its
 /// ingest thread), every loss counter checked zero. The CPU time is counted from just before the
 /// segments are handed over until the daemon's metrics (refreshed every second) count every
 /// collective, so it includes up to a second of idle ticks.
 fn real(ranks: u64, spool: bool, late_kernels: bool) -> (f64, f64) {
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let config = dir.path().join("ncclscope.toml");
-    let spool_dir = match spool {
-        true => format!("{d}/spool"),
-        false => String::new(),
-    };
-    std::fs::write(
-        &config,
-        format!(
-            "socket = \"{d}/s.sock\"\napi_socket = \"{d}/api.sock\"\nstate_dir = \"{d}/state\"\n\
-             [spool]\ndir = \"{spool_dir}\"\n[prometheus]\nlisten = \"127.0.0.1:{port}\"\n"
-        ),
-    )
-    .unwrap();
+    let (config, port) = daemon_config(dir.path(), spool, "");
     // The segments first: the daemon finds them full, as after a burst or its own restart.
     let per_rank = 150_000 / ranks;
     let capacity = (per_rank * (2 + CHANNELS) + 64).next_power_of_two();
