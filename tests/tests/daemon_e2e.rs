@@ -42,6 +42,80 @@ fn records_per_rank(ncolls: u64) -> u64 {
     4 + 1 + 1 + ncolls * (2 + CHANNELS) + 1
 }
 
+/// What a synthetic rank writes before its collectives, as the plugin does: the strings they name,
+/// its device's calibration and its communicator.
+fn announce(p: &mut Producer, rank: u32, nranks: u32) {
+    for (id, text) in [
+        (1, "AllReduce"),
+        (2, "ncclFloat32"),
+        (3, "RING"),
+        (4, "SIMPLE"),
+    ] {
+        assert!(p.push(&Record::str(StrId(id), text.as_bytes())));
+    }
+    assert!(p.push(&Record::Calibration {
+        cuda_dev: rank as i32,
+        offset_ns: offset(rank),
+        error_ns: 100 + rank,
+        drift_ppb: 0,
+        host_ns: 0,
+    }));
+    assert!(p.push(&Record::Comm {
+        comm: 0,
+        comm_hash: COMM_HASH,
+        rank,
+        nranks,
+        nnodes: 1,
+        cuda_dev: rank as i32,
+        name: StrId(0),
+        nccl_version: 22809,
+        path: TimingPath::KernelCh,
+        host_ns: ncclscope_proto::now_ns(),
+    }));
+}
+
+/// Collective `seq` of a synthetic rank on `channels` channels as the plugin writes it: its start,
+/// one KernelCh per channel, its stop. Enqueued 1 us before its kernel starts, on the calibration's
+/// (synthetic) host clock: the daemon does not use kernel times that fall before their enqueue.
+fn collective(rank: u32, seq: u64, channels: u64) -> (Record, Vec<Record>, Record) {
+    let id = seq + 1;
+    let host_ns = (gpu_times(rank, seq, 0).0 as i64 + offset(rank)) as u64 - 1_000;
+    let start = Record::CollStart {
+        comm: 0,
+        id,
+        seq,
+        func: StrId(1),
+        datatype: StrId(2),
+        algo: StrId(3),
+        proto: StrId(4),
+        count: 1 << 18,
+        root: -1,
+        n_channels: channels as u8,
+        n_warps: 16,
+        host_ns,
+        captured: false,
+    };
+    let kernels = (0..channels)
+        .map(|ch| {
+            let (gpu_start, gpu_stop) = gpu_times(rank, seq, ch);
+            Record::KernelCh {
+                comm: 0,
+                parent: id,
+                channel: ch as u8,
+                gpu_start,
+                gpu_stop,
+                host_ns,
+            }
+        })
+        .collect();
+    let stop = Record::OpStop {
+        comm: 0,
+        id,
+        host_ns,
+    };
+    (start, kernels, stop)
+}
+
 /// The rank process, run by the tests below through `RANK_ENV` = "socket|rank|nranks|ncolls|pace_us".
 /// Like the plugin, it hands its segment over again whenever the daemon goes away.
 #[test]
@@ -62,34 +136,7 @@ fn daemon_rank_child() {
     let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
     // A loss the plugin would have counted: it must reach the daemon's loss metrics.
     p.segment().count(Counter::QueueFull, rank as u64 + 1);
-    for (id, text) in [
-        (1, "AllReduce"),
-        (2, "ncclFloat32"),
-        (3, "RING"),
-        (4, "SIMPLE"),
-    ] {
-        assert!(p.push(&Record::str(StrId(id), text.as_bytes())));
-    }
-    let cal = Record::Calibration {
-        cuda_dev: rank as i32,
-        offset_ns: offset(rank),
-        error_ns: 100 + rank,
-        drift_ppb: 0,
-        host_ns: 0,
-    };
-    assert!(p.push(&cal));
-    assert!(p.push(&Record::Comm {
-        comm: 0,
-        comm_hash: COMM_HASH,
-        rank,
-        nranks,
-        nnodes: 1,
-        cuda_dev: rank as i32,
-        name: StrId(0),
-        nccl_version: 22809,
-        path: TimingPath::KernelCh,
-        host_ns: ncclscope_proto::now_ns(),
-    }));
+    announce(&mut p, rank, nranks);
     // Communicator init is collective in NCCL: no rank runs a collective before every rank is in.
     let barrier = socket.with_file_name(format!("ready.{rank}"));
     std::fs::write(&barrier, b"").unwrap();
@@ -99,41 +146,10 @@ fn daemon_rank_child() {
         std::thread::sleep(Duration::from_millis(5));
     }
     for seq in 0..ncolls {
-        let id = seq + 1;
-        // Enqueued 1 us before its kernel starts, on the calibration's (synthetic) host clock: the
-        // daemon does not use kernel times that fall before their enqueue.
-        let host_ns = (gpu_times(rank, seq, 0).0 as i64 + offset(rank)) as u64 - 1_000;
-        p.push(&Record::CollStart {
-            comm: 0,
-            id,
-            seq,
-            func: StrId(1),
-            datatype: StrId(2),
-            algo: StrId(3),
-            proto: StrId(4),
-            count: 1 << 18,
-            root: -1,
-            n_channels: CHANNELS as u8,
-            n_warps: 16,
-            host_ns,
-            captured: false,
-        });
-        for ch in 0..CHANNELS {
-            let (gpu_start, gpu_stop) = gpu_times(rank, seq, ch);
-            p.push(&Record::KernelCh {
-                comm: 0,
-                parent: id,
-                channel: ch as u8,
-                gpu_start,
-                gpu_stop,
-                host_ns,
-            });
+        let (start, kernels, stop) = collective(rank, seq, CHANNELS);
+        for r in std::iter::once(&start).chain(&kernels).chain([&stop]) {
+            p.push(r);
         }
-        p.push(&Record::OpStop {
-            comm: 0,
-            id,
-            host_ns,
-        });
         if !pace.is_zero() {
             std::thread::sleep(pace);
         }
@@ -214,81 +230,23 @@ fn lossy_rank_child() {
     };
     let mut p = Producer::new(Segment::create(&claims, capacity).unwrap());
     let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
-    for (id, text) in [
-        (1, "AllReduce"),
-        (2, "ncclFloat32"),
-        (3, "RING"),
-        (4, "SIMPLE"),
-    ] {
-        assert!(p.push(&Record::str(StrId(id), text.as_bytes())));
-    }
-    assert!(p.push(&Record::Calibration {
-        cuda_dev: 0,
-        offset_ns: offset(0),
-        error_ns: 100,
-        drift_ppb: 0,
-        host_ns: 0,
-    }));
-    assert!(p.push(&Record::Comm {
-        comm: 0,
-        comm_hash: COMM_HASH,
-        rank: 0,
-        nranks: 1,
-        nnodes: 1,
-        cuda_dev: 0,
-        name: StrId(0),
-        nccl_version: 22809,
-        path: TimingPath::KernelCh,
-        host_ns: ncclscope_proto::now_ns(),
-    }));
+    announce(&mut p, 0, 1);
     let lose = |p: &mut Producer| p.segment().count(Counter::QueueFull, 1);
     for seq in 0..ncolls {
-        let id = seq + 1;
-        let host_ns = (gpu_times(0, seq, 0).0 as i64 + offset(0)) as u64 - 1_000;
+        let (start, kernels, stop) = collective(0, seq, CH);
         match dropped("start", seq) {
             true => lose(&mut p),
-            false => {
-                p.push(&Record::CollStart {
-                    comm: 0,
-                    id,
-                    seq,
-                    func: StrId(1),
-                    datatype: StrId(2),
-                    algo: StrId(3),
-                    proto: StrId(4),
-                    count: 1 << 18,
-                    root: -1,
-                    n_channels: CH as u8,
-                    n_warps: 16,
-                    host_ns,
-                    captured: false,
-                });
-            }
+            false => _ = p.push(&start),
         }
-        for ch in 0..CH {
-            if ch == 1 && dropped("kernel", seq) {
-                lose(&mut p);
-                continue;
+        for (ch, k) in kernels.iter().enumerate() {
+            match ch == 1 && dropped("kernel", seq) {
+                true => lose(&mut p),
+                false => _ = p.push(k),
             }
-            let (gpu_start, gpu_stop) = gpu_times(0, seq, ch);
-            p.push(&Record::KernelCh {
-                comm: 0,
-                parent: id,
-                channel: ch as u8,
-                gpu_start,
-                gpu_stop,
-                host_ns,
-            });
         }
         match dropped("stop", seq) {
             true => lose(&mut p),
-            false => {
-                p.push(&Record::OpStop {
-                    comm: 0,
-                    id,
-                    host_ns,
-                });
-            }
+            false => _ = p.push(&stop),
         }
         if (seq + 1) % burst == 0 {
             std::thread::sleep(pause);
