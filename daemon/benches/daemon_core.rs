@@ -34,44 +34,55 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 
 const CHANNELS: u64 = 4;
 
-fn fill(p: &mut Producer, seq0: u64, n: u64) -> u64 {
-    let mut records = 0;
-    for seq in seq0..seq0 + n {
-        let id = seq + 1;
-        p.push(&Record::CollStart {
-            comm: 0,
-            id,
-            seq,
-            func: StrId(1),
-            datatype: StrId(2),
-            algo: StrId(3),
-            proto: StrId(4),
-            count: 1 << (10 + seq % 12),
-            root: -1,
-            n_channels: CHANNELS as u8,
-            n_warps: 16,
-            host_ns: seq,
-            captured: false,
-        });
-        for ch in 0..CHANNELS {
-            let t = 1_000_000 + seq * 10_000 + ch * 10;
-            p.push(&Record::KernelCh {
-                comm: 0,
-                parent: id,
-                channel: ch as u8,
-                gpu_start: t,
-                gpu_stop: t + 5000 + seq % 977,
-                host_ns: 0,
-            });
-        }
-        p.push(&Record::OpStop {
-            comm: 0,
-            id,
-            host_ns: seq,
-        });
-        records += 2 + CHANNELS;
+/// Collective `seq`'s start as the plugin writes it (strings 1-4 from `prelude`).
+fn coll_start(seq: u64) -> Record {
+    Record::CollStart {
+        comm: 0,
+        id: seq + 1,
+        seq,
+        func: StrId(1),
+        datatype: StrId(2),
+        algo: StrId(3),
+        proto: StrId(4),
+        count: 1 << (10 + seq % 12),
+        root: -1,
+        n_channels: CHANNELS as u8,
+        n_warps: 16,
+        host_ns: seq,
+        captured: false,
     }
-    records
+}
+
+/// Collective `seq`'s KernelCh records, one per channel.
+fn kernels(p: &mut Producer, seq: u64) {
+    for ch in 0..CHANNELS {
+        let t = 1_000_000 + seq * 10_000 + ch * 10;
+        p.push(&Record::KernelCh {
+            comm: 0,
+            parent: seq + 1,
+            channel: ch as u8,
+            gpu_start: t,
+            gpu_stop: t + 5000 + seq % 977,
+            host_ns: 0,
+        });
+    }
+}
+
+fn op_stop(seq: u64) -> Record {
+    Record::OpStop {
+        comm: 0,
+        id: seq + 1,
+        host_ns: seq,
+    }
+}
+
+fn fill(p: &mut Producer, seq0: u64, n: u64) -> u64 {
+    for seq in seq0..seq0 + n {
+        p.push(&coll_start(seq));
+        kernels(p, seq);
+        p.push(&op_stop(seq));
+    }
+    n * (2 + CHANNELS)
 }
 
 /// A segment of `capacity` records, handed to `engine` as process `pid`'s; returns the producer and
@@ -103,50 +114,17 @@ fn bench_segment(engine: &mut Engine, pid: u32, capacity: u64) -> (Producer, std
 /// events of the operations that follow), as NCCL's proxy thread reports kernels while the host
 /// enqueues the next collectives.
 fn fill_late_kernels(p: &mut Producer, seq0: u64, n: u64, lag: u64) -> u64 {
-    let mut records = 0;
-    let kernels = |p: &mut Producer, seq: u64| {
-        for ch in 0..CHANNELS {
-            let t = 1_000_000 + seq * 10_000 + ch * 10;
-            p.push(&Record::KernelCh {
-                comm: 0,
-                parent: seq + 1,
-                channel: ch as u8,
-                gpu_start: t,
-                gpu_stop: t + 5000 + seq % 977,
-                host_ns: 0,
-            });
-        }
-    };
     for seq in seq0..seq0 + n {
-        p.push(&Record::CollStart {
-            comm: 0,
-            id: seq + 1,
-            seq,
-            func: StrId(1),
-            datatype: StrId(2),
-            algo: StrId(3),
-            proto: StrId(4),
-            count: 1 << (10 + seq % 12),
-            root: -1,
-            n_channels: CHANNELS as u8,
-            n_warps: 16,
-            host_ns: seq,
-            captured: false,
-        });
-        p.push(&Record::OpStop {
-            comm: 0,
-            id: seq + 1,
-            host_ns: seq,
-        });
+        p.push(&coll_start(seq));
+        p.push(&op_stop(seq));
         if seq >= seq0 + lag {
             kernels(p, seq - lag);
         }
-        records += 2 + CHANNELS;
     }
     for seq in (seq0 + n).saturating_sub(lag).max(seq0)..seq0 + n {
         kernels(p, seq);
     }
-    records
+    n * (2 + CHANNELS)
 }
 
 /// What a rank announces before its collectives: the strings `fill` uses, its communicator and a
