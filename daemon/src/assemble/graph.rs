@@ -32,9 +32,6 @@ pub struct Template {
     pub(super) marks: VecDeque<(u64, u8, ReplayCursor)>,
     /// (replay, captured index, instance id) of replayed instances opened, oldest first.
     pub(super) open: VecDeque<(u32, u32, u64)>,
-    /// (record position, first position of the eager operation it joined) of work items that went
-    /// to eager operations, oldest first: see [`SavedTemplate::eager_items`].
-    pub(super) eager_marks: VecDeque<(u64, u64)>,
     /// (record position, position of the hold's first item) of work items dropped as ambiguous
     /// (see [`Hold`]), oldest first.
     pub(super) ambiguous_marks: VecDeque<(u64, u64)>,
@@ -88,15 +85,6 @@ impl Template {
         }
         let i = self.marks.partition_point(|m| m.0 <= pos);
         self.marks.insert(i, (pos, ch, before));
-    }
-
-    /// Remembers that the work item at `pos` joined the eager operation starting at `owner`.
-    pub(super) fn eager_mark(&mut self, pos: u64, owner: u64) {
-        if self.eager_marks.len() >= MAX_MARKS {
-            self.eager_marks.pop_front();
-        }
-        let i = self.eager_marks.partition_point(|m| m.0 <= pos);
-        self.eager_marks.insert(i, (pos, owner));
     }
 
     /// Remembers that the work item at `pos` was dropped as ambiguous by a hold that began at `first`.
@@ -154,12 +142,8 @@ impl Template {
             comm: self.comm,
             ops: self.ops.iter().filter(|o| o.pos < tail).cloned().collect(),
             cursors: self.cursors.clone(),
-            eager_items: self
-                .eager_marks
-                .iter()
-                .filter(|&&(pos, owner)| pos >= tail && owner < tail)
-                .map(|&(pos, _)| pos)
-                .collect(),
+            // Filled by the assembler, which marks the items joined to eager operations.
+            eager_items: Vec::new(),
             ambiguous_items: (self.ambiguous_marks.iter())
                 .filter(|&&(pos, first)| pos >= tail && first < tail)
                 .map(|&(pos, _)| pos)

@@ -24,11 +24,11 @@ pub(super) struct Read {
 }
 
 /// One (communicator, channel) on the device-hook path: operations awaiting their work item there,
-/// and work items awaiting their operation, both oldest first.
+/// and work items (with their record position) awaiting their operation, both oldest first.
 #[derive(Debug, Default)]
 pub(super) struct Lane {
     pub ops: VecDeque<u64>,
-    pub works: VecDeque<Work>,
+    pub works: VecDeque<(u64, Work)>,
 }
 
 impl Lane {
@@ -36,15 +36,15 @@ impl Lane {
     /// whether operation `op` can own `work` (None: it is no longer in flight, and leaves the lane).
     /// A work item the oldest operation cannot own skips the operations before the first that can
     /// (they lost their item on this channel), or is dropped if none can. Returns the pairs and how
-    /// many items were dropped; the pairs go to `joined` (a buffer the caller reuses: no allocation
-    /// per work item on the ingest path).
+    /// many items were dropped; the pairs (operation, item's position, item) go to `joined` (a buffer
+    /// the caller reuses: no allocation per work item on the ingest path).
     pub fn pair(
         &mut self,
         fits: impl Fn(u64, &Work) -> Option<bool>,
-        joined: &mut Vec<(u64, Work)>,
+        joined: &mut Vec<(u64, u64, Work)>,
     ) -> usize {
         let mut dropped = 0;
-        while let (Some(&id), Some(&work)) = (self.ops.front(), self.works.front()) {
+        while let (Some(&id), Some(&(pos, work))) = (self.ops.front(), self.works.front()) {
             match fits(id, &work) {
                 None => {
                     self.ops.pop_front();
@@ -52,7 +52,7 @@ impl Lane {
                 Some(true) => {
                     self.ops.pop_front();
                     self.works.pop_front();
-                    joined.push((id, work));
+                    joined.push((id, pos, work));
                 }
                 Some(false) => {
                     if (self.ops.iter().skip(1)).any(|&later| fits(later, &work) == Some(true)) {
@@ -91,20 +91,20 @@ mod tests {
         let fits = |op: u64, w: &Work| (op != 2).then(|| func(op) == w.func_id);
         let mut lane = Lane {
             ops: (1..=4).collect(),
-            works: [work(10), work(10), work(99), work(30)].into(),
+            works: [(5, work(10)), (6, work(10)), (7, work(99)), (8, work(30))].into(),
         };
         let mut joined = Vec::new();
         let dropped = lane.pair(fits, &mut joined);
-        let ids: Vec<u64> = joined.iter().map(|j| j.0).collect();
+        let pairs: Vec<(u64, u64)> = joined.iter().map(|j| (j.0, j.1)).collect();
         // 1 takes the first 10; 2 is gone; 3 takes the second 10; 99 fits nothing: dropped; 4 takes 30.
-        assert_eq!(ids, [1, 3, 4]);
+        assert_eq!(pairs, [(1, 5), (3, 6), (4, 8)]);
         assert_eq!(dropped, 1);
         assert!(lane.is_empty());
 
         // An item that a later operation fits skips the one before it (which lost its item here).
         let mut lane = Lane {
             ops: [1, 4].into(),
-            works: [work(30)].into(),
+            works: [(9, work(30))].into(),
         };
         joined.clear();
         let dropped = lane.pair(fits, &mut joined);

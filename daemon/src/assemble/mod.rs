@@ -51,7 +51,7 @@ pub use counters::AssembleCounters;
 use dictionary::Dict;
 pub use dictionary::UidBudget;
 use graph::replay_id;
-use graph::{MAX_TEMPLATE_OPS, Template};
+use graph::{MAX_MARKS, MAX_TEMPLATE_OPS, Template};
 use hold::{Candidate, Hold, MAX_HOLD_EAGER, Owner};
 use lanes::{Lane, MAX_EARLY_WORKS, Read, Work};
 pub use operations::Completed;
@@ -146,7 +146,12 @@ pub struct Assembler {
     /// again, and [`Self::dictionary`] describes the templates as they were there.
     committed: u64,
     /// [`Lane::pair`]'s buffer, kept between calls.
-    paired: Vec<(u64, Work)>,
+    paired: Vec<(u64, u64, Work)>,
+    /// (record position, owner's first position, comm) of device-hook work items joined to an
+    /// eager operation that started before them, in position order, at most [`MAX_MARKS`]: a
+    /// restart whose tail falls between the two must not join the item again, to the next
+    /// operation waiting there (saved as [`SavedTemplate::eager_items`], see [`Self::settled`]).
+    eager_marks: VecDeque<(u64, u64, u32)>,
     /// Operations in flight that are parked (see [`Self::park`]).
     parked: usize,
     /// Operations continued from a previous daemon's state, and the read position it was saved as
@@ -183,6 +188,7 @@ impl Assembler {
             early_works: 0,
             committed: 0,
             paired: Vec::new(),
+            eager_marks: VecDeque::new(),
             parked: 0,
             restored: Map::default(),
             park_from: 0,
@@ -252,9 +258,15 @@ impl Assembler {
             p2p_seqs: self.p2p_seqs.at_tail(),
         };
         // Items settled before a restart and not committed since, also for a template captured
-        // after the tail (its operations are read again, the items' owners are not).
-        for (&pos, &(comm, ambiguous)) in &self.settled {
-            if pos < self.committed {
+        // after the tail (its operations are read again, the items' owners are not), and items
+        // joined to an operation before the tail (a communicator with or without a template).
+        let tail = self.committed;
+        let joined = (self.eager_marks.iter())
+            .filter(|&&(pos, owner, _)| pos >= tail && owner < tail)
+            .map(|&(pos, _, comm)| (pos, (comm, false)));
+        let settled = self.settled.iter().map(|(&pos, &v)| (pos, v));
+        for (pos, (comm, ambiguous)) in settled.chain(joined) {
+            if pos < tail {
                 continue;
             }
             let i = match d.templates.iter().position(|t| t.comm == comm) {
@@ -279,6 +291,7 @@ impl Assembler {
         });
         for t in &mut d.templates {
             t.eager_items.sort_unstable();
+            t.eager_items.dedup();
             t.ambiguous_items.sort_unstable();
         }
         d.templates.sort_unstable_by_key(|t| t.comm);
@@ -460,18 +473,17 @@ impl Assembler {
         }
         self.committed = self.committed.max(tail);
         let mut moved = self.p2p_seqs.prune(tail);
+        while self.eager_marks.front().is_some_and(|m| m.0 < tail) {
+            self.eager_marks.pop_front();
+            moved = true;
+        }
+        moved |= self.eager_marks.iter().any(|&(_, owner, _)| owner < tail);
         moved |= self.dict.prune(tail);
         for t in self.templates.values_mut() {
             while t.marks.front().is_some_and(|m| m.0 < tail) {
                 t.marks.pop_front();
                 moved = true;
             }
-            while t.eager_marks.front().is_some_and(|m| m.0 < tail) {
-                t.eager_marks.pop_front();
-                moved = true;
-            }
-            moved |= t.eager_marks.iter().any(|&(_, owner)| owner < tail);
-
             while t.ambiguous_marks.front().is_some_and(|m| m.0 < tail) {
                 t.ambiguous_marks.pop_front();
                 moved = true;
@@ -748,7 +760,7 @@ impl Assembler {
                     self.early_works -= 1;
                 }
                 self.early_works += 1;
-                lane.works.push_back(work);
+                lane.works.push_back((pos, work));
                 self.match_lane((comm, channel), now_ns, out);
             }
         }
@@ -869,18 +881,14 @@ impl Assembler {
         }
         let (_, next, _, replay_fits) = self.next_replay(comm, ch, wc, &work);
         let in_progress = next.pos > 0 && replay_fits;
-        if !in_progress && let Some(owner) = self.eager_owner(comm, ch, &work) {
+        if !in_progress && self.eager_owner(comm, ch, &work).is_some() {
             if replay_fits {
                 // A replay boundary that both can own: decided by the items that follow.
                 self.start_hold(read, now_ns, out);
                 return;
             }
-            self.templates
-                .get_mut(&comm)
-                .expect("looked up above")
-                .eager_mark(pos, owner);
             let lane = self.waiting.entry(key).or_default();
-            lane.works.push_back(work);
+            lane.works.push_back((pos, work));
             self.early_works += 1;
             self.match_lane(key, now_ns, out);
             return;
@@ -958,6 +966,16 @@ impl Assembler {
     fn hold_item(&mut self, read: Read, now_ns: u64, out: &mut Vec<Completed>) {
         let Read { pos, key, wc, work } = read;
         let mut hold = self.holds.remove(&key).expect("caller checked");
+        // A replay's block is as long as the template is now: the host events of its capture can be
+        // read after the hold's first item (an eager item the GPU ran before the capture, drained
+        // late), and a block cut at the length the template had then fits no replay.
+        if let Some(list) = self
+            .templates
+            .get(&key.0)
+            .and_then(|t| t.by_channel.get(key.1 as usize))
+        {
+            hold.len = list.len();
+        }
         if hold.items.is_empty() {
             (hold.first_pos, hold.started_ns) = (pos, now_ns);
         }
@@ -1155,9 +1173,7 @@ impl Assembler {
         op.add_work(key.1, work.gpu_start, work.gpu_stop, now_ns);
         let first_pos = op.first_pos;
         self.counters.dev_joined += 1;
-        if let Some(t) = self.templates.get_mut(&key.0) {
-            t.eager_mark(pos, first_pos);
-        }
+        self.eager_mark(pos, first_pos, key.0);
         if let Some(lane) = self.waiting.get_mut(&key) {
             lane.ops.retain(|&x| x != id);
         }
@@ -1294,14 +1310,28 @@ impl Assembler {
         }
         self.early_works -= joined.len() + dropped;
         self.counters.dev_joined += joined.len() as u64;
-        for &(id, work) in &joined {
+        for &(id, pos, work) in &joined {
             if let Some(op) = self.ops.get_mut(&id) {
                 op.add_work(key.1, work.gpu_start, work.gpu_stop, now_ns);
+                let first_pos = op.first_pos;
+                self.eager_mark(pos, first_pos, key.0);
             }
             self.try_finish(id, out);
         }
         joined.clear();
         self.paired = joined;
+    }
+
+    /// Remembers that the work item at `pos` of `comm` joined the eager operation starting at `owner`.
+    fn eager_mark(&mut self, pos: u64, owner: u64, comm: u32) {
+        if owner >= pos {
+            return; // read before its operation: a restart reads both again
+        }
+        if self.eager_marks.len() >= MAX_MARKS {
+            self.eager_marks.pop_front();
+        }
+        let i = self.eager_marks.partition_point(|m| m.0 <= pos);
+        self.eager_marks.insert(i, (pos, owner, comm));
     }
 
     /// Finishes `id` if it is [`Op::ready`].
