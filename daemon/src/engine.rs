@@ -1609,6 +1609,7 @@ mod tests {
             nccl_version: 0,
             path: TimingPath::KernelCh,
             host_ns: 0,
+            gpu: None,
         }
     }
 

@@ -9,8 +9,8 @@
 
 use std::sync::Arc;
 
-use ncclscope_proto::StrId;
 use ncclscope_proto::api::{ChannelWork, Collective, LiveSpans};
+use ncclscope_proto::{Gpu, StrId};
 
 /// The strings of one process: its job and host, and the strings its records define by id, with its
 /// uid. The assembler replaces its copy when a record defines a string (copy on write), so an
@@ -110,6 +110,8 @@ pub struct Instance {
     /// What the live OTLP export sends for it: decided once, when the engine records it, and
     /// spooled with it so that a file export writes the same spans.
     pub live_spans: LiveSpans,
+    /// The rank's GPU, as its process's driver named it (none in simulation or without a driver).
+    pub gpu: Option<Gpu>,
 }
 
 /// The values `timing_source` takes.
@@ -196,6 +198,8 @@ impl<'a> InstanceRef<'a> {
             uid: self.uid(),
             replay: self.replay,
             live_spans: self.live_spans as i32,
+            gpu: self.gpu.map(|g| g.ordinal),
+            gpu_uuid: self.gpu.map(|g| g.uuid_text()).unwrap_or_default(),
         }
     }
 }
@@ -262,6 +266,9 @@ impl From<&Collective> for Shared {
             is_p2p: c.is_p2p,
             replay: c.replay,
             live_spans: c.live_spans(),
+            gpu: c
+                .gpu
+                .and_then(|ordinal| Gpu::from_text(ordinal, &c.gpu_uuid)),
         };
         Shared {
             inst,
@@ -313,6 +320,8 @@ mod tests {
             uid: 17,
             replay: 3,
             live_spans: LiveSpans::Channels as i32,
+            gpu: Some(2),
+            gpu_uuid: "GPU-8d1c2a3b-0001-0203-0405-06070809feff".into(),
         };
         let s = Shared::from(&m);
         let i = s.view();

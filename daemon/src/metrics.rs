@@ -172,12 +172,18 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
     let mut ranks: Vec<_> = stats.ranks.iter().collect();
     ranks.sort_by(|a, b| a.0.cmp(b.0));
     for (k, r) in ranks {
-        let labels = vec![
+        let mut labels = vec![
             ("uid", k.uid.to_string()),
             ("job_id", k.job.to_string()),
             ("comm", comm_label(k.comm_hash)),
             ("rank", k.rank.to_string()),
         ];
+        // DCGM exporter's names for the GPU (its `gpu` is the NVML index, ours the CUDA ordinal:
+        // equal only where the process sees every GPU in PCI order; `UUID` always joins).
+        if let Some(g) = r.gpu {
+            labels.push(("gpu", g.ordinal.to_string()));
+            labels.push(("UUID", g.uuid_text()));
+        }
         skew.points
             .push((labels.clone(), Value::Histogram(r.skew_us.clone())));
         let with = |when: &str| {

@@ -234,6 +234,10 @@ pub fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
     if !c.comm_name().is_empty() {
         attributes.push(s("nccl.comm_name", c.comm_name()));
     }
+    if let Some(g) = c.gpu {
+        attributes.push(i("nccl.gpu", g.ordinal as i64));
+        attributes.push(s("nccl.gpu_uuid", &g.uuid_text()));
+    }
     if c.is_p2p {
         attributes.push(i("nccl.peer", c.peer as i64));
     } else if c.root >= 0 {
@@ -394,6 +398,44 @@ mod tests {
         spans_of(rank1.view(), false, &mut out);
         assert_eq!(out.len(), 1, "only rank 0 emits the root");
         assert_eq!(out[0].parent_span_id, root_span_id(0, 5, key).to_vec());
+    }
+
+    /// The rank's GPU as DCGM names it, on its span only where the process knew it (never guessed).
+    #[test]
+    fn a_rank_span_carries_its_gpu_when_known() {
+        let m = ncclscope_proto::api::Collective {
+            func: "AllReduce".into(),
+            rank: 1,
+            nranks: 2,
+            gpu: Some(3),
+            gpu_uuid: "GPU-8d1c2a3b-0001-0203-0405-06070809feff".into(),
+            ..Default::default()
+        };
+        let attrs = |m: &ncclscope_proto::api::Collective| {
+            let mut out = Vec::new();
+            spans_of(Shared::from(m).view(), false, &mut out);
+            out.pop().unwrap().attributes
+        };
+        let with = attrs(&m);
+        let get = |k: &str| {
+            with.iter()
+                .find(|kv| kv.key == k)
+                .and_then(|kv| kv.value.clone())
+        };
+        assert_eq!(
+            get("nccl.gpu").unwrap().value,
+            Some(any_value::Value::IntValue(3))
+        );
+        assert_eq!(
+            get("nccl.gpu_uuid").unwrap().value,
+            Some(any_value::Value::StringValue(m.gpu_uuid.clone()))
+        );
+        let without = attrs(&ncclscope_proto::api::Collective {
+            gpu: None,
+            gpu_uuid: String::new(),
+            ..m
+        });
+        assert!(!without.iter().any(|kv| kv.key.starts_with("nccl.gpu")));
     }
 
     /// Issue 17: span status was never set. A complete instance leaves it UNSET; one closed without

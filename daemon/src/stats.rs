@@ -160,6 +160,8 @@ fn job_entry<'a>(
 
 #[derive(Clone, Debug)]
 pub struct RankSeries {
+    /// The rank's GPU as its latest instance gave it: labels that join DCGM exporter's series.
+    pub gpu: Option<ncclscope_proto::Gpu>,
     pub collectives: u64,
     pub skew_us: Distribution,
     /// Collectives in which this rank's kernels started last / ended last among the node's ranks.
@@ -314,6 +316,7 @@ impl Stats {
                 rank: c.rank,
             };
             let series = RankSeries {
+                gpu: None,
                 collectives: 0,
                 skew_us: Distribution::new(SKEW_US),
                 last_to_start: 0,
@@ -326,6 +329,7 @@ impl Stats {
             };
             (key, series)
         });
+        r.gpu = c.gpu;
         r.collectives += 1;
         r.last_ns = now_ns;
         r.first_end_ns = r.first_end_ns.min(c.end_unix_ns);

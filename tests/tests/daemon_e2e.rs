@@ -71,6 +71,7 @@ fn announce(p: &mut Producer, rank: u32, nranks: u32) {
         nccl_version: 22809,
         path: TimingPath::KernelCh,
         host_ns: ncclscope_proto::now_ns(),
+        gpu: None,
     }));
 }
 
@@ -1058,6 +1059,7 @@ fn daemon_fault_child() {
         nccl_version: 22809,
         path,
         host_ns: 0,
+        gpu: None,
     };
     let coll = |comm: u32, id: u64, seq: u64, n_channels: u8| Record::CollStart {
         comm,

@@ -112,6 +112,7 @@ fn multi_user_child() {
         nccl_version: 22809,
         path: TimingPath::KernelCh,
         host_ns: ncclscope_proto::now_ns(),
+        gpu: None,
     }));
     // The ranks of this uid meet before their first collective, as NCCL's communicator init does.
     std::fs::write(shared.join(format!("ready.{uid}.{rank}")), b"").unwrap();

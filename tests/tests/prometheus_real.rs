@@ -5,6 +5,8 @@
 //! with values. Twice: as deploy/prometheus/prometheus-scrape.yml scrapes /metrics (text: classic
 //! buckets, `..._gbs`), and with native histograms (protobuf) and the bus bandwidth renamed as the
 //! OpenTelemetry Collector names it (`..._gigabytes_per_second`), the form remote write gives.
+//! The ranks have a GPU identity from the fake libcuda (device = rank), and Prometheus also scrapes
+//! a stand-in DCGM exporter for those GPUs: the rule joining DCGM's series returns each rank's GPU.
 //! promtool checks both Prometheus configurations and the rules, and runs the rules' unit tests;
 //! the stack's compose file and Grafana provisioning are parsed and their mounts checked.
 
@@ -64,7 +66,7 @@ fn promtool_checks_the_configs_and_unit_tests_the_rules() {
                 .args(["check", "config"])
                 .arg(dir.join(config)),
         );
-        assert!(out.contains("7 rules found"), "{out}");
+        assert!(out.contains("8 rules found"), "{out}");
     }
     run_ok(
         Command::new(tool("promtool"))
@@ -175,6 +177,58 @@ fn curl(url: &str) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// The UUID the fake libcuda gives device `dev` (16 bytes of `dev ^ 0x5a`), as DCGM prints it.
+fn fake_uuid(dev: u32) -> String {
+    let b = format!("{:02x}", dev as u8 ^ 0x5a);
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        b.repeat(4),
+        b.repeat(2),
+        b.repeat(2),
+        b.repeat(2),
+        b.repeat(6)
+    )
+}
+
+/// DCGM exporter's GPU utilisation of device `dev` in the stand-in.
+fn dcgm_util(dev: u32) -> u32 {
+    10 + dev
+}
+
+/// A stand-in DCGM exporter on `port`: DCGM_FI_DEV_GPU_UTIL of GPUs 0..8, labelled as DCGM exporter
+/// labels them, to every request.
+fn serve_dcgm(listener: std::net::TcpListener) {
+    use std::io::{Read, Write};
+    let body: String = (0..8)
+        .map(|dev| {
+            format!(
+                "DCGM_FI_DEV_GPU_UTIL{{gpu=\"{dev}\",UUID=\"{}\",device=\"nvidia{dev}\",\
+                 modelName=\"NVIDIA H100 80GB HBM3\",Hostname=\"gpu-node-1\"}} {}\n",
+                fake_uuid(dev),
+                dcgm_util(dev)
+            )
+        })
+        .collect();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                match conn.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => request.extend_from_slice(&buf[..n]),
+                }
+            }
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+}
+
 /// The daemon, Prometheus scraping it per the shipped scrape configuration (`native`: with native
 /// histograms and the collector's name for the bus bandwidth), and the ranks.
 struct Setup {
@@ -228,6 +282,12 @@ fn start(native: bool) -> Setup {
              replacement: \"ncclscope_collective_bus_bandwidth_gigabytes_per_second$1\"\n",
         );
     }
+    let dcgm = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    yml.push_str(&format!(
+        "  - job_name: dcgm\n    static_configs:\n      - targets: [\"{}\"]\n",
+        dcgm.local_addr().unwrap()
+    ));
+    serve_dcgm(dcgm);
     let conf = dir.path().join("prometheus");
     std::fs::create_dir(&conf).unwrap();
     std::fs::write(conf.join("prometheus.yml"), yml).unwrap();
@@ -256,10 +316,27 @@ fn start(native: bool) -> Setup {
     let prom = format!("http://127.0.0.1:{port}");
     wait_for(&format!("{prom}/-/ready"), "Prometheus");
 
+    // Each rank's process finds the fake libcuda as libcuda.so, device = rank.
+    let cuda = dir.path().join("cuda");
+    std::fs::create_dir(&cuda).unwrap();
+    let fake = ncclscope_fakenccl::target_dir().join("libfakenccl_cuda.so");
+    assert!(
+        fake.exists(),
+        "{} is missing: cargo build -p ncclscope-fakenccl-libcuda",
+        fake.display()
+    );
+    std::fs::copy(&fake, cuda.join("libcuda.so")).unwrap();
     let nranks = 4;
     let ranks = common::sim_ranks(&dir.path().join("reg.sock"), JOB, nranks, 40, 1)
         .iter_mut()
-        .map(|c| c.stdout(Stdio::null()).spawn().unwrap())
+        .enumerate()
+        .map(|(rank, c)| {
+            c.env("LD_LIBRARY_PATH", &cuda)
+                .env("FAKENCCL_CUDA_DEVICE", rank.to_string())
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
         .collect();
     Setup {
         _daemon: daemon,
@@ -454,6 +531,29 @@ fn every_query_returns_series(native: bool) {
             .all(|s| s.contains("_SIMPLE") || s.contains("_LL")),
         "{sizes:?}"
     );
+
+    // The per-rank series carry each rank's GPU as DCGM exporter labels it, and the shipped rule
+    // joins DCGM's utilisation of that GPU.
+    let per_rank = query(
+        &s.prom,
+        &format!("ncclscope_rank_collectives_total{{job_id=\"{JOB}\"}}"),
+    );
+    assert_eq!(per_rank.len(), 4, "{per_rank:?}");
+    for (m, _) in &per_rank {
+        let rank: u32 = m["rank"].as_str().unwrap().parse().unwrap();
+        assert_eq!(m["gpu"], rank.to_string(), "{m}");
+        assert_eq!(m["UUID"], fake_uuid(rank), "{m}");
+    }
+    let joined = query(
+        &s.prom,
+        &format!("ncclscope:rank_gpu_utilization:dcgm{{job_id=\"{JOB}\"}}"),
+    );
+    assert_eq!(joined.len(), 4, "{joined:?}");
+    for (m, v) in &joined {
+        let rank: u32 = m["rank"].as_str().unwrap().parse().unwrap();
+        assert_eq!(v, &dcgm_util(rank).to_string(), "{m}");
+        assert_eq!(m["Hostname"], "gpu-node-1", "{m}");
+    }
 
     for mut r in s.ranks.drain(..) {
         let _ = r.kill();
