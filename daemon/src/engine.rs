@@ -792,11 +792,13 @@ impl Engine {
                     inst: &c.coll,
                     names,
                 };
-                let p50 = self.stats.observe(inst, now, SLOW_MIN_SAMPLES);
                 let otlp = &self.cfg.otlp;
-                let slow = otlp.slow_factor > 0.0
-                    && p50.is_some_and(|p50| c.coll.exec_ns as f64 > otlp.slow_factor * p50 as f64);
-                c.coll.live_spans = live_spans(otlp, slow, inst);
+                c.coll.live_spans = self.stats.observe(inst, now, SLOW_MIN_SAMPLES, |p50| {
+                    let slow = otlp.slow_factor > 0.0
+                        && p50
+                            .is_some_and(|p50| inst.exec_ns as f64 > otlp.slow_factor * p50 as f64);
+                    live_spans(otlp, slow, inst)
+                });
             }
         }
         if let Some(spool) = &self.spool {

@@ -12,8 +12,10 @@ use std::sync::Arc;
 use ncclscope_proto::api::{CollStats, RankStats};
 
 use crate::bandwidth;
-use crate::histogram::{BUSBW_GBS, Distribution, EXEC_US, Rolling, SKEW_US};
+use crate::histogram::{BUSBW_GBS, Distribution, EXEC_US, Exemplar, Rolling, SKEW_US};
 use crate::instance::InstanceRef;
+use crate::spans;
+use ncclscope_proto::api::LiveSpans;
 
 /// Label of the series that absorbs everything beyond `max_series`.
 pub const OVERFLOW_BUCKET: &str = "other";
@@ -270,11 +272,18 @@ impl Stats {
         self.local_ranks = local_ranks.into_iter().collect();
     }
 
-    /// Records `c`. Returns its series' rolling p50 exec time before `c`, once the series has
-    /// `min_samples` (for the slow-outlier sampling decision).
-    pub fn observe(&mut self, c: InstanceRef, now_ns: u64, min_samples: u64) -> Option<u64> {
+    /// Records `c` and returns what the live export sends of it: `decide` gets its series' rolling
+    /// p50 exec time before `c`, once the series has `min_samples` (for the slow-outlier sampling
+    /// decision). An instance whose spans are sent becomes its exec-time bucket's exemplar.
+    pub fn observe(
+        &mut self,
+        c: InstanceRef,
+        now_ns: u64,
+        min_samples: u64,
+        decide: impl FnOnce(Option<u64>) -> LiveSpans,
+    ) -> LiveSpans {
         let window = self.window_ns;
-        let p50 = self.with_series(c, now_ns, |s| {
+        let live = self.with_series(c, now_ns, |s| {
             // A settled p50 moves slowly: once the series has a few windows' worth of samples,
             // recompute it every P50_EVERY samples rather than on every instance.
             if s.p50_age >= P50_EVERY || s.rolling_exec_ns.count() < 4 * P50_EVERY as u64 {
@@ -283,14 +292,25 @@ impl Stats {
             }
             s.p50_age += 1;
             s.last_ns = now_ns;
-            let p50 = (s.rolling_exec_ns.count() >= min_samples).then_some(s.p50_exec_ns);
-            s.exec_us.record(c.exec_ns as f64 / 1000.0);
+            let live = decide((s.rolling_exec_ns.count() >= min_samples).then_some(s.p50_exec_ns));
+            let exec_us = c.exec_ns as f64 / 1000.0;
+            if live == LiveSpans::None {
+                s.exec_us.record(exec_us);
+            } else {
+                let key = spans::instance_key(c);
+                s.exec_us.record_exemplar(Exemplar {
+                    trace_id: spans::trace_id(c.uid(), c.comm_hash, key),
+                    span_id: spans::rank_span_id(c.uid(), c.comm_hash, key, c.rank),
+                    value: exec_us,
+                    unix_ns: c.end_unix_ns,
+                });
+            }
             s.rolling_exec_ns.record(c.exec_ns as f64, now_ns, window);
             if c.exec_ns > 0 {
                 s.busbw_gbs.record(c.busbw_gbs);
                 s.rolling_busbw_gbs.record(c.busbw_gbs, now_ns, window);
             }
-            p50
+            live
         });
         let rank = RankRef {
             uid: c.uid(),
@@ -304,7 +324,7 @@ impl Stats {
             let job = job_entry(&mut self.per_job, rank.uid, rank.job);
             if at_limit || job.ranks >= self.max_job_series {
                 self.rank_series_refused += 1;
-                return p50;
+                return live;
             }
             job.ranks += 1;
         }
@@ -344,7 +364,7 @@ impl Stats {
         if !c.is_p2p && c.timing_source != "host" && local >= 2 {
             self.arrive(c, local, now_ns);
         }
-        p50
+        live
     }
 
     /// Applies `f` to `c`'s series, created if new; beyond `max_series` in all, or beyond the job's
@@ -685,6 +705,10 @@ mod tests {
     use super::*;
     use crate::instance::Shared;
 
+    fn no_spans(_: Option<u64>) -> LiveSpans {
+        LiveSpans::None
+    }
+
     fn coll(rank: u32, seq: u64, start: u64, exec: u64) -> Shared {
         Shared::from(&ncclscope_proto::api::Collective {
             job_id: "j".into(),
@@ -709,9 +733,9 @@ mod tests {
         s.set_local_ranks(HashMap::from([((0, 9), 3)]));
         for seq in 0..10 {
             // Rank 2 always starts 5 us late; rank 0 ends last.
-            s.observe(coll(0, seq, 1_000_000, 20_000).view(), 0, 1);
-            s.observe(coll(1, seq, 1_000_000, 1_000).view(), 0, 1);
-            s.observe(coll(2, seq, 1_005_000, 1_000).view(), 0, 1);
+            s.observe(coll(0, seq, 1_000_000, 20_000).view(), 0, 1, no_spans);
+            s.observe(coll(1, seq, 1_000_000, 1_000).view(), 0, 1, no_spans);
+            s.observe(coll(2, seq, 1_005_000, 1_000).view(), 0, 1, no_spans);
         }
         assert_eq!(s.skew_evaluated, 10);
         let ranks = s.rank_stats(&HashMap::new());
@@ -754,13 +778,18 @@ mod tests {
         for seq in 0..10 {
             // Around the step: a second apart on the new clock and the old.
             let t = seq * S / 2;
-            s.observe(coll(0, seq, at + t, 1_000).view(), 0, 1);
-            s.observe(coll(1, seq, before + t, 1_000).view(), 0, 1);
+            s.observe(coll(0, seq, at + t, 1_000).view(), 0, 1, no_spans);
+            s.observe(coll(1, seq, before + t, 1_000).view(), 0, 1, no_spans);
         }
         for seq in 10..20 {
             // A minute later, both recalibrated: rank 1 starts 5 us late.
-            s.observe(coll(0, seq, at + 60 * S, 1_000).view(), 0, 1);
-            s.observe(coll(1, seq, at + 60 * S + 5_000, 1_000).view(), 0, 1);
+            s.observe(coll(0, seq, at + 60 * S, 1_000).view(), 0, 1, no_spans);
+            s.observe(
+                coll(1, seq, at + 60 * S + 5_000, 1_000).view(),
+                0,
+                1,
+                no_spans,
+            );
         }
         assert_eq!((s.skew_evaluated, s.skew_clock_step), (10, 10));
         let ranks = s.rank_stats(&HashMap::new());
@@ -784,17 +813,17 @@ mod tests {
         // Eager seqs 100.., then three replays of a graph captured at seqs 4..6, rank 1 late in each.
         // Eager: rank 0 late.
         for seq in 100..103 {
-            s.observe(coll(0, seq, 5_000, 10).view(), 0, 1);
-            s.observe(coll(1, seq, 1_000, 10).view(), 0, 1);
+            s.observe(coll(0, seq, 5_000, 10).view(), 0, 1, no_spans);
+            s.observe(coll(1, seq, 1_000, 10).view(), 0, 1, no_spans);
         }
         for replay in 1..=3 {
             for seq in 4..7 {
-                s.observe(replayed(0, seq, replay, 2_000).view(), 0, 1);
-                s.observe(replayed(1, seq, replay, 9_000).view(), 0, 1);
+                s.observe(replayed(0, seq, replay, 2_000).view(), 0, 1, no_spans);
+                s.observe(replayed(1, seq, replay, 9_000).view(), 0, 1, no_spans);
             }
         }
-        s.observe(coll(0, 103, 5_000, 10).view(), 0, 1);
-        s.observe(coll(1, 103, 1_000, 10).view(), 0, 1);
+        s.observe(coll(0, 103, 5_000, 10).view(), 0, 1, no_spans);
+        s.observe(coll(1, 103, 1_000, 10).view(), 0, 1, no_spans);
         assert_eq!(
             s.skew_evaluated,
             4 + 9,
@@ -814,10 +843,10 @@ mod tests {
         s.set_local_ranks(HashMap::from([((0, 9), 2)]));
         // Rank 0 runs 50 collectives ahead of rank 1; each collective is evaluated once both are in.
         for seq in 0..50 {
-            s.observe(coll(0, seq, 1_000, 10).view(), 0, 1);
+            s.observe(coll(0, seq, 1_000, 10).view(), 0, 1, no_spans);
         }
         for seq in 0..50 {
-            s.observe(coll(1, seq, 1_000, 10).view(), 0, 1);
+            s.observe(coll(1, seq, 1_000, 10).view(), 0, 1, no_spans);
         }
         assert_eq!(s.skew_evaluated, 50);
         assert_eq!(
@@ -828,8 +857,13 @@ mod tests {
             "evaluated collectives leave"
         );
         // A rank far ahead (or a seq jump): the window keeps at most MAX_WINDOW collectives.
-        s.observe(coll(0, 50, 1_000, 10).view(), 0, 1);
-        s.observe(coll(0, 50 + MAX_WINDOW as u64 + 10, 1_000, 10).view(), 0, 1);
+        s.observe(coll(0, 50, 1_000, 10).view(), 0, 1, no_spans);
+        s.observe(
+            coll(0, 50 + MAX_WINDOW as u64 + 10, 1_000, 10).view(),
+            0,
+            1,
+            no_spans,
+        );
         assert!(
             s.windows[&(0, 9, crate::spans::type_key("AllReduce"), 0)]
                 .slots
@@ -837,7 +871,7 @@ mod tests {
                 <= MAX_WINDOW
         );
         // Late arrivals for collectives that left the window are not compared.
-        s.observe(coll(1, 50, 1_000, 10).view(), 0, 1);
+        s.observe(coll(1, 50, 1_000, 10).view(), 0, 1, no_spans);
         assert_eq!(s.skew_evaluated, 50);
         s.expire(u64::MAX);
         assert!(
@@ -856,10 +890,10 @@ mod tests {
         };
         s.set_local_ranks(HashMap::from([((61001, 9), 2), ((61002, 9), 1)]));
         for seq in 0..10 {
-            s.observe(of(61001, 0, seq, 1_000).view(), 0, 1);
-            s.observe(of(61001, 1, seq, 1_500).view(), 0, 1);
+            s.observe(of(61001, 0, seq, 1_000).view(), 0, 1, no_spans);
+            s.observe(of(61001, 1, seq, 1_500).view(), 0, 1, no_spans);
             // Same job id, communicator, seq and rank 0, starting very late: another user's process.
-            s.observe(of(61002, 0, seq, 900_000).view(), 0, 1);
+            s.observe(of(61002, 0, seq, 900_000).view(), 0, 1, no_spans);
         }
         let colls = s.coll_stats();
         let count = |uid| colls.iter().find(|c| c.uid == uid).map(|c| c.count);
@@ -877,10 +911,10 @@ mod tests {
     #[test]
     fn finished_jobs_are_evicted_after_the_idle_time() {
         let mut s = Stats::new(60_000_000_000, 1000, 100);
-        s.observe(coll(0, 0, 0, 10).view(), 1_000, 1);
+        s.observe(coll(0, 0, 0, 10).view(), 1_000, 1, no_spans);
         let mut other = coll(0, 0, 0, 10);
         Arc::make_mut(&mut other.names).job_id = "k".into();
-        s.observe(other.view(), 5_000, 1);
+        s.observe(other.view(), 5_000, 1, no_spans);
         s.evict_idle(6_000, 2_000);
         assert_eq!(
             s.series
@@ -898,7 +932,10 @@ mod tests {
         let mut s = Stats::new(60_000_000_000, 1000, 100);
         let mut p50 = None;
         for seq in 0..300 {
-            p50 = s.observe(coll(0, seq, 0, 10_000 + seq % 7).view(), 0, 100);
+            s.observe(coll(0, seq, 0, 10_000 + seq % 7).view(), 0, 100, |p| {
+                p50 = p;
+                LiveSpans::None
+            });
             if seq < 100 {
                 assert_eq!(p50, None, "not enough samples yet");
             }
@@ -911,8 +948,8 @@ mod tests {
     fn a_missing_rank_is_evaluated_after_the_window_and_series_are_capped() {
         let mut s = Stats::new(60_000_000_000, 1000, 1);
         s.set_local_ranks(HashMap::from([((0, 9), 3)]));
-        s.observe(coll(0, 1, 100, 10).view(), 0, 1);
-        s.observe(coll(1, 1, 300, 10).view(), 0, 1);
+        s.observe(coll(0, 1, 100, 10).view(), 0, 1, no_spans);
+        s.observe(coll(1, 1, 300, 10).view(), 0, 1, no_spans);
         assert_eq!(s.skew_evaluated, 0);
         s.expire(500);
         assert_eq!(s.skew_evaluated, 0, "window not over");
@@ -920,7 +957,7 @@ mod tests {
         assert_eq!(s.skew_evaluated, 1);
         let mut other = coll(0, 2, 0, 10);
         Arc::make_mut(&mut other.names).set(other.inst.func, "Broadcast".into());
-        s.observe(other.view(), 0, 1);
+        s.observe(other.view(), 0, 1, no_spans);
         assert_eq!(s.folded, 1);
         assert!(s.series.keys().any(|k| k.size_bucket == OVERFLOW_BUCKET));
     }
@@ -930,7 +967,7 @@ mod tests {
         let mut s = Stats::new(60_000_000_000, 1000, 100).with_rank_limit(2);
         s.set_local_ranks(HashMap::from([((0, 9), 4)]));
         for rank in 0..4 {
-            s.observe(coll(rank, 0, 1_000, 10).view(), 0, 1);
+            s.observe(coll(rank, 0, 1_000, 10).view(), 0, 1, no_spans);
         }
         assert_eq!((s.ranks.len(), s.rank_series_refused), (2, 2));
         assert_eq!(
@@ -939,20 +976,20 @@ mod tests {
             "the collective series still counts them"
         );
         // A seq far ahead takes at most its window's share of the awaited slots.
-        s.observe(coll(0, 1 << 40, 1_000, 10).view(), 0, 1);
+        s.observe(coll(0, 1 << 40, 1_000, 10).view(), 0, 1, no_spans);
         assert!(s.slots <= MAX_WINDOW);
         s.expire(u64::MAX);
         assert_eq!(s.slots, 0);
         // A job at its share of series: its new series fold, another job's do not.
         let mut s = Stats::new(60_000_000_000, 1000, 100).with_job_limit(1);
-        s.observe(coll(0, 0, 1_000, 10).view(), 0, 1);
+        s.observe(coll(0, 0, 1_000, 10).view(), 0, 1, no_spans);
         let mut other = coll(1, 0, 1_000, 10);
         Arc::make_mut(&mut other.names).set(other.inst.func, "Broadcast".into());
-        s.observe(other.view(), 0, 1);
+        s.observe(other.view(), 0, 1, no_spans);
         assert_eq!((s.folded, s.rank_series_refused), (1, 1));
         let mut job = coll(0, 0, 1_000, 10);
         Arc::make_mut(&mut job.names).job_id = "k".into();
-        s.observe(job.view(), 0, 1);
+        s.observe(job.view(), 0, 1, no_spans);
         assert_eq!((s.folded, s.rank_series_refused, s.ranks.len()), (1, 1, 2));
         s.evict_idle(10, 5);
         assert!(s.per_job.is_empty(), "shares follow eviction");

@@ -5,6 +5,8 @@
 //! with values. Twice: as deploy/prometheus/prometheus-scrape.yml scrapes /metrics (text: classic
 //! buckets, `..._gbs`), and with native histograms (protobuf) and the bus bandwidth renamed as the
 //! OpenTelemetry Collector names it (`..._gigabytes_per_second`), the form remote write gives.
+//! The daemon exports spans to an OTLP receiver (otlp-sink), and Prometheus runs with exemplar
+//! storage: scraping OpenMetrics, the exec-time buckets' exemplars name traces the receiver got.
 //! The ranks have a GPU identity from the fake libcuda (device = rank), and Prometheus also scrapes
 //! a stand-in DCGM exporter for those GPUs: the rule joining DCGM's series returns each rank's GPU.
 //! promtool checks both Prometheus configurations and the rules, and runs the rules' unit tests;
@@ -12,8 +14,10 @@
 
 mod common;
 
+use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -232,6 +236,9 @@ fn serve_dcgm(listener: std::net::TcpListener) {
 /// The daemon, Prometheus scraping it per the shipped scrape configuration (`native`: with native
 /// histograms and the collector's name for the bus bandwidth), and the ranks.
 struct Setup {
+    _sink: Proc,
+    /// Every span the OTLP receiver got, as otlp-sink prints them.
+    spans: Arc<Mutex<Vec<Value>>>,
     _daemon: Proc,
     _prometheus: Proc,
     _dir: tempfile::TempDir,
@@ -245,13 +252,14 @@ fn start(native: bool) -> Setup {
     let config =
         format!("[prometheus]\nlisten = \"127.0.0.1:{metrics_port}\"\njob_series = true\n");
     std::fs::write(dir.path().join("ncclscope.toml"), config).unwrap();
+    let (sink, endpoint, spans) = otlp_sink();
     let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
     let daemon = Proc(
         ncclscope_tests::daemon_args(
             &mut Command::new(ncclscope_tests::daemon_binary()),
             dir.path(),
         )
-        .args(["--otlp-endpoint", ""])
+        .args(["--otlp-endpoint", &endpoint])
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
@@ -309,9 +317,11 @@ fn start(native: bool) -> Setup {
     .arg(format!("--web.listen-address=127.0.0.1:{port}"))
     .stdout(Stdio::null())
     .stderr(std::fs::File::create(dir.path().join("prometheus.log")).unwrap());
-    if native {
-        cmd.arg("--enable-feature=native-histograms");
-    }
+    cmd.arg(if native {
+        "--enable-feature=native-histograms,exemplar-storage"
+    } else {
+        "--enable-feature=exemplar-storage"
+    });
     let prometheus = Proc(cmd.spawn().unwrap());
     let prom = format!("http://127.0.0.1:{port}");
     wait_for(&format!("{prom}/-/ready"), "Prometheus");
@@ -339,12 +349,66 @@ fn start(native: bool) -> Setup {
         })
         .collect();
     Setup {
+        _sink: sink,
+        spans,
         _daemon: daemon,
         _prometheus: prometheus,
         _dir: dir,
         prom,
         ranks,
     }
+}
+
+/// otlp-sink (this package's OTLP receiver) started: it, its endpoint, and the spans it received so
+/// far (filled by a thread).
+fn otlp_sink() -> (Proc, String, Arc<Mutex<Vec<Value>>>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_otlp-sink"))
+        .args(["--seconds", "300"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let endpoint = first.strip_prefix("endpoint ").unwrap().to_string();
+    let spans = Arc::new(Mutex::new(Vec::new()));
+    let into = spans.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            into.lock()
+                .unwrap()
+                .push(serde_json::from_str(&line).unwrap());
+        }
+    });
+    (Proc(child), endpoint, spans)
+}
+
+/// The exemplars Prometheus holds for `query` over the last 10 minutes: their labels.
+fn exemplars(prom: &str, query: &str) -> Vec<Value> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let out = run_ok(
+        Command::new("curl")
+            .args(["-sSf", "--max-time", "10", "-G"])
+            .arg(format!("{prom}/api/v1/query_exemplars"))
+            .arg("--data-urlencode")
+            .arg(format!("query={query}"))
+            .arg("--data-urlencode")
+            .arg(format!("start={}", now - 600))
+            .arg("--data-urlencode")
+            .arg(format!("end={}", now + 60)),
+    );
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["status"], "success", "{query}: {v}");
+    v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|series| series["exemplars"].as_array().unwrap().clone())
+        .map(|e| e["labels"].clone())
+        .collect()
 }
 
 /// `query`'s instant vector from Prometheus: (labels, value or "histogram").
@@ -553,6 +617,53 @@ fn every_query_returns_series(native: bool) {
         let rank: u32 = m["rank"].as_str().unwrap().parse().unwrap();
         assert_eq!(v, &dcgm_util(rank).to_string(), "{m}");
         assert_eq!(m["Hostname"], "gpu-node-1", "{m}");
+    }
+
+    // Scraping OpenMetrics, each exec-time bucket links to the trace of its latest sampled
+    // instance: trace ids the OTLP receiver got, with the rank span's id.
+    if !native {
+        let query =
+            format!("ncclscope_collective_exec_time_microseconds_bucket{{job_id=\"{JOB}\"}}");
+        let found = exemplars(&s.prom, &query);
+        assert!(!found.is_empty(), "no exemplars for {query}");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let received: std::collections::HashSet<(String, String)> = (s.spans.lock().unwrap())
+                .iter()
+                .map(|s| (s["trace_id"].to_string(), s["span_id"].to_string()))
+                .collect();
+            let unknown: Vec<&Value> = found
+                .iter()
+                .filter(|e| {
+                    !received.contains(&(e["trace_id"].to_string(), e["span_id"].to_string()))
+                })
+                .collect();
+            if unknown.is_empty() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "exemplars of spans the receiver never got: {unknown:?}"
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    // Each rank span names its rank's GPU.
+    let spans = s.spans.lock().unwrap().clone();
+    let rank_spans: Vec<&Value> = spans
+        .iter()
+        .filter(|s| s["name"].as_str().unwrap().ends_with(" rank"))
+        .collect();
+    assert!(!rank_spans.is_empty());
+    for span in rank_spans {
+        let attr = |k: &str| span["attributes"][k].as_str().unwrap_or("").to_string();
+        let rank: u32 = attr("nccl.rank")
+            .trim_start_matches("Some(AnyValue { value: Some(IntValue(")
+            .trim_end_matches(")) })")
+            .parse()
+            .unwrap();
+        assert!(attr("nccl.gpu_uuid").contains(&fake_uuid(rank)), "{span}");
     }
 
     for mut r in s.ranks.drain(..) {
