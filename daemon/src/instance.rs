@@ -112,6 +112,9 @@ pub struct Instance {
     pub live_spans: LiveSpans,
     /// The rank's GPU, as its process's driver named it (none in simulation or without a driver).
     pub gpu: Option<Gpu>,
+    /// (start, end) of its trace's root span, when this instance carries it: decided by the engine
+    /// when it records the instance (see `Collective`).
+    pub trace_root: Option<(u64, u64)>,
 }
 
 /// The values `timing_source` takes.
@@ -200,6 +203,8 @@ impl<'a> InstanceRef<'a> {
             live_spans: self.live_spans as i32,
             gpu: self.gpu.map(|g| g.ordinal),
             gpu_uuid: self.gpu.map(|g| g.uuid_text()).unwrap_or_default(),
+            trace_root_start_unix_ns: self.trace_root.map_or(0, |r| r.0),
+            trace_root_end_unix_ns: self.trace_root.map_or(0, |r| r.1),
         }
     }
 }
@@ -269,6 +274,8 @@ impl From<&Collective> for Shared {
             gpu: c
                 .gpu
                 .and_then(|ordinal| Gpu::from_text(ordinal, &c.gpu_uuid)),
+            trace_root: (c.trace_root_end_unix_ns != 0)
+                .then_some((c.trace_root_start_unix_ns, c.trace_root_end_unix_ns)),
         };
         Shared {
             inst,
@@ -322,6 +329,8 @@ mod tests {
             live_spans: LiveSpans::Channels as i32,
             gpu: Some(2),
             gpu_uuid: "GPU-8d1c2a3b-0001-0203-0405-06070809feff".into(),
+            trace_root_start_unix_ns: 12,
+            trace_root_end_unix_ns: 18,
         };
         let s = Shared::from(&m);
         let i = s.view();

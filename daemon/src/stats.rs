@@ -31,6 +31,13 @@ const STEP_BEFORE_NS: u64 = 1_000_000_000;
 const STEP_AFTER_NS: u64 = 10_000_000_000;
 /// Clock steps remembered.
 const MAX_STEPS: usize = 8;
+/// How far before its first collective a window opens back for a late first arrival.
+const MAX_BACK: usize = 64;
+/// Collectives whose rendezvous the skew window closed while a local rank was still missing, kept
+/// at most this many and this long for their root span (a graph replay's instances may wait on
+/// held work items for seconds).
+const MAX_LATE: usize = 16_384;
+const LATE_NS: u64 = 30_000_000_000;
 /// Samples between recomputations of a series' cached p50.
 const P50_EVERY: u32 = 256;
 
@@ -177,10 +184,23 @@ pub struct RankSeries {
     last_end_ns: u64,
 }
 
+#[derive(Clone, Copy)]
 struct Arrival {
     rank: u32,
     start: u64,
     end: u64,
+    /// Its rank span is sent: the root covers it.
+    sent: bool,
+}
+
+/// What [`Stats::observe`] decided for an instance.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Observed {
+    pub live_spans: LiveSpans,
+    /// (start, end) of the collective's root span, when this instance carries it: the last of the
+    /// node's ranks to complete the collective carries it, on the node of rank 0 and only if rank
+    /// 0's span is sent; it covers the rank spans this node sends (earliest start to latest end).
+    pub trace_root: Option<(u64, u64)>,
 }
 
 /// The local ranks' arrivals for one collective.
@@ -231,7 +251,13 @@ pub struct Stats {
     per_job: Map<(u32, Arc<str>), JobSeries>,
     /// Slots of every window.
     slots: usize,
+    /// The arrivals of collectives evaluated before every local rank arrived, by (uid,
+    /// communicator, type, replay, seq), with when: the last rank to arrive still carries the root.
+    late: Late,
 }
+
+/// [`Stats`]'s late collectives: (uid, communicator, type, replay, seq) -> (arrivals, when kept).
+type Late = Map<(u32, u64, u64, u32, u64), (Vec<Arrival>, u64)>;
 
 impl Stats {
     pub fn new(window_ns: u64, skew_window_ns: u64, max_series: usize) -> Stats {
@@ -242,6 +268,7 @@ impl Stats {
             series: Map::default(),
             ranks: Map::default(),
             windows: Map::default(),
+            late: Map::default(),
             local_ranks: Map::default(),
             none: "".into(),
             folded: 0,
@@ -281,7 +308,7 @@ impl Stats {
         now_ns: u64,
         min_samples: u64,
         decide: impl FnOnce(Option<u64>) -> LiveSpans,
-    ) -> LiveSpans {
+    ) -> Observed {
         let window = self.window_ns;
         let live = self.with_series(c, now_ns, |s| {
             // A settled p50 moves slowly: once the series has a few windows' worth of samples,
@@ -324,7 +351,10 @@ impl Stats {
             let job = job_entry(&mut self.per_job, rank.uid, rank.job);
             if at_limit || job.ranks >= self.max_job_series {
                 self.rank_series_refused += 1;
-                return live;
+                return Observed {
+                    live_spans: live,
+                    trace_root: None,
+                };
             }
             job.ranks += 1;
         }
@@ -361,10 +391,17 @@ impl Stats {
             .get(&(c.uid(), c.comm_hash))
             .copied()
             .unwrap_or(0);
-        if !c.is_p2p && c.timing_source != "host" && local >= 2 {
-            self.arrive(c, local, now_ns);
+        let sent = live != LiveSpans::None;
+        // Without kernel times a rank meets no other (nor its root: it has none).
+        let trace_root = match (c.is_p2p || c.timing_source == "host", local >= 2) {
+            (true, _) => None,
+            (false, true) => self.arrive(c, local, now_ns, sent),
+            (false, false) => (c.rank == 0 && sent).then_some((c.start_unix_ns, c.end_unix_ns)),
+        };
+        Observed {
+            live_spans: live,
+            trace_root,
         }
-        live
     }
 
     /// Applies `f` to `c`'s series, created if new; beyond `max_series` in all, or beyond the job's
@@ -436,40 +473,71 @@ impl Stats {
         f(self.series.entry(overflow).or_insert_with(new))
     }
 
-    fn arrive(&mut self, c: InstanceRef, expected: usize, now_ns: u64) {
-        let ranks = &mut self.ranks;
-        let w = self
-            .windows
-            .entry((
-                c.uid(),
-                c.comm_hash,
-                crate::spans::type_key(c.func()),
-                c.replay,
-            ))
-            .or_insert_with(|| {
-                // The job as the rank series holds it (observe just made sure it exists).
-                let rank = RankRef {
-                    uid: c.uid(),
-                    job: c.job_id(),
-                    comm_hash: c.comm_hash,
-                    rank: c.rank,
-                };
-                let job = ranks
-                    .get_key_value(&rank)
-                    .map_or_else(|| c.job_id().into(), |(k, _)| k.job.clone());
-                Window {
-                    job,
-                    base: c.seq,
-                    slots: VecDeque::new(),
+    /// `c` joins the node's ranks of its collective; the root span's times when it completes them
+    /// (see [`Observed::trace_root`]).
+    fn arrive(
+        &mut self,
+        c: InstanceRef,
+        expected: usize,
+        now_ns: u64,
+        sent: bool,
+    ) -> Option<(u64, u64)> {
+        let arrival = Arrival {
+            rank: c.rank,
+            start: c.start_unix_ns,
+            end: c.end_unix_ns,
+            sent,
+        };
+        let key = (c.uid(), c.comm_hash, spans::type_key(c.func()), c.replay);
+        if !self.late.is_empty() {
+            let late_key = (key.0, key.1, key.2, key.3, c.seq);
+            if let Some((arrivals, _)) = self.late.get_mut(&late_key) {
+                arrivals.push(arrival);
+                if arrivals.len() < expected {
+                    return None;
                 }
-            });
-        // Another job with the same communicator hash (a 64-bit random id), or a collective that
-        // left the window already: not comparable.
-        if *w.job != *c.job_id() || c.seq < w.base {
-            return;
+                let (arrivals, _) = self.late.remove(&late_key).expect("found above");
+                return root_span(&arrivals);
+            }
+        }
+        let ranks = &mut self.ranks;
+        let late = &mut self.late;
+        let w = self.windows.entry(key).or_insert_with(|| {
+            // The job as the rank series holds it (observe just made sure it exists).
+            let rank = RankRef {
+                uid: c.uid(),
+                job: c.job_id(),
+                comm_hash: c.comm_hash,
+                rank: c.rank,
+            };
+            let job = ranks
+                .get_key_value(&rank)
+                .map_or_else(|| c.job_id().into(), |(k, _)| k.job.clone());
+            Window {
+                job,
+                base: c.seq,
+                slots: VecDeque::new(),
+            }
+        });
+        // Another job with the same communicator hash (a 64-bit random id): not comparable.
+        if *w.job != *c.job_id() {
+            return None;
         }
         let (window_ns, mut evaluated) = (self.window_ns, 0);
         let before = w.slots.len();
+        // A collective shortly before the window's first (its instance completed after a later
+        // one's, as a graph replay's may): the window opens back to it. Not further: a segment
+        // jumping back and forth must not cost a window's worth of slots per instance.
+        if c.seq < w.base {
+            let back = (w.base - c.seq) as usize;
+            if back > MAX_BACK || back + before > MAX_WINDOW {
+                return None;
+            }
+            for _ in 0..back {
+                w.slots.push_front(None);
+            }
+            w.base = c.seq;
+        }
         let room = MAX_WINDOW
             .min(before + MAX_SLOTS.saturating_sub(self.slots))
             .max(1);
@@ -477,7 +545,9 @@ impl Stats {
         let ahead = (c.seq - w.base) as usize;
         if ahead >= room {
             let leave = ahead + 1 - room;
-            for rv in w.slots.drain(..leave.min(w.slots.len())).flatten() {
+            for (i, rv) in w.slots.drain(..leave.min(w.slots.len())).enumerate() {
+                let Some(rv) = rv else { continue };
+                keep_late(late, key, w.base + i as u64, &rv, now_ns);
                 evaluated +=
                     evaluate(ranks, c.uid(), &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
             }
@@ -498,14 +568,12 @@ impl Stats {
             rv.near_step = true;
             self.skew_clock_step += 1;
         }
-        rv.arrivals.push(Arrival {
-            rank: c.rank,
-            start: c.start_unix_ns,
-            end: c.end_unix_ns,
-        });
+        rv.arrivals.push(arrival);
         // With every local rank in, evaluate now; otherwise the skew window decides.
+        let mut root = None;
         if rv.arrivals.len() >= expected {
             let rv = w.slots[k].take().expect("filled above");
+            root = root_span(&rv.arrivals);
             evaluated +=
                 evaluate(ranks, c.uid(), &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
             while matches!(w.slots.front(), Some(None)) {
@@ -515,6 +583,7 @@ impl Stats {
         }
         self.slots = self.slots + w.slots.len() - before;
         self.skew_evaluated += evaluated;
+        root
     }
 
     /// The host clock stepped by `delta_ns` at `at_ns` (on the new clock): collectives that any rank
@@ -537,7 +606,10 @@ impl Stats {
     /// out), and forgets windows with nothing awaited.
     pub fn expire(&mut self, now_ns: u64) {
         let (skew_window, window_ns) = (self.skew_window_ns, self.window_ns);
-        for (&(uid, comm_hash, _, _), w) in &mut self.windows {
+        self.late
+            .retain(|_, (_, at)| now_ns.saturating_sub(*at) < LATE_NS);
+        for (&key, w) in &mut self.windows {
+            let (uid, comm_hash, _, _) = key;
             let before = w.slots.len();
             loop {
                 match w.slots.front() {
@@ -546,6 +618,7 @@ impl Stats {
                     _ => break,
                 }
                 if let Some(Some(rv)) = w.slots.pop_front() {
+                    keep_late(&mut self.late, key, w.base, &rv, now_ns);
                     self.skew_evaluated += evaluate(
                         &mut self.ranks,
                         uid,
@@ -652,6 +725,27 @@ impl Stats {
     }
 }
 
+/// Keeps the arrivals of collective `seq` of window `key`, evaluated before every local rank
+/// arrived, for its root span: only where a root can come of it (a sent rank span), within
+/// [`MAX_LATE`].
+fn keep_late(late: &mut Late, key: (u32, u64, u64, u32), seq: u64, rv: &Rendezvous, now_ns: u64) {
+    if late.len() < MAX_LATE && rv.arrivals.iter().any(|a| a.sent) {
+        late.insert(
+            (key.0, key.1, key.2, key.3, seq),
+            (rv.arrivals.clone(), now_ns),
+        );
+    }
+}
+
+/// The root span of a collective whose node ranks all arrived: from the earliest start to the latest
+/// end of the sent rank spans, if rank 0's is one of them (its node emits the root).
+fn root_span(arrivals: &[Arrival]) -> Option<(u64, u64)> {
+    arrivals.iter().find(|a| a.rank == 0 && a.sent)?;
+    let sent = arrivals.iter().filter(|a| a.sent);
+    let start = sent.clone().map(|a| a.start).min()?;
+    Some((start, sent.map(|a| a.end).max()?))
+}
+
 /// Skew (start minus the earliest start) and last-to-start / last-to-end of one collective into its
 /// ranks' series. Whether there was anything to compare (two ranks or more).
 fn evaluate(
@@ -725,6 +819,55 @@ mod tests {
             timing_source: "kernel_gpu".into(),
             ..Default::default()
         })
+    }
+
+    /// Issue 17: the root span was rank 0's view, and rank spans ended after it. The last of the
+    /// node's ranks to complete a collective carries a root from the earliest start to the latest
+    /// end of the sent rank spans; only where rank 0's is sent.
+    #[test]
+    fn the_last_local_rank_carries_a_root_covering_the_sent_rank_spans() {
+        let mut s = Stats::new(60_000_000_000, 1_000_000_000, 100);
+        s.set_local_ranks(HashMap::from([((0, 9), 3)]));
+        let sent = |_: Option<u64>| LiveSpans::Rank;
+        let observed = [
+            s.observe(coll(0, 1, 100, 500).view(), 0, 1, sent),
+            s.observe(coll(2, 1, 50, 1_000).view(), 0, 1, sent),
+            s.observe(coll(1, 1, 120, 900).view(), 0, 1, sent),
+        ];
+        assert_eq!(
+            observed.map(|o| o.trace_root),
+            [None, None, Some((50, 1_050))]
+        );
+        assert_eq!(s.skew_evaluated, 1);
+        // A rank without kernel times (closed incomplete) meets no other: no root.
+        let mut host_timed = coll(2, 7, 50, 1_000);
+        host_timed.inst.timing_source = "host";
+        s.observe(coll(0, 7, 100, 500).view(), 0, 1, sent);
+        s.observe(coll(1, 7, 100, 500).view(), 0, 1, sent);
+        assert_eq!(s.observe(host_timed.view(), 0, 1, sent).trace_root, None);
+        // Rank 1's span not sent (sampled out): not covered. Rank 0's not sent: no root here.
+        s.observe(coll(0, 2, 100, 500).view(), 0, 1, sent);
+        s.observe(coll(2, 2, 90, 100).view(), 0, 1, sent);
+        let o = s.observe(coll(1, 2, 120, 2_000).view(), 0, 1, no_spans);
+        assert_eq!(o.trace_root, Some((90, 600)));
+        s.observe(coll(0, 3, 100, 500).view(), 0, 1, no_spans);
+        s.observe(coll(1, 3, 100, 500).view(), 0, 1, sent);
+        let o = s.observe(coll(2, 3, 100, 500).view(), 0, 1, sent);
+        assert_eq!(o.trace_root, None);
+        // A rank later than the skew window (a replay's held work) still completes the root.
+        s.observe(coll(0, 6, 100, 500).view(), 0, 1, sent);
+        s.observe(coll(1, 6, 100, 500).view(), 0, 1, sent);
+        s.expire(2_000_000_000);
+        let o = s.observe(coll(2, 6, 50, 2_000).view(), 0, 1, sent);
+        assert_eq!(o.trace_root, Some((50, 2_050)));
+        assert_eq!(s.late.len(), 1, "seq 7's, whose third rank never comes");
+        // Alone on its node, rank 0 is its own root; a p2p has none.
+        s.set_local_ranks(HashMap::from([((0, 9), 1)]));
+        let o = s.observe(coll(0, 4, 100, 500).view(), 0, 1, sent);
+        assert_eq!(o.trace_root, Some((100, 600)));
+        let mut p2p = coll(0, 5, 100, 500);
+        p2p.inst.is_p2p = true;
+        assert_eq!(s.observe(p2p.view(), 0, 1, sent).trace_root, None);
     }
 
     #[test]

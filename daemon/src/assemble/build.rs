@@ -121,5 +121,6 @@ pub(super) fn instance(
         // Decided by the engine when it records the instance.
         live_spans: LiveSpans::None,
         gpu: info.and_then(|c| c.gpu),
+        trace_root: None,
     }
 }
