@@ -149,6 +149,7 @@ fn prelude(p: &mut Producer, comm_hash: u64, rank: u32, nranks: u32, cuda_dev: i
         nccl_version: 22809,
         path: TimingPath::KernelCh,
         host_ns: 0,
+        gpu: None,
     });
     p.push(&Record::Calibration {
         cuda_dev,

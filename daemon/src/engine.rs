@@ -792,11 +792,15 @@ impl Engine {
                     inst: &c.coll,
                     names,
                 };
-                let p50 = self.stats.observe(inst, now, SLOW_MIN_SAMPLES);
                 let otlp = &self.cfg.otlp;
-                let slow = otlp.slow_factor > 0.0
-                    && p50.is_some_and(|p50| c.coll.exec_ns as f64 > otlp.slow_factor * p50 as f64);
-                c.coll.live_spans = live_spans(otlp, slow, inst);
+                let observed = self.stats.observe(inst, now, SLOW_MIN_SAMPLES, |p50| {
+                    let slow = otlp.slow_factor > 0.0
+                        && p50
+                            .is_some_and(|p50| inst.exec_ns as f64 > otlp.slow_factor * p50 as f64);
+                    live_spans(otlp, slow, inst)
+                });
+                c.coll.live_spans = observed.live_spans;
+                c.coll.trace_root = observed.trace_root;
             }
         }
         if let Some(spool) = &self.spool {
@@ -849,7 +853,7 @@ impl Engine {
                     };
                     c.coll.live_spans = live_spans(&self.cfg.otlp, false, inst);
                 }
-                if c.coll.live_spans == LiveSpans::None {
+                if c.coll.live_spans == LiveSpans::None && c.coll.trace_root.is_none() {
                     flags |= done::EXPORTED;
                 }
                 let to_spool = fresh && self.spool.is_some();
@@ -1609,6 +1613,7 @@ mod tests {
             nccl_version: 0,
             path: TimingPath::KernelCh,
             host_ns: 0,
+            gpu: None,
         }
     }
 

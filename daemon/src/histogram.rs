@@ -57,11 +57,16 @@ impl Buckets {
     }
 
     pub fn record(&mut self, v: f64) {
-        // The first bound >= v: upper bounds are inclusive. NaN and <= 0 land in the first bucket.
+        let i = self.index(v);
+        self.counts[i] += 1;
+    }
+
+    /// The bucket of `v`: the first bound >= v (upper bounds are inclusive). NaN and <= 0 land in
+    /// the first bucket.
+    fn index(&self, v: f64) -> usize {
         let k = (v.log2() * CLASSIC_PER_DOUBLING as f64).ceil();
         let first = (self.range.lo_exp * CLASSIC_PER_DOUBLING) as f64;
-        let i = (k - first).clamp(0.0, self.range.bounds() as f64) as usize;
-        self.counts[i] += 1;
+        (k - first).clamp(0.0, self.range.bounds() as f64) as usize
     }
 
     /// Upper bound of bucket `i`; `None` for +Inf.
@@ -283,11 +288,24 @@ impl<C: Count> Exponential<C> {
     }
 }
 
-/// What one exported series keeps of its values: classic and exponential buckets.
+/// A value with the trace it was measured in: a classic bucket's link to a trace (Prometheus
+/// exemplars, Grafana's drill-down from a histogram to Tempo).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Exemplar {
+    pub trace_id: [u8; 16],
+    pub span_id: [u8; 8],
+    pub value: f64,
+    pub unix_ns: u64,
+}
+
+/// What one exported series keeps of its values: classic and exponential buckets, and the latest
+/// exemplar of each classic bucket that has one.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Distribution {
     pub classic: Buckets,
     pub exponential: Exponential<u64>,
+    /// By classic bucket index, ascending; at most one per bucket.
+    exemplars: Vec<(u16, Exemplar)>,
 }
 
 impl Distribution {
@@ -295,7 +313,30 @@ impl Distribution {
         Distribution {
             classic: Buckets::new(range),
             exponential: Exponential::with(EXPORT_SCALE, EXPORT_MAX_BUCKETS),
+            exemplars: Vec::new(),
         }
+    }
+
+    /// Records `e.value` and makes `e` its bucket's exemplar. Replacing one allocates nothing; the
+    /// list grows only when a bucket gets its first (at most one entry per bucket, 48 bytes each).
+    pub fn record_exemplar(&mut self, e: Exemplar) {
+        self.record(e.value);
+        let i = self.classic.index(e.value) as u16;
+        match self.exemplars.binary_search_by_key(&i, |x| x.0) {
+            Ok(at) => self.exemplars[at].1 = e,
+            Err(at) => self.exemplars.insert(at, (i, e)),
+        }
+    }
+
+    /// Every bucket's exemplar, in bucket order.
+    pub fn exemplars(&self) -> impl Iterator<Item = &Exemplar> {
+        self.exemplars.iter().map(|x| &x.1)
+    }
+
+    /// The exemplar of classic bucket `i`, if it has one.
+    pub fn exemplar(&self, i: usize) -> Option<&Exemplar> {
+        let at = (self.exemplars).binary_search_by_key(&i, |x| x.0 as usize);
+        at.ok().map(|at| &self.exemplars[at].1)
     }
 
     pub fn record(&mut self, v: f64) {

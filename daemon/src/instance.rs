@@ -9,8 +9,8 @@
 
 use std::sync::Arc;
 
-use ncclscope_proto::StrId;
 use ncclscope_proto::api::{ChannelWork, Collective, LiveSpans};
+use ncclscope_proto::{Gpu, StrId};
 
 /// The strings of one process: its job and host, and the strings its records define by id, with its
 /// uid. The assembler replaces its copy when a record defines a string (copy on write), so an
@@ -110,6 +110,11 @@ pub struct Instance {
     /// What the live OTLP export sends for it: decided once, when the engine records it, and
     /// spooled with it so that a file export writes the same spans.
     pub live_spans: LiveSpans,
+    /// The rank's GPU, as its process's driver named it (none in simulation or without a driver).
+    pub gpu: Option<Gpu>,
+    /// (start, end) of its trace's root span, when this instance carries it: decided by the engine
+    /// when it records the instance (see `Collective`).
+    pub trace_root: Option<(u64, u64)>,
 }
 
 /// The values `timing_source` takes.
@@ -196,6 +201,10 @@ impl<'a> InstanceRef<'a> {
             uid: self.uid(),
             replay: self.replay,
             live_spans: self.live_spans as i32,
+            gpu: self.gpu.map(|g| g.ordinal),
+            gpu_uuid: self.gpu.map(|g| g.uuid_text()).unwrap_or_default(),
+            trace_root_start_unix_ns: self.trace_root.map_or(0, |r| r.0),
+            trace_root_end_unix_ns: self.trace_root.map_or(0, |r| r.1),
         }
     }
 }
@@ -262,6 +271,11 @@ impl From<&Collective> for Shared {
             is_p2p: c.is_p2p,
             replay: c.replay,
             live_spans: c.live_spans(),
+            gpu: c
+                .gpu
+                .and_then(|ordinal| Gpu::from_text(ordinal, &c.gpu_uuid)),
+            trace_root: (c.trace_root_end_unix_ns != 0)
+                .then_some((c.trace_root_start_unix_ns, c.trace_root_end_unix_ns)),
         };
         Shared {
             inst,
@@ -313,6 +327,10 @@ mod tests {
             uid: 17,
             replay: 3,
             live_spans: LiveSpans::Channels as i32,
+            gpu: Some(2),
+            gpu_uuid: "GPU-8d1c2a3b-0001-0203-0405-06070809feff".into(),
+            trace_root_start_unix_ns: 12,
+            trace_root_end_unix_ns: 18,
         };
         let s = Shared::from(&m);
         let i = s.view();

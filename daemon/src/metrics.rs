@@ -12,6 +12,7 @@ use std::fmt::Write;
 
 use ncclscope_proto::prometheus as prom;
 use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
+use opentelemetry_proto::tonic::metrics::v1 as otlp_metrics;
 use opentelemetry_proto::tonic::metrics::v1::{
     AggregationTemporality, ExponentialHistogram, ExponentialHistogramDataPoint, Gauge, Metric,
     NumberDataPoint, Sum, exponential_histogram_data_point, metric, number_data_point,
@@ -19,7 +20,7 @@ use opentelemetry_proto::tonic::metrics::v1::{
 use prost::Message;
 
 use crate::bandwidth;
-use crate::histogram::Distribution;
+use crate::histogram::{Distribution, Exemplar};
 use crate::stats::Stats;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -172,12 +173,18 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
     let mut ranks: Vec<_> = stats.ranks.iter().collect();
     ranks.sort_by(|a, b| a.0.cmp(b.0));
     for (k, r) in ranks {
-        let labels = vec![
+        let mut labels = vec![
             ("uid", k.uid.to_string()),
             ("job_id", k.job.to_string()),
             ("comm", comm_label(k.comm_hash)),
             ("rank", k.rank.to_string()),
         ];
+        // DCGM exporter's names for the GPU (its `gpu` is the NVML index, ours the CUDA ordinal:
+        // equal only where the process sees every GPU in PCI order; `UUID` always joins).
+        if let Some(g) = r.gpu {
+            labels.push(("gpu", g.ordinal.to_string()));
+            labels.push(("UUID", g.uuid_text()));
+        }
         skew.points
             .push((labels.clone(), Value::Histogram(r.skew_us.clone())));
         let with = |when: &str| {
@@ -349,6 +356,16 @@ fn label_text(labels: &[(&'static str, String)], extra: Option<(&str, String)>) 
 
 /// Prometheus text exposition format 0.0.4; per-job families only with `job_series`.
 pub fn render_prometheus(families: &[Family], job_series: bool) -> String {
+    render_text(families, job_series, false)
+}
+
+/// OpenMetrics text 1.0.0: the Prometheus text with each classic bucket's exemplar (the trace of
+/// its latest sampled instance), counters' families named without `_total`, and `# EOF`.
+pub fn render_openmetrics(families: &[Family], job_series: bool) -> String {
+    render_text(families, job_series, true)
+}
+
+fn render_text(families: &[Family], job_series: bool, openmetrics: bool) -> String {
     let mut out = String::new();
     for f in families.iter().filter(|f| job_series || !f.per_job) {
         let kind = match f.kind {
@@ -356,11 +373,11 @@ pub fn render_prometheus(families: &[Family], job_series: bool) -> String {
             Kind::Gauge => "gauge",
             Kind::Histogram => "histogram",
         };
-        let _ = writeln!(
-            out,
-            "# HELP {} {}\n# TYPE {} {}",
-            f.name, f.help, f.name, kind
-        );
+        let family = match f.kind {
+            Kind::Counter if openmetrics => f.name.strip_suffix("_total").unwrap_or(f.name),
+            _ => f.name,
+        };
+        let _ = writeln!(out, "# HELP {family} {}\n# TYPE {family} {kind}", f.help);
         for (labels, v) in &f.points {
             match v {
                 Value::Number(n) => {
@@ -371,13 +388,25 @@ pub fn render_prometheus(families: &[Family], job_series: bool) -> String {
                     for (i, c) in b.counts().iter().enumerate() {
                         cum += c;
                         let le = b.bound(i).map_or("+Inf".to_string(), |x| x.to_string());
-                        let _ = writeln!(
+                        let _ = write!(
                             out,
                             "{}_bucket{} {}",
                             f.name,
                             label_text(labels, Some(("le", le))),
                             cum
                         );
+                        if let Some(e) = d.exemplar(i).filter(|_| openmetrics) {
+                            let _ = write!(
+                                out,
+                                " # {{trace_id=\"{}\",span_id=\"{}\"}} {} {}.{:09}",
+                                hex(&e.trace_id),
+                                hex(&e.span_id),
+                                e.value,
+                                e.unix_ns / 1_000_000_000,
+                                e.unix_ns % 1_000_000_000
+                            );
+                        }
+                        out.push('\n');
                     }
                     let _ = writeln!(
                         out,
@@ -397,7 +426,14 @@ pub fn render_prometheus(families: &[Family], job_series: bool) -> String {
             }
         }
     }
+    if openmetrics {
+        out.push_str("# EOF\n");
+    }
     out
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Prometheus protobuf exposition (length-delimited `MetricFamily` messages), the format that
@@ -528,6 +564,16 @@ fn otel_name(f: &Family) -> String {
     }
 }
 
+fn otlp_exemplar(e: &Exemplar) -> otlp_metrics::Exemplar {
+    otlp_metrics::Exemplar {
+        time_unix_nano: e.unix_ns,
+        trace_id: e.trace_id.to_vec(),
+        span_id: e.span_id.to_vec(),
+        value: Some(otlp_metrics::exemplar::Value::AsDouble(e.value)),
+        ..Default::default()
+    }
+}
+
 /// OTLP metrics, cumulative since `start_ns`.
 pub fn to_otlp(families: &[Family], start_ns: u64, now_ns: u64) -> Vec<Metric> {
     let cumulative = AggregationTemporality::Cumulative as i32;
@@ -581,6 +627,7 @@ pub fn to_otlp(families: &[Family], start_ns: u64, now_ns: u64) -> Vec<Metric> {
                                     }),
                                     min,
                                     max,
+                                    exemplars: d.exemplars().map(otlp_exemplar).collect(),
                                     ..Default::default()
                                 })
                             }
@@ -605,7 +652,66 @@ pub fn to_otlp(families: &[Family], start_ns: u64, now_ns: u64) -> Vec<Metric> {
 mod tests {
     use super::*;
     use crate::instance::Shared;
+    use ncclscope_proto::api::LiveSpans;
     use ncclscope_tests::promql::{histogram_quantile, native_quantile};
+
+    /// OpenMetrics carries the latest sampled instance of a bucket as its exemplar (its trace and
+    /// rank span); the classic text stays as it was.
+    #[test]
+    fn openmetrics_has_exemplars_on_the_buckets_of_sampled_instances() {
+        let mut stats = Stats::new(1_000_000_000, 1000, 10);
+        let coll = |seq: u64, exec_ns: u64| {
+            Shared::from(&ncclscope_proto::api::Collective {
+                uid: 7,
+                job_id: "j".into(),
+                comm_hash: 1,
+                func: "AllReduce".into(),
+                seq,
+                rank: 2,
+                nranks: 4,
+                exec_ns,
+                end_unix_ns: 1_700_000_000_123_456_789 + seq,
+                timing_source: "kernel_gpu".into(),
+                ..Default::default()
+            })
+        };
+        // Bucket (2^(4/8), 2^(5/8)] us: seq 1 then seq 2 sampled (the latter kept), seq 3 not.
+        for (seq, exec_ns, live) in [
+            (1, 1_450, LiveSpans::Rank),
+            (2, 1_500, LiveSpans::Channels),
+            (3, 1_520, LiveSpans::None),
+            (4, 3_000, LiveSpans::None),
+        ] {
+            stats.observe(coll(seq, exec_ns).view(), 0, 1, |_| live);
+        }
+        let f = families(&stats, &Health::default());
+        let om = render_openmetrics(&f, true);
+        let with: Vec<&str> = om.lines().filter(|l| l.contains(" # {")).collect();
+        let key = crate::spans::collective_key("AllReduce", 2, 0);
+        let want = format!(
+            "le=\"1.5422108254079407\"}} 3 # {{trace_id=\"{}\",span_id=\"{}\"}} 1.5 1700000000.123456791",
+            hex(&crate::spans::trace_id(7, 1, key)),
+            hex(&crate::spans::rank_span_id(7, 1, key, 2)),
+        );
+        assert_eq!(with.len(), 1, "{om}");
+        assert!(
+            with[0].starts_with("ncclscope_collective_exec_time_microseconds_bucket{")
+                && with[0].ends_with(&want),
+            "{}\n{want}",
+            with[0]
+        );
+        assert!(om.contains("# TYPE ncclscope_lost counter\n"), "{om}");
+        assert!(om.ends_with("# EOF\n"));
+        let text = render_prometheus(&f, true);
+        assert!(!text.contains(" # {") && !text.contains("# EOF"), "{text}");
+        let Some(metric::Data::ExponentialHistogram(h)) = &to_otlp(&f, 1, 2)[0].data else {
+            panic!()
+        };
+        let e = &h.data_points[0].exemplars;
+        assert_eq!(e.len(), 1);
+        assert_eq!(e[0].trace_id, crate::spans::trace_id(7, 1, key).to_vec());
+        assert!(text.contains("# TYPE ncclscope_lost_total counter\n"));
+    }
 
     #[test]
     fn prometheus_text_has_cumulative_buckets_and_escaped_labels() {
@@ -629,7 +735,7 @@ mod tests {
                 timing_source: "kernel_gpu".into(),
                 ..Default::default()
             });
-            stats.observe(c.view(), 0, 1);
+            stats.observe(c.view(), 0, 1, |_| LiveSpans::None);
         }
         let health = Health {
             lost: BTreeMap::from([("ring_full".into(), 3)]),
@@ -737,7 +843,7 @@ mod tests {
                     timing_source: "kernel_gpu".into(),
                     ..Default::default()
                 });
-                stats.observe(c.view(), 0, 1);
+                stats.observe(c.view(), 0, 1, |_| LiveSpans::None);
                 let e = exact.entry(bytes).or_default();
                 e.0.push(exec_ns as f64 / 1000.0);
                 e.1.push(busbw_gbs);

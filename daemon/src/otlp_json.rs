@@ -110,6 +110,9 @@ mod tests {
     use serde_json::Value;
 
     fn coll(rank: u32, seq: u64) -> Collective {
+        let live_spans = [LiveSpans::None, LiveSpans::Rank, LiveSpans::Channels][seq as usize % 3];
+        // The engine gives the last rank of a sent collective the root.
+        let root = rank == 1 && live_spans != LiveSpans::None;
         Collective {
             job_id: "j".into(),
             host: "node1".into(),
@@ -132,8 +135,9 @@ mod tests {
                 work_items: 1,
             }],
             // Sampled out, rank spans, rank and channel spans: a third each.
-            live_spans: [LiveSpans::None, LiveSpans::Rank, LiveSpans::Channels][seq as usize % 3]
-                as i32,
+            live_spans: live_spans as i32,
+            trace_root_start_unix_ns: if root { 999 + seq } else { 0 },
+            trace_root_end_unix_ns: if root { 2_001 + seq } else { 0 },
             ..Default::default()
         }
     }
@@ -155,7 +159,7 @@ mod tests {
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
-        // Per collective sent live: rank 0's root span and two rank spans, with channel spans two
+        // Per collective sent live: the root span and two rank spans, with channel spans two
         // more; 400 * 3 + 400 * 5 = 3200 spans in all, none of the 400 sampled out.
         assert_eq!(lines.len(), 2);
         let spans: Vec<&Value> = lines

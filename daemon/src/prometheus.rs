@@ -1,6 +1,6 @@
 //! The Prometheus endpoint, an HTTP/1.1 server (hyper): `GET` and `HEAD` of `/metrics` (text format
-//! 0.0.4, or the protobuf format with native histograms when the scraper asks for it; gzip when it
-//! accepts gzip) and of [`HEALTH_PATH`]; keep-alive. Rendered per request from the ingest thread's
+//! 0.0.4; the protobuf format with native histograms, or OpenMetrics text with exemplars, when the
+//! scraper asks for it; gzip when it accepts gzip) and of [`HEALTH_PATH`]; keep-alive. Rendered per request from the ingest thread's
 //! latest [`Snapshot`], off that thread.
 
 use std::convert::Infallible;
@@ -35,6 +35,7 @@ const GRACE: Duration = Duration::from_secs(10);
 const MAX_CONNECTIONS: usize = 64;
 
 const TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 const PROTOBUF: &str =
     "application/vnd.google.protobuf; proto=io.prometheus.client.MetricFamily; encoding=delimited";
 
@@ -122,6 +123,9 @@ fn respond(
             let (body, content_type) = if wants_protobuf(headers) {
                 let body = metrics::render_protobuf(&snapshot.families, job_series);
                 (body, PROTOBUF)
+            } else if wants_openmetrics(headers) {
+                let text = metrics::render_openmetrics(&snapshot.families, job_series);
+                (text.into_bytes(), OPENMETRICS)
             } else {
                 let text = metrics::render_prometheus(&snapshot.families, job_series);
                 (text.into_bytes(), TEXT)
@@ -173,18 +177,29 @@ fn wants_protobuf(headers: &HeaderMap) -> bool {
     })
 }
 
+/// Whether the scraper lists OpenMetrics text with a non-zero weight (Prometheus does, first, unless
+/// it asks for protobuf): the text format that carries exemplars.
+fn wants_openmetrics(headers: &HeaderMap) -> bool {
+    listed(headers, header::ACCEPT, "application/openmetrics-text")
+}
+
 /// Whether `Accept-Encoding` lists gzip with a non-zero weight.
 fn accepts_gzip(headers: &HeaderMap) -> bool {
-    let codings = headers.get_all(header::ACCEPT_ENCODING).iter();
-    codings
+    listed(headers, header::ACCEPT_ENCODING, "gzip")
+}
+
+/// Whether a `header` lists `name` (a media type or a coding) with a non-zero weight.
+fn listed(headers: &HeaderMap, header: header::HeaderName, name: &str) -> bool {
+    let items = headers.get_all(header).iter();
+    items
         .flat_map(|v| v.to_str().unwrap_or("").split(','))
-        .any(|coding| {
-            let mut parts = coding.split(';').map(str::trim);
-            let name = parts.next().unwrap_or("");
+        .any(|item| {
+            let mut parts = item.split(';').map(str::trim);
+            let first = parts.next().unwrap_or("");
             let q = parts
                 .find_map(|p| p.strip_prefix("q="))
                 .map_or(1.0, |q| q.parse::<f64>().unwrap_or(0.0));
-            name.eq_ignore_ascii_case("gzip") && q > 0.0
+            first.eq_ignore_ascii_case(name) && q > 0.0
         })
 }
 
@@ -221,6 +236,34 @@ mod tests {
             );
         }
         assert!(!accepts_gzip(&HeaderMap::new()));
+    }
+
+    /// Prometheus' own Accept headers: OpenMetrics by default, protobuf with native histograms;
+    /// a client naming neither gets the text format.
+    #[test]
+    fn the_format_is_the_one_the_scraper_asks_for() {
+        let content_type = |accept: &'static str| {
+            let r = respond(
+                &Method::GET,
+                "/metrics",
+                &headers(&[(header::ACCEPT, accept)]),
+                &Snapshot::default(),
+                false,
+            );
+            r.headers()[header::CONTENT_TYPE]
+                .to_str()
+                .unwrap()
+                .to_string()
+        };
+        let prometheus = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
+                          version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        assert_eq!(content_type(prometheus), OPENMETRICS);
+        let native = "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;\
+                      encoding=delimited;q=0.6,application/openmetrics-text;version=1.0.0;q=0.5";
+        assert_eq!(content_type(native), PROTOBUF);
+        for accept in ["*/*", "text/plain", "application/openmetrics-text;q=0"] {
+            assert_eq!(content_type(accept), TEXT, "{accept}");
+        }
     }
 
     #[test]

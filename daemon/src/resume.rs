@@ -12,7 +12,7 @@ use std::io::{self, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use ncclscope_proto::StrId;
+use ncclscope_proto::{Gpu, StrId};
 use serde::{Deserialize, Serialize};
 
 use crate::spool::Position;
@@ -49,6 +49,9 @@ pub struct CommInfo {
     /// Stream position of the CommEnd: once committed, no record of it can be read again.
     #[serde(default)]
     pub ended_pos: u64,
+    /// Its GPU, as the process announced it (saved only where there is one).
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "gpu")]
+    pub gpu: Option<Gpu>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -92,6 +95,21 @@ mod str_id {
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<StrId, D::Error> {
         u16::deserialize(d).map(StrId)
+    }
+}
+
+mod gpu {
+    use ncclscope_proto::Gpu;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    /// As `[ordinal, "GPU-..."]`.
+    pub fn serialize<S: Serializer>(gpu: &Option<Gpu>, s: S) -> Result<S::Ok, S::Error> {
+        gpu.map(|g| (g.ordinal, g.uuid_text())).serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Gpu>, D::Error> {
+        let saved = Option::<(u32, String)>::deserialize(d)?;
+        Ok(saved.and_then(|(ordinal, uuid)| Gpu::from_text(ordinal, &uuid)))
     }
 }
 
@@ -302,6 +320,7 @@ mod tests {
                     device_hook: true,
                     ended: false,
                     ended_pos: 0,
+                    gpu: None,
                 }],
                 templates: vec![SavedTemplate {
                     comm: 0,
@@ -355,6 +374,31 @@ mod tests {
         };
         assert_eq!(serde_json::to_string(&state).unwrap(), GOLDEN);
         assert_eq!(serde_json::from_str::<SegmentState>(GOLDEN).unwrap(), state);
+    }
+
+    /// A communicator's GPU: added after the fields above, only where there is one (a state without
+    /// one is written as before; a daemon before it ignores it).
+    #[test]
+    fn a_comms_gpu_keeps_its_format() {
+        const COMM: &str = r#"{"comm":0,"comm_hash":1,"rank":0,"nranks":2,"nnodes":1,"cuda_dev":3,"name":0,"device_hook":false,"ended":false,"ended_pos":0,"gpu":[3,"GPU-5a5a5a5a-5a5a-5a5a-5a5a-5a5a5a5a5a5a"]}"#;
+        let comm = CommInfo {
+            comm: 0,
+            comm_hash: 1,
+            rank: 0,
+            nranks: 2,
+            nnodes: 1,
+            cuda_dev: 3,
+            name: 0,
+            device_hook: false,
+            ended: false,
+            ended_pos: 0,
+            gpu: Some(Gpu {
+                ordinal: 3,
+                uuid: [0x5a; 16],
+            }),
+        };
+        assert_eq!(serde_json::to_string(&comm).unwrap(), COMM);
+        assert_eq!(serde_json::from_str::<CommInfo>(COMM).unwrap(), comm);
     }
 
     /// Operations in flight before the tail: added after the fields above, only when there are some

@@ -5,8 +5,11 @@
 //! the replay's index on the communicator), the same on every rank. From it:
 //! - trace id = f(uid, commHash, key): all ranks of one collective, on every node, land in one trace;
 //! - each rank's span id = f(uid, commHash, key, rank), its parent the collective's root span
-//!   id = f(uid, commHash, key); the root span itself is emitted by rank 0's daemon only (with rank 0's
-//!   times), so no coordination is needed and the root is never duplicated;
+//!   id = f(uid, commHash, key); the root span itself is emitted by rank 0's daemon only, so no
+//!   coordination is needed and the root is never duplicated. It spans the rank spans that daemon
+//!   sends (the earliest start to the latest end among the node's ranks, carried by the last of them
+//!   to complete: [`crate::stats::Observed::trace_root`]); ranks on other nodes hang under it with
+//!   their own times;
 //! - optional channel spans: id = f(uid, commHash, key, rank, channel), children of the rank's span.
 //!
 //! The uid is the one the kernel reported at registration; commHash, seq and rank are what the
@@ -176,8 +179,25 @@ fn status(c: InstanceRef) -> Option<Status> {
 }
 
 /// Appends the spans the live export sends for `c`, as the engine decided when it recorded it
-/// ([`LiveSpans`]). The daemon's OTLP export and `export --format otlp-json` both write these.
+/// ([`LiveSpans`], and the root span if `c` carries it). The daemon's OTLP export and `export
+/// --format otlp-json` both write these.
 pub fn live_spans_of(c: InstanceRef, out: &mut Vec<Span>) {
+    if let Some((start, end)) = c.trace_root {
+        let key = instance_key(c);
+        let mut attributes = common(c);
+        attributes.push(i("nccl.bytes", c.bytes as i64));
+        // No status: each rank span carries its own.
+        out.push(Span {
+            trace_id: trace_id(c.uid(), c.comm_hash, key).to_vec(),
+            span_id: root_span_id(c.uid(), c.comm_hash, key).to_vec(),
+            name: c.func().to_string(),
+            kind: SpanKind::Internal as i32,
+            start_time_unix_nano: start,
+            end_time_unix_nano: end,
+            attributes,
+            ..Default::default()
+        });
+    }
     match c.live_spans {
         LiveSpans::None => {}
         LiveSpans::Rank => spans_of(c, false, out),
@@ -185,32 +205,15 @@ pub fn live_spans_of(c: InstanceRef, out: &mut Vec<Span>) {
     }
 }
 
-/// Appends the spans this node emits for `c`: the rank's span, its root when `c` is rank 0 of a
-/// collective, and one span per channel if asked.
-pub fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
+/// Appends the rank's span of `c`, a child of its collective's root span, and one span per channel
+/// if asked.
+fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
     let key = instance_key(c);
     let trace_id = trace_id(c.uid(), c.comm_hash, key).to_vec();
     let root_id = root_span_id(c.uid(), c.comm_hash, key).to_vec();
     let rank_id = rank_span_id(c.uid(), c.comm_hash, key, c.rank);
     let is_collective = !c.is_p2p;
     let status = status(c);
-    if is_collective && c.rank == 0 {
-        out.push(Span {
-            trace_id: trace_id.clone(),
-            span_id: root_id.clone(),
-            name: c.func().to_string(),
-            kind: SpanKind::Internal as i32,
-            start_time_unix_nano: c.enqueue_unix_ns.min(c.start_unix_ns),
-            end_time_unix_nano: c.end_unix_ns,
-            attributes: {
-                let mut a = common(c);
-                a.push(i("nccl.bytes", c.bytes as i64));
-                a
-            },
-            status: status.clone(),
-            ..Default::default()
-        });
-    }
     let mut attributes = common(c);
     attributes.extend([
         i("nccl.rank", c.rank as i64),
@@ -233,6 +236,10 @@ pub fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
     attributes.retain(|kv| !matches!(&kv.value, Some(AnyValue { value: Some(any_value::Value::StringValue(v)) }) if v.is_empty()));
     if !c.comm_name().is_empty() {
         attributes.push(s("nccl.comm_name", c.comm_name()));
+    }
+    if let Some(g) = c.gpu {
+        attributes.push(i("nccl.gpu", g.ordinal as i64));
+        attributes.push(s("nccl.gpu_uuid", &g.uuid_text()));
     }
     if c.is_p2p {
         attributes.push(i("nccl.peer", c.peer as i64));
@@ -353,13 +360,15 @@ mod tests {
         assert!(!(0..1000).any(|seq| sampled(7, seq, 0.0)));
     }
 
+    /// The instance carrying the root emits it with the times it was given (the node's rank spans'
+    /// envelope, see `stats`), whatever its rank; ranks hang under it, channels under their rank.
     #[test]
-    fn rank_zero_emits_the_root_and_channels_hang_under_the_rank() {
+    fn the_carrier_emits_the_root_and_channels_hang_under_the_rank() {
         let c = Shared::from(&ncclscope_proto::api::Collective {
             func: "AllReduce".into(),
             comm_hash: 5,
             seq: 9,
-            rank: 0,
+            rank: 1,
             nranks: 2,
             start_unix_ns: 100,
             end_unix_ns: 200,
@@ -370,11 +379,18 @@ mod tests {
                 end_unix_ns: 190,
                 work_items: 1,
             }],
+            live_spans: LiveSpans::Channels as i32,
+            trace_root_start_unix_ns: 90,
+            trace_root_end_unix_ns: 250,
             ..Default::default()
         });
         let mut out = Vec::new();
-        spans_of(c.view(), true, &mut out);
+        live_spans_of(c.view(), &mut out);
         assert_eq!(out.len(), 3);
+        assert_eq!(
+            (out[0].start_time_unix_nano, out[0].end_time_unix_nano),
+            (90, 250)
+        );
         let (root, rank, ch) = (&out[0], &out[1], &out[2]);
         assert!(root.parent_span_id.is_empty());
         assert_eq!(rank.parent_span_id, root.span_id);
@@ -389,11 +405,57 @@ mod tests {
             (100, 200)
         );
         let mut out = Vec::new();
-        let mut rank1 = c.clone();
-        rank1.inst.rank = 1;
-        spans_of(rank1.view(), false, &mut out);
-        assert_eq!(out.len(), 1, "only rank 0 emits the root");
+        let mut rank0 = c.clone();
+        (rank0.inst.rank, rank0.inst.trace_root) = (0, None);
+        rank0.inst.live_spans = LiveSpans::Rank;
+        live_spans_of(rank0.view(), &mut out);
+        assert_eq!(out.len(), 1, "only the carrier emits the root");
         assert_eq!(out[0].parent_span_id, root_span_id(0, 5, key).to_vec());
+        // A carrier whose own spans are not sent (another rank's were: slow) still emits the root.
+        let mut out = Vec::new();
+        let mut unsent = c.clone();
+        unsent.inst.live_spans = LiveSpans::None;
+        live_spans_of(unsent.view(), &mut out);
+        assert_eq!(out.len(), 1);
+        assert!(out[0].parent_span_id.is_empty());
+    }
+
+    /// The rank's GPU as DCGM names it, on its span only where the process knew it (never guessed).
+    #[test]
+    fn a_rank_span_carries_its_gpu_when_known() {
+        let m = ncclscope_proto::api::Collective {
+            func: "AllReduce".into(),
+            rank: 1,
+            nranks: 2,
+            gpu: Some(3),
+            gpu_uuid: "GPU-8d1c2a3b-0001-0203-0405-06070809feff".into(),
+            ..Default::default()
+        };
+        let attrs = |m: &ncclscope_proto::api::Collective| {
+            let mut out = Vec::new();
+            spans_of(Shared::from(m).view(), false, &mut out);
+            out.pop().unwrap().attributes
+        };
+        let with = attrs(&m);
+        let get = |k: &str| {
+            with.iter()
+                .find(|kv| kv.key == k)
+                .and_then(|kv| kv.value.clone())
+        };
+        assert_eq!(
+            get("nccl.gpu").unwrap().value,
+            Some(any_value::Value::IntValue(3))
+        );
+        assert_eq!(
+            get("nccl.gpu_uuid").unwrap().value,
+            Some(any_value::Value::StringValue(m.gpu_uuid.clone()))
+        );
+        let without = attrs(&ncclscope_proto::api::Collective {
+            gpu: None,
+            gpu_uuid: String::new(),
+            ..m
+        });
+        assert!(!without.iter().any(|kv| kv.key.starts_with("nccl.gpu")));
     }
 
     /// Issue 17: span status was never set. A complete instance leaves it UNSET; one closed without

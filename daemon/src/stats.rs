@@ -12,8 +12,10 @@ use std::sync::Arc;
 use ncclscope_proto::api::{CollStats, RankStats};
 
 use crate::bandwidth;
-use crate::histogram::{BUSBW_GBS, Distribution, EXEC_US, Rolling, SKEW_US};
+use crate::histogram::{BUSBW_GBS, Distribution, EXEC_US, Exemplar, Rolling, SKEW_US};
 use crate::instance::InstanceRef;
+use crate::spans;
+use ncclscope_proto::api::LiveSpans;
 
 /// Label of the series that absorbs everything beyond `max_series`.
 pub const OVERFLOW_BUCKET: &str = "other";
@@ -29,6 +31,13 @@ const STEP_BEFORE_NS: u64 = 1_000_000_000;
 const STEP_AFTER_NS: u64 = 10_000_000_000;
 /// Clock steps remembered.
 const MAX_STEPS: usize = 8;
+/// How far before its first collective a window opens back for a late first arrival.
+const MAX_BACK: usize = 64;
+/// Collectives whose rendezvous the skew window closed while a local rank was still missing, kept
+/// at most this many and this long for their root span (a graph replay's instances may wait on
+/// held work items for seconds).
+const MAX_LATE: usize = 16_384;
+const LATE_NS: u64 = 30_000_000_000;
 /// Samples between recomputations of a series' cached p50.
 const P50_EVERY: u32 = 256;
 
@@ -160,6 +169,8 @@ fn job_entry<'a>(
 
 #[derive(Clone, Debug)]
 pub struct RankSeries {
+    /// The rank's GPU as its latest instance gave it: labels that join DCGM exporter's series.
+    pub gpu: Option<ncclscope_proto::Gpu>,
     pub collectives: u64,
     pub skew_us: Distribution,
     /// Collectives in which this rank's kernels started last / ended last among the node's ranks.
@@ -173,10 +184,23 @@ pub struct RankSeries {
     last_end_ns: u64,
 }
 
+#[derive(Clone, Copy)]
 struct Arrival {
     rank: u32,
     start: u64,
     end: u64,
+    /// Its rank span is sent: the root covers it.
+    sent: bool,
+}
+
+/// What [`Stats::observe`] decided for an instance.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Observed {
+    pub live_spans: LiveSpans,
+    /// (start, end) of the collective's root span, when this instance carries it: the last of the
+    /// node's ranks to complete the collective carries it, on the node of rank 0 and only if rank
+    /// 0's span is sent; it covers the rank spans this node sends (earliest start to latest end).
+    pub trace_root: Option<(u64, u64)>,
 }
 
 /// The local ranks' arrivals for one collective.
@@ -227,7 +251,13 @@ pub struct Stats {
     per_job: Map<(u32, Arc<str>), JobSeries>,
     /// Slots of every window.
     slots: usize,
+    /// The arrivals of collectives evaluated before every local rank arrived, by (uid,
+    /// communicator, type, replay, seq), with when: the last rank to arrive still carries the root.
+    late: Late,
 }
+
+/// [`Stats`]'s late collectives: (uid, communicator, type, replay, seq) -> (arrivals, when kept).
+type Late = Map<(u32, u64, u64, u32, u64), (Vec<Arrival>, u64)>;
 
 impl Stats {
     pub fn new(window_ns: u64, skew_window_ns: u64, max_series: usize) -> Stats {
@@ -238,6 +268,7 @@ impl Stats {
             series: Map::default(),
             ranks: Map::default(),
             windows: Map::default(),
+            late: Map::default(),
             local_ranks: Map::default(),
             none: "".into(),
             folded: 0,
@@ -268,11 +299,18 @@ impl Stats {
         self.local_ranks = local_ranks.into_iter().collect();
     }
 
-    /// Records `c`. Returns its series' rolling p50 exec time before `c`, once the series has
-    /// `min_samples` (for the slow-outlier sampling decision).
-    pub fn observe(&mut self, c: InstanceRef, now_ns: u64, min_samples: u64) -> Option<u64> {
+    /// Records `c` and returns what the live export sends of it: `decide` gets its series' rolling
+    /// p50 exec time before `c`, once the series has `min_samples` (for the slow-outlier sampling
+    /// decision). An instance whose spans are sent becomes its exec-time bucket's exemplar.
+    pub fn observe(
+        &mut self,
+        c: InstanceRef,
+        now_ns: u64,
+        min_samples: u64,
+        decide: impl FnOnce(Option<u64>) -> LiveSpans,
+    ) -> Observed {
         let window = self.window_ns;
-        let p50 = self.with_series(c, now_ns, |s| {
+        let live = self.with_series(c, now_ns, |s| {
             // A settled p50 moves slowly: once the series has a few windows' worth of samples,
             // recompute it every P50_EVERY samples rather than on every instance.
             if s.p50_age >= P50_EVERY || s.rolling_exec_ns.count() < 4 * P50_EVERY as u64 {
@@ -281,14 +319,25 @@ impl Stats {
             }
             s.p50_age += 1;
             s.last_ns = now_ns;
-            let p50 = (s.rolling_exec_ns.count() >= min_samples).then_some(s.p50_exec_ns);
-            s.exec_us.record(c.exec_ns as f64 / 1000.0);
+            let live = decide((s.rolling_exec_ns.count() >= min_samples).then_some(s.p50_exec_ns));
+            let exec_us = c.exec_ns as f64 / 1000.0;
+            if live == LiveSpans::None {
+                s.exec_us.record(exec_us);
+            } else {
+                let key = spans::instance_key(c);
+                s.exec_us.record_exemplar(Exemplar {
+                    trace_id: spans::trace_id(c.uid(), c.comm_hash, key),
+                    span_id: spans::rank_span_id(c.uid(), c.comm_hash, key, c.rank),
+                    value: exec_us,
+                    unix_ns: c.end_unix_ns,
+                });
+            }
             s.rolling_exec_ns.record(c.exec_ns as f64, now_ns, window);
             if c.exec_ns > 0 {
                 s.busbw_gbs.record(c.busbw_gbs);
                 s.rolling_busbw_gbs.record(c.busbw_gbs, now_ns, window);
             }
-            p50
+            live
         });
         let rank = RankRef {
             uid: c.uid(),
@@ -302,7 +351,10 @@ impl Stats {
             let job = job_entry(&mut self.per_job, rank.uid, rank.job);
             if at_limit || job.ranks >= self.max_job_series {
                 self.rank_series_refused += 1;
-                return p50;
+                return Observed {
+                    live_spans: live,
+                    trace_root: None,
+                };
             }
             job.ranks += 1;
         }
@@ -314,6 +366,7 @@ impl Stats {
                 rank: c.rank,
             };
             let series = RankSeries {
+                gpu: None,
                 collectives: 0,
                 skew_us: Distribution::new(SKEW_US),
                 last_to_start: 0,
@@ -326,6 +379,7 @@ impl Stats {
             };
             (key, series)
         });
+        r.gpu = c.gpu;
         r.collectives += 1;
         r.last_ns = now_ns;
         r.first_end_ns = r.first_end_ns.min(c.end_unix_ns);
@@ -337,10 +391,17 @@ impl Stats {
             .get(&(c.uid(), c.comm_hash))
             .copied()
             .unwrap_or(0);
-        if !c.is_p2p && c.timing_source != "host" && local >= 2 {
-            self.arrive(c, local, now_ns);
+        let sent = live != LiveSpans::None;
+        // Without kernel times a rank meets no other (nor its root: it has none).
+        let trace_root = match (c.is_p2p || c.timing_source == "host", local >= 2) {
+            (true, _) => None,
+            (false, true) => self.arrive(c, local, now_ns, sent),
+            (false, false) => (c.rank == 0 && sent).then_some((c.start_unix_ns, c.end_unix_ns)),
+        };
+        Observed {
+            live_spans: live,
+            trace_root,
         }
-        p50
     }
 
     /// Applies `f` to `c`'s series, created if new; beyond `max_series` in all, or beyond the job's
@@ -412,40 +473,71 @@ impl Stats {
         f(self.series.entry(overflow).or_insert_with(new))
     }
 
-    fn arrive(&mut self, c: InstanceRef, expected: usize, now_ns: u64) {
-        let ranks = &mut self.ranks;
-        let w = self
-            .windows
-            .entry((
-                c.uid(),
-                c.comm_hash,
-                crate::spans::type_key(c.func()),
-                c.replay,
-            ))
-            .or_insert_with(|| {
-                // The job as the rank series holds it (observe just made sure it exists).
-                let rank = RankRef {
-                    uid: c.uid(),
-                    job: c.job_id(),
-                    comm_hash: c.comm_hash,
-                    rank: c.rank,
-                };
-                let job = ranks
-                    .get_key_value(&rank)
-                    .map_or_else(|| c.job_id().into(), |(k, _)| k.job.clone());
-                Window {
-                    job,
-                    base: c.seq,
-                    slots: VecDeque::new(),
+    /// `c` joins the node's ranks of its collective; the root span's times when it completes them
+    /// (see [`Observed::trace_root`]).
+    fn arrive(
+        &mut self,
+        c: InstanceRef,
+        expected: usize,
+        now_ns: u64,
+        sent: bool,
+    ) -> Option<(u64, u64)> {
+        let arrival = Arrival {
+            rank: c.rank,
+            start: c.start_unix_ns,
+            end: c.end_unix_ns,
+            sent,
+        };
+        let key = (c.uid(), c.comm_hash, spans::type_key(c.func()), c.replay);
+        if !self.late.is_empty() {
+            let late_key = (key.0, key.1, key.2, key.3, c.seq);
+            if let Some((arrivals, _)) = self.late.get_mut(&late_key) {
+                arrivals.push(arrival);
+                if arrivals.len() < expected {
+                    return None;
                 }
-            });
-        // Another job with the same communicator hash (a 64-bit random id), or a collective that
-        // left the window already: not comparable.
-        if *w.job != *c.job_id() || c.seq < w.base {
-            return;
+                let (arrivals, _) = self.late.remove(&late_key).expect("found above");
+                return root_span(&arrivals);
+            }
+        }
+        let ranks = &mut self.ranks;
+        let late = &mut self.late;
+        let w = self.windows.entry(key).or_insert_with(|| {
+            // The job as the rank series holds it (observe just made sure it exists).
+            let rank = RankRef {
+                uid: c.uid(),
+                job: c.job_id(),
+                comm_hash: c.comm_hash,
+                rank: c.rank,
+            };
+            let job = ranks
+                .get_key_value(&rank)
+                .map_or_else(|| c.job_id().into(), |(k, _)| k.job.clone());
+            Window {
+                job,
+                base: c.seq,
+                slots: VecDeque::new(),
+            }
+        });
+        // Another job with the same communicator hash (a 64-bit random id): not comparable.
+        if *w.job != *c.job_id() {
+            return None;
         }
         let (window_ns, mut evaluated) = (self.window_ns, 0);
         let before = w.slots.len();
+        // A collective shortly before the window's first (its instance completed after a later
+        // one's, as a graph replay's may): the window opens back to it. Not further: a segment
+        // jumping back and forth must not cost a window's worth of slots per instance.
+        if c.seq < w.base {
+            let back = (w.base - c.seq) as usize;
+            if back > MAX_BACK || back + before > MAX_WINDOW {
+                return None;
+            }
+            for _ in 0..back {
+                w.slots.push_front(None);
+            }
+            w.base = c.seq;
+        }
         let room = MAX_WINDOW
             .min(before + MAX_SLOTS.saturating_sub(self.slots))
             .max(1);
@@ -453,7 +545,9 @@ impl Stats {
         let ahead = (c.seq - w.base) as usize;
         if ahead >= room {
             let leave = ahead + 1 - room;
-            for rv in w.slots.drain(..leave.min(w.slots.len())).flatten() {
+            for (i, rv) in w.slots.drain(..leave.min(w.slots.len())).enumerate() {
+                let Some(rv) = rv else { continue };
+                keep_late(late, key, w.base + i as u64, &rv, now_ns);
                 evaluated +=
                     evaluate(ranks, c.uid(), &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
             }
@@ -474,14 +568,12 @@ impl Stats {
             rv.near_step = true;
             self.skew_clock_step += 1;
         }
-        rv.arrivals.push(Arrival {
-            rank: c.rank,
-            start: c.start_unix_ns,
-            end: c.end_unix_ns,
-        });
+        rv.arrivals.push(arrival);
         // With every local rank in, evaluate now; otherwise the skew window decides.
+        let mut root = None;
         if rv.arrivals.len() >= expected {
             let rv = w.slots[k].take().expect("filled above");
+            root = root_span(&rv.arrivals);
             evaluated +=
                 evaluate(ranks, c.uid(), &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
             while matches!(w.slots.front(), Some(None)) {
@@ -491,6 +583,7 @@ impl Stats {
         }
         self.slots = self.slots + w.slots.len() - before;
         self.skew_evaluated += evaluated;
+        root
     }
 
     /// The host clock stepped by `delta_ns` at `at_ns` (on the new clock): collectives that any rank
@@ -513,7 +606,10 @@ impl Stats {
     /// out), and forgets windows with nothing awaited.
     pub fn expire(&mut self, now_ns: u64) {
         let (skew_window, window_ns) = (self.skew_window_ns, self.window_ns);
-        for (&(uid, comm_hash, _, _), w) in &mut self.windows {
+        self.late
+            .retain(|_, (_, at)| now_ns.saturating_sub(*at) < LATE_NS);
+        for (&key, w) in &mut self.windows {
+            let (uid, comm_hash, _, _) = key;
             let before = w.slots.len();
             loop {
                 match w.slots.front() {
@@ -522,6 +618,7 @@ impl Stats {
                     _ => break,
                 }
                 if let Some(Some(rv)) = w.slots.pop_front() {
+                    keep_late(&mut self.late, key, w.base, &rv, now_ns);
                     self.skew_evaluated += evaluate(
                         &mut self.ranks,
                         uid,
@@ -628,6 +725,27 @@ impl Stats {
     }
 }
 
+/// Keeps the arrivals of collective `seq` of window `key`, evaluated before every local rank
+/// arrived, for its root span: only where a root can come of it (a sent rank span), within
+/// [`MAX_LATE`].
+fn keep_late(late: &mut Late, key: (u32, u64, u64, u32), seq: u64, rv: &Rendezvous, now_ns: u64) {
+    if late.len() < MAX_LATE && rv.arrivals.iter().any(|a| a.sent) {
+        late.insert(
+            (key.0, key.1, key.2, key.3, seq),
+            (rv.arrivals.clone(), now_ns),
+        );
+    }
+}
+
+/// The root span of a collective whose node ranks all arrived: from the earliest start to the latest
+/// end of the sent rank spans, if rank 0's is one of them (its node emits the root).
+fn root_span(arrivals: &[Arrival]) -> Option<(u64, u64)> {
+    arrivals.iter().find(|a| a.rank == 0 && a.sent)?;
+    let sent = arrivals.iter().filter(|a| a.sent);
+    let start = sent.clone().map(|a| a.start).min()?;
+    Some((start, sent.map(|a| a.end).max()?))
+}
+
 /// Skew (start minus the earliest start) and last-to-start / last-to-end of one collective into its
 /// ranks' series. Whether there was anything to compare (two ranks or more).
 fn evaluate(
@@ -681,6 +799,10 @@ mod tests {
     use super::*;
     use crate::instance::Shared;
 
+    fn no_spans(_: Option<u64>) -> LiveSpans {
+        LiveSpans::None
+    }
+
     fn coll(rank: u32, seq: u64, start: u64, exec: u64) -> Shared {
         Shared::from(&ncclscope_proto::api::Collective {
             job_id: "j".into(),
@@ -699,15 +821,64 @@ mod tests {
         })
     }
 
+    /// Issue 17: the root span was rank 0's view, and rank spans ended after it. The last of the
+    /// node's ranks to complete a collective carries a root from the earliest start to the latest
+    /// end of the sent rank spans; only where rank 0's is sent.
+    #[test]
+    fn the_last_local_rank_carries_a_root_covering_the_sent_rank_spans() {
+        let mut s = Stats::new(60_000_000_000, 1_000_000_000, 100);
+        s.set_local_ranks(HashMap::from([((0, 9), 3)]));
+        let sent = |_: Option<u64>| LiveSpans::Rank;
+        let observed = [
+            s.observe(coll(0, 1, 100, 500).view(), 0, 1, sent),
+            s.observe(coll(2, 1, 50, 1_000).view(), 0, 1, sent),
+            s.observe(coll(1, 1, 120, 900).view(), 0, 1, sent),
+        ];
+        assert_eq!(
+            observed.map(|o| o.trace_root),
+            [None, None, Some((50, 1_050))]
+        );
+        assert_eq!(s.skew_evaluated, 1);
+        // A rank without kernel times (closed incomplete) meets no other: no root.
+        let mut host_timed = coll(2, 7, 50, 1_000);
+        host_timed.inst.timing_source = "host";
+        s.observe(coll(0, 7, 100, 500).view(), 0, 1, sent);
+        s.observe(coll(1, 7, 100, 500).view(), 0, 1, sent);
+        assert_eq!(s.observe(host_timed.view(), 0, 1, sent).trace_root, None);
+        // Rank 1's span not sent (sampled out): not covered. Rank 0's not sent: no root here.
+        s.observe(coll(0, 2, 100, 500).view(), 0, 1, sent);
+        s.observe(coll(2, 2, 90, 100).view(), 0, 1, sent);
+        let o = s.observe(coll(1, 2, 120, 2_000).view(), 0, 1, no_spans);
+        assert_eq!(o.trace_root, Some((90, 600)));
+        s.observe(coll(0, 3, 100, 500).view(), 0, 1, no_spans);
+        s.observe(coll(1, 3, 100, 500).view(), 0, 1, sent);
+        let o = s.observe(coll(2, 3, 100, 500).view(), 0, 1, sent);
+        assert_eq!(o.trace_root, None);
+        // A rank later than the skew window (a replay's held work) still completes the root.
+        s.observe(coll(0, 6, 100, 500).view(), 0, 1, sent);
+        s.observe(coll(1, 6, 100, 500).view(), 0, 1, sent);
+        s.expire(2_000_000_000);
+        let o = s.observe(coll(2, 6, 50, 2_000).view(), 0, 1, sent);
+        assert_eq!(o.trace_root, Some((50, 2_050)));
+        assert_eq!(s.late.len(), 1, "seq 7's, whose third rank never comes");
+        // Alone on its node, rank 0 is its own root; a p2p has none.
+        s.set_local_ranks(HashMap::from([((0, 9), 1)]));
+        let o = s.observe(coll(0, 4, 100, 500).view(), 0, 1, sent);
+        assert_eq!(o.trace_root, Some((100, 600)));
+        let mut p2p = coll(0, 5, 100, 500);
+        p2p.inst.is_p2p = true;
+        assert_eq!(s.observe(p2p.view(), 0, 1, sent).trace_root, None);
+    }
+
     #[test]
     fn skew_and_stragglers_across_the_nodes_ranks() {
         let mut s = Stats::new(60_000_000_000, 1000, 100);
         s.set_local_ranks(HashMap::from([((0, 9), 3)]));
         for seq in 0..10 {
             // Rank 2 always starts 5 us late; rank 0 ends last.
-            s.observe(coll(0, seq, 1_000_000, 20_000).view(), 0, 1);
-            s.observe(coll(1, seq, 1_000_000, 1_000).view(), 0, 1);
-            s.observe(coll(2, seq, 1_005_000, 1_000).view(), 0, 1);
+            s.observe(coll(0, seq, 1_000_000, 20_000).view(), 0, 1, no_spans);
+            s.observe(coll(1, seq, 1_000_000, 1_000).view(), 0, 1, no_spans);
+            s.observe(coll(2, seq, 1_005_000, 1_000).view(), 0, 1, no_spans);
         }
         assert_eq!(s.skew_evaluated, 10);
         let ranks = s.rank_stats(&HashMap::new());
@@ -750,13 +921,18 @@ mod tests {
         for seq in 0..10 {
             // Around the step: a second apart on the new clock and the old.
             let t = seq * S / 2;
-            s.observe(coll(0, seq, at + t, 1_000).view(), 0, 1);
-            s.observe(coll(1, seq, before + t, 1_000).view(), 0, 1);
+            s.observe(coll(0, seq, at + t, 1_000).view(), 0, 1, no_spans);
+            s.observe(coll(1, seq, before + t, 1_000).view(), 0, 1, no_spans);
         }
         for seq in 10..20 {
             // A minute later, both recalibrated: rank 1 starts 5 us late.
-            s.observe(coll(0, seq, at + 60 * S, 1_000).view(), 0, 1);
-            s.observe(coll(1, seq, at + 60 * S + 5_000, 1_000).view(), 0, 1);
+            s.observe(coll(0, seq, at + 60 * S, 1_000).view(), 0, 1, no_spans);
+            s.observe(
+                coll(1, seq, at + 60 * S + 5_000, 1_000).view(),
+                0,
+                1,
+                no_spans,
+            );
         }
         assert_eq!((s.skew_evaluated, s.skew_clock_step), (10, 10));
         let ranks = s.rank_stats(&HashMap::new());
@@ -780,17 +956,17 @@ mod tests {
         // Eager seqs 100.., then three replays of a graph captured at seqs 4..6, rank 1 late in each.
         // Eager: rank 0 late.
         for seq in 100..103 {
-            s.observe(coll(0, seq, 5_000, 10).view(), 0, 1);
-            s.observe(coll(1, seq, 1_000, 10).view(), 0, 1);
+            s.observe(coll(0, seq, 5_000, 10).view(), 0, 1, no_spans);
+            s.observe(coll(1, seq, 1_000, 10).view(), 0, 1, no_spans);
         }
         for replay in 1..=3 {
             for seq in 4..7 {
-                s.observe(replayed(0, seq, replay, 2_000).view(), 0, 1);
-                s.observe(replayed(1, seq, replay, 9_000).view(), 0, 1);
+                s.observe(replayed(0, seq, replay, 2_000).view(), 0, 1, no_spans);
+                s.observe(replayed(1, seq, replay, 9_000).view(), 0, 1, no_spans);
             }
         }
-        s.observe(coll(0, 103, 5_000, 10).view(), 0, 1);
-        s.observe(coll(1, 103, 1_000, 10).view(), 0, 1);
+        s.observe(coll(0, 103, 5_000, 10).view(), 0, 1, no_spans);
+        s.observe(coll(1, 103, 1_000, 10).view(), 0, 1, no_spans);
         assert_eq!(
             s.skew_evaluated,
             4 + 9,
@@ -810,10 +986,10 @@ mod tests {
         s.set_local_ranks(HashMap::from([((0, 9), 2)]));
         // Rank 0 runs 50 collectives ahead of rank 1; each collective is evaluated once both are in.
         for seq in 0..50 {
-            s.observe(coll(0, seq, 1_000, 10).view(), 0, 1);
+            s.observe(coll(0, seq, 1_000, 10).view(), 0, 1, no_spans);
         }
         for seq in 0..50 {
-            s.observe(coll(1, seq, 1_000, 10).view(), 0, 1);
+            s.observe(coll(1, seq, 1_000, 10).view(), 0, 1, no_spans);
         }
         assert_eq!(s.skew_evaluated, 50);
         assert_eq!(
@@ -824,8 +1000,13 @@ mod tests {
             "evaluated collectives leave"
         );
         // A rank far ahead (or a seq jump): the window keeps at most MAX_WINDOW collectives.
-        s.observe(coll(0, 50, 1_000, 10).view(), 0, 1);
-        s.observe(coll(0, 50 + MAX_WINDOW as u64 + 10, 1_000, 10).view(), 0, 1);
+        s.observe(coll(0, 50, 1_000, 10).view(), 0, 1, no_spans);
+        s.observe(
+            coll(0, 50 + MAX_WINDOW as u64 + 10, 1_000, 10).view(),
+            0,
+            1,
+            no_spans,
+        );
         assert!(
             s.windows[&(0, 9, crate::spans::type_key("AllReduce"), 0)]
                 .slots
@@ -833,7 +1014,7 @@ mod tests {
                 <= MAX_WINDOW
         );
         // Late arrivals for collectives that left the window are not compared.
-        s.observe(coll(1, 50, 1_000, 10).view(), 0, 1);
+        s.observe(coll(1, 50, 1_000, 10).view(), 0, 1, no_spans);
         assert_eq!(s.skew_evaluated, 50);
         s.expire(u64::MAX);
         assert!(
@@ -852,10 +1033,10 @@ mod tests {
         };
         s.set_local_ranks(HashMap::from([((61001, 9), 2), ((61002, 9), 1)]));
         for seq in 0..10 {
-            s.observe(of(61001, 0, seq, 1_000).view(), 0, 1);
-            s.observe(of(61001, 1, seq, 1_500).view(), 0, 1);
+            s.observe(of(61001, 0, seq, 1_000).view(), 0, 1, no_spans);
+            s.observe(of(61001, 1, seq, 1_500).view(), 0, 1, no_spans);
             // Same job id, communicator, seq and rank 0, starting very late: another user's process.
-            s.observe(of(61002, 0, seq, 900_000).view(), 0, 1);
+            s.observe(of(61002, 0, seq, 900_000).view(), 0, 1, no_spans);
         }
         let colls = s.coll_stats();
         let count = |uid| colls.iter().find(|c| c.uid == uid).map(|c| c.count);
@@ -873,10 +1054,10 @@ mod tests {
     #[test]
     fn finished_jobs_are_evicted_after_the_idle_time() {
         let mut s = Stats::new(60_000_000_000, 1000, 100);
-        s.observe(coll(0, 0, 0, 10).view(), 1_000, 1);
+        s.observe(coll(0, 0, 0, 10).view(), 1_000, 1, no_spans);
         let mut other = coll(0, 0, 0, 10);
         Arc::make_mut(&mut other.names).job_id = "k".into();
-        s.observe(other.view(), 5_000, 1);
+        s.observe(other.view(), 5_000, 1, no_spans);
         s.evict_idle(6_000, 2_000);
         assert_eq!(
             s.series
@@ -894,7 +1075,10 @@ mod tests {
         let mut s = Stats::new(60_000_000_000, 1000, 100);
         let mut p50 = None;
         for seq in 0..300 {
-            p50 = s.observe(coll(0, seq, 0, 10_000 + seq % 7).view(), 0, 100);
+            s.observe(coll(0, seq, 0, 10_000 + seq % 7).view(), 0, 100, |p| {
+                p50 = p;
+                LiveSpans::None
+            });
             if seq < 100 {
                 assert_eq!(p50, None, "not enough samples yet");
             }
@@ -907,8 +1091,8 @@ mod tests {
     fn a_missing_rank_is_evaluated_after_the_window_and_series_are_capped() {
         let mut s = Stats::new(60_000_000_000, 1000, 1);
         s.set_local_ranks(HashMap::from([((0, 9), 3)]));
-        s.observe(coll(0, 1, 100, 10).view(), 0, 1);
-        s.observe(coll(1, 1, 300, 10).view(), 0, 1);
+        s.observe(coll(0, 1, 100, 10).view(), 0, 1, no_spans);
+        s.observe(coll(1, 1, 300, 10).view(), 0, 1, no_spans);
         assert_eq!(s.skew_evaluated, 0);
         s.expire(500);
         assert_eq!(s.skew_evaluated, 0, "window not over");
@@ -916,7 +1100,7 @@ mod tests {
         assert_eq!(s.skew_evaluated, 1);
         let mut other = coll(0, 2, 0, 10);
         Arc::make_mut(&mut other.names).set(other.inst.func, "Broadcast".into());
-        s.observe(other.view(), 0, 1);
+        s.observe(other.view(), 0, 1, no_spans);
         assert_eq!(s.folded, 1);
         assert!(s.series.keys().any(|k| k.size_bucket == OVERFLOW_BUCKET));
     }
@@ -926,7 +1110,7 @@ mod tests {
         let mut s = Stats::new(60_000_000_000, 1000, 100).with_rank_limit(2);
         s.set_local_ranks(HashMap::from([((0, 9), 4)]));
         for rank in 0..4 {
-            s.observe(coll(rank, 0, 1_000, 10).view(), 0, 1);
+            s.observe(coll(rank, 0, 1_000, 10).view(), 0, 1, no_spans);
         }
         assert_eq!((s.ranks.len(), s.rank_series_refused), (2, 2));
         assert_eq!(
@@ -935,20 +1119,20 @@ mod tests {
             "the collective series still counts them"
         );
         // A seq far ahead takes at most its window's share of the awaited slots.
-        s.observe(coll(0, 1 << 40, 1_000, 10).view(), 0, 1);
+        s.observe(coll(0, 1 << 40, 1_000, 10).view(), 0, 1, no_spans);
         assert!(s.slots <= MAX_WINDOW);
         s.expire(u64::MAX);
         assert_eq!(s.slots, 0);
         // A job at its share of series: its new series fold, another job's do not.
         let mut s = Stats::new(60_000_000_000, 1000, 100).with_job_limit(1);
-        s.observe(coll(0, 0, 1_000, 10).view(), 0, 1);
+        s.observe(coll(0, 0, 1_000, 10).view(), 0, 1, no_spans);
         let mut other = coll(1, 0, 1_000, 10);
         Arc::make_mut(&mut other.names).set(other.inst.func, "Broadcast".into());
-        s.observe(other.view(), 0, 1);
+        s.observe(other.view(), 0, 1, no_spans);
         assert_eq!((s.folded, s.rank_series_refused), (1, 1));
         let mut job = coll(0, 0, 1_000, 10);
         Arc::make_mut(&mut job.names).job_id = "k".into();
-        s.observe(job.view(), 0, 1);
+        s.observe(job.view(), 0, 1, no_spans);
         assert_eq!((s.folded, s.rank_series_refused, s.ranks.len()), (1, 1, 2));
         s.evict_idle(10, 5);
         assert!(s.per_job.is_empty(), "shares follow eviction");

@@ -259,6 +259,7 @@ fn sample_records() -> Vec<Record> {
             nccl_version: 22809,
             path: TimingPath::DeviceHook,
             host_ns: 5,
+            gpu: None,
         },
         Record::CollStart {
             comm: 1,

@@ -2,7 +2,7 @@
 
 use std::ffi::c_char;
 
-use ncclscope_proto::{Record, TimingPath};
+use ncclscope_proto::{Gpu, Record, TimingPath};
 
 /// A static C string owned by NCCL ("AllReduce", "ncclFloat32", ...), read on this thread only.
 #[derive(Clone, Copy, Debug)]
@@ -24,6 +24,7 @@ pub enum Event {
         name: Vec<u8>,
         path: TimingPath,
         host_ns: u64,
+        gpu: Option<Gpu>,
     },
     /// `table` is the communicator's slot in the plugin's table, flagged once the end is written.
     CommEnd { comm: u32, table: u32, host_ns: u64 },

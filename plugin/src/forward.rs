@@ -266,6 +266,7 @@ impl Forwarder {
                 name,
                 path,
                 host_ns,
+                gpu,
             } => {
                 let name = if name.is_empty() {
                     StrId(0)
@@ -284,6 +285,7 @@ impl Forwarder {
                     nccl_version,
                     path,
                     host_ns,
+                    gpu,
                 }
             }
             Event::CommEnd {

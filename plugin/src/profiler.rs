@@ -14,7 +14,7 @@ use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use ncclscope_proto::segment::Segment;
-use ncclscope_proto::{Counter, Record, TimingPath};
+use ncclscope_proto::{Counter, Gpu, Record, TimingPath};
 
 use crate::abi::event;
 use crate::clock;
@@ -83,6 +83,9 @@ struct CommSlot {
     nranks: AtomicU32,
     nnodes: AtomicU32,
     name: Mutex<Vec<u8>>,
+    /// Its GPU as the driver named it at `init`, on NCCL's init thread (the thread whose current
+    /// context is the communicator's).
+    gpu: Mutex<Option<Gpu>>,
     /// Where its latest event was queued (a [`Dep`]): the next one follows it, so the daemon reads a
     /// communicator's records in the order NCCL's threads produced them (see `lanes`). On its own cache
     /// line: written at every event, by the threads of this communicator only.
@@ -449,6 +452,9 @@ impl Plugin {
         if let Ok(mut n) = slot.name.lock() {
             *n = name;
         }
+        if let Ok(mut g) = slot.gpu.lock() {
+            *g = devhook::current_gpu();
+        }
         slot.ended.store(false, Ordering::Relaxed);
         slot.last.0.store(0, Ordering::Relaxed);
         slot.announced.store(false, Ordering::Release);
@@ -468,6 +474,7 @@ impl Plugin {
             return;
         }
         let name = slot.name.lock().map(|n| n.clone()).unwrap_or_default();
+        let gpu = slot.gpu.lock().map(|g| *g).unwrap_or_default();
         let event = Event::Comm {
             comm: slot.id.load(Ordering::Relaxed),
             comm_hash: slot.comm_hash.load(Ordering::Relaxed),
@@ -478,6 +485,7 @@ impl Plugin {
             name,
             path,
             host_ns: clock::stamp(),
+            gpu,
         };
         let at = self.push(local, event, [Dep::NONE; 2]);
         slot.advance(at);

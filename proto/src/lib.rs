@@ -9,7 +9,7 @@ pub mod env;
 pub mod record;
 pub mod segment;
 
-pub use record::{MAX_CHANNELS, Record, StrId, TimingPath};
+pub use record::{Gpu, MAX_CHANNELS, Record, StrId, TimingPath};
 pub use segment::{Claims, Consumer, Counter, Producer, Segment, SegmentError};
 
 /// Where the daemon listens for the plugins' registrations unless configured otherwise (the

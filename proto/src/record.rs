@@ -17,6 +17,49 @@ pub const STR_BYTES: usize = 48;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StrId(pub u16);
 
+/// The GPU a communicator runs on, as the CUDA driver names it in the process: its device ordinal
+/// (`cuCtxGetDevice` on NCCL's init thread) and UUID (`cuDeviceGetUuid_v2`), which DCGM exporter's
+/// `UUID` label spells `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`. The UUID is never all zero (the
+/// encoding's "no GPU").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Gpu {
+    pub ordinal: u32,
+    pub uuid: [u8; 16],
+}
+
+impl Gpu {
+    /// The UUID as CUDA's tools and DCGM print it.
+    pub fn uuid_text(&self) -> String {
+        let hex = |r: std::ops::Range<usize>| {
+            self.uuid[r]
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        };
+        format!(
+            "GPU-{}-{}-{}-{}-{}",
+            hex(0..4),
+            hex(4..6),
+            hex(6..8),
+            hex(8..10),
+            hex(10..16)
+        )
+    }
+
+    /// The GPU whose UUID prints as `text` (see [`Gpu::uuid_text`]), if it is one.
+    pub fn from_text(ordinal: u32, text: &str) -> Option<Gpu> {
+        let hex: String = text.strip_prefix("GPU-")?.split('-').collect();
+        let mut uuid = [0u8; 16];
+        if hex.len() != 32 || !hex.is_ascii() {
+            return None;
+        }
+        for (i, b) in uuid.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+        }
+        (uuid != [0; 16]).then_some(Gpu { ordinal, uuid })
+    }
+}
+
 /// Which timing path produced a communicator's kernel records.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -43,6 +86,10 @@ pub enum Record {
         nccl_version: u32,
         path: TimingPath,
         host_ns: u64,
+        /// Its GPU, if the plugin could ask the driver (none in simulation or without a driver).
+        /// Words 6 and 7 and the top of word 4, which plugins before it left zero: an older
+        /// daemon ignores it, and an older plugin's communicators read as having none.
+        gpu: Option<Gpu>,
     },
     /// The communicator was finalized; nothing more will come for it.
     CommEnd { comm: u32, host_ns: u64 },
@@ -208,6 +255,7 @@ impl Record {
                 nccl_version,
                 path,
                 host_ns,
+                gpu,
             } => {
                 w[0] = head(kind::COMM, comm) | (path as u64) << 8 | (name.0 as u64) << 16;
                 w[1] = comm_hash;
@@ -215,6 +263,11 @@ impl Record {
                 w[3] = nnodes as u64 | (cuda_dev as u32 as u64) << 32;
                 w[4] = nccl_version as u64;
                 w[5] = host_ns;
+                if let Some(g) = gpu {
+                    w[4] |= (g.ordinal as u64) << 32;
+                    w[6] = u64::from_le_bytes(g.uuid[..8].try_into().expect("8 bytes"));
+                    w[7] = u64::from_le_bytes(g.uuid[8..].try_into().expect("8 bytes"));
+                }
             }
             Record::CommEnd { comm, host_ns } => {
                 w[0] = head(kind::COMM_END, comm);
@@ -372,6 +425,15 @@ impl Record {
                     }
                 },
                 host_ns: w[5],
+                gpu: (w[6] | w[7] != 0).then(|| {
+                    let mut uuid = [0u8; 16];
+                    uuid[..8].copy_from_slice(&w[6].to_le_bytes());
+                    uuid[8..].copy_from_slice(&w[7].to_le_bytes());
+                    Gpu {
+                        ordinal: (w[4] >> 32) as u32,
+                        uuid,
+                    }
+                }),
             },
             kind::COMM_END => Record::CommEnd {
                 comm,
@@ -482,6 +544,10 @@ mod tests {
                 nccl_version: 22809,
                 path: TimingPath::DeviceHook,
                 host_ns: 1_700_000_000_000_000_000,
+                gpu: Some(Gpu {
+                    ordinal: 7,
+                    uuid: *b"\x8d\x1c\x2a\x3b\x00\x01\x02\x03\x04\x05\x06\x07\x08\x09\xfe\xff",
+                }),
             },
             Record::CommEnd {
                 comm: u32::MAX,
@@ -562,6 +628,23 @@ mod tests {
         for r in samples() {
             assert_eq!(Record::decode(&r.encode()), Ok(r), "{r:?}");
         }
+    }
+
+    /// Plugins before the GPU identity leave words 6 and 7 and the top of word 4 zero: no GPU, not
+    /// a guessed one; the UUID prints as DCGM's `UUID` label does.
+    #[test]
+    fn a_comm_without_gpu_words_has_no_gpu() {
+        let mut r = samples()[0];
+        let Record::Comm { gpu, .. } = &mut r else {
+            unreachable!()
+        };
+        let g = gpu.take().unwrap();
+        assert_eq!(g.uuid_text(), "GPU-8d1c2a3b-0001-0203-0405-06070809feff");
+        assert_eq!(Gpu::from_text(7, &g.uuid_text()), Some(g));
+        assert_eq!(Gpu::from_text(7, ""), None);
+        let w = r.encode();
+        assert_eq!((w[4] >> 32, w[6], w[7]), (0, 0, 0));
+        assert_eq!(Record::decode(&w), Ok(r));
     }
 
     #[test]

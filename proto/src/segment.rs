@@ -32,7 +32,10 @@ use rustix::fs::{FileType, MemfdFlags, SealFlags};
 use crate::record::{DecodeError, RECORD_WORDS, Record};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"NCCLSCP\0");
-/// Bumped whenever the layout or a record's encoding changes.
+/// Bumped whenever the layout or a record's encoding changes, except for a field added in words
+/// every earlier writer left zero (a record is encoded from zeroed words) where zero reads as
+/// "absent": an older reader ignores it and a newer one reads an older writer's record as without
+/// it, so neither side needs the other upgraded (`Record::Comm`'s `gpu`).
 pub const LAYOUT_VERSION: u32 = 1;
 
 const W_MAGIC: usize = 0;

@@ -71,6 +71,7 @@ fn announce(p: &mut Producer, rank: u32, nranks: u32) {
         nccl_version: 22809,
         path: TimingPath::KernelCh,
         host_ns: ncclscope_proto::now_ns(),
+        gpu: None,
     }));
 }
 
@@ -583,6 +584,22 @@ async fn all_ranks_of_a_collective_share_one_trace_with_calibrated_times_and_not
             NRANKS as usize,
             "seq {seq}: each rank's span is a child of the root"
         );
+        // Issue 17: the root was rank 0's view and rank spans ended after it. It covers them.
+        let root = roots[0];
+        let children = group.iter().filter(|s| s.parent_span_id == root.span_id);
+        for s in children.clone() {
+            assert!(
+                root.start_time_unix_nano <= s.start_time_unix_nano
+                    && s.end_time_unix_nano <= root.end_time_unix_nano,
+                "seq {seq}: rank {} outside its root",
+                attr(s, "nccl.rank")
+            );
+        }
+        assert_eq!(
+            root.end_time_unix_nano,
+            children.map(|s| s.end_time_unix_nano).max().unwrap(),
+            "seq {seq}: the root ends with its last rank"
+        );
         for s in group.iter().filter(|s| !s.parent_span_id.is_empty()) {
             let rank: u32 = attr(s, "nccl.rank").parse().unwrap();
             let (mut start, mut end, mut exec) = (u64::MAX, 0, 0);
@@ -1088,6 +1105,7 @@ fn daemon_fault_child() {
         nccl_version: 22809,
         path,
         host_ns: 0,
+        gpu: None,
     };
     let coll = |comm: u32, id: u64, seq: u64, n_channels: u8| Record::CollStart {
         comm,

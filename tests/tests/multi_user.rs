@@ -112,6 +112,7 @@ fn multi_user_child() {
         nccl_version: 22809,
         path: TimingPath::KernelCh,
         host_ns: ncclscope_proto::now_ns(),
+        gpu: None,
     }));
     // The ranks of this uid meet before their first collective, as NCCL's communicator init does.
     std::fs::write(shared.join(format!("ready.{uid}.{rank}")), b"").unwrap();
@@ -391,10 +392,10 @@ async fn another_users_process_claiming_a_job_lands_in_its_own_series_spool_and_
             .collect();
         let seq: u64 = attr(roots[0], "nccl.seq").parse().unwrap();
         let end = |rank| (gpu_times(uid, rank, seq).1 as i64 + HOST_BASE - GPU_BASE as i64) as u64;
+        let last = if uid == A { end(0).max(end(1)) } else { end(0) };
         assert_eq!(
-            roots[0].end_time_unix_nano,
-            end(0),
-            "the root is the trace's own rank 0"
+            roots[0].end_time_unix_nano, last,
+            "the root ends with the last of its own uid's ranks"
         );
         if uid == A {
             assert_eq!(ranks, BTreeSet::from(["0", "1"]));

@@ -5,13 +5,19 @@
 //! with values. Twice: as deploy/prometheus/prometheus-scrape.yml scrapes /metrics (text: classic
 //! buckets, `..._gbs`), and with native histograms (protobuf) and the bus bandwidth renamed as the
 //! OpenTelemetry Collector names it (`..._gigabytes_per_second`), the form remote write gives.
+//! The daemon exports spans to an OTLP receiver (otlp-sink), and Prometheus runs with exemplar
+//! storage: scraping OpenMetrics, the exec-time buckets' exemplars name traces the receiver got.
+//! The ranks have a GPU identity from the fake libcuda (device = rank), and Prometheus also scrapes
+//! a stand-in DCGM exporter for those GPUs: the rule joining DCGM's series returns each rank's GPU.
 //! promtool checks both Prometheus configurations and the rules, and runs the rules' unit tests;
 //! the stack's compose file and Grafana provisioning are parsed and their mounts checked.
 
 mod common;
 
+use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -64,7 +70,7 @@ fn promtool_checks_the_configs_and_unit_tests_the_rules() {
                 .args(["check", "config"])
                 .arg(dir.join(config)),
         );
-        assert!(out.contains("7 rules found"), "{out}");
+        assert!(out.contains("8 rules found"), "{out}");
     }
     run_ok(
         Command::new(tool("promtool"))
@@ -175,9 +181,64 @@ fn curl(url: &str) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// The UUID the fake libcuda gives device `dev` (16 bytes of `dev ^ 0x5a`), as DCGM prints it.
+fn fake_uuid(dev: u32) -> String {
+    let b = format!("{:02x}", dev as u8 ^ 0x5a);
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        b.repeat(4),
+        b.repeat(2),
+        b.repeat(2),
+        b.repeat(2),
+        b.repeat(6)
+    )
+}
+
+/// DCGM exporter's GPU utilisation of device `dev` in the stand-in.
+fn dcgm_util(dev: u32) -> u32 {
+    10 + dev
+}
+
+/// A stand-in DCGM exporter on `port`: DCGM_FI_DEV_GPU_UTIL of GPUs 0..8, labelled as DCGM exporter
+/// labels them, to every request.
+fn serve_dcgm(listener: std::net::TcpListener) {
+    use std::io::{Read, Write};
+    let body: String = (0..8)
+        .map(|dev| {
+            format!(
+                "DCGM_FI_DEV_GPU_UTIL{{gpu=\"{dev}\",UUID=\"{}\",device=\"nvidia{dev}\",\
+                 modelName=\"NVIDIA H100 80GB HBM3\",Hostname=\"gpu-node-1\"}} {}\n",
+                fake_uuid(dev),
+                dcgm_util(dev)
+            )
+        })
+        .collect();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                match conn.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => request.extend_from_slice(&buf[..n]),
+                }
+            }
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+}
+
 /// The daemon, Prometheus scraping it per the shipped scrape configuration (`native`: with native
 /// histograms and the collector's name for the bus bandwidth), and the ranks.
 struct Setup {
+    _sink: Proc,
+    /// Every span the OTLP receiver got, as otlp-sink prints them.
+    spans: Arc<Mutex<Vec<Value>>>,
     _daemon: Proc,
     _prometheus: Proc,
     _dir: tempfile::TempDir,
@@ -191,13 +252,14 @@ fn start(native: bool) -> Setup {
     let config =
         format!("[prometheus]\nlisten = \"127.0.0.1:{metrics_port}\"\njob_series = true\n");
     std::fs::write(dir.path().join("ncclscope.toml"), config).unwrap();
+    let (sink, endpoint, spans) = otlp_sink();
     let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
     let daemon = Proc(
         ncclscope_tests::daemon_args(
             &mut Command::new(ncclscope_tests::daemon_binary()),
             dir.path(),
         )
-        .args(["--otlp-endpoint", ""])
+        .args(["--otlp-endpoint", &endpoint])
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
@@ -228,6 +290,12 @@ fn start(native: bool) -> Setup {
              replacement: \"ncclscope_collective_bus_bandwidth_gigabytes_per_second$1\"\n",
         );
     }
+    let dcgm = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    yml.push_str(&format!(
+        "  - job_name: dcgm\n    static_configs:\n      - targets: [\"{}\"]\n",
+        dcgm.local_addr().unwrap()
+    ));
+    serve_dcgm(dcgm);
     let conf = dir.path().join("prometheus");
     std::fs::create_dir(&conf).unwrap();
     std::fs::write(conf.join("prometheus.yml"), yml).unwrap();
@@ -249,25 +317,98 @@ fn start(native: bool) -> Setup {
     .arg(format!("--web.listen-address=127.0.0.1:{port}"))
     .stdout(Stdio::null())
     .stderr(std::fs::File::create(dir.path().join("prometheus.log")).unwrap());
-    if native {
-        cmd.arg("--enable-feature=native-histograms");
-    }
+    cmd.arg(if native {
+        "--enable-feature=native-histograms,exemplar-storage"
+    } else {
+        "--enable-feature=exemplar-storage"
+    });
     let prometheus = Proc(cmd.spawn().unwrap());
     let prom = format!("http://127.0.0.1:{port}");
     wait_for(&format!("{prom}/-/ready"), "Prometheus");
 
+    // Each rank's process finds the fake libcuda as libcuda.so, device = rank.
+    let cuda = dir.path().join("cuda");
+    std::fs::create_dir(&cuda).unwrap();
+    let fake = ncclscope_fakenccl::target_dir().join("libfakenccl_cuda.so");
+    assert!(
+        fake.exists(),
+        "{} is missing: cargo build -p ncclscope-fakenccl-libcuda",
+        fake.display()
+    );
+    std::fs::copy(&fake, cuda.join("libcuda.so")).unwrap();
     let nranks = 4;
     let ranks = common::sim_ranks(&dir.path().join("reg.sock"), JOB, nranks, 40, 1)
         .iter_mut()
-        .map(|c| c.stdout(Stdio::null()).spawn().unwrap())
+        .enumerate()
+        .map(|(rank, c)| {
+            c.env("LD_LIBRARY_PATH", &cuda)
+                .env("FAKENCCL_CUDA_DEVICE", rank.to_string())
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
         .collect();
     Setup {
+        _sink: sink,
+        spans,
         _daemon: daemon,
         _prometheus: prometheus,
         _dir: dir,
         prom,
         ranks,
     }
+}
+
+/// otlp-sink (this package's OTLP receiver) started: it, its endpoint, and the spans it received so
+/// far (filled by a thread).
+fn otlp_sink() -> (Proc, String, Arc<Mutex<Vec<Value>>>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_otlp-sink"))
+        .args(["--seconds", "300"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let endpoint = first.strip_prefix("endpoint ").unwrap().to_string();
+    let spans = Arc::new(Mutex::new(Vec::new()));
+    let into = spans.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            into.lock()
+                .unwrap()
+                .push(serde_json::from_str(&line).unwrap());
+        }
+    });
+    (Proc(child), endpoint, spans)
+}
+
+/// The exemplars Prometheus holds for `query` over the last 10 minutes: their labels.
+fn exemplars(prom: &str, query: &str) -> Vec<Value> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let out = run_ok(
+        Command::new("curl")
+            .args(["-sSf", "--max-time", "10", "-G"])
+            .arg(format!("{prom}/api/v1/query_exemplars"))
+            .arg("--data-urlencode")
+            .arg(format!("query={query}"))
+            .arg("--data-urlencode")
+            .arg(format!("start={}", now - 600))
+            .arg("--data-urlencode")
+            .arg(format!("end={}", now + 60)),
+    );
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["status"], "success", "{query}: {v}");
+    v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|series| series["exemplars"].as_array().unwrap().clone())
+        .map(|e| e["labels"].clone())
+        .collect()
 }
 
 /// `query`'s instant vector from Prometheus: (labels, value or "histogram").
@@ -454,6 +595,76 @@ fn every_query_returns_series(native: bool) {
             .all(|s| s.contains("_SIMPLE") || s.contains("_LL")),
         "{sizes:?}"
     );
+
+    // The per-rank series carry each rank's GPU as DCGM exporter labels it, and the shipped rule
+    // joins DCGM's utilisation of that GPU.
+    let per_rank = query(
+        &s.prom,
+        &format!("ncclscope_rank_collectives_total{{job_id=\"{JOB}\"}}"),
+    );
+    assert_eq!(per_rank.len(), 4, "{per_rank:?}");
+    for (m, _) in &per_rank {
+        let rank: u32 = m["rank"].as_str().unwrap().parse().unwrap();
+        assert_eq!(m["gpu"], rank.to_string(), "{m}");
+        assert_eq!(m["UUID"], fake_uuid(rank), "{m}");
+    }
+    let joined = query(
+        &s.prom,
+        &format!("ncclscope:rank_gpu_utilization:dcgm{{job_id=\"{JOB}\"}}"),
+    );
+    assert_eq!(joined.len(), 4, "{joined:?}");
+    for (m, v) in &joined {
+        let rank: u32 = m["rank"].as_str().unwrap().parse().unwrap();
+        assert_eq!(v, &dcgm_util(rank).to_string(), "{m}");
+        assert_eq!(m["Hostname"], "gpu-node-1", "{m}");
+    }
+
+    // Scraping OpenMetrics, each exec-time bucket links to the trace of its latest sampled
+    // instance: trace ids the OTLP receiver got, with the rank span's id.
+    if !native {
+        let query =
+            format!("ncclscope_collective_exec_time_microseconds_bucket{{job_id=\"{JOB}\"}}");
+        let found = exemplars(&s.prom, &query);
+        assert!(!found.is_empty(), "no exemplars for {query}");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let received: std::collections::HashSet<(String, String)> = (s.spans.lock().unwrap())
+                .iter()
+                .map(|s| (s["trace_id"].to_string(), s["span_id"].to_string()))
+                .collect();
+            let unknown: Vec<&Value> = found
+                .iter()
+                .filter(|e| {
+                    !received.contains(&(e["trace_id"].to_string(), e["span_id"].to_string()))
+                })
+                .collect();
+            if unknown.is_empty() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "exemplars of spans the receiver never got: {unknown:?}"
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    // Each rank span names its rank's GPU.
+    let spans = s.spans.lock().unwrap().clone();
+    let rank_spans: Vec<&Value> = spans
+        .iter()
+        .filter(|s| s["name"].as_str().unwrap().ends_with(" rank"))
+        .collect();
+    assert!(!rank_spans.is_empty());
+    for span in rank_spans {
+        let attr = |k: &str| span["attributes"][k].as_str().unwrap_or("").to_string();
+        let rank: u32 = attr("nccl.rank")
+            .trim_start_matches("Some(AnyValue { value: Some(IntValue(")
+            .trim_end_matches(")) })")
+            .parse()
+            .unwrap();
+        assert!(attr("nccl.gpu_uuid").contains(&fake_uuid(rank)), "{span}");
+    }
 
     for mut r in s.ranks.drain(..) {
         let _ = r.kill();

@@ -120,5 +120,7 @@ pub(super) fn instance(
         replay: op.replay,
         // Decided by the engine when it records the instance.
         live_spans: LiveSpans::None,
+        gpu: info.and_then(|c| c.gpu),
+        trace_root: None,
     }
 }

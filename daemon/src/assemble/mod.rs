@@ -535,6 +535,7 @@ impl Assembler {
                 cuda_dev,
                 name,
                 path,
+                gpu,
                 ..
             } => {
                 let info = CommInfo {
@@ -548,6 +549,7 @@ impl Assembler {
                     device_hook: path == TimingPath::DeviceHook,
                     ended: false,
                     ended_pos: 0,
+                    gpu,
                 };
                 let (changed, gone) = self.dict.comm(info, self.committed, &mut self.counters);
                 self.dictionary_changed |= changed;

@@ -17,6 +17,7 @@ fn comm(path: TimingPath) -> Record {
         nccl_version: 23007,
         path,
         host_ns: 0,
+        gpu: None,
     }
 }
 
@@ -214,6 +215,7 @@ fn a_deviceless_kernel_ch_is_anchored_to_its_host_stamps() {
                 nccl_version,
                 path,
                 host_ns,
+                gpu: None,
             },
             r => r,
         })
@@ -607,6 +609,7 @@ fn comm_at(comm: u32, cuda_dev: i32, path: TimingPath) -> Record {
             nccl_version,
             path,
             host_ns,
+            gpu: None,
         },
         _ => unreachable!(),
     }

@@ -34,18 +34,27 @@ fn check(rc: cu::CUresult, what: &str) -> Result<(), String> {
 
 /// Ok once the fatbin is present, libcuda loaded and initialised.
 pub fn driver() -> Result<(), String> {
+    if FATBIN.is_empty() {
+        return Err("the plugin was built without nvcc (no device code)".into());
+    }
+    libcuda()
+}
+
+/// Ok once libcuda is loaded and initialised: enough to ask about devices, with or without device code.
+fn libcuda() -> Result<(), String> {
     static STATE: OnceLock<Result<(), String>> = OnceLock::new();
     STATE
         .get_or_init(|| {
-            if FATBIN.is_empty() {
-                return Err("the plugin was built without nvcc (no device code)".into());
-            }
             // SAFETY: only tries to dlopen libcuda under its usual names.
             if !unsafe { cu::is_culib_present() } {
                 return Err("libcuda not found".into());
             }
-            // SAFETY: libcuda is present; cuInit may be called any number of times.
-            check(unsafe { cu::cuInit(0) }, "cuInit")
+            // SAFETY: libcuda is present; cuInit may be called any number of times. cudarc panics
+            // on a library without the symbol (not a driver): caught, not a driver either.
+            match std::panic::catch_unwind(|| unsafe { cu::cuInit(0) }) {
+                Ok(rc) => check(rc, "cuInit"),
+                Err(_) => Err("libcuda has no cuInit".into()),
+            }
         })
         .clone()
 }
@@ -92,6 +101,30 @@ pub fn current_device() -> Result<i32, String> {
     // SAFETY: valid out pointer; a context is current.
     check(unsafe { cu::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
     Ok(dev)
+}
+
+/// The GPU of the calling thread's current context (NCCL's, on its init thread): its ordinal and UUID.
+/// An error without a driver or a current context; never a guess.
+pub fn current_gpu() -> Result<ncclscope_proto::Gpu, String> {
+    libcuda()?;
+    let mut ctx: cu::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out pointer.
+    check(unsafe { cu::cuCtxGetCurrent(&mut ctx) }, "cuCtxGetCurrent")?;
+    if ctx.is_null() {
+        return Err("no current CUDA context on NCCL's init thread".into());
+    }
+    let mut dev: cu::CUdevice = 0;
+    // SAFETY: valid out pointer; a context is current.
+    check(unsafe { cu::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
+    let mut uuid = cu::CUuuid { bytes: [0; 16] };
+    // SAFETY: valid out pointer; `dev` is the current context's device.
+    let rc = unsafe { cu::cuDeviceGetUuid_v2(&mut uuid, dev) };
+    check(rc, "cuDeviceGetUuid_v2")?;
+    let uuid = uuid.bytes.map(|b| b as u8);
+    match (u32::try_from(dev), uuid != [0; 16]) {
+        (Ok(ordinal), true) => Ok(ncclscope_proto::Gpu { ordinal, uuid }),
+        _ => Err(format!("device {dev} has no usable identity")),
+    }
 }
 
 /// The hook module for the calling thread's current context (NCCL's, for `cuda_dev`), loaded once.

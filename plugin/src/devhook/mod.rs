@@ -273,6 +273,30 @@ pub fn calibrate_current_device() -> i32 {
     }
 }
 
+/// The GPU of NCCL's init thread's context, for the communicator being initialised; `None` without a
+/// driver or a context (simulation, CI), after logging why once. Independent of the ring placement:
+/// a driver stand-in gives simulated ranks a GPU identity too.
+pub fn current_gpu() -> Option<ncclscope_proto::Gpu> {
+    if DISABLED.load(Ordering::Relaxed) {
+        return None;
+    }
+    match catch_unwind(cuda::current_gpu) {
+        Ok(Ok(gpu)) => Some(gpu),
+        Ok(Err(why)) => {
+            log_once(false, format!("no GPU identity for communicators: {why}"));
+            None
+        }
+        // A symbol missing from the loaded libcuda (cudarc panics): no identity, nothing else changes.
+        Err(_) => {
+            log_once(
+                false,
+                "no GPU identity for communicators: libcuda lacks a call".into(),
+            );
+            None
+        }
+    }
+}
+
 /// Allocates `comm`'s rings and returns (hook, devCtx).
 fn offer(cuda_dev: i32, comm: u32) -> Result<(*mut c_void, *mut c_void), String> {
     let config = RingConfig::from_lookup(|name| std::env::var(name).ok());

@@ -5,6 +5,10 @@
 //! example plugin references `cudaEvent*` for its CE events, which a host-path benchmark never sends.
 //! The benchmark puts copies of this library under those names in a directory on `LD_LIBRARY_PATH` of
 //! the peer's process only. Every call succeeds: device 0, a fixed UUID, events that are complete.
+//!
+//! As `libcuda.so` on a simulated rank's `LD_LIBRARY_PATH` it also gives ncclscope's plugin a GPU
+//! identity (`cuCtxGetCurrent`, `cuCtxGetDevice`, `cuDeviceGetUuid_v2`): the device is
+//! `FAKENCCL_CUDA_DEVICE` (default 0), its UUID 16 bytes of `device ^ 0x5a`.
 
 use std::ffi::{c_char, c_float, c_int, c_uint, c_void};
 
@@ -86,6 +90,52 @@ pub unsafe extern "C" fn cuDeviceGet(device: *mut c_int, ordinal: c_int) -> c_in
         unsafe { *device = ordinal };
     }
     SUCCESS
+}
+
+/// `CUresult cuInit(unsigned flags)`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuInit(_flags: c_uint) -> c_int {
+    SUCCESS
+}
+
+/// `CUresult cuCtxGetCurrent(CUcontext* ctx)`: a non-NULL dummy context.
+///
+/// # Safety
+/// `ctx` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetCurrent(ctx: *mut *mut c_void) -> c_int {
+    if !ctx.is_null() {
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { *ctx = 16 as *mut c_void };
+    }
+    SUCCESS
+}
+
+/// `CUresult cuCtxGetDevice(CUdevice* device)`: `FAKENCCL_CUDA_DEVICE`, default 0.
+///
+/// # Safety
+/// `device` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> c_int {
+    let ordinal = std::env::var("FAKENCCL_CUDA_DEVICE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    if !device.is_null() {
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { *device = ordinal };
+    }
+    SUCCESS
+}
+
+/// `CUresult cuDeviceGetUuid_v2(CUuuid* uuid, CUdevice dev)`: as [`cuDeviceGetUuid`].
+///
+/// # Safety
+/// `uuid` is NULL or 16 writable bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut u8, dev: c_int) -> c_int {
+    // SAFETY: the same contract.
+    unsafe { cuDeviceGetUuid(uuid, dev) }
 }
 
 /// `CUresult cuDeviceGetUuid(CUuuid* uuid, CUdevice dev)` (16 bytes).
