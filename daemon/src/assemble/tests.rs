@@ -44,9 +44,10 @@ fn feed(a: &mut Assembler, recs: &[Record]) -> Vec<Completed> {
     let mut out = Vec::new();
     for (i, r) in recs.iter().enumerate() {
         a.apply(i as u64, r, 0, &mut out);
-        let held: usize = a.waiting.values().map(|l| l.works.len()).sum::<usize>()
-            + a.holds.values().map(|h| h.held()).sum::<usize>();
-        assert_eq!(a.early_works, held, "after record {i}: {r:?}");
+        let waiting: usize = a.waiting.values().map(|l| l.works.len()).sum();
+        assert_eq!(a.early_works, waiting, "after record {i}: {r:?}");
+        let held = a.replays.held();
+        assert_eq!(held, a.replays.held_recount(), "after record {i}: {r:?}");
     }
     out
 }
@@ -689,7 +690,7 @@ fn a_hostile_stream_is_refused_at_each_limit_and_counted() {
         }
     }
     feed(&mut b, &recs);
-    assert_eq!(b.early_works, 4);
+    assert_eq!(b.early_items(), 4);
     assert_eq!(b.counters.early_work_limit, 4, "comm 0's channels 4..8");
     assert_eq!(b.waiting.len(), 4, "no lane for the unknown comm 5");
 }
@@ -941,7 +942,7 @@ fn captured_operations_draw_on_the_uids_dictionary_budget() {
     ]);
     feed(&mut a, &recs);
     assert_eq!(a.counters.uid_limit, 1, "the third captured op is refused");
-    assert_eq!(a.templates[&0].ops.len(), 2);
+    assert_eq!(a.replays.captured(0), 2);
     assert_eq!(budget.used(), base + 2);
     // A restarted daemon's copy holds them too; the communicator's end gives them back.
     let _ = a.prune_prior(recs.len() as u64);
@@ -970,7 +971,7 @@ fn work_waiting_when_a_graph_is_captured_leaves_the_bound() {
     recs.extend([dev(0, 42, 0, 100, 10), dev(1, 42, 0, 100, 10)]);
     recs.push(captured(100, 5, 1, 2));
     feed(&mut a, &recs);
-    assert_eq!(a.early_works, 0);
+    assert_eq!(a.early_items(), 0);
     assert_eq!(
         a.counters.dev_work - a.counters.dev_joined,
         2,
@@ -1219,7 +1220,7 @@ fn a_lagging_gpu_with_differing_functions_is_decided_and_every_instance_exact() 
         (c.dev_ambiguous, c.dev_unattributed, c.dev_mismatch),
         (0, 0, 0)
     );
-    assert_eq!((a.pending(), a.early_works), (0, 0));
+    assert_eq!((a.pending(), a.early_items()), (0, 0));
 }
 
 #[test]
@@ -1241,7 +1242,7 @@ fn a_lagging_gpu_with_equal_functions_is_counted_ambiguous_and_nothing_mis_joine
     ]);
     let out = feed(&mut a, &recs);
     assert!(out.is_empty(), "held while parses disagree");
-    assert_eq!(a.early_works, 5);
+    assert_eq!(a.early_items(), 5);
     assert!(a.oldest_pending_pos(0).is_some_and(|p| p <= 8 + 2 + 2));
     let mut out = Vec::new();
     let end = Record::CommEnd {
@@ -1256,7 +1257,7 @@ fn a_lagging_gpu_with_equal_functions_is_counted_ambiguous_and_nothing_mis_joine
     assert!(out[0].coll.channels.is_empty());
     let c = &a.counters;
     assert_eq!((c.dev_ambiguous, c.dev_joined, c.incomplete), (5, 0, 1));
-    assert_eq!((a.pending(), a.early_works), (0, 0));
+    assert_eq!((a.pending(), a.early_items()), (0, 0));
 }
 
 /// PyTorch's pattern: the very calls it then captures are warmed up eagerly (all-reduce,
@@ -1319,7 +1320,7 @@ fn warm_up_collectives_that_the_graph_repeats_are_not_taken_for_its_first_replay
         (c.dev_ambiguous, c.dev_unattributed, c.dev_mismatch),
         (0, 0, 0)
     );
-    assert_eq!((a.pending(), a.early_works), (0, 0));
+    assert_eq!((a.pending(), a.early_items()), (0, 0));
 }
 
 /// Issue 22: a host clock step between calibrations gave false stragglers, and a bad calibration put
@@ -1377,7 +1378,7 @@ fn an_item_held_when_no_more_come_goes_to_its_eager_op_at_the_timeout_or_the_end
         let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 100);
         let mut out = feed(&mut a, &recs);
         assert_eq!(got(&out).len(), 3, "the eager op's item is held");
-        assert_eq!(a.early_works, 1);
+        assert_eq!(a.early_items(), 1);
         match &end {
             // Its operation idle past the timeout: no more items are coming.
             None => a.sweep(10_000_000_000, 10_000_000_000, &mut out),
@@ -1388,7 +1389,7 @@ fn an_item_held_when_no_more_come_goes_to_its_eager_op_at_the_timeout_or_the_end
             sorted(vec![(5, 1, 10), (5, 1, 11), (6, 1, 12), (7, 0, 999)]),
             "{end:?}"
         );
-        assert_eq!((a.counters.dev_ambiguous, a.early_works), (0, 0));
+        assert_eq!((a.counters.dev_ambiguous, a.early_items()), (0, 0));
     }
 }
 
@@ -1425,7 +1426,7 @@ fn an_undecided_hold_older_than_the_timeout_drops_what_it_holds_and_frees_the_co
         vec![(7, 0, 100)],
         "the eager op, without device times"
     );
-    assert_eq!((a.counters.dev_ambiguous, a.early_works), (7, 0));
+    assert_eq!((a.counters.dev_ambiguous, a.early_items()), (7, 0));
     assert_eq!(
         a.oldest_pending_pos(0),
         None,
