@@ -1,3 +1,5 @@
+use ncclscope_proto::fixture::{self, Coll, Comm};
+
 use super::*;
 use crate::instance::InstanceRef;
 
@@ -6,36 +8,26 @@ fn s(id: u16, t: &str) -> Record {
 }
 
 fn comm(path: TimingPath) -> Record {
-    Record::Comm {
-        comm: 0,
+    let comm = Comm {
         comm_hash: 0xabc,
         rank: 1,
         nranks: 4,
-        nnodes: 1,
-        cuda_dev: 0,
-        name: StrId(0),
         nccl_version: 23007,
         path,
-        host_ns: 0,
-    }
+        ..Comm::default()
+    };
+    comm.record()
 }
 
 fn coll(id: u64, seq: u64, n_channels: u8) -> Record {
-    Record::CollStart {
-        comm: 0,
+    let coll = Coll {
         id,
         seq,
-        func: StrId(1),
-        datatype: StrId(2),
-        algo: StrId(3),
-        proto: StrId(4),
-        count: 1 << 20,
-        root: -1,
         n_channels,
-        n_warps: 16,
         host_ns: 1000,
-        captured: false,
-    }
+        ..Coll::default()
+    };
+    coll.start()
 }
 
 /// Applies `recs` at positions 0.., checking after each that the bound on waiting work items
@@ -58,13 +50,7 @@ fn prelude(path: TimingPath) -> Vec<Record> {
         s(2, "ncclFloat32"),
         s(3, "RING"),
         s(4, "LL128"),
-        Record::Calibration {
-            cuda_dev: 0,
-            offset_ns: 1_000_000,
-            error_ns: 250,
-            drift_ppb: 0,
-            host_ns: 0,
-        },
+        fixture::calibration(0, 1_000_000, 250),
         comm(path),
     ]
 }
@@ -157,18 +143,7 @@ fn kernel_times_read_before_the_first_calibration_wait_for_it() {
         "waits for its device's calibration"
     );
     let mut out = Vec::new();
-    a.apply(
-        50,
-        &Record::Calibration {
-            cuda_dev: 0,
-            offset_ns: 7_000,
-            error_ns: 9,
-            drift_ppb: 0,
-            host_ns: 0,
-        },
-        0,
-        &mut out,
-    );
+    a.apply(50, &fixture::calibration(0, 7_000, 9), 0, &mut out);
     assert_eq!(out.len(), 1);
     assert_eq!(
         (out[0].coll.start_unix_ns, out[0].coll.end_unix_ns),
@@ -517,13 +492,7 @@ fn p2p_is_numbered_per_peer_and_function_and_a_restart_resumes_at_the_tail() {
 fn the_saved_calibration_is_the_one_in_effect_at_the_tail() {
     let mut recs = prelude(TimingPath::KernelCh);
     let tail = recs.len() as u64;
-    recs.push(Record::Calibration {
-        cuda_dev: 0,
-        offset_ns: 2_000_000,
-        error_ns: 250,
-        drift_ppb: 0,
-        host_ns: 0,
-    });
+    recs.push(fixture::calibration(0, 2_000_000, 250));
     let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
     feed(&mut a, &recs);
     let offsets = |a: &Assembler| -> Vec<(i32, i64)> {
@@ -631,13 +600,7 @@ fn a_hostile_stream_is_refused_at_each_limit_and_counted() {
         });
     }
     for cuda_dev in 0..10 {
-        recs.push(Record::Calibration {
-            cuda_dev,
-            offset_ns: 1_000_000,
-            error_ns: 250,
-            drift_ppb: 0,
-            host_ns: 0,
-        });
+        recs.push(fixture::calibration(cuda_dev, 1_000_000, 250));
     }
     recs.push(coll(10, 5, 2));
     for _ in 0..1000 {
@@ -751,18 +714,7 @@ fn comm_end_closes_its_own_ops_in_order_and_a_first_calibration_only_those_await
     assert!(feed(&mut a, &recs).is_empty());
     assert_eq!(a.awaiting_calibration[&0].entries.len(), 3);
     let mut out = Vec::new();
-    a.apply(
-        100,
-        &Record::Calibration {
-            cuda_dev: 0,
-            offset_ns: 0,
-            error_ns: 1,
-            drift_ppb: 0,
-            host_ns: 0,
-        },
-        0,
-        &mut out,
-    );
+    a.apply(100, &fixture::calibration(0, 0, 1), 0, &mut out);
     assert_eq!(
         out.iter().map(|c| c.op_id).collect::<Vec<_>>(),
         vec![1, 2, 3]
