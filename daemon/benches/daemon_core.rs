@@ -23,8 +23,9 @@ use ncclscope::instance::Shared;
 use ncclscope::otlp::{self, ExportCounters, SpanItem};
 use ncclscope::spool::{Spool, SpoolLimits};
 use ncclscope_proto::api::{ChannelWork, Collective};
+use ncclscope_proto::fixture::{self, Coll, Comm};
 use ncclscope_proto::segment::{Claims, Producer, Segment};
-use ncclscope_proto::{Record, StrId, TimingPath};
+use ncclscope_proto::{Record, StrId};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
 };
@@ -34,46 +35,33 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 
 const CHANNELS: u64 = 4;
 
-/// Collective `seq`'s start as the plugin writes it (strings 1-4 from `prelude`).
-fn coll_start(seq: u64) -> Record {
-    Record::CollStart {
-        comm: 0,
+/// Collective `seq` as the plugin writes it (strings 1-4 from `prelude`).
+fn coll(seq: u64) -> Coll {
+    Coll {
         id: seq + 1,
         seq,
-        func: StrId(1),
-        datatype: StrId(2),
-        algo: StrId(3),
-        proto: StrId(4),
         count: 1 << (10 + seq % 12),
-        root: -1,
         n_channels: CHANNELS as u8,
-        n_warps: 16,
         host_ns: seq,
-        captured: false,
+        ..Coll::default()
     }
+}
+
+fn coll_start(seq: u64) -> Record {
+    coll(seq).start()
 }
 
 /// Collective `seq`'s KernelCh records, one per channel.
 fn kernels(p: &mut Producer, seq: u64) {
+    let c = coll(seq);
     for ch in 0..CHANNELS {
         let t = 1_000_000 + seq * 10_000 + ch * 10;
-        p.push(&Record::KernelCh {
-            comm: 0,
-            parent: seq + 1,
-            channel: ch as u8,
-            gpu_start: t,
-            gpu_stop: t + 5000 + seq % 977,
-            host_ns: 0,
-        });
+        p.push(&c.kernel(ch as u8, (t, t + 5000 + seq % 977), 0));
     }
 }
 
 fn op_stop(seq: u64) -> Record {
-    Record::OpStop {
-        comm: 0,
-        id: seq + 1,
-        host_ns: seq,
-    }
+    coll(seq).stop(seq)
 }
 
 fn fill(p: &mut Producer, seq0: u64, n: u64) -> u64 {
@@ -138,26 +126,16 @@ fn prelude(p: &mut Producer, comm_hash: u64, rank: u32, nranks: u32, cuda_dev: i
     ] {
         p.push(&Record::str(StrId(id), t.as_bytes()));
     }
-    p.push(&Record::Comm {
-        comm: 0,
+    let comm = Comm {
         comm_hash,
         rank,
         nranks,
-        nnodes: 1,
         cuda_dev,
-        name: StrId(0),
         nccl_version: 22809,
-        path: TimingPath::KernelCh,
-        host_ns: 0,
-        gpu: None,
-    });
-    p.push(&Record::Calibration {
-        cuda_dev,
-        offset_ns: 1 << 60,
-        error_ns: 100,
-        drift_ppb: 0,
-        host_ns: 0,
-    });
+        ..Comm::default()
+    };
+    p.push(&comm.record());
+    p.push(&fixture::calibration(cuda_dev, 1 << 60, 100));
 }
 
 /// (records/s of wall time, records/s of the engine thread's CPU time, records/s of the process's

@@ -1504,8 +1504,9 @@ mod tests {
     use super::*;
     use crate::spool::{Spool, SpoolLimits};
     use ncclscope_proto::Claims;
+    use ncclscope_proto::fixture::{self, Coll, Comm};
     use ncclscope_proto::segment::Producer;
-    use ncclscope_proto::{Record, StrId, TimingPath};
+    use ncclscope_proto::{Record, StrId};
 
     /// The job "j" of the test's own uid (the owner of the segments it creates).
     fn job_j() -> JobKey {
@@ -1602,48 +1603,37 @@ mod tests {
 
     /// A one-rank communicator on the KernelCh path.
     fn comm_record(comm: u32, comm_hash: u64) -> Record {
-        Record::Comm {
+        let c = Comm {
             comm,
             comm_hash,
-            rank: 0,
-            nranks: 1,
-            nnodes: 1,
-            cuda_dev: 0,
-            name: StrId(0),
-            nccl_version: 0,
-            path: TimingPath::KernelCh,
-            host_ns: 0,
-            gpu: None,
-        }
+            ..Comm::default()
+        };
+        c.record()
     }
 
-    /// The CollStart of `write_colls`'s collective `seq` (op id seq + 1, no kernel work).
-    fn coll_start(seq: u64) -> Record {
-        Record::CollStart {
-            comm: 0,
+    /// `write_colls`'s collective `seq` (op id seq + 1, no kernel work, no algorithm or protocol).
+    fn coll(seq: u64) -> Coll {
+        Coll {
             id: seq + 1,
             seq,
-            func: StrId(1),
-            datatype: StrId(2),
             algo: StrId(0),
             proto: StrId(0),
             count: 1,
-            root: -1,
             n_channels: 0,
             n_warps: 0,
             host_ns: 10,
-            captured: false,
+            ..Coll::default()
         }
+    }
+
+    fn coll_start(seq: u64) -> Record {
+        coll(seq).start()
     }
 
     fn write_colls(p: &mut Producer, seqs: std::ops::Range<u64>) {
         for seq in seqs {
             p.push(&coll_start(seq));
-            p.push(&Record::OpStop {
-                comm: 0,
-                id: seq + 1,
-                host_ns: 20,
-            });
+            p.push(&coll(seq).stop(20));
         }
     }
 
@@ -1935,44 +1925,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut p = producer(1024);
         write_dictionary(&mut p);
-        p.push(&Record::Calibration {
-            cuda_dev: 0,
-            offset_ns: 0,
-            error_ns: 100,
-            drift_ppb: 0,
-            host_ns: 0,
-        });
+        p.push(&calibration());
         let (mut e, _rx, hub) = engine(dir.path());
         let mut live = hub.subscribe();
         let conn = hand_over(&mut e, &p);
         for seq in 0..N {
-            let id = seq + 1;
-            let mut start = coll_start(seq);
-            if let Record::CollStart { n_channels, .. } = &mut start {
-                *n_channels = 2;
-            }
-            if seq != NO_START {
-                p.push(&start);
-            }
-            for channel in 0..2 {
-                if seq != NO_KERNEL || channel == 0 {
-                    p.push(&Record::KernelCh {
-                        comm: 0,
-                        parent: id,
-                        channel,
-                        gpu_start: 1000 * seq + 10,
-                        gpu_stop: 1000 * seq + 500,
-                        host_ns: 10,
-                    });
-                }
-            }
-            if seq != NO_STOP {
-                p.push(&Record::OpStop {
-                    comm: 0,
-                    id,
-                    host_ns: 20,
-                });
-            }
+            let channels: &[u32] = if seq == NO_KERNEL { &[0] } else { &[0, 1] };
+            coll_with_work(&mut p, seq, seq != NO_START, channels, seq != NO_STOP);
             if seq % 4 == 3 {
                 e.tick();
                 std::thread::sleep(Duration::from_millis(1));
@@ -2002,40 +1961,24 @@ mod tests {
     /// A collective of `write_colls`'s communicator with kernel work on `channels` of 2 (op id seq +
     /// 1), started unless `start` is false, stopped unless `stop` is false.
     fn coll_with_work(p: &mut Producer, seq: u64, start: bool, channels: &[u32], stop: bool) {
-        let mut rec = coll_start(seq);
-        if let Record::CollStart { n_channels, .. } = &mut rec {
-            *n_channels = 2;
-        }
+        let c = Coll {
+            n_channels: 2,
+            ..coll(seq)
+        };
         if start {
-            assert!(p.push(&rec));
+            assert!(p.push(&c.start()));
         }
         for &channel in channels {
-            assert!(p.push(&Record::KernelCh {
-                comm: 0,
-                parent: seq + 1,
-                channel: channel as u8,
-                gpu_start: 1000 * seq + 10,
-                gpu_stop: 1000 * seq + 500,
-                host_ns: 10,
-            }));
+            let gpu = (1000 * seq + 10, 1000 * seq + 500);
+            assert!(p.push(&c.kernel(channel as u8, gpu, 10)));
         }
         if stop {
-            assert!(p.push(&Record::OpStop {
-                comm: 0,
-                id: seq + 1,
-                host_ns: 20,
-            }));
+            assert!(p.push(&c.stop(20)));
         }
     }
 
     fn calibration() -> Record {
-        Record::Calibration {
-            cuda_dev: 0,
-            offset_ns: 0,
-            error_ns: 100,
-            drift_ppb: 0,
-            host_ns: 0,
-        }
+        fixture::calibration(0, 0, 100)
     }
 
     /// Issue 16: a record the plugin counts as lost (here an OpStop and a KernelCh) parks the

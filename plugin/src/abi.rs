@@ -5,8 +5,9 @@
 //! Descriptors are never copied whole: the entry points read single fields through raw pointers, so a
 //! 112-byte descriptor is never read past byte 112 even when it is viewed through the 136-byte v7 type.
 
-use std::ffi::{c_char, c_int, c_ulong, c_void};
+use std::ffi::{CStr, c_char, c_int, c_ulong, c_void};
 use std::mem::{offset_of, size_of};
+use std::sync::atomic::{AtomicI32, AtomicPtr, Ordering};
 
 /// `ncclResult_t`, a 4-byte C enum.
 pub type NcclResult = c_int;
@@ -175,6 +176,67 @@ pub type DescrV7 = Descr<UnionV7>;
 #[repr(C)]
 pub struct StateArgs {
     pub p_timer: u64,
+}
+
+/// A static C string owned by NCCL ("AllReduce", "ncclFloat32", ...), as a descriptor names it: NCCL's
+/// threads hand it to the forwarding thread, which reads it.
+#[derive(Clone, Copy, Debug)]
+pub struct CText(*const c_char);
+// SAFETY: it points at a NUL-terminated string NCCL never frees or changes (static storage); reading
+// it from another thread is what NCCL's own plugins do.
+unsafe impl Send for CText {}
+
+impl CText {
+    /// # Safety
+    /// `p` is NULL or a NUL-terminated string that NCCL never frees or changes.
+    pub unsafe fn new(p: *const c_char) -> CText {
+        CText(p)
+    }
+
+    /// The string's address: the same string of NCCL's is always at the same one.
+    pub fn addr(self) -> usize {
+        self.0 as usize
+    }
+
+    /// The string's bytes (None for NULL).
+    pub fn bytes(self) -> Option<&'static [u8]> {
+        // SAFETY: a non-NULL `p` is a static NUL-terminated string (see `new`).
+        (!self.0.is_null()).then(|| unsafe { CStr::from_ptr(self.0) }.to_bytes())
+    }
+}
+
+/// NCCL's activation mask (`ncclProfilerEventMask`: one int for the process, read by NCCL with atomic
+/// loads), as `init` hands it over.
+///
+/// # Safety
+/// `p` is NULL or NCCL's activation-mask global: aligned, alive as long as the process, accessed
+/// atomically by everyone.
+pub unsafe fn activation_mask(p: *mut c_int) -> Option<&'static AtomicI32> {
+    // SAFETY: per this function's contract.
+    (!p.is_null()).then(|| unsafe { AtomicI32::from_ptr(p) })
+}
+
+/// Where NCCL's activation mask lives: a later `init` may pass another address.
+pub struct MaskSlot(AtomicPtr<AtomicI32>);
+
+impl MaskSlot {
+    pub const fn new() -> MaskSlot {
+        MaskSlot(AtomicPtr::new(std::ptr::null_mut()))
+    }
+
+    pub fn set(&self, mask: Option<&'static AtomicI32>) {
+        let p = mask.map_or(std::ptr::null(), |m| m as *const AtomicI32);
+        self.0.store(p.cast_mut(), Ordering::Release);
+    }
+
+    /// Stores `value` in the mask, if one was set.
+    pub fn store(&self, value: i32) {
+        let p = self.0.load(Ordering::Acquire);
+        // SAFETY: only `set` stores a pointer here, from a `&'static AtomicI32`.
+        if let Some(mask) = unsafe { p.as_ref() } {
+            mask.store(value, Ordering::Relaxed);
+        }
+    }
 }
 
 /// A C string pointer that may live in a `static` (the plugin's name).

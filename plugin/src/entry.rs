@@ -14,10 +14,10 @@ use crate::abi::{
     DescrV6, DescrV7, Logger, NCCL_SUCCESS, NcclResult, Profiler, ProfilerV7, StateArgs,
     StaticCStr, event,
 };
-use crate::devhook;
 use crate::event::CText;
 use crate::launch;
 use crate::profiler::{self, CollInfo, P2pInfo, Start};
+use crate::{abi, devhook, host};
 
 const NAME: StaticCStr = StaticCStr(c"ncclscope".as_ptr());
 
@@ -90,7 +90,8 @@ init_fn!(init_v6, 6);
 init_fn!(init_v7, 7);
 
 /// # Safety
-/// `ctx` is NULL or writable; see [`launch::init`] for the others.
+/// `ctx` is NULL or writable; `mask` is NULL or NCCL's activation-mask global; `name` is NULL or a
+/// NUL-terminated string.
 #[allow(clippy::too_many_arguments)]
 unsafe fn init(
     ctx: *mut *mut c_void,
@@ -109,9 +110,11 @@ unsafe fn init(
     // SAFETY: `ctx` is non-NULL and NCCL's out pointer.
     unsafe { *ctx = std::ptr::null_mut() };
     guard("init", || {
-        // SAFETY: the pointers are NCCL's, as `launch::init` requires.
-        let c = unsafe { launch::init(abi, comm_hash, mask, name, nnodes, nranks, rank, logfn) };
-        // SAFETY: as above.
+        // SAFETY: per this function's contract.
+        let (mask, name) = unsafe { (abi::activation_mask(mask), host::c_string(name)) };
+        let name = name.unwrap_or_default();
+        let c = launch::init(abi, comm_hash, mask, name, nnodes, nranks, rank, logfn);
+        // SAFETY: `ctx` is non-NULL and NCCL's out pointer.
         unsafe { *ctx = c };
     });
     NCCL_SUCCESS
@@ -140,10 +143,10 @@ unsafe fn read_v6(d: *const DescrV6) -> (*mut c_void, Start) {
                 let c = &raw const (*d).u.coll;
                 Start::Coll(CollInfo {
                     seq: (*c).seq_number,
-                    func: CText((*c).func),
-                    datatype: CText((*c).datatype),
-                    algo: CText((*c).algo),
-                    proto: CText((*c).proto),
+                    func: CText::new((*c).func),
+                    datatype: CText::new((*c).datatype),
+                    algo: CText::new((*c).algo),
+                    proto: CText::new((*c).proto),
                     count: (*c).count as u64,
                     root: (*c).root,
                     n_channels: (*c).n_channels,
@@ -153,8 +156,8 @@ unsafe fn read_v6(d: *const DescrV6) -> (*mut c_void, Start) {
             event::P2P => {
                 let p = &raw const (*d).u.p2p;
                 Start::P2p(P2pInfo {
-                    func: CText((*p).func),
-                    datatype: CText((*p).datatype),
+                    func: CText::new((*p).func),
+                    datatype: CText::new((*p).datatype),
                     count: (*p).count as u64,
                     peer: (*p).peer,
                     n_channels: (*p).n_channels,
@@ -189,7 +192,7 @@ unsafe fn read_v7(d: *const DescrV7, v7_fields: bool) -> (*mut c_void, Start) {
                 let v7 = &raw const (*d).u.coll;
                 // Symmetric kernels name their variant here; `algo` is only its suffix.
                 if (*v7).is_sym_coll && !(*v7).kernel_variant.is_null() {
-                    c.algo = CText((*v7).kernel_variant);
+                    c.algo = CText::new((*v7).kernel_variant);
                 }
             }
             (Start::Other, event::KERNEL_PHASE) => {

@@ -1,15 +1,8 @@
 //! What NCCL's threads hand to the forwarding thread: the queue's item type.
 
-use std::ffi::c_char;
-
 use ncclscope_proto::{Gpu, Record, TimingPath};
 
-/// A static C string owned by NCCL ("AllReduce", "ncclFloat32", ...), read on this thread only.
-#[derive(Clone, Copy, Debug)]
-pub struct CText(pub *const c_char);
-// SAFETY: it points at a NUL-terminated string NCCL never frees or changes (static storage); reading
-// it from another thread is what NCCL's own plugins do.
-unsafe impl Send for CText {}
+pub use crate::abi::CText;
 
 /// What NCCL threads hand to the forwarding thread. Every `host_ns` is a [`crate::clock::stamp`].
 #[derive(Debug)]

@@ -10,7 +10,6 @@
 //! measured, the events wait in the thread's own buffer.
 
 use std::collections::HashMap;
-use std::ffi::CStr;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -79,17 +78,15 @@ impl Interner {
     }
 
     fn intern_static(&mut self, text: CText, out: &mut Producer) -> StrId {
-        if text.0.is_null() {
+        if text.addr() == 0 {
             return StrId(0);
         }
-        if let Some(id) = self.by_ptr.get(&(text.0 as usize)) {
+        if let Some(id) = self.by_ptr.get(&text.addr()) {
             return *id;
         }
-        // SAFETY: a non-NULL static C string from NCCL (see `CText`).
-        let bytes = unsafe { CStr::from_ptr(text.0) }.to_bytes();
-        let id = self.intern(bytes, out);
+        let id = self.intern(text.bytes().unwrap_or_default(), out);
         if id != StrId(0) {
-            self.by_ptr.insert(text.0 as usize, id);
+            self.by_ptr.insert(text.addr(), id);
         }
         id
     }

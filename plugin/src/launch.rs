@@ -15,16 +15,14 @@ use crate::forward::Forwarder;
 use crate::host;
 use crate::profiler::{self, FORKED, PLUGIN, Plugin};
 
-/// `init`: returns the communicator context (NULL when disabled), after setting `*mask`.
-///
-/// # Safety
-/// `mask` is NULL or NCCL's activation-mask global; `name` is NULL or a NUL-terminated string.
+/// `init`: returns the communicator context (NULL when disabled), after setting NCCL's activation
+/// `mask`.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn init(
+pub fn init(
     abi: u32,
     comm_hash: u64,
-    mask: *mut c_int,
-    name: *const std::ffi::c_char,
+    mask: Option<&'static AtomicI32>,
+    name: Vec<u8>,
     nnodes: c_int,
     nranks: c_int,
     rank: c_int,
@@ -36,9 +34,8 @@ pub unsafe fn init(
     let launched =
         (!FORKED.load(Ordering::Relaxed)).then(|| *PLUGIN.get_or_init(|| launch(abi, logfn)));
     let Some(plugin) = launched.flatten() else {
-        if !mask.is_null() {
-            // SAFETY: NCCL's mask is a live, aligned, process-wide int (see `Plugin::set_mask`).
-            unsafe { AtomicI32::from_ptr(mask) }.store(0, Ordering::Relaxed);
+        if let Some(mask) = mask {
+            mask.store(0, Ordering::Relaxed);
         }
         return std::ptr::null_mut();
     };
@@ -54,8 +51,6 @@ pub unsafe fn init(
     }
     plugin.set_mask_ptr(mask);
     plugin.apply_mask();
-    // SAFETY: per this function's contract.
-    let name = unsafe { host::c_string(name) }.unwrap_or_default();
     plugin.open_comm(comm_hash, name, nnodes, nranks, rank)
 }
 

@@ -8,7 +8,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use ncclscope_proto::segment::Segment;
 use ncclscope_proto::{Counter, Gpu, Record, TimingPath};
 
-use crate::abi::event;
+use crate::abi::{MaskSlot, event};
 use crate::clock;
 use crate::config::Config;
 use crate::devhook;
@@ -235,7 +235,7 @@ pub struct Plugin {
     /// Losses counted on NCCL threads, moved into the segment header by the forwarding thread.
     pending: [AtomicU64; Counter::ALL.len()],
     /// NCCL's activation mask (one global int for all communicators) and the value we want in it.
-    mask_ptr: AtomicPtr<c_int>,
+    mask_ptr: MaskSlot,
     mask: AtomicI32,
     fwd: OnceLock<Thread>,
     pub(crate) fwd_idle: AtomicBool,
@@ -263,11 +263,7 @@ pub(crate) extern "C" fn flush_at_exit() {
 pub(crate) extern "C" fn forked_child() {
     FORKED.store(true, Ordering::Relaxed);
     // The daemon learns that the process ended when its connection closes: a child must not keep it.
-    if let Some(fd) = crate::register::take_connection_fd() {
-        // SAFETY: `fd` is the parent's connection, inherited by this child, where no thread owns it
-        // (fork copies only the calling thread); close is async-signal-safe.
-        unsafe { libc::close(fd) };
-    }
+    crate::register::close_inherited_connection();
 }
 
 thread_local! {
@@ -316,7 +312,7 @@ impl Plugin {
             live_comms: AtomicU32::new(0),
             lanes: Lanes::new(),
             pending: Default::default(),
-            mask_ptr: AtomicPtr::new(std::ptr::null_mut()),
+            mask_ptr: MaskSlot::new(),
             fwd: OnceLock::new(),
             fwd_idle: AtomicBool::new(false),
             next_captured: AtomicU64::new(0),
@@ -329,8 +325,8 @@ impl Plugin {
     }
 
     /// Where NCCL's activation mask lives (given at every `init`).
-    pub(crate) fn set_mask_ptr(&self, mask: *mut c_int) {
-        self.mask_ptr.store(mask, Ordering::Release);
+    pub(crate) fn set_mask_ptr(&self, mask: Option<&'static AtomicI32>) {
+        self.mask_ptr.set(mask);
     }
 
     /// Writes the mask we want into NCCL's (again: a later `init` may pass a new address).
@@ -341,12 +337,7 @@ impl Plugin {
     /// Stores `value` in NCCL's activation mask (shared by all communicators; NCCL reads it atomically).
     pub fn set_mask(&self, value: i32) {
         self.mask.store(value, Ordering::Relaxed);
-        let p = self.mask_ptr.load(Ordering::Acquire);
-        if !p.is_null() {
-            // SAFETY: `p` is NCCL's `ncclProfilerEventMask`, an aligned int that lives as long as the
-            // process; NCCL and plugins access it with atomic loads and stores.
-            unsafe { AtomicI32::from_ptr(p) }.store(value, Ordering::Relaxed);
-        }
+        self.mask_ptr.store(value);
     }
 
     pub fn count(&self, counter: Counter) {

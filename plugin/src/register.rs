@@ -30,12 +30,19 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 const CHECK_EVERY: Duration = Duration::from_millis(100);
 
 /// The held connection's descriptor number, or -1: a forked child closes its copy (see
-/// [`take_connection_fd`]) so that the daemon sees the connection end with the process that registered.
+/// [`close_inherited_connection`]) so that the daemon sees the connection end with the process that
+/// registered.
 static CONNECTION_FD: AtomicI32 = AtomicI32::new(-1);
 
-/// The connection's descriptor number, forgotten here: for a forked child to close its inherited copy.
-pub fn take_connection_fd() -> Option<i32> {
-    Some(CONNECTION_FD.swap(-1, Ordering::Relaxed)).filter(|fd| *fd >= 0)
+/// In a child forked after the plugin started: closes its copy of the parent's connection, which
+/// would keep the connection open after the parent ends. Async-signal-safe.
+pub fn close_inherited_connection() {
+    let fd = CONNECTION_FD.swap(-1, Ordering::Relaxed);
+    if fd >= 0 {
+        // SAFETY: `fd` is the parent's connection, inherited by this child, where no thread owns it
+        // (fork copies only the calling thread; the `Connection` is the forwarding thread's).
+        unsafe { libc::close(fd) };
+    }
 }
 
 /// A connection to the daemon, published in [`CONNECTION_FD`] while it is open.

@@ -3,9 +3,12 @@
 //! - [`record`] and [`segment`]: the shared-memory channel from the plugin (inside each NCCL process) to
 //!   the node daemon. POD words only; no I/O beyond creating, sealing and mapping the segment.
 //! - [`env`]: the `NCCLSCOPE_*` variables both sides read, to catch a misspelt one.
+//! - [`fixture`]: records as the plugin writes them, built from a few values, for tests, benchmarks
+//!   and fuzz seeds.
 //! - [`api`] (feature `grpc`): the daemon's gRPC query API, generated from `ncclscope.proto`.
 
 pub mod env;
+pub mod fixture;
 pub mod record;
 pub mod segment;
 

@@ -18,8 +18,9 @@ use std::time::{Duration, Instant};
 
 use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
 use ncclscope_fakenccl::process::register;
+use ncclscope_proto::fixture::{self, Coll, Comm};
 use ncclscope_proto::segment::{Claims, Producer, Segment};
-use ncclscope_proto::{Record, StrId, TimingPath};
+use ncclscope_proto::{Record, StrId};
 use ncclscope_tests::attr;
 
 const CHILD_ENV: &str = "NCCLSCOPE_TEST_MULTI_USER";
@@ -94,26 +95,17 @@ fn multi_user_child() {
     for (id, text) in [(1, "AllReduce"), (2, "ncclFloat32")] {
         assert!(p.push(&Record::str(StrId(id), text.as_bytes())));
     }
-    assert!(p.push(&Record::Calibration {
-        cuda_dev: 0,
-        offset_ns: HOST_BASE - GPU_BASE as i64,
-        error_ns: 100,
-        drift_ppb: 0,
-        host_ns: 0,
-    }));
-    assert!(p.push(&Record::Comm {
-        comm: 0,
+    let offset_ns = HOST_BASE - GPU_BASE as i64;
+    assert!(p.push(&fixture::calibration(0, offset_ns, 100)));
+    let comm = Comm {
         comm_hash: COMM_HASH,
         rank,
         nranks,
-        nnodes: 1,
-        cuda_dev: 0,
-        name: StrId(0),
         nccl_version: 22809,
-        path: TimingPath::KernelCh,
         host_ns: ncclscope_proto::now_ns(),
-        gpu: None,
-    }));
+        ..Comm::default()
+    };
+    assert!(p.push(&comm.record()));
     // The ranks of this uid meet before their first collective, as NCCL's communicator init does.
     std::fs::write(shared.join(format!("ready.{uid}.{rank}")), b"").unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -125,34 +117,18 @@ fn multi_user_child() {
         let (gpu_start, gpu_stop) = gpu_times(uid, rank, seq);
         // Enqueued 1 us before its kernel starts, on the calibration's (synthetic) host clock.
         let host_ns = (gpu_start as i64 + HOST_BASE - GPU_BASE as i64) as u64 - 1_000;
-        p.push(&Record::CollStart {
-            comm: 0,
+        let c = Coll {
             id: seq + 1,
             seq,
-            func: StrId(1),
-            datatype: StrId(2),
             algo: StrId(0),
             proto: StrId(0),
             count: 1 << 10,
-            root: -1,
-            n_channels: 1,
-            n_warps: 16,
-            captured: false,
             host_ns,
-        });
-        p.push(&Record::KernelCh {
-            comm: 0,
-            parent: seq + 1,
-            channel: 0,
-            gpu_start,
-            gpu_stop,
-            host_ns,
-        });
-        p.push(&Record::OpStop {
-            comm: 0,
-            id: seq + 1,
-            host_ns,
-        });
+            ..Coll::default()
+        };
+        p.push(&c.start());
+        p.push(&c.kernel(0, (gpu_start, gpu_stop), host_ns));
+        p.push(&c.stop(host_ns));
     }
     p.push(&Record::CommEnd {
         comm: 0,

@@ -36,9 +36,7 @@ use ncclscope_proto::{MAX_CHANNELS, Record, StrId, TimingPath};
 use crate::config::Limits;
 use crate::instance::Names;
 pub use crate::resume::Dictionary;
-use crate::resume::{
-    Calibration, CapturedOp, CommInfo, Desc, ReplayCursor, SavedOp, SavedTemplate,
-};
+use crate::resume::{Calibration, CapturedOp, CommInfo, Desc, ReplayCursor, SavedOp};
 
 mod build;
 mod counters;
@@ -47,15 +45,16 @@ mod graph;
 mod hold;
 mod lanes;
 mod operations;
+mod replay;
 pub use counters::AssembleCounters;
 use dictionary::Dict;
 pub use dictionary::UidBudget;
-use graph::replay_id;
-use graph::{MAX_MARKS, MAX_TEMPLATE_OPS, Template};
-use hold::{Candidate, Hold, MAX_HOLD_EAGER, Owner};
+use graph::{MAX_MARKS, MAX_TEMPLATE_OPS};
+use hold::Candidate;
 use lanes::{Lane, MAX_EARLY_WORKS, Read, Work};
 pub use operations::Completed;
 use operations::{CommOps, Op, OpIndex};
+use replay::{Decision, Held, Replays, Route, Settled};
 
 /// Sinks a previous daemon already delivered an operation to (persisted in the segment state).
 pub mod done {
@@ -119,15 +118,9 @@ pub struct Assembler {
     dict: Dict,
     /// Device-hook path: per (comm, channel), the operations awaiting work there, oldest first.
     waiting: Map<(u32, u8), Lane>,
-    /// Device-hook path: per communicator, its captured operations and replay cursors.
-    templates: Map<u32, Template>,
+    /// Device-hook path: graph templates, replay cursors and holds.
+    replays: Replays,
     p2p_seqs: P2pSeqs,
-    /// Work items a daemon before a restart settled, at or after the tail it committed: position ->
-    /// (comm, dropped as ambiguous; else joined to an eager operation that lies before the tail).
-    /// Read again, they are not attributed again.
-    settled: Map<u64, (u32, bool)>,
-    /// Work items held at ambiguous replay boundaries, per (comm, channel).
-    holds: Map<(u32, u8), Hold>,
     ops: Map<u64, Op>,
     /// (first record position, id) of operations in start order, which is position order (records
     /// are applied in stream order). Entries of finished operations go lazily; the front is always
@@ -140,7 +133,7 @@ pub struct Assembler {
     comm_ops: CommOps,
     /// Complete operations waiting only for their device's first calibration, per device.
     awaiting_calibration: Map<i32, OpIndex>,
-    /// Device-hook work items in all lanes.
+    /// Device-hook work items in all lanes (those in holds: [`Replays::held`]).
     early_works: usize,
     /// Committed tail (the latest passed to [`Self::prune_prior`]): records before it are never read
     /// again, and [`Self::dictionary`] describes the templates as they were there.
@@ -174,10 +167,8 @@ impl Assembler {
             pid,
             dict: Dict::new(Names::new(uid, job_id, host)),
             waiting: Map::default(),
-            templates: Map::default(),
+            replays: Replays::default(),
             p2p_seqs: P2pSeqs::default(),
-            settled: Map::default(),
-            holds: Map::default(),
             ops: Map::default(),
             by_pos: VecDeque::new(),
             prior: Map::default(),
@@ -216,15 +207,7 @@ impl Assembler {
     ) {
         self.dict
             .restore(dict.strings, dict.func_names, dict.calibrations, dict.comms);
-        for t in &dict.templates {
-            let joined = t.eager_items.iter().map(|&pos| (pos, (t.comm, false)));
-            let dropped = t.ambiguous_items.iter().map(|&pos| (pos, (t.comm, true)));
-            self.settled.extend(joined.chain(dropped));
-        }
-        self.templates = (dict.templates.into_iter())
-            .filter(|t| !t.ops.is_empty())
-            .map(|t| (t.comm, Template::restored(t)))
-            .collect();
+        let captured = self.replays.restore(dict.templates);
         self.p2p_seqs = P2pSeqs {
             next: (dict.p2p_seqs.into_iter())
                 .map(|(c, p, f, n)| ((c, p, f), n))
@@ -236,7 +219,6 @@ impl Assembler {
             .map(|(id, pos, flags)| (id, (pos, flags)))
             .collect();
         // What a previous daemon accepted is restored whole, even beyond the uid's budget now.
-        let captured = self.templates.values().map(|t| t.ops.len()).sum::<usize>();
         self.dict.restored_uid(captured);
     }
 
@@ -250,51 +232,16 @@ impl Assembler {
                 .collect(),
             calibrations: self.dict.calibrations_at_tail(),
             comms: self.dict.comms.values().cloned().collect(),
-            templates: self
-                .templates
-                .values()
-                .map(|t| t.at(self.committed))
-                .collect(),
+            templates: Vec::new(),
             p2p_seqs: self.p2p_seqs.at_tail(),
         };
-        // Items settled before a restart and not committed since, also for a template captured
-        // after the tail (its operations are read again, the items' owners are not), and items
-        // joined to an operation before the tail (a communicator with or without a template).
+        // Items joined to an operation before the tail (with or without a template): a restart
+        // must not join them again, to the next operation waiting there.
         let tail = self.committed;
         let joined = (self.eager_marks.iter())
             .filter(|&&(pos, owner, _)| pos >= tail && owner < tail)
-            .map(|&(pos, _, comm)| (pos, (comm, false)));
-        let settled = self.settled.iter().map(|(&pos, &v)| (pos, v));
-        for (pos, (comm, ambiguous)) in settled.chain(joined) {
-            if pos < tail {
-                continue;
-            }
-            let i = match d.templates.iter().position(|t| t.comm == comm) {
-                Some(i) => i,
-                None => {
-                    d.templates.push(SavedTemplate {
-                        comm,
-                        ..Default::default()
-                    });
-                    d.templates.len() - 1
-                }
-            };
-            let t = &mut d.templates[i];
-            if ambiguous {
-                t.ambiguous_items.push(pos);
-            } else {
-                t.eager_items.push(pos);
-            }
-        }
-        d.templates.retain(|t| {
-            !t.ops.is_empty() || !t.eager_items.is_empty() || !t.ambiguous_items.is_empty()
-        });
-        for t in &mut d.templates {
-            t.eager_items.sort_unstable();
-            t.eager_items.dedup();
-            t.ambiguous_items.sort_unstable();
-        }
-        d.templates.sort_unstable_by_key(|t| t.comm);
+            .map(|&(pos, _, comm)| (pos, comm));
+        d.templates = self.replays.saved(tail, joined);
         d.strings.sort_unstable_by_key(|e| e.0);
         d.func_names.sort_unstable_by_key(|e| e.0);
         d.calibrations.sort_unstable_by_key(|e| e.0);
@@ -309,7 +256,7 @@ impl Assembler {
 
     /// Whether the dictionary changed since the last call.
     pub fn take_dictionary_changed(&mut self) -> bool {
-        std::mem::take(&mut self.dictionary_changed)
+        std::mem::take(&mut self.dictionary_changed) | self.replays.take_changed()
     }
 
     /// Communicators not finalized yet.
@@ -360,9 +307,7 @@ impl Assembler {
     /// so it pins nothing. Something in flight lies before the tail after it was parked, or after a
     /// commit forced by a nearly full ring.
     pub fn oldest_pending_pos(&self, from: u64) -> Option<u64> {
-        let held = (self.holds.values())
-            .filter(|h| !h.items.is_empty() && h.first_pos >= from)
-            .map(|h| h.first_pos);
+        let held = self.replays.oldest_held(from);
         // `by_pos` is in position order: skip what lies before `from`, then its first live entry.
         let after = self.by_pos.partition_point(|&(pos, _)| pos < from);
         let open = (self.by_pos.range(after..))
@@ -461,6 +406,12 @@ impl Assembler {
         self.ops.len()
     }
 
+    /// Device-hook work items waiting in lanes and holds (what `max_early_works` bounds).
+    #[cfg(test)]
+    fn early_items(&self) -> usize {
+        self.early_works + self.replays.held()
+    }
+
     /// Forgets prior deliveries whose records are now committed (they can never be read again), and
     /// the replay cursors' history before `tail`; the next [`Self::dictionary`] is as of `tail`.
     /// Returns whether a replay cursor moved before `tail`: a state saved for an earlier tail is then
@@ -468,9 +419,6 @@ impl Assembler {
     #[must_use]
     pub fn prune_prior(&mut self, tail: u64) -> bool {
         self.prior.retain(|_, (pos, _)| *pos >= tail);
-        if !self.settled.is_empty() {
-            self.settled.retain(|&pos, _| pos >= tail);
-        }
         self.committed = self.committed.max(tail);
         let mut moved = self.p2p_seqs.prune(tail);
         while self.eager_marks.front().is_some_and(|m| m.0 < tail) {
@@ -479,17 +427,7 @@ impl Assembler {
         }
         moved |= self.eager_marks.iter().any(|&(_, owner, _)| owner < tail);
         moved |= self.dict.prune(tail);
-        for t in self.templates.values_mut() {
-            while t.marks.front().is_some_and(|m| m.0 < tail) {
-                t.marks.pop_front();
-                moved = true;
-            }
-            while t.ambiguous_marks.front().is_some_and(|m| m.0 < tail) {
-                t.ambiguous_marks.pop_front();
-                moved = true;
-            }
-            moved |= t.ambiguous_marks.iter().any(|&(_, first)| first < tail);
-        }
+        moved |= self.replays.prune(tail);
         moved
     }
 
@@ -559,13 +497,8 @@ impl Assembler {
             }
             Record::CommEnd { comm, .. } => {
                 // No more work items of it: held ones are resolved with what came.
-                if !self.holds.is_empty() {
-                    let mut keys: Vec<(u32, u8)> =
-                        self.holds.keys().filter(|k| k.0 == comm).copied().collect();
-                    keys.sort_unstable();
-                    for key in keys {
-                        self.resolve_ended(key, now_ns, out);
-                    }
+                for (key, _) in self.replays.holds(Some(comm)) {
+                    self.resolve_ended(key, now_ns, out);
                 }
                 let ids: Vec<u64> = self.comm_ops.take(comm).live(&self.ops).collect();
                 for id in ids {
@@ -577,8 +510,8 @@ impl Assembler {
                         self.early_works -= lane.works.len();
                     }
                 }
-                if let Some(t) = self.templates.remove(&comm) {
-                    self.dict.give_uid(t.ops.len());
+                if let Some(captured) = self.replays.remove(comm) {
+                    self.dict.give_uid(captured);
                 }
                 self.dictionary_changed |= self.dict.comm_ended(comm, pos);
             }
@@ -721,14 +654,9 @@ impl Assembler {
                     self.counters.dev_work += 1;
                     return;
                 }
-                if !self.settled.is_empty()
-                    && let Some((_, ambiguous)) = self.settled.remove(&pos)
+                if let Some(ambiguous) =
+                    (self.replays).take_settled(pos, (comm, channel), work_counter)
                 {
-                    // Its workCounter is seen as before the restart: the channel's next item finds
-                    // no gap that would move the replay cursor past an item that was never lost.
-                    if let Some(t) = self.templates.get_mut(&comm) {
-                        t.saw(channel, work_counter);
-                    }
                     self.counters.dev_work += 1;
                     match ambiguous {
                         true => self.counters.dev_ambiguous += 1,
@@ -736,7 +664,7 @@ impl Assembler {
                     }
                     return;
                 }
-                if self.early_works >= self.dict.limits.max_early_works {
+                if self.early_works + self.replays.held() >= self.dict.limits.max_early_works {
                     self.counters.early_work_limit += 1;
                     return;
                 }
@@ -746,7 +674,7 @@ impl Assembler {
                     gpu_start,
                     gpu_stop,
                 };
-                if !self.templates.is_empty() && self.templates.contains_key(&comm) {
+                if self.replays.has_template(comm) {
                     let read = Read {
                         pos,
                         key: (comm, channel),
@@ -795,7 +723,7 @@ impl Assembler {
         if !info.device_hook {
             return;
         }
-        if self.templates.get(&comm).map_or(0, |t| t.ops.len()) >= MAX_TEMPLATE_OPS {
+        if self.replays.captured(comm) >= MAX_TEMPLATE_OPS {
             self.counters.template_full += 1;
             return;
         }
@@ -804,11 +732,7 @@ impl Assembler {
         if !self.dict.take_uid(&mut self.counters) {
             return;
         }
-        let t = self.templates.entry(comm).or_insert_with(|| Template {
-            comm,
-            ..Default::default()
-        });
-        if t.ops.is_empty() {
+        if self.replays.capture(comm, op) {
             // Work items held for eager operations not read yet: from now on an item that no eager
             // operation can own goes to the template instead.
             for (_, lane) in self.waiting.iter_mut().filter(|(k, _)| k.0 == comm) {
@@ -816,344 +740,131 @@ impl Assembler {
                 lane.works.clear();
             }
         }
-        t.push(op);
-        self.dictionary_changed = true;
-    }
-
-    /// Whether an eager operation waiting on (comm, ch) can own `work`: its function fits and it was
-    /// enqueued before the work started (see [`Self::started_by`]).
-    /// Returns the first record position of the operation that takes it ([`Self::match_lane`]
-    /// takes the oldest whose function fits).
-    fn eager_owner(&self, comm: u32, ch: u8, work: &Work) -> Option<u64> {
-        let lane = self.waiting.get(&(comm, ch))?;
-        let started = self.dict.started_by(comm, work);
-        let fits = |op: &&Op| self.dict.work_matches(work.func_id, op.desc.func);
-        let mut waiting = lane.ops.iter().filter_map(|id| self.ops.get(id));
-        let owner = waiting.find(fits)?;
-        started
-            .is_none_or(|t| owner.enqueue_ns <= t)
-            .then_some(owner.first_pos)
-    }
-
-    /// Where the replay cursor of (comm, ch) goes with an item of workCounter `wc`: (cursor stored,
-    /// cursor after the item, index of the captured operation it is, whether `work` fits that one).
-    fn next_replay(
-        &self,
-        comm: u32,
-        ch: u8,
-        wc: u64,
-        work: &Work,
-    ) -> (Option<ReplayCursor>, ReplayCursor, Option<u32>, bool) {
-        let t = &self.templates[&comm];
-        let list = t.by_channel.get(ch as usize).map_or(&[][..], Vec::as_slice);
-        let stored = t.cursors.iter().find(|(c, _)| *c == ch).map(|c| c.1);
-        let cursor = stored.unwrap_or_default();
-        // A replay in progress expects the next workCounter; a gap skips the items that were lost.
-        let mut next = cursor;
-        if cursor.pos > 0 {
-            let skipped = wc.wrapping_sub(cursor.last_wc).wrapping_sub(1);
-            if skipped < (list.len() - cursor.pos as usize) as u64 {
-                next.pos += skipped as u32;
-            } else {
-                next.pos = 0;
-            }
-        }
-        let index = list.get(next.pos as usize).copied();
-        let fits = index.is_some_and(|i| self.dict.replay_can_own(comm, work, &t.ops[i as usize]));
-        (stored, next, index, fits)
     }
 
     /// A work item of a communicator with a graph template: to an eager operation, to the replay
     /// cursor of its channel, held while both can own it, or counted (see the module documentation).
     fn attribute(&mut self, read: Read, now_ns: u64, out: &mut Vec<Completed>) {
-        let Read { pos, key, wc, work } = read;
-        let (comm, ch) = key;
-        let t = self.templates.get_mut(&comm).expect("caller checked");
-        let lost = t.saw(ch, wc);
-        if self.holds.contains_key(&key) {
-            self.hold_item(read, now_ns, out);
-            return;
-        }
-        if lost > 0 && self.waiting.get(&key).is_none_or(|l| l.ops.is_empty()) {
-            // No eager operation waits here: the lost items were the replays'. The workCounter says
-            // how many, so the channel's replay count stays exact (a time check cannot: the blocks
-            // of one kernel need not run at once, e.g. two ranks sharing a GPU).
-            t.skip_lost(pos, ch, lost, wc);
-            self.dictionary_changed = true;
-        }
-        let (_, next, _, replay_fits) = self.next_replay(comm, ch, wc, &work);
-        let in_progress = next.pos > 0 && replay_fits;
-        if !in_progress && self.eager_owner(comm, ch, &work).is_some() {
-            if replay_fits {
-                // A replay boundary that both can own: decided by the items that follow.
-                self.start_hold(read, now_ns, out);
-                return;
+        let key = read.key;
+        let eager_waits = self.waiting.get(&key).is_some_and(|l| !l.ops.is_empty());
+        let (waiting, ops, dict) = (&self.waiting, &self.ops, &self.dict);
+        let fits = || eager_can_own(waiting, ops, dict, key, &read.work);
+        match (self.replays).route(&read, eager_waits, fits, dict, now_ns) {
+            Route::Hold => self.hold_item(read, now_ns, out),
+            Route::Lane => {
+                let lane = self.waiting.entry(key).or_default();
+                lane.works.push_back((read.pos, read.work));
+                self.early_works += 1;
+                self.match_lane(key, now_ns, out);
             }
-            let lane = self.waiting.entry(key).or_default();
-            lane.works.push_back((pos, work));
-            self.early_works += 1;
-            self.match_lane(key, now_ns, out);
-            return;
+            Route::Replay => self.replay_item(read, None, now_ns, out),
         }
-        self.replay_item(read, now_ns, out);
     }
 
-    /// A work item to the replay cursor of its channel, or counted if it fits nothing there.
-    fn replay_item(&mut self, read: Read, now_ns: u64, out: &mut Vec<Completed>) {
-        let Read { pos, key, wc, work } = read;
-        let (comm, ch) = key;
-        let (stored, mut next, index, replay_fits) = self.next_replay(comm, ch, wc, &work);
-        let Some(index) = index.filter(|_| replay_fits) else {
+    /// A work item to the replay cursor of its channel (set to `from` first, where a hold decided
+    /// it), or counted if it fits nothing there.
+    fn replay_item(
+        &mut self,
+        read: Read,
+        from: Option<ReplayCursor>,
+        now_ns: u64,
+        out: &mut Vec<Completed>,
+    ) {
+        let (comm, ch) = read.key;
+        let Some(step) = self.replays.advance(&read, from, &self.dict) else {
             self.counters.dev_unattributed += 1;
             return;
         };
-        let t = &self.templates[&comm];
-        let list_len = t.by_channel[ch as usize].len();
-        if next.pos == 0 {
-            next.replay = next.replay.saturating_add(1);
-        }
-        let replay = next.replay;
-        next.pos = if next.pos as usize + 1 == list_len {
-            0
-        } else {
-            next.pos + 1
-        };
-        next.last_wc = wc;
-        let captured = t.ops[index as usize].clone();
-        let t = self.templates.get_mut(&comm).expect("looked up above");
-        *t.cursor(ch) = next;
-        t.mark(pos, ch, stored.unwrap_or_default());
-        self.dictionary_changed = true;
-        let id = replay_id(comm, index, replay);
+        let id = step.id;
         if !self.ops.contains_key(&id) {
-            t.open.push_back((replay, index, id));
-            self.start_replay(id, &read, captured, replay, now_ns, out);
+            self.replays.opened(comm, &step);
+            self.start_replay(id, &read, step.desc, step.replay, now_ns, out);
         }
-        self.close_passed(comm, ch, replay, index, out);
+        // The oldest replayed instances still waiting for this channel, which has moved on.
+        let ops = &self.ops;
+        let waits = |id| {
+            let op = ops.get(&id)?;
+            Some(
+                ch < op.desc.n_channels.min(MAX_CHANNELS)
+                    && op.seen & 1 << (ch % MAX_CHANNELS) == 0,
+            )
+        };
+        for passed in self.replays.passed(comm, step.replay, step.index, waits) {
+            self.finish(passed, out);
+        }
         match self.ops.get_mut(&id) {
             Some(op) if op.seen & 1 << (ch % MAX_CHANNELS) == 0 => {
-                op.add_work(ch, work.gpu_start, work.gpu_stop, now_ns);
+                op.add_work(ch, read.work.gpu_start, read.work.gpu_stop, now_ns);
                 self.counters.dev_joined += 1;
-                if let Some(c) = self
-                    .templates
-                    .get_mut(&comm)
-                    .map(|t| &mut t.ops[index as usize])
-                    && c.func_id != Some(work.func_id)
-                {
-                    c.func_id = Some(c.func_id.map_or(work.func_id, |_| u32::MAX));
-                }
+                self.replays.ran(comm, step.index, read.work.func_id);
                 self.try_finish(id, out);
             }
             _ => self.counters.dev_unattributed += 1,
         }
     }
 
-    /// Holds the item at an ambiguous replay boundary of (comm, ch) (see [`Hold`]).
-    fn start_hold(&mut self, read: Read, now_ns: u64, out: &mut Vec<Completed>) {
-        let key = read.key;
-        let t = &self.templates[&key.0];
-        let len = t.by_channel[key.1 as usize].len();
-        let cursor = t
-            .cursors
-            .iter()
-            .find(|(c, _)| *c == key.1)
-            .map_or_else(ReplayCursor::default, |c| c.1);
-        let hold = Hold::new(len, cursor, read.pos, read.wc, now_ns);
-        self.holds.insert(key, hold);
-        self.hold_item(read, now_ns, out);
-    }
-
-    /// Adds a work item (and a lost one for each workCounter skipped) to the hold of its (comm, ch),
-    /// advances the parses, attributes what they agree on.
+    /// Adds a work item to the hold of its (comm, ch) with the eager operations waiting there, and
+    /// applies what the hold decides.
     fn hold_item(&mut self, read: Read, now_ns: u64, out: &mut Vec<Completed>) {
-        let Read { pos, key, wc, work } = read;
-        let mut hold = self.holds.remove(&key).expect("caller checked");
-        // A replay's block is as long as the template is now: the host events of its capture can be
-        // read after the hold's first item (an eager item the GPU ran before the capture, drained
-        // late), and a block cut at the length the template had then fits no replay.
-        if let Some(list) = self
-            .templates
-            .get(&key.0)
-            .and_then(|t| t.by_channel.get(key.1 as usize))
-        {
-            hold.len = list.len();
-        }
-        if hold.items.is_empty() {
-            (hold.first_pos, hold.started_ns) = (pos, now_ns);
-        }
-        // Eager operations enqueued since: the replay may come after them.
-        if let Some(lane) = self.waiting.get(&key) {
-            for &id in &lane.ops {
-                if hold.eager.len() >= MAX_HOLD_EAGER {
-                    break;
-                }
-                if hold.eager.iter().all(|c| c.id != id)
-                    && let Some(op) = self.ops.get(&id)
-                {
-                    hold.eager.push(Candidate {
-                        id,
-                        first_pos: op.first_pos,
-                        func: op.desc.func,
-                        enqueue_ns: op.enqueue_ns,
-                    });
+        let key = read.key;
+        let ops = &self.ops;
+        let candidates = (self.waiting.get(&key).into_iter())
+            .flat_map(|lane| lane.ops.iter())
+            .filter_map(|id| {
+                let op = ops.get(id)?;
+                Some(Candidate {
+                    id: *id,
+                    first_pos: op.first_pos,
+                    func: op.desc.func,
+                    enqueue_ns: op.enqueue_ns,
+                })
+            });
+        match (self.replays).hold_item(&read, candidates, &self.dict, now_ns) {
+            Held::Stepped => {
+                let settled = self.replays.settle(key, &mut self.counters);
+                self.apply_settled(key, settled, now_ns, out);
+            }
+            Held::Ended => {
+                self.resolve_ended(key, now_ns, out);
+                if self.replays.has_template(key.0) {
+                    self.attribute(read, now_ns, out);
                 }
             }
         }
-        let skipped = wc.wrapping_sub(hold.last_wc).wrapping_sub(1);
-        if skipped >= hold.len as u64 + MAX_HOLD_EAGER as u64 {
-            // Items lost past any parse (or a workCounter going back): what came is all there is;
-            // this item is attributed as usual (it may begin another hold).
-            self.holds.insert(key, hold);
-            self.resolve_ended(key, now_ns, out);
-            if self.templates.contains_key(&key.0) {
-                self.attribute(read, now_ns, out);
-            }
-            return;
-        }
-        let fit = ChannelFit { asm: self, key };
-        for lost in 1..=skipped {
-            let wc = hold.last_wc.wrapping_add(lost);
-            hold.step(pos, wc, None, &fit);
-        }
-        hold.step(pos, wc, Some(work), &fit);
-        hold.last_wc = wc;
-        hold.last_ns = now_ns;
-        self.early_works += 1;
-        self.commit_agreed(key, hold, now_ns, out);
     }
 
-    /// Attributes the front items all parses agree on; ends the hold once one parse is left and
-    /// nothing is held, or drops it (`dev_ambiguous`) if no parse fits.
-    fn commit_agreed(
+    /// Applies a hold's decisions in order, then sets its channel's cursor if it decided.
+    fn apply_settled(
         &mut self,
         key: (u32, u8),
-        mut hold: Hold,
+        settled: Settled,
         now_ns: u64,
         out: &mut Vec<Completed>,
     ) {
-        if hold.parses.is_empty() {
-            self.drop_hold(key, hold, out);
-            return;
-        }
-        for (item, owner) in hold.take_agreed() {
-            self.commit(key, &hold, item, owner, now_ns, out);
-        }
-        // One parse, nothing held: the lane and the cursor continue from its state.
-        let Some(p) = hold.decided() else {
-            self.holds.insert(key, hold);
-            return;
-        };
-        for &c in &hold.eager[..p.k] {
-            // Consumed by an ambiguous or lost item (a joined one is no longer in the lane).
-            self.abandon(c, key, out);
-        }
-        let cursor = ReplayCursor {
-            pos: p.r as u32,
-            replay: hold.cursor.replay + p.blocks,
-            last_wc: hold.last_wc,
-        };
-        if let Some(t) = self.templates.get_mut(&key.0)
-            && *t.cursor(key.1) != cursor
-        {
-            *t.cursor(key.1) = cursor;
-            t.mark(hold.first_pos, key.1, hold.cursor);
-            self.dictionary_changed = true;
-        }
-    }
-
-    /// Attributes one held item as the parses agreed.
-    fn commit(
-        &mut self,
-        key: (u32, u8),
-        hold: &Hold,
-        (pos, wc, work): hold::Item,
-        owner: Owner,
-        now_ns: u64,
-        out: &mut Vec<Completed>,
-    ) {
-        let Some(work) = work else {
-            if let Owner::Eager(k) = owner {
-                self.abandon(hold.eager[k], key, out);
-            }
-            return;
-        };
-        self.early_works -= 1;
-        match owner {
-            Owner::Eager(k) => self.join_eager(pos, key, hold.eager[k], work, now_ns, out),
-            Owner::Replay(i, b) => {
-                // The cursor as if this item came with no hold: the replay item's own path
-                // attributes it (and marks the change for a restart).
-                let cursor = ReplayCursor {
-                    pos: i as u32,
-                    replay: hold.cursor.replay + b - (i == 0) as u32,
-                    last_wc: wc.wrapping_sub(1),
-                };
-                if let Some(t) = self.templates.get_mut(&key.0) {
-                    *t.cursor(key.1) = cursor;
-                    self.replay_item(Read { pos, key, wc, work }, now_ns, out);
-                }
-            }
-            Owner::Ambiguous => {
-                self.counters.dev_ambiguous += 1;
-                if let Some(t) = self.templates.get_mut(&key.0) {
-                    t.ambiguous_mark(pos, hold.first_pos);
+        for decision in settled.decisions {
+            match decision {
+                Decision::Join { pos, c, work } => self.join_eager(pos, key, c, work, now_ns, out),
+                Decision::Abandon(c) => self.abandon(c, key, out),
+                Decision::Replay { read, cursor } => {
+                    self.replay_item(read, Some(cursor), now_ns, out)
                 }
             }
         }
-    }
-
-    /// Drops a hold's items (`dev_ambiguous`): its candidates lose their item on the channel (closed
-    /// as today), and the cursor stays where the hold began.
-    fn drop_hold(&mut self, key: (u32, u8), hold: Hold, out: &mut Vec<Completed>) {
-        let held = hold.held();
-        self.early_works -= held;
-        self.counters.dev_ambiguous += held as u64;
-        if let Some(t) = self.templates.get_mut(&key.0) {
-            for &(pos, _, work) in &hold.items {
-                if work.is_some() {
-                    t.ambiguous_mark(pos, hold.first_pos);
-                }
-            }
-        }
-        for &c in &hold.eager {
-            self.abandon(c, key, out);
+        if let Some(end) = settled.conclude {
+            self.replays.conclude(key, end);
         }
     }
 
-    /// A hold older than the operation timeout whose parses still disagree (equal functions with
-    /// eager operations arriving all along): what it holds is dropped (`dev_ambiguous`), so that it
-    /// no longer holds the commit point, with the eager operations any parse consumed; the parses go
-    /// on from their places.
+    /// See [`Replays::restart_undecided`].
     fn restart_undecided(&mut self, key: (u32, u8), now_ns: u64, out: &mut Vec<Completed>) {
-        let Some(mut hold) = self.holds.remove(&key) else {
-            return;
-        };
-        let (items, k) = hold.restart();
-        for (pos, _, work) in items {
-            if work.is_some() {
-                self.early_works -= 1;
-                self.counters.dev_ambiguous += 1;
-                if let Some(t) = self.templates.get_mut(&key.0) {
-                    t.ambiguous_mark(pos, hold.first_pos);
-                }
-            }
-        }
-        for &c in &hold.eager[..k] {
-            self.abandon(c, key, out);
-        }
-        self.commit_agreed(key, hold, now_ns, out);
+        let settled = self.replays.restart_undecided(key, &mut self.counters);
+        self.apply_settled(key, settled, now_ns, out);
     }
 
-    /// No more items will come for the hold of `key` (its communicator or process ended, its
-    /// candidates timed out, or the lane is full): a parse in the middle of a replay's block, or
-    /// with fewer candidates consumed than another, expects items that did not come and is ruled
-    /// out; what the rest agree on is attributed, the others dropped.
+    /// See [`Replays::resolve`].
     fn resolve_ended(&mut self, key: (u32, u8), now_ns: u64, out: &mut Vec<Completed>) {
-        let Some(mut hold) = self.holds.remove(&key) else {
-            return;
-        };
-        hold.end();
-        self.commit_agreed(key, hold, now_ns, out);
+        let settled = self.replays.resolve(key, &mut self.counters);
+        self.apply_settled(key, settled, now_ns, out);
     }
 
     /// Joins a held work item to the eager operation `id` (out of the lane's order: the hold decided).
@@ -1196,51 +907,18 @@ impl Assembler {
         self.try_finish(c.id, out);
     }
 
-    /// Closes the oldest replayed instances still waiting for channel `ch` once that channel has moved
-    /// on to (replay, index): a channel's items come in order, so theirs was lost. They are dropped
-    /// (`dev_mismatch`) now rather than at the timeout, so they do not hold the commit point (and the
-    /// segment's space) behind them.
-    fn close_passed(
-        &mut self,
-        comm: u32,
-        ch: u8,
-        replay: u32,
-        index: u32,
-        out: &mut Vec<Completed>,
-    ) {
-        loop {
-            let Some(t) = self.templates.get_mut(&comm) else {
-                return;
-            };
-            let Some(&(r, k, id)) = t.open.front() else {
-                return;
-            };
-            let Some(op) = self.ops.get(&id) else {
-                t.open.pop_front();
-                continue;
-            };
-            let waits_here = ch < op.desc.n_channels.min(MAX_CHANNELS)
-                && op.seen & 1 << (ch % MAX_CHANNELS) == 0;
-            if (r, k) >= (replay, index) || !waits_here {
-                return;
-            }
-            t.open.pop_front();
-            self.finish(id, out);
-        }
-    }
-
     /// Opens the instance of replay `replay` of a captured operation at its first work item.
     fn start_replay(
         &mut self,
         id: u64,
         first: &Read,
-        c: CapturedOp,
+        desc: Desc,
         replay: u32,
         now_ns: u64,
         out: &mut Vec<Completed>,
     ) {
         let (pos, comm) = (first.pos, first.key.0);
-        let mut op = Op::new(comm, pos, c.desc, 0, now_ns, replay);
+        let mut op = Op::new(comm, pos, desc, 0, now_ns, replay);
         op.prior = self.prior.get(&id).map_or(0, |p| p.1);
         self.by_pos.push_back((pos, id));
         self.ops.insert(id, op);
@@ -1387,31 +1065,16 @@ impl Assembler {
         // Holds older than the timeout whose items keep coming (parses stay undecided) drop what
         // they hold; holds whose items stopped coming, or whose candidates are about to time out,
         // are resolved with what came.
-        if !self.holds.is_empty() {
-            let idle = |t: u64| now_ns.saturating_sub(t) >= timeout_ns;
-            let mut old: Vec<(u32, u8)> = (self.holds.iter())
-                .filter(|(_, h)| idle(h.started_ns) && !idle(h.last_ns))
-                .map(|(k, _)| *k)
-                .collect();
-            old.sort_unstable();
-            for key in old {
-                self.restart_undecided(key, now_ns, out);
-            }
-            let mut ended: Vec<(u32, u8)> = (self.holds.iter())
-                .filter(|(_, h)| {
-                    idle(h.last_ns)
-                        || (h.eager.iter()).any(|c| {
-                            self.ops
-                                .get(&c.id)
-                                .is_some_and(|o| idle(o.last_progress_ns))
-                        })
-                })
-                .map(|(k, _)| *k)
-                .collect();
-            ended.sort_unstable();
-            for key in ended {
-                self.resolve_ended(key, now_ns, out);
-            }
+        for key in self.replays.undecided(now_ns, timeout_ns) {
+            self.restart_undecided(key, now_ns, out);
+        }
+        let ops = &self.ops;
+        let stale = |id| {
+            ops.get(&id)
+                .is_some_and(|o| now_ns.saturating_sub(o.last_progress_ns) >= timeout_ns)
+        };
+        for key in self.replays.stopped(now_ns, timeout_ns, stale) {
+            self.resolve_ended(key, now_ns, out);
         }
         let wait = timeout_ns.min(Self::CALIBRATION_WAIT_NS);
         let mut stale: Vec<(u64, u64)> = self
@@ -1431,11 +1094,8 @@ impl Assembler {
 
     /// Closes every operation in flight (the process is gone and its segment drained).
     pub fn finish_all(&mut self, out: &mut Vec<Completed>) {
-        let mut keys: Vec<(u32, u8)> = self.holds.keys().copied().collect();
-        keys.sort_unstable();
-        for key in keys {
-            let now_ns = self.holds.get(&key).map_or(0, |h| h.last_ns);
-            self.resolve_ended(key, now_ns, out);
+        for (key, last_ns) in self.replays.holds(None) {
+            self.resolve_ended(key, last_ns, out);
         }
         while let Some(&(_, id)) = self.by_pos.front() {
             self.finish(id, out);
@@ -1533,6 +1193,25 @@ struct HostEvent {
     captured: bool,
 }
 
+/// Whether an eager operation waiting on `key` can own `work`: the oldest whose function fits
+/// ([`Assembler::match_lane`] takes that one) was enqueued before the work started (see
+/// [`Dict::started_by`]).
+fn eager_can_own(
+    waiting: &Map<(u32, u8), Lane>,
+    ops: &Map<u64, Op>,
+    dict: &Dict,
+    key: (u32, u8),
+    work: &Work,
+) -> bool {
+    let Some(lane) = waiting.get(&key) else {
+        return false;
+    };
+    let started = dict.started_by(key.0, work);
+    let fits = |op: &&Op| dict.work_matches(work.func_id, op.desc.func);
+    let owner = lane.ops.iter().filter_map(|id| ops.get(id)).find(fits);
+    owner.is_some_and(|o| started.is_none_or(|t| o.enqueue_ns <= t))
+}
+
 /// Whether `op` can be finished (see [`Op::ready`]).
 #[inline]
 fn op_ready(dict: &Dict, op: &Op) -> bool {
@@ -1540,37 +1219,6 @@ fn op_ready(dict: &Dict, op: &Op) -> bool {
         Some(c) if c.cuda_dev >= 0 => Some(dict.calibrations.contains_key(&c.cuda_dev)),
         _ => None,
     })
-}
-
-/// What a hold of (communicator, channel) `key` asks of the assembler: see [`hold::Fit`].
-struct ChannelFit<'a> {
-    asm: &'a Assembler,
-    key: (u32, u8),
-}
-
-impl hold::Fit for ChannelFit<'_> {
-    fn eager(&self, c: &Candidate, work: &Work) -> bool {
-        self.asm.dict.work_matches(work.func_id, c.func)
-            && (self.asm.dict.started_by(self.key.0, work)).is_none_or(|t| c.enqueue_ns <= t)
-    }
-
-    fn replay(&self, i: usize, work: &Work) -> bool {
-        self.captured(i)
-            .is_some_and(|op| self.asm.dict.replay_can_own(self.key.0, work, op))
-    }
-
-    fn captured_func_id(&self, i: usize) -> Option<u32> {
-        self.captured(i)?.func_id
-    }
-}
-
-impl ChannelFit<'_> {
-    /// The `i`-th captured operation on the channel.
-    fn captured(&self, i: usize) -> Option<&CapturedOp> {
-        let t = self.asm.templates.get(&self.key.0)?;
-        let &k = t.by_channel.get(self.key.1 as usize)?.get(i)?;
-        Some(&t.ops[k as usize])
-    }
 }
 
 #[cfg(test)]

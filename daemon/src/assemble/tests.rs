@@ -1,3 +1,5 @@
+use ncclscope_proto::fixture::{self, Coll, Comm};
+
 use super::*;
 use crate::instance::InstanceRef;
 
@@ -6,37 +8,26 @@ fn s(id: u16, t: &str) -> Record {
 }
 
 fn comm(path: TimingPath) -> Record {
-    Record::Comm {
-        comm: 0,
+    let comm = Comm {
         comm_hash: 0xabc,
         rank: 1,
         nranks: 4,
-        nnodes: 1,
-        cuda_dev: 0,
-        name: StrId(0),
         nccl_version: 23007,
         path,
-        host_ns: 0,
-        gpu: None,
-    }
+        ..Comm::default()
+    };
+    comm.record()
 }
 
 fn coll(id: u64, seq: u64, n_channels: u8) -> Record {
-    Record::CollStart {
-        comm: 0,
+    let coll = Coll {
         id,
         seq,
-        func: StrId(1),
-        datatype: StrId(2),
-        algo: StrId(3),
-        proto: StrId(4),
-        count: 1 << 20,
-        root: -1,
         n_channels,
-        n_warps: 16,
         host_ns: 1000,
-        captured: false,
-    }
+        ..Coll::default()
+    };
+    coll.start()
 }
 
 /// Applies `recs` at positions 0.., checking after each that the bound on waiting work items
@@ -45,9 +36,10 @@ fn feed(a: &mut Assembler, recs: &[Record]) -> Vec<Completed> {
     let mut out = Vec::new();
     for (i, r) in recs.iter().enumerate() {
         a.apply(i as u64, r, 0, &mut out);
-        let held: usize = a.waiting.values().map(|l| l.works.len()).sum::<usize>()
-            + a.holds.values().map(|h| h.held()).sum::<usize>();
-        assert_eq!(a.early_works, held, "after record {i}: {r:?}");
+        let waiting: usize = a.waiting.values().map(|l| l.works.len()).sum();
+        assert_eq!(a.early_works, waiting, "after record {i}: {r:?}");
+        let held = a.replays.held();
+        assert_eq!(held, a.replays.held_recount(), "after record {i}: {r:?}");
     }
     out
 }
@@ -58,13 +50,7 @@ fn prelude(path: TimingPath) -> Vec<Record> {
         s(2, "ncclFloat32"),
         s(3, "RING"),
         s(4, "LL128"),
-        Record::Calibration {
-            cuda_dev: 0,
-            offset_ns: 1_000_000,
-            error_ns: 250,
-            drift_ppb: 0,
-            host_ns: 0,
-        },
+        fixture::calibration(0, 1_000_000, 250),
         comm(path),
     ]
 }
@@ -157,18 +143,7 @@ fn kernel_times_read_before_the_first_calibration_wait_for_it() {
         "waits for its device's calibration"
     );
     let mut out = Vec::new();
-    a.apply(
-        50,
-        &Record::Calibration {
-            cuda_dev: 0,
-            offset_ns: 7_000,
-            error_ns: 9,
-            drift_ppb: 0,
-            host_ns: 0,
-        },
-        0,
-        &mut out,
-    );
+    a.apply(50, &fixture::calibration(0, 7_000, 9), 0, &mut out);
     assert_eq!(out.len(), 1);
     assert_eq!(
         (out[0].coll.start_unix_ns, out[0].coll.end_unix_ns),
@@ -518,13 +493,7 @@ fn p2p_is_numbered_per_peer_and_function_and_a_restart_resumes_at_the_tail() {
 fn the_saved_calibration_is_the_one_in_effect_at_the_tail() {
     let mut recs = prelude(TimingPath::KernelCh);
     let tail = recs.len() as u64;
-    recs.push(Record::Calibration {
-        cuda_dev: 0,
-        offset_ns: 2_000_000,
-        error_ns: 250,
-        drift_ppb: 0,
-        host_ns: 0,
-    });
+    recs.push(fixture::calibration(0, 2_000_000, 250));
     let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
     feed(&mut a, &recs);
     let offsets = |a: &Assembler| -> Vec<(i32, i64)> {
@@ -633,13 +602,7 @@ fn a_hostile_stream_is_refused_at_each_limit_and_counted() {
         });
     }
     for cuda_dev in 0..10 {
-        recs.push(Record::Calibration {
-            cuda_dev,
-            offset_ns: 1_000_000,
-            error_ns: 250,
-            drift_ppb: 0,
-            host_ns: 0,
-        });
+        recs.push(fixture::calibration(cuda_dev, 1_000_000, 250));
     }
     recs.push(coll(10, 5, 2));
     for _ in 0..1000 {
@@ -692,7 +655,7 @@ fn a_hostile_stream_is_refused_at_each_limit_and_counted() {
         }
     }
     feed(&mut b, &recs);
-    assert_eq!(b.early_works, 4);
+    assert_eq!(b.early_items(), 4);
     assert_eq!(b.counters.early_work_limit, 4, "comm 0's channels 4..8");
     assert_eq!(b.waiting.len(), 4, "no lane for the unknown comm 5");
 }
@@ -753,18 +716,7 @@ fn comm_end_closes_its_own_ops_in_order_and_a_first_calibration_only_those_await
     assert!(feed(&mut a, &recs).is_empty());
     assert_eq!(a.awaiting_calibration[&0].entries.len(), 3);
     let mut out = Vec::new();
-    a.apply(
-        100,
-        &Record::Calibration {
-            cuda_dev: 0,
-            offset_ns: 0,
-            error_ns: 1,
-            drift_ppb: 0,
-            host_ns: 0,
-        },
-        0,
-        &mut out,
-    );
+    a.apply(100, &fixture::calibration(0, 0, 1), 0, &mut out);
     assert_eq!(
         out.iter().map(|c| c.op_id).collect::<Vec<_>>(),
         vec![1, 2, 3]
@@ -944,7 +896,7 @@ fn captured_operations_draw_on_the_uids_dictionary_budget() {
     ]);
     feed(&mut a, &recs);
     assert_eq!(a.counters.uid_limit, 1, "the third captured op is refused");
-    assert_eq!(a.templates[&0].ops.len(), 2);
+    assert_eq!(a.replays.captured(0), 2);
     assert_eq!(budget.used(), base + 2);
     // A restarted daemon's copy holds them too; the communicator's end gives them back.
     let _ = a.prune_prior(recs.len() as u64);
@@ -973,7 +925,7 @@ fn work_waiting_when_a_graph_is_captured_leaves_the_bound() {
     recs.extend([dev(0, 42, 0, 100, 10), dev(1, 42, 0, 100, 10)]);
     recs.push(captured(100, 5, 1, 2));
     feed(&mut a, &recs);
-    assert_eq!(a.early_works, 0);
+    assert_eq!(a.early_items(), 0);
     assert_eq!(
         a.counters.dev_work - a.counters.dev_joined,
         2,
@@ -1222,7 +1174,7 @@ fn a_lagging_gpu_with_differing_functions_is_decided_and_every_instance_exact() 
         (c.dev_ambiguous, c.dev_unattributed, c.dev_mismatch),
         (0, 0, 0)
     );
-    assert_eq!((a.pending(), a.early_works), (0, 0));
+    assert_eq!((a.pending(), a.early_items()), (0, 0));
 }
 
 #[test]
@@ -1244,7 +1196,7 @@ fn a_lagging_gpu_with_equal_functions_is_counted_ambiguous_and_nothing_mis_joine
     ]);
     let out = feed(&mut a, &recs);
     assert!(out.is_empty(), "held while parses disagree");
-    assert_eq!(a.early_works, 5);
+    assert_eq!(a.early_items(), 5);
     assert!(a.oldest_pending_pos(0).is_some_and(|p| p <= 8 + 2 + 2));
     let mut out = Vec::new();
     let end = Record::CommEnd {
@@ -1259,7 +1211,7 @@ fn a_lagging_gpu_with_equal_functions_is_counted_ambiguous_and_nothing_mis_joine
     assert!(out[0].coll.channels.is_empty());
     let c = &a.counters;
     assert_eq!((c.dev_ambiguous, c.dev_joined, c.incomplete), (5, 0, 1));
-    assert_eq!((a.pending(), a.early_works), (0, 0));
+    assert_eq!((a.pending(), a.early_items()), (0, 0));
 }
 
 /// PyTorch's pattern: the very calls it then captures are warmed up eagerly (all-reduce,
@@ -1322,7 +1274,7 @@ fn warm_up_collectives_that_the_graph_repeats_are_not_taken_for_its_first_replay
         (c.dev_ambiguous, c.dev_unattributed, c.dev_mismatch),
         (0, 0, 0)
     );
-    assert_eq!((a.pending(), a.early_works), (0, 0));
+    assert_eq!((a.pending(), a.early_items()), (0, 0));
 }
 
 /// Issue 22: a host clock step between calibrations gave false stragglers, and a bad calibration put
@@ -1380,7 +1332,7 @@ fn an_item_held_when_no_more_come_goes_to_its_eager_op_at_the_timeout_or_the_end
         let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 100);
         let mut out = feed(&mut a, &recs);
         assert_eq!(got(&out).len(), 3, "the eager op's item is held");
-        assert_eq!(a.early_works, 1);
+        assert_eq!(a.early_items(), 1);
         match &end {
             // Its operation idle past the timeout: no more items are coming.
             None => a.sweep(10_000_000_000, 10_000_000_000, &mut out),
@@ -1391,7 +1343,7 @@ fn an_item_held_when_no_more_come_goes_to_its_eager_op_at_the_timeout_or_the_end
             sorted(vec![(5, 1, 10), (5, 1, 11), (6, 1, 12), (7, 0, 999)]),
             "{end:?}"
         );
-        assert_eq!((a.counters.dev_ambiguous, a.early_works), (0, 0));
+        assert_eq!((a.counters.dev_ambiguous, a.early_items()), (0, 0));
     }
 }
 
@@ -1428,7 +1380,7 @@ fn an_undecided_hold_older_than_the_timeout_drops_what_it_holds_and_frees_the_co
         vec![(7, 0, 100)],
         "the eager op, without device times"
     );
-    assert_eq!((a.counters.dev_ambiguous, a.early_works), (7, 0));
+    assert_eq!((a.counters.dev_ambiguous, a.early_items()), (7, 0));
     assert_eq!(
         a.oldest_pending_pos(0),
         None,
