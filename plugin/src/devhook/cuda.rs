@@ -91,6 +91,11 @@ static DEVICES: Mutex<Vec<Arc<Device>>> = Mutex::new(Vec::new());
 /// The device of the calling thread's current context (NCCL's, on its init thread).
 pub fn current_device() -> Result<i32, String> {
     driver()?;
+    context_device()
+}
+
+/// The device of the calling thread's current context; libcuda is loaded.
+fn context_device() -> Result<cu::CUdevice, String> {
     let mut ctx: cu::CUcontext = std::ptr::null_mut();
     // SAFETY: valid out pointer.
     check(unsafe { cu::cuCtxGetCurrent(&mut ctx) }, "cuCtxGetCurrent")?;
@@ -107,15 +112,7 @@ pub fn current_device() -> Result<i32, String> {
 /// An error without a driver or a current context; never a guess.
 pub fn current_gpu() -> Result<ncclscope_proto::Gpu, String> {
     libcuda()?;
-    let mut ctx: cu::CUcontext = std::ptr::null_mut();
-    // SAFETY: valid out pointer.
-    check(unsafe { cu::cuCtxGetCurrent(&mut ctx) }, "cuCtxGetCurrent")?;
-    if ctx.is_null() {
-        return Err("no current CUDA context on NCCL's init thread".into());
-    }
-    let mut dev: cu::CUdevice = 0;
-    // SAFETY: valid out pointer; a context is current.
-    check(unsafe { cu::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
+    let dev = context_device()?;
     let mut uuid = cu::CUuuid { bytes: [0; 16] };
     // SAFETY: valid out pointer; `dev` is the current context's device.
     let rc = unsafe { cu::cuDeviceGetUuid_v2(&mut uuid, dev) };
