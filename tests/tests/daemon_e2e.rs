@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
 use ncclscope_fakenccl::process::Registrant;
 use ncclscope_proto::segment::{self, Claims, Counter, Producer, Segment};
-use ncclscope_proto::{Record, StrId, TimingPath};
+use ncclscope_proto::{Record, StrId, TimingPath, fixture};
 use ncclscope_tests::attr;
 
 const RANK_ENV: &str = "NCCLSCOPE_TEST_DAEMON_RANK";
@@ -53,68 +53,36 @@ fn announce(p: &mut Producer, rank: u32, nranks: u32) {
     ] {
         assert!(p.push(&Record::str(StrId(id), text.as_bytes())));
     }
-    assert!(p.push(&Record::Calibration {
-        cuda_dev: rank as i32,
-        offset_ns: offset(rank),
-        error_ns: 100 + rank,
-        drift_ppb: 0,
-        host_ns: 0,
-    }));
-    assert!(p.push(&Record::Comm {
-        comm: 0,
+    assert!(p.push(&fixture::calibration(rank as i32, offset(rank), 100 + rank)));
+    let comm = fixture::Comm {
         comm_hash: COMM_HASH,
         rank,
         nranks,
-        nnodes: 1,
         cuda_dev: rank as i32,
-        name: StrId(0),
         nccl_version: 22809,
-        path: TimingPath::KernelCh,
         host_ns: ncclscope_proto::now_ns(),
-        gpu: None,
-    }));
+        ..fixture::Comm::default()
+    };
+    assert!(p.push(&comm.record()));
 }
 
 /// Collective `seq` of a synthetic rank on `channels` channels as the plugin writes it: its start,
 /// one KernelCh per channel, its stop. Enqueued 1 us before its kernel starts, on the calibration's
 /// (synthetic) host clock: the daemon does not use kernel times that fall before their enqueue.
 fn collective(rank: u32, seq: u64, channels: u64) -> (Record, Vec<Record>, Record) {
-    let id = seq + 1;
     let host_ns = (gpu_times(rank, seq, 0).0 as i64 + offset(rank)) as u64 - 1_000;
-    let start = Record::CollStart {
-        comm: 0,
-        id,
+    let coll = fixture::Coll {
+        id: seq + 1,
         seq,
-        func: StrId(1),
-        datatype: StrId(2),
-        algo: StrId(3),
-        proto: StrId(4),
         count: 1 << 18,
-        root: -1,
         n_channels: channels as u8,
-        n_warps: 16,
         host_ns,
-        captured: false,
+        ..fixture::Coll::default()
     };
     let kernels = (0..channels)
-        .map(|ch| {
-            let (gpu_start, gpu_stop) = gpu_times(rank, seq, ch);
-            Record::KernelCh {
-                comm: 0,
-                parent: id,
-                channel: ch as u8,
-                gpu_start,
-                gpu_stop,
-                host_ns,
-            }
-        })
+        .map(|ch| coll.kernel(ch as u8, gpu_times(rank, seq, ch), host_ns))
         .collect();
-    let stop = Record::OpStop {
-        comm: 0,
-        id,
-        host_ns,
-    };
-    (start, kernels, stop)
+    (coll.start(), kernels, coll.stop(host_ns))
 }
 
 /// The rank process, run by the tests below through `RANK_ENV` = "socket|rank|nranks|ncolls|pace_us".
