@@ -427,16 +427,7 @@ fn rss() {
             "[otlp]\nendpoint = \"http://{addr}\"\nsample_ratio = 0.01\nmetrics_interval_ms = 3600000\n"
         ),
     );
-    let mut daemon = std::process::Command::new(daemon_binary())
-        .args(["daemon", "--config"])
-        .arg(&config)
-        .env("NCCLSCOPE_LOG", "warn")
-        .spawn()
-        .unwrap();
-    let socket = dir.path().join("s.sock");
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let (mut daemon, socket) = start_daemon(&config, dir.path());
     let cpu0 = run_ns(daemon.id(), None);
     // Peak private (anonymous) memory, sampled: VmHWM also counts the segments' shared pages, which
     // belong to the ranks' rings (64 x 4 MiB here) rather than to the daemon.
@@ -530,6 +521,25 @@ fn daemon_binary() -> std::path::PathBuf {
     )
 }
 
+/// The daemon binary run with `config` (written by [`daemon_config`] into `dir`), once its
+/// registration socket takes connections; the child and that socket.
+fn start_daemon(
+    config: &std::path::Path,
+    dir: &std::path::Path,
+) -> (std::process::Child, std::path::PathBuf) {
+    let daemon = std::process::Command::new(daemon_binary())
+        .args(["daemon", "--config"])
+        .arg(config)
+        .env("NCCLSCOPE_LOG", "warn")
+        .spawn()
+        .unwrap();
+    let socket = dir.join("s.sock");
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (daemon, socket)
+}
+
 /// Run time of a thread (/proc/PID/task/TID/schedstat, ns) or of all of a process's threads.
 fn run_ns(pid: u32, thread: Option<&str>) -> u64 {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
@@ -603,16 +613,7 @@ fn real(ranks: u64, spool: bool, late_kernels: bool) -> (f64, f64) {
             p
         })
         .collect();
-    let mut daemon = std::process::Command::new(daemon_binary())
-        .args(["daemon", "--config"])
-        .arg(&config)
-        .env("NCCLSCOPE_LOG", "warn")
-        .spawn()
-        .unwrap();
-    let socket = dir.path().join("s.sock");
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let (mut daemon, socket) = start_daemon(&config, dir.path());
     let scrape = || {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();

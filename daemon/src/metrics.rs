@@ -653,7 +653,7 @@ mod tests {
     use super::*;
     use crate::instance::Shared;
     use ncclscope_proto::api::LiveSpans;
-    use ncclscope_tests::promql::{histogram_quantile, native_quantile};
+    use ncclscope_tests::promql::{histogram_quantile, native_quantile, text_buckets};
 
     /// OpenMetrics carries the latest sampled instance of a bucket as its exemplar (its trace and
     /// rank span); the classic text stays as it was.
@@ -790,24 +790,6 @@ mod tests {
         assert_eq!((positive.offset, positive.bucket_counts[0]), (9, 1));
     }
 
-    /// Values of `name`'s series whose labels include `with`, from Prometheus text: (le, cumulative)
-    /// of the buckets, in order.
-    fn text_buckets(text: &str, name: &str, with: &str) -> Vec<(f64, f64)> {
-        let prefix = format!("{name}_bucket{{");
-        text.lines()
-            .filter(|l| l.starts_with(&prefix) && l.contains(with))
-            .map(|l| {
-                let le = l.split("le=\"").nth(1).unwrap().split('"').next().unwrap();
-                let le = if le == "+Inf" {
-                    f64::INFINITY
-                } else {
-                    le.parse().unwrap()
-                };
-                (le, l.rsplit(' ').next().unwrap().parse().unwrap())
-            })
-            .collect()
-    }
-
     /// Issue 17: the 1-2-5 buckets read an all-reduce exec p99 as 9491 us where the exact value was
     /// 5180 us. The demo's shape (one rank of four has its kernel start last, so it waits for no one;
     /// the others wait 2.4 to 3.6 ms for it) through every way the daemon reports a percentile,
@@ -877,7 +859,7 @@ mod tests {
                 ),
             ] {
                 values.sort_by(f64::total_cmp);
-                let classic = text_buckets(&text, family, &with);
+                let classic = text_buckets(&text, family, &[&with]);
                 let native = natives.iter().find(|f| f.name() == family).unwrap();
                 let native = native.metric.iter().find(|m| {
                     m.label

@@ -73,6 +73,24 @@ pub mod promql {
         start + (end - start) * (rank - before) / (cum - before)
     }
 
+    /// The classic buckets `(le, cumulative count)`, in order, of `name`'s series whose labels
+    /// include every one of `with` (`key="value"`), read from Prometheus text.
+    pub fn text_buckets(text: &str, name: &str, with: &[&str]) -> Vec<(f64, f64)> {
+        let prefix = format!("{name}_bucket{{");
+        text.lines()
+            .filter(|l| l.starts_with(&prefix) && with.iter().all(|w| l.contains(w)))
+            .map(|l| {
+                let le = l.split("le=\"").nth(1).unwrap().split('"').next().unwrap();
+                let le = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().unwrap()
+                };
+                (le, l.rsplit(' ').next().unwrap().parse().unwrap())
+            })
+            .collect()
+    }
+
     /// A native (or OTLP exponential) histogram's quantile: exponential interpolation inside the
     /// bucket holding rank q * count. `counts[k]` is bucket `first + k`, (base^(i-1), base^i] with
     /// base 2^(2^-schema).

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use ncclscope::spool::SpoolReader;
 use ncclscope_proto::prometheus::MetricFamily;
-use ncclscope_tests::promql::{histogram_quantile, native_quantile};
+use ncclscope_tests::promql::{histogram_quantile, native_quantile, text_buckets};
 use prost::Message;
 use serde_json::Value;
 
@@ -195,22 +195,7 @@ fn reported_percentiles_match_the_exact_values_of_the_run() {
                 format!("collective=\"{func}\""),
                 format!("size_bucket=\"{bucket}\""),
             ];
-            let classic: Vec<(f64, f64)> = text
-                .lines()
-                .filter(|l| {
-                    l.starts_with(&format!("{family}_bucket{{"))
-                        && labels.iter().all(|w| l.contains(w.as_str()))
-                })
-                .map(|l| {
-                    let le = l.split("le=\"").nth(1).unwrap().split('"').next().unwrap();
-                    let le = if le == "+Inf" {
-                        f64::INFINITY
-                    } else {
-                        le.parse().unwrap()
-                    };
-                    (le, l.rsplit(' ').next().unwrap().parse().unwrap())
-                })
-                .collect();
+            let classic = text_buckets(&text, family, &[&labels[0], &labels[1]]);
             let native = families
                 .iter()
                 .find(|f| f.name() == family)
