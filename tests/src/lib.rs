@@ -5,6 +5,17 @@ use std::process::Command;
 
 use fake_opentelemetry_collector::ExportedSpan;
 
+/// Runs `cmd`, which must succeed (its stderr is the failure message), and parses its stdout as JSON.
+pub fn json_of(cmd: &mut Command) -> serde_json::Value {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// The `ncclscope` binary of this build (next to the test executable's `deps/` directory).
 pub fn daemon_binary() -> PathBuf {
     let exe = std::env::current_exe().expect("the test executable's path");

@@ -276,17 +276,11 @@ impl Node {
     }
 
     fn stats(&self, job: &str) -> Value {
-        let out = Command::new(ncclscope_tests::daemon_binary())
-            .args(["stats", "--json", "--job", job, "--api-socket"])
-            .arg(self.dir.path().join("api.sock"))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
+        ncclscope_tests::json_of(
+            Command::new(ncclscope_tests::daemon_binary())
+                .args(["stats", "--json", "--job", job, "--api-socket"])
+                .arg(self.dir.path().join("api.sock")),
+        )
     }
 
     /// Waits until the daemon counted `total` collectives of `job`.

@@ -207,17 +207,12 @@ impl Daemon {
 
     /// `ncclscope stats --json`'s health: the daemon's export counters.
     fn health(&self) -> Value {
-        let out = Command::new(ncclscope_tests::daemon_binary())
-            .args(["stats", "--json", "--api-socket"])
-            .arg(self.dir.join("api.sock"))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice::<Value>(&out.stdout).unwrap()["health"].clone()
+        ncclscope_tests::json_of(
+            Command::new(ncclscope_tests::daemon_binary())
+                .args(["stats", "--json", "--api-socket"])
+                .arg(self.dir.join("api.sock")),
+        )["health"]
+            .clone()
     }
 
     /// Simulated ranks of one job through the real plugin for `seconds`; the instances they made.

@@ -366,17 +366,11 @@ fn perfetto_check(path: &Path) -> Value {
         "{} is missing: scripts/test.sh installs Perfetto's Python package there",
         python.display()
     );
-    let out = Command::new(python)
-        .arg(tests.join("perfetto_check.py"))
-        .arg(path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    ncclscope_tests::json_of(
+        Command::new(python)
+            .arg(tests.join("perfetto_check.py"))
+            .arg(path),
+    )
 }
 
 #[test]
