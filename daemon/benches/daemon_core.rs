@@ -716,6 +716,11 @@ fn main() {
         rss();
     }
     if want("real") {
+        // NCCLSCOPE_BENCH_REAL=ranks,spool,late (e.g. `8,0,0`): that case only (to profile it).
+        let only: Vec<u64> = (std::env::var("NCCLSCOPE_BENCH_REAL").unwrap_or_default())
+            .split(',')
+            .filter_map(|x| x.trim().parse().ok())
+            .collect();
         for (ranks, spool, late) in [
             (1, false, false),
             (1, false, true),
@@ -725,6 +730,11 @@ fn main() {
             (32, true, false),
             (64, true, false),
         ] {
+            if let [r, s, l] = only[..]
+                && (r, s != 0, l != 0) != (ranks, spool, late)
+            {
+                continue;
+            }
             let (process, ingest) = real(ranks, spool, late);
             println!(
                 "real daemon, {ranks} prefilled segment(s){}{}: {:.2} M records per CPU-second of the \

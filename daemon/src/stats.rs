@@ -12,7 +12,7 @@ use std::sync::Arc;
 use ncclscope_proto::api::{CollStats, RankStats};
 
 use crate::bandwidth;
-use crate::histogram::{BUSBW_GBS, Distribution, EXEC_US, Exemplar, Rolling, SKEW_US};
+use crate::histogram::{BUSBW_GBS, Distribution, EXEC_US, Exemplar, Rolling, SKEW_US, Sample};
 use crate::instance::InstanceRef;
 use crate::spans;
 use ncclscope_proto::api::LiveSpans;
@@ -310,6 +310,7 @@ impl Stats {
         decide: impl FnOnce(Option<u64>) -> LiveSpans,
     ) -> Observed {
         let window = self.window_ns;
+        let exec_ns = Sample::from(c.exec_ns as f64);
         let live = self.with_series(c, now_ns, |s| {
             // A settled p50 moves slowly: once the series has a few windows' worth of samples,
             // recompute it every P50_EVERY samples rather than on every instance.
@@ -332,10 +333,11 @@ impl Stats {
                     unix_ns: c.end_unix_ns,
                 });
             }
-            s.rolling_exec_ns.record(c.exec_ns as f64, now_ns, window);
+            s.rolling_exec_ns.record(exec_ns, now_ns, window);
             if c.exec_ns > 0 {
-                s.busbw_gbs.record(c.busbw_gbs);
-                s.rolling_busbw_gbs.record(c.busbw_gbs, now_ns, window);
+                let busbw = Sample::from(c.busbw_gbs);
+                s.busbw_gbs.record(busbw);
+                s.rolling_busbw_gbs.record(busbw, now_ns, window);
             }
             live
         });
@@ -384,7 +386,7 @@ impl Stats {
         r.last_ns = now_ns;
         r.first_end_ns = r.first_end_ns.min(c.end_unix_ns);
         r.last_end_ns = r.last_end_ns.max(c.end_unix_ns);
-        r.rolling_exec_ns.record(c.exec_ns as f64, now_ns, window);
+        r.rolling_exec_ns.record(exec_ns, now_ns, window);
         // Skew needs at least two of the collective's ranks on this node.
         let local = self
             .local_ranks
