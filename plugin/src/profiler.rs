@@ -22,7 +22,7 @@ use crate::config::Config;
 use crate::devhook;
 use crate::event::{CText, Event};
 use crate::host::{self, HostInfo};
-use crate::lanes::{Dep, LANE_EVENTS, Lanes};
+use crate::lanes::{Dep, Held, LANE_EVENTS, Lanes};
 use crate::pool::{Cache, Kind, POOL_SLOTS, Pool};
 
 /// Lane depth at which an NCCL thread wakes the sleeping forwarding thread.
@@ -113,7 +113,7 @@ impl CommSlot {
 /// An NCCL thread's own state: its lane and its free slots. Given back when the thread exits.
 pub(crate) struct Local {
     plugin: Option<&'static Plugin>,
-    lane: Option<usize>,
+    lane: Option<Held>,
     cache: Cache,
 }
 
@@ -367,8 +367,7 @@ impl Plugin {
                     return None;
                 }
                 if local.lane.is_none() {
-                    local.lane = self.lanes.claim();
-                    local.lane?;
+                    local.lane = Some(self.lanes.claim()?);
                 }
                 f.take().map(|f| f(&mut local))
             })
@@ -391,7 +390,7 @@ impl Plugin {
     /// must follow it depend on), or [`Dep::NONE`] when it was dropped (counted).
     #[inline(always)]
     fn push(&self, local: &mut Local, event: Event, deps: [Dep; 2]) -> Dep {
-        let Some(lane) = local.lane else {
+        let Some(lane) = &local.lane else {
             self.count(Counter::QueueFull);
             return Dep::NONE;
         };
@@ -800,7 +799,7 @@ impl Plugin {
         });
         // After everything queued before it, in every lane (the proxy thread's last kernel events).
         while let Some(event) = end.take() {
-            let pushed = match l.lane {
+            let pushed = match &l.lane {
                 Some(lane) => self.lanes.push(lane, event, [Dep::ALL, Dep::NONE]),
                 None => Err(event),
             };
