@@ -428,4 +428,45 @@ mod tests {
         assert_eq!(lanes.discard_all(), LANE_EVENTS as u64);
         assert_eq!(lanes.depth(&a), 0);
     }
+
+    /// The ring under a concurrent consumer: a lane wraps around many times, changes holder between
+    /// threads mid-stream, and every event comes out once, in order (a push that finds the lane full
+    /// is retried).
+    #[test]
+    fn a_lane_handed_between_threads_wraps_around_under_a_concurrent_consumer() {
+        const N: u64 = 40 * LANE_EVENTS as u64;
+        let lanes = Lanes::new();
+        let done = AtomicBool::new(false);
+        let out = std::thread::scope(|s| {
+            let consumer = s.spawn(|| {
+                let mut out = Vec::with_capacity(N as usize);
+                while !done.load(Ordering::Acquire) || !lanes.is_empty() {
+                    lanes.drain(1000, &mut |e| out.push(id(&e)));
+                }
+                out
+            });
+            let mut next = 0;
+            // Four producer threads in turn, each holding the lane for a quarter of the events.
+            for quarter in 1..=4 {
+                let lanes = &lanes;
+                next = s
+                    .spawn(move || {
+                        let lane = lanes.claim().unwrap();
+                        while next < quarter * N / 4 {
+                            if lanes.push(&lane, ev(next), [Dep::NONE; 2]).is_ok() {
+                                next += 1;
+                            }
+                        }
+                        lanes.release(lane);
+                        next
+                    })
+                    .join()
+                    .unwrap();
+            }
+            done.store(true, Ordering::Release);
+            consumer.join().unwrap()
+        });
+        assert_eq!(out.len() as u64, N);
+        assert!(out.iter().enumerate().all(|(i, &id)| id == i as u64));
+    }
 }
