@@ -87,9 +87,14 @@ struct ProducerLine {
     popped_seen: AtomicU64,
 }
 
+/// The consumer's cache line: events taken out, ever, and the producer's count as the consumer last read
+/// it (so a pop reads the producer's line, which every push writes, once per batch, not per event).
 #[repr(align(64))]
 #[derive(Default)]
-struct Padded(AtomicU64);
+struct ConsumerLine {
+    popped: AtomicU64,
+    pushed_seen: AtomicU64,
+}
 
 type Slot = UnsafeCell<MaybeUninit<Item>>;
 
@@ -99,8 +104,7 @@ struct Lane {
     /// The ring: event `pos` (0-based, counted ever) in slot `pos % LANE_EVENTS`.
     slots: OnceLock<Box<[Slot]>>,
     producer: ProducerLine,
-    /// Events taken out, ever (the consumer's line).
-    popped: Padded,
+    consumer: ConsumerLine,
 }
 
 // SAFETY: a slot is written only by the lane's holder (one thread at a time: `Held`, handed between
@@ -118,7 +122,7 @@ impl Lane {
         };
         let pos = self.producer.pushed.load(Ordering::Relaxed);
         if pos - self.producer.popped_seen.load(Ordering::Relaxed) >= LANE_EVENTS as u64 {
-            let popped = self.popped.0.load(Ordering::Acquire);
+            let popped = self.consumer.popped.load(Ordering::Acquire);
             self.producer.popped_seen.store(popped, Ordering::Relaxed);
             if pos - popped >= LANE_EVENTS as u64 {
                 return Err(item);
@@ -135,20 +139,26 @@ impl Lane {
     /// Takes the oldest event out, if any; the `Consumer` borrow is the consumer's mutex held.
     fn pop(&self, _: &mut Consumer) -> Option<Item> {
         let slots = self.slots.get()?;
-        let pos = self.popped.0.load(Ordering::Relaxed);
-        if pos == self.producer.pushed.load(Ordering::Acquire) {
-            return None;
+        let line = &self.consumer;
+        let pos = line.popped.load(Ordering::Relaxed);
+        if pos == line.pushed_seen.load(Ordering::Relaxed) {
+            let pushed = self.producer.pushed.load(Ordering::Acquire);
+            line.pushed_seen.store(pushed, Ordering::Relaxed);
+            if pos == pushed {
+                return None;
+            }
         }
         let slot = &slots[(pos % LANE_EVENTS as u64) as usize];
-        // SAFETY: `pushed` (acquired) covers the slot, so its write is complete and visible; the
-        // producer does not write it again before `popped` passes it, and we are the only consumer.
+        // SAFETY: a `pushed` acquired by this or an earlier consumer (the mutex orders those) covers the
+        // slot, so its write is complete and visible; the producer does not write it again before
+        // `popped` passes it, and we are the only consumer.
         let item = unsafe { (*slot.get()).assume_init_read() };
-        self.popped.0.store(pos + 1, Ordering::Release);
+        line.popped.store(pos + 1, Ordering::Release);
         Some(item)
     }
 
     fn is_empty(&self) -> bool {
-        self.producer.pushed.load(Ordering::Acquire) == self.popped.0.load(Ordering::Relaxed)
+        self.producer.pushed.load(Ordering::Acquire) == self.consumer.popped.load(Ordering::Relaxed)
     }
 }
 
@@ -158,7 +168,7 @@ impl Drop for Lane {
         let Some(slots) = self.slots.get_mut() else {
             return;
         };
-        let (from, to) = (*self.popped.0.get_mut(), *self.producer.pushed.get_mut());
+        let (from, to) = (*self.consumer.popped.get_mut(), *self.producer.pushed.get_mut());
         for pos in from..to {
             // SAFETY: `&mut self`: no other thread; positions between popped and pushed were written
             // and not read.
@@ -240,7 +250,7 @@ impl Lanes {
     pub fn depth(&self, lane: &Held) -> u64 {
         let l = &self.lanes[lane.0];
         (l.producer.pushed.load(Ordering::Relaxed))
-            .saturating_sub(l.popped.0.load(Ordering::Relaxed))
+            .saturating_sub(l.consumer.popped.load(Ordering::Relaxed))
     }
 
     /// Whether every lane is empty.
@@ -331,7 +341,7 @@ impl Lanes {
             return;
         }
         let mut drain_to = |c: &mut Consumer, lane: usize, pos: u64, n: &mut usize| {
-            let popped = &self.lanes[lane].popped.0;
+            let popped = &self.lanes[lane].consumer.popped;
             while popped.load(Ordering::Relaxed) < pos && self.pop_one(c, lane, f, depth, n) {}
         };
         match dep.target() {
