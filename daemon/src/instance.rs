@@ -358,6 +358,12 @@ mod tests {
         let i = s.view();
         assert_eq!((i.func(), i.comm_name(), i.host()), ("AllReduce", "c", "h"));
         assert_eq!(i.to_message(), m);
+        // More channels than NCCL's uint8_t holds (not from a daemon): the most there can be.
+        let wide = Shared::from(&Collective {
+            n_channels: 300,
+            ..m
+        });
+        assert_eq!(wide.inst.desc.n_channels, u8::MAX);
     }
 
     #[test]
