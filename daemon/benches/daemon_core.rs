@@ -310,7 +310,7 @@ fn export() -> f64 {
         for seq in 0..n {
             let mut coll = template.clone();
             coll.inst.rank = 1 + (seq % 7) as u32; // not rank 0: one span per instance
-            coll.inst.seq = seq;
+            coll.inst.desc.seq = seq;
             tx.send(SpanItem {
                 coll,
                 acked: Some(acked.clone()),

@@ -1685,7 +1685,7 @@ mod tests {
         e1.commit_all(true);
         let mut seen = Vec::new();
         while let Ok(c) = live.try_recv() {
-            seen.push(c.inst.seq);
+            seen.push(c.inst.desc.seq);
         }
         assert_eq!(seen, (0..10).collect::<Vec<_>>());
         let saved = std::fs::read(resume::path(dir.path(), &name.to_string())).unwrap();
@@ -1693,7 +1693,7 @@ mod tests {
         write_colls(&mut p, 10..20);
         e1.tick();
         e1.commit_all(true);
-        assert_eq!(live.try_recv().unwrap().inst.seq, 10);
+        assert_eq!(live.try_recv().unwrap().inst.desc.seq, 10);
         assert_eq!(
             std::fs::read(resume::path(dir.path(), &name.to_string())).unwrap(),
             saved
@@ -1713,7 +1713,7 @@ mod tests {
                 ("AllReduce", 5, 4),
                 "dictionary restored"
             );
-            seen.push(c.inst.seq);
+            seen.push(c.inst.desc.seq);
         }
         assert_eq!(
             seen,
@@ -1838,7 +1838,7 @@ mod tests {
             );
             let mut published = Vec::new();
             while let Ok(c) = live.try_recv() {
-                published.push(c.inst.seq);
+                published.push(c.inst.desc.seq);
             }
             assert_eq!(published, (before..20).collect::<Vec<_>>());
             assert_eq!(e.health().collectives, 20 - before);
@@ -1896,7 +1896,7 @@ mod tests {
         let mut seen = Vec::new();
         while let Ok(c) = live.try_recv() {
             assert_eq!(c.view().func(), "AllReduce", "dictionary restored");
-            seen.push(c.inst.seq);
+            seen.push(c.inst.desc.seq);
         }
         assert_eq!(
             seen,
@@ -1941,7 +1941,7 @@ mod tests {
         tick_until_dropped(&mut e);
         let mut seen = Vec::new();
         while let Ok(c) = live.try_recv() {
-            seen.push(c.inst.seq);
+            seen.push(c.inst.desc.seq);
         }
         seen.sort_unstable();
         let expected: Vec<u64> = (0..N).filter(|&s| s != NO_START).collect();
@@ -2046,7 +2046,7 @@ mod tests {
         );
         assert_eq!(e.health().parked_ops, 3);
         let mut seen: Vec<u64> = std::iter::from_fn(|| live.try_recv().ok())
-            .map(|c| c.inst.seq)
+            .map(|c| c.inst.desc.seq)
             .collect();
         seen.sort_unstable();
         let expected: Vec<u64> = (0..30).filter(|s| ![10, 11, 20, 21].contains(s)).collect();
@@ -2121,7 +2121,7 @@ mod tests {
                 "work from before and after the restart"
             );
             let published: Vec<u64> = std::iter::from_fn(|| live.try_recv().ok())
-                .map(|c| c.inst.seq)
+                .map(|c| c.inst.desc.seq)
                 .collect();
             match killed_after_spooling {
                 true => assert!(published.is_empty(), "{published:?}"),
@@ -2189,7 +2189,7 @@ mod tests {
             .collect();
         assert_eq!(spooled, (0..30).collect::<Vec<_>>());
         let published: Vec<u64> = std::iter::from_fn(|| live.try_recv().ok())
-            .map(|c| c.inst.seq)
+            .map(|c| c.inst.desc.seq)
             .collect();
         assert_eq!(published, (0..30).collect::<Vec<_>>());
     }
@@ -2274,7 +2274,7 @@ mod tests {
         assert_eq!(e.health().lost["export_queue_full"], 2);
         assert_eq!(dropped.held(), 2, "both refused instances remembered");
         let first = queued.try_recv().unwrap();
-        assert_eq!(first.coll.inst.seq, 0);
+        assert_eq!(first.coll.inst.desc.seq, 0);
         assert!(
             first.acked.is_some(),
             "a live span is acknowledged to its segment"
@@ -2345,7 +2345,7 @@ mod tests {
         tick_until_dropped(&mut e);
         let mut seen = Vec::new();
         while let Ok(c) = live.try_recv() {
-            seen.push(c.inst.seq);
+            seen.push(c.inst.desc.seq);
         }
         assert_eq!(seen, (0..12).collect::<Vec<_>>());
         assert!(resume::list(dir.path()).is_empty(), "resume state removed");

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use ncclscope_proto::api::{ChannelWork, Collective, LiveSpans};
 use ncclscope_proto::{Gpu, StrId};
+use serde::{Deserialize, Serialize};
 
 /// The strings of one process: its job and host, and the strings its records define by id, with its
 /// uid. The assembler replaces its copy when a record defines a string (copy on write), so an
@@ -75,6 +76,33 @@ impl Names {
     }
 }
 
+/// What a Coll or P2p is, as its host event describes it: the one description shared by the
+/// operation in flight, the captured operation its replays are built from (both saved for resume:
+/// `resume`'s golden tests pin its format) and the instance. Its strings are ids into the names of
+/// its process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Desc {
+    /// NCCL's seqNumber for a collective (per communicator and type); the assembler's numbering
+    /// per (communicator, peer, function) for a p2p.
+    pub seq: u64,
+    pub is_p2p: bool,
+    #[serde(with = "crate::resume::str_id")]
+    pub func: StrId,
+    #[serde(with = "crate::resume::str_id")]
+    pub datatype: StrId,
+    #[serde(with = "crate::resume::str_id")]
+    pub algo: StrId,
+    #[serde(with = "crate::resume::str_id")]
+    pub proto: StrId,
+    pub count: u64,
+    /// -1 for a p2p.
+    pub root: i32,
+    /// -1 for a collective.
+    pub peer: i32,
+    /// As NCCL's event descriptor has it (a uint8_t); the API's `Collective` widens it to u32.
+    pub n_channels: u8,
+}
+
 /// Field meanings: see `Collective` in proto/ncclscope.proto. String fields are ids into the names
 /// of the instance's process (read them through [`InstanceRef`]).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -85,16 +113,8 @@ pub struct Instance {
     pub rank: u32,
     pub nranks: u32,
     pub nnodes: u32,
-    pub seq: u64,
-    pub func: StrId,
-    pub datatype: StrId,
-    pub algo: StrId,
-    pub proto: StrId,
-    pub count: u64,
+    pub desc: Desc,
     pub bytes: u64,
-    pub root: i32,
-    pub peer: i32,
-    pub n_channels: u32,
     pub enqueue_unix_ns: u64,
     pub start_unix_ns: u64,
     pub end_unix_ns: u64,
@@ -104,7 +124,6 @@ pub struct Instance {
     pub busbw_gbs: f64,
     pub calibration_error_ns: u32,
     pub channels: Vec<ChannelWork>,
-    pub is_p2p: bool,
     /// 0: launched eagerly; r >= 1: the r-th graph replay on the communicator (see `Collective`).
     pub replay: u32,
     /// What the live OTLP export sends for it: decided once, when the engine records it, and
@@ -153,19 +172,19 @@ impl<'a> InstanceRef<'a> {
     }
 
     pub fn func(&self) -> &'a str {
-        self.names.get(self.inst.func)
+        self.names.get(self.inst.desc.func)
     }
 
     pub fn datatype(&self) -> &'a str {
-        self.names.get(self.inst.datatype)
+        self.names.get(self.inst.desc.datatype)
     }
 
     pub fn algo(&self) -> &'a str {
-        self.names.get(self.inst.algo)
+        self.names.get(self.inst.desc.algo)
     }
 
     pub fn proto(&self) -> &'a str {
-        self.names.get(self.inst.proto)
+        self.names.get(self.inst.desc.proto)
     }
 
     pub fn to_message(&self) -> Collective {
@@ -178,16 +197,16 @@ impl<'a> InstanceRef<'a> {
             rank: self.rank,
             nranks: self.nranks,
             nnodes: self.nnodes,
-            seq: self.seq,
+            seq: self.desc.seq,
             func: self.func().into(),
             datatype: self.datatype().into(),
             algo: self.algo().into(),
             proto: self.proto().into(),
-            count: self.count,
+            count: self.desc.count,
             bytes: self.bytes,
-            root: self.root,
-            peer: self.peer,
-            n_channels: self.n_channels,
+            root: self.desc.root,
+            peer: self.desc.peer,
+            n_channels: self.desc.n_channels.into(),
             enqueue_unix_ns: self.enqueue_unix_ns,
             start_unix_ns: self.start_unix_ns,
             end_unix_ns: self.end_unix_ns,
@@ -197,7 +216,7 @@ impl<'a> InstanceRef<'a> {
             busbw_gbs: self.busbw_gbs,
             calibration_error_ns: self.calibration_error_ns,
             channels: self.channels.clone(),
-            is_p2p: self.is_p2p,
+            is_p2p: self.desc.is_p2p,
             uid: self.uid(),
             replay: self.replay,
             live_spans: self.live_spans as i32,
@@ -246,16 +265,20 @@ impl From<&Collective> for Shared {
             rank: c.rank,
             nranks: c.nranks,
             nnodes: c.nnodes,
-            seq: c.seq,
-            func,
-            datatype,
-            algo,
-            proto,
-            count: c.count,
+            desc: Desc {
+                seq: c.seq,
+                is_p2p: c.is_p2p,
+                func,
+                datatype,
+                algo,
+                proto,
+                count: c.count,
+                root: c.root,
+                peer: c.peer,
+                // The daemon writes at most 255; more, from elsewhere, reads as the most there can be.
+                n_channels: c.n_channels.try_into().unwrap_or(u8::MAX),
+            },
             bytes: c.bytes,
-            root: c.root,
-            peer: c.peer,
-            n_channels: c.n_channels,
             enqueue_unix_ns: c.enqueue_unix_ns,
             start_unix_ns: c.start_unix_ns,
             end_unix_ns: c.end_unix_ns,
@@ -268,7 +291,6 @@ impl From<&Collective> for Shared {
             busbw_gbs: c.busbw_gbs,
             calibration_error_ns: c.calibration_error_ns,
             channels: c.channels.clone(),
-            is_p2p: c.is_p2p,
             replay: c.replay,
             live_spans: c.live_spans(),
             gpu: c
@@ -336,6 +358,12 @@ mod tests {
         let i = s.view();
         assert_eq!((i.func(), i.comm_name(), i.host()), ("AllReduce", "c", "h"));
         assert_eq!(i.to_message(), m);
+        // More channels than NCCL's uint8_t holds (not from a daemon): the most there can be.
+        let wide = Shared::from(&Collective {
+            n_channels: 300,
+            ..m
+        });
+        assert_eq!(wide.inst.desc.n_channels, u8::MAX);
     }
 
     #[test]
@@ -344,7 +372,10 @@ mod tests {
         Arc::make_mut(&mut names).set(StrId(1), "AllReduce".into());
         let old = Shared {
             inst: Instance {
-                func: StrId(1),
+                desc: Desc {
+                    func: StrId(1),
+                    ..Desc::default()
+                },
                 ..Default::default()
             },
             names: names.clone(),

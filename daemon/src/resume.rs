@@ -5,16 +5,18 @@
 //! (together with the spool's record of what it holds from the saved position on).
 //!
 //! Every type written to the file is defined here, apart from the in-memory structures they are
-//! taken from, and `a_saved_state_keeps_its_format` pins the format: a change to the assembler's
-//! structures cannot change the file without failing it.
+//! taken from and [`Desc`], the one description of a collective that the instance shares; and
+//! `a_saved_state_keeps_its_format` pins the format: a change to the assembler's structures (or to
+//! `Desc`) cannot change the file without failing it.
 
 use std::io::{self, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use ncclscope_proto::{Gpu, StrId};
+use ncclscope_proto::Gpu;
 use serde::{Deserialize, Serialize};
 
+use crate::instance::Desc;
 use crate::spool::Position;
 
 /// What must survive a daemon restart to interpret a segment from its committed tail on.
@@ -60,32 +62,8 @@ pub struct Calibration {
     pub error_ns: u32,
 }
 
-/// What a Coll or P2p is, as its host event describes it: shared by the operation in flight, the
-/// captured operation its replays are built from, and (field by field) the instance.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct Desc {
-    /// NCCL's seqNumber for a collective (per communicator and type); the assembler's numbering
-    /// per (communicator, peer, function) for a p2p.
-    pub seq: u64,
-    pub is_p2p: bool,
-    #[serde(with = "str_id")]
-    pub func: StrId,
-    #[serde(with = "str_id")]
-    pub datatype: StrId,
-    #[serde(with = "str_id")]
-    pub algo: StrId,
-    #[serde(with = "str_id")]
-    pub proto: StrId,
-    pub count: u64,
-    /// -1 for a p2p.
-    pub root: i32,
-    /// -1 for a collective.
-    pub peer: i32,
-    pub n_channels: u8,
-}
-
 /// A string id saved as its number.
-mod str_id {
+pub(crate) mod str_id {
     use ncclscope_proto::StrId;
     use serde::{Deserialize, Deserializer, Serializer};
 
@@ -261,6 +239,7 @@ pub fn list(dir: &Path) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ncclscope_proto::StrId;
 
     #[test]
     fn round_trip_and_owner_check() {

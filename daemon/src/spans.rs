@@ -67,14 +67,18 @@ pub fn type_key(func: &str) -> u64 {
 /// the transfer's (sender, receiver, number), the same on its Send and its Recv side (the assembler
 /// numbers each (peer, function) in order).
 pub fn instance_key(c: InstanceRef) -> u64 {
-    if c.is_p2p {
+    if c.desc.is_p2p {
         let (from, to) = match c.func() {
-            "Recv" => (c.peer as u32, c.rank),
-            _ => (c.rank, c.peer as u32),
+            "Recv" => (c.desc.peer as u32, c.rank),
+            _ => (c.rank, c.desc.peer as u32),
         };
-        return collective_key("p2p", mix((from as u64) << 32 | to as u64, c.seq), c.replay);
+        return collective_key(
+            "p2p",
+            mix((from as u64) << 32 | to as u64, c.desc.seq),
+            c.replay,
+        );
     }
-    collective_key(c.func(), c.seq, c.replay)
+    collective_key(c.func(), c.desc.seq, c.replay)
 }
 
 /// The collective's identity: everything the ids derive from.
@@ -143,7 +147,7 @@ fn common(c: InstanceRef) -> Vec<KeyValue> {
         s("nccl.collective", c.func()),
         i("nccl.nranks", c.nranks as i64),
         s("nccl.comm_hash", &format!("{:016x}", c.comm_hash)),
-        i("nccl.seq", c.seq as i64),
+        i("nccl.seq", c.desc.seq as i64),
         i("nccl.replay", c.replay as i64),
         s("job.id", c.job_id()),
         // OpenTelemetry's name for the uid of a process.
@@ -162,10 +166,10 @@ fn status(c: InstanceRef) -> Option<Status> {
     let worked = worked.len() as u32;
     let message = if c.timing_source == "host" && c.end_unix_ns <= c.enqueue_unix_ns {
         "incomplete: closed without its end (timed out, or its process ended)".to_string()
-    } else if worked < c.n_channels {
+    } else if worked < u32::from(c.desc.n_channels) {
         format!(
             "incomplete: kernel work on {worked} of {} channels",
-            c.n_channels
+            c.desc.n_channels
         )
     } else if c.calibration_error_ns == u32::MAX {
         "GPU times not calibrated to the host clock".to_string()
@@ -212,7 +216,7 @@ fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
     let trace_id = trace_id(c.uid(), c.comm_hash, key).to_vec();
     let root_id = root_span_id(c.uid(), c.comm_hash, key).to_vec();
     let rank_id = rank_span_id(c.uid(), c.comm_hash, key, c.rank);
-    let is_collective = !c.is_p2p;
+    let is_collective = !c.desc.is_p2p;
     let status = status(c);
     let mut attributes = common(c);
     attributes.extend([
@@ -221,8 +225,8 @@ fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
         s("nccl.proto", c.proto()),
         s("nccl.datatype", c.datatype()),
         i("nccl.bytes", c.bytes as i64),
-        i("nccl.count", c.count as i64),
-        i("nccl.channels", c.n_channels as i64),
+        i("nccl.count", c.desc.count as i64),
+        i("nccl.channels", c.desc.n_channels as i64),
         i("nccl.nnodes", c.nnodes as i64),
         i("nccl.exec_ns", c.exec_ns as i64),
         f("nccl.algbw_gbs", c.algbw_gbs),
@@ -241,10 +245,10 @@ fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
         attributes.push(i("nccl.gpu", g.ordinal as i64));
         attributes.push(s("nccl.gpu_uuid", &g.uuid_text()));
     }
-    if c.is_p2p {
-        attributes.push(i("nccl.peer", c.peer as i64));
-    } else if c.root >= 0 {
-        attributes.push(i("nccl.root", c.root as i64));
+    if c.desc.is_p2p {
+        attributes.push(i("nccl.peer", c.desc.peer as i64));
+    } else if c.desc.root >= 0 {
+        attributes.push(i("nccl.root", c.desc.root as i64));
     }
     out.push(Span {
         trace_id: trace_id.clone(),

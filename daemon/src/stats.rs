@@ -395,7 +395,7 @@ impl Stats {
             .unwrap_or(0);
         let sent = live != LiveSpans::None;
         // Without kernel times a rank meets no other (nor its root: it has none).
-        let trace_root = match (c.is_p2p || c.timing_source == "host", local >= 2) {
+        let trace_root = match (c.desc.is_p2p || c.timing_source == "host", local >= 2) {
             (true, _) => None,
             (false, true) => self.arrive(c, local, now_ns, sent),
             (false, false) => (c.rank == 0 && sent).then_some((c.start_unix_ns, c.end_unix_ns)),
@@ -424,7 +424,7 @@ impl Stats {
             proto: c.proto(),
             message_size: bandwidth::message_size_range(bandwidth::message_bytes(
                 c.datatype(),
-                c.count,
+                c.desc.count,
                 c.bytes,
             )),
         };
@@ -492,7 +492,7 @@ impl Stats {
         };
         let key = (c.uid(), c.comm_hash, spans::type_key(c.func()), c.replay);
         if !self.late.is_empty() {
-            let late_key = (key.0, key.1, key.2, key.3, c.seq);
+            let late_key = (key.0, key.1, key.2, key.3, c.desc.seq);
             if let Some((arrivals, _)) = self.late.get_mut(&late_key) {
                 arrivals.push(arrival);
                 if arrivals.len() < expected {
@@ -517,7 +517,7 @@ impl Stats {
                 .map_or_else(|| c.job_id().into(), |(k, _)| k.job.clone());
             Window {
                 job,
-                base: c.seq,
+                base: c.desc.seq,
                 slots: VecDeque::new(),
             }
         });
@@ -530,21 +530,21 @@ impl Stats {
         // A collective shortly before the window's first (its instance completed after a later
         // one's, as a graph replay's may): the window opens back to it. Not further: a segment
         // jumping back and forth must not cost a window's worth of slots per instance.
-        if c.seq < w.base {
-            let back = (w.base - c.seq) as usize;
+        if c.desc.seq < w.base {
+            let back = (w.base - c.desc.seq) as usize;
             if back > MAX_BACK || back + before > MAX_WINDOW {
                 return None;
             }
             for _ in 0..back {
                 w.slots.push_front(None);
             }
-            w.base = c.seq;
+            w.base = c.desc.seq;
         }
         let room = MAX_WINDOW
             .min(before + MAX_SLOTS.saturating_sub(self.slots))
             .max(1);
         // Far ahead of the oldest awaited: those are evaluated with the ranks that arrived.
-        let ahead = (c.seq - w.base) as usize;
+        let ahead = (c.desc.seq - w.base) as usize;
         if ahead >= room {
             let leave = ahead + 1 - room;
             for (i, rv) in w.slots.drain(..leave.min(w.slots.len())).enumerate() {
@@ -555,7 +555,7 @@ impl Stats {
             }
             w.base += leave as u64;
         }
-        let k = (c.seq - w.base) as usize;
+        let k = (c.desc.seq - w.base) as usize;
         if w.slots.len() <= k {
             w.slots.resize_with(k + 1, || None);
         }
@@ -868,7 +868,7 @@ mod tests {
         let o = s.observe(coll(0, 4, 100, 500).view(), 0, 1, sent);
         assert_eq!(o.trace_root, Some((100, 600)));
         let mut p2p = coll(0, 5, 100, 500);
-        p2p.inst.is_p2p = true;
+        p2p.inst.desc.is_p2p = true;
         assert_eq!(s.observe(p2p.view(), 0, 1, sent).trace_root, None);
     }
 
@@ -1101,7 +1101,7 @@ mod tests {
         s.expire(1000);
         assert_eq!(s.skew_evaluated, 1);
         let mut other = coll(0, 2, 0, 10);
-        Arc::make_mut(&mut other.names).set(other.inst.func, "Broadcast".into());
+        Arc::make_mut(&mut other.names).set(other.inst.desc.func, "Broadcast".into());
         s.observe(other.view(), 0, 1, no_spans);
         assert_eq!(s.folded, 1);
         assert!(s.series.keys().any(|k| k.size_bucket == OVERFLOW_BUCKET));
@@ -1129,7 +1129,7 @@ mod tests {
         let mut s = Stats::new(60_000_000_000, 1000, 100).with_job_limit(1);
         s.observe(coll(0, 0, 1_000, 10).view(), 0, 1, no_spans);
         let mut other = coll(1, 0, 1_000, 10);
-        Arc::make_mut(&mut other.names).set(other.inst.func, "Broadcast".into());
+        Arc::make_mut(&mut other.names).set(other.inst.desc.func, "Broadcast".into());
         s.observe(other.view(), 0, 1, no_spans);
         assert_eq!((s.folded, s.rank_series_refused), (1, 1));
         let mut job = coll(0, 0, 1_000, 10);

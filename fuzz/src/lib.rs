@@ -14,6 +14,7 @@ use std::path::Path;
 use ncclscope::config::{Config, Overrides};
 use ncclscope::spool::{Origin, Spool, SpoolLimits, SpoolReader};
 use ncclscope_proto::api::Collective;
+use ncclscope_proto::fixture::Coll;
 use ncclscope_proto::record::RECORD_WORDS;
 use ncclscope_proto::segment::segment_bytes;
 use ncclscope_proto::{Claims, Consumer, Record, Segment, StrId, TimingPath};
@@ -246,6 +247,15 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
 }
 
 fn sample_records() -> Vec<Record> {
+    let coll = Coll {
+        comm: 1,
+        id: 9,
+        seq: 4,
+        n_channels: 16,
+        n_warps: 8,
+        host_ns: 6,
+        ..Coll::default()
+    };
     vec![
         Record::str(StrId(1), b"AllReduce"),
         Record::Comm {
@@ -261,45 +271,18 @@ fn sample_records() -> Vec<Record> {
             host_ns: 5,
             gpu: None,
         },
-        Record::CollStart {
-            comm: 1,
-            id: 9,
-            seq: 4,
-            func: StrId(1),
-            datatype: StrId(2),
-            algo: StrId(3),
-            proto: StrId(4),
-            count: 1 << 20,
-            root: -1,
-            n_channels: 16,
-            n_warps: 8,
-            captured: false,
-            host_ns: 6,
-        },
+        coll.start(),
         // Captured into a CUDA graph: its work comes with every replay.
-        Record::CollStart {
-            comm: 1,
+        Coll {
             id: 10,
             seq: 5,
-            func: StrId(1),
-            datatype: StrId(2),
-            algo: StrId(3),
-            proto: StrId(4),
-            count: 1 << 20,
-            root: -1,
             n_channels: 2,
-            n_warps: 8,
+            host_ns: 7,
             captured: true,
-            host_ns: 7,
-        },
-        Record::KernelCh {
-            comm: 1,
-            parent: 9,
-            channel: 5,
-            gpu_start: 100,
-            gpu_stop: 200,
-            host_ns: 7,
-        },
+            ..coll
+        }
+        .start(),
+        coll.kernel(5, (100, 200), 7),
         Record::DevWork {
             comm: 1,
             channel: 2,
@@ -315,11 +298,7 @@ fn sample_records() -> Vec<Record> {
             drift_ppb: -3,
             host_ns: 8,
         },
-        Record::OpStop {
-            comm: 1,
-            id: 9,
-            host_ns: 9,
-        },
+        coll.stop(9),
     ]
 }
 

@@ -1062,43 +1062,36 @@ fn daemon_fault_child() {
     };
     let mut p = Producer::new(Segment::create(&claims, 1 << 16).unwrap());
     let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
-    let comm = |comm: u32, comm_hash: u64, cuda_dev: i32, path| Record::Comm {
-        comm,
-        comm_hash,
-        rank: comm % 64,
-        nranks: 64,
-        nnodes: 1,
-        cuda_dev,
-        name: StrId(0),
-        nccl_version: 22809,
-        path,
-        host_ns: 0,
-        gpu: None,
+    let comm = |comm: u32, comm_hash: u64, cuda_dev: i32, path| {
+        let c = fixture::Comm {
+            comm,
+            comm_hash,
+            rank: comm % 64,
+            nranks: 64,
+            cuda_dev,
+            nccl_version: 22809,
+            path,
+            ..fixture::Comm::default()
+        };
+        c.record()
     };
-    let coll = |comm: u32, id: u64, seq: u64, n_channels: u8| Record::CollStart {
-        comm,
-        id,
-        seq,
-        func: StrId(1),
-        datatype: StrId(2),
-        algo: StrId(0),
-        proto: StrId(0),
-        count: 1 << 10,
-        root: -1,
-        n_channels,
-        n_warps: 8,
-        captured: false,
-        host_ns: 0,
+    let coll = |comm: u32, id: u64, seq: u64, n_channels: u8| {
+        let c = fixture::Coll {
+            comm,
+            id,
+            seq,
+            algo: StrId(0),
+            proto: StrId(0),
+            count: 1 << 10,
+            n_channels,
+            n_warps: 8,
+            ..fixture::Coll::default()
+        };
+        c.start()
     };
     p.push(&Record::str(StrId(1), b"AllReduce"));
     p.push(&Record::str(StrId(2), b"ncclFloat32"));
-    p.push(&Record::Calibration {
-        cuda_dev: 0,
-        offset_ns: 0,
-        error_ns: 1,
-        drift_ppb: 0,
-        host_ns: 0,
-    });
+    p.push(&fixture::calibration(0, 0, 1));
     p.push(&comm(0, 0xbad, 0, TimingPath::KernelCh));
     let t0 = Instant::now();
     if mode == "truncate" {
@@ -1176,13 +1169,7 @@ fn daemon_fault_child() {
                         func_id: i as u32,
                         name: StrId(1),
                     },
-                    3 => Record::Calibration {
-                        cuda_dev: i as i32,
-                        offset_ns: i as i64,
-                        error_ns: 1,
-                        drift_ppb: 0,
-                        host_ns: 0,
-                    },
+                    3 => fixture::calibration(i as i32, i as i64, 1),
                     4 => Record::KernelCh {
                         comm: 0,
                         parent: 1,

@@ -61,7 +61,7 @@ fn instances<'a>(c: impl Iterator<Item = &'a Completed>) -> Vec<(u64, u32, u64, 
     let mut v: Vec<_> = c
         .map(|c| {
             (
-                c.coll.seq,
+                c.coll.desc.seq,
                 c.coll.replay,
                 c.coll.exec_ns,
                 c.coll.start_unix_ns,
@@ -80,7 +80,11 @@ fn timed<'a>(
 ) -> BTreeMap<(String, u64, u32), u64> {
     let mut m = BTreeMap::new();
     for c in c.filter(|c| c.coll.timing_source == "device_hook") {
-        let key = (names.string(c.coll.func.0), c.coll.seq, c.coll.replay);
+        let key = (
+            names.string(c.coll.desc.func.0),
+            c.coll.desc.seq,
+            c.coll.replay,
+        );
         assert!(
             m.insert(key.clone(), c.coll.exec_ns).is_none(),
             "{key:?} twice"

@@ -34,9 +34,9 @@ use std::sync::Arc;
 use ncclscope_proto::{MAX_CHANNELS, Record, StrId, TimingPath};
 
 use crate::config::Limits;
-use crate::instance::Names;
+use crate::instance::{Desc, Names};
 pub use crate::resume::Dictionary;
-use crate::resume::{Calibration, CapturedOp, CommInfo, Desc, ReplayCursor, SavedOp};
+use crate::resume::{Calibration, CapturedOp, CommInfo, ReplayCursor, SavedOp};
 
 mod build;
 mod counters;

@@ -7,8 +7,8 @@ use ncclscope_proto::MAX_CHANNELS;
 use ncclscope_proto::api::ChannelWork;
 
 use super::Map;
-use crate::instance::Instance;
-use crate::resume::{Desc, SavedOp};
+use crate::instance::{Desc, Instance};
+use crate::resume::SavedOp;
 
 pub(super) struct Op {
     pub comm: u32,

@@ -11,7 +11,8 @@ use super::dictionary::Dict;
 use super::graph::{MAX_TEMPLATE_OPS, Template, replay_id};
 use super::hold::{self, Candidate, Hold, MAX_HOLD_EAGER, Owner};
 use super::lanes::{Read, Work};
-use crate::resume::{CapturedOp, Desc, ReplayCursor, SavedTemplate};
+use crate::instance::Desc;
+use crate::resume::{CapturedOp, ReplayCursor, SavedTemplate};
 
 /// The templates, holds and settled items of one process.
 #[derive(Default)]

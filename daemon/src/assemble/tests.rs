@@ -95,7 +95,10 @@ fn stock_path_joins_by_parent_and_applies_calibration() {
         names: a.names(),
     };
     assert_eq!(out[0].first_pos, 6);
-    assert_eq!((c.comm_hash, c.rank, c.nranks, c.seq), (0xabc, 1, 4, 5));
+    assert_eq!(
+        (c.comm_hash, c.rank, c.nranks, c.desc.seq),
+        (0xabc, 1, 4, 5)
+    );
     assert_eq!(
         (c.func(), c.datatype(), c.algo(), c.proto()),
         ("AllReduce", "ncclFloat32", "RING", "LL128")
@@ -279,7 +282,7 @@ fn hook_path_joins_by_channel_order_and_checks_the_func_name() {
     let out = feed(&mut a, &recs);
     let seqs: Vec<(u64, u64)> = out
         .iter()
-        .map(|c| (c.coll.seq, c.coll.start_unix_ns))
+        .map(|c| (c.coll.desc.seq, c.coll.start_unix_ns))
         .collect();
     assert_eq!(seqs, vec![(0, 1_000_100), (1, 1_000_300)]);
     assert_eq!(out[0].coll.timing_source, "device_hook");
@@ -469,7 +472,9 @@ fn p2p_is_numbered_per_peer_and_function_and_a_restart_resumes_at_the_tail() {
         });
     }
     let numbers = |out: &[Completed]| -> Vec<(i32, u64)> {
-        out.iter().map(|c| (c.coll.peer, c.coll.seq)).collect()
+        out.iter()
+            .map(|c| (c.coll.desc.peer, c.coll.desc.seq))
+            .collect()
     };
     let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
     let out = feed(&mut a, &recs);
@@ -798,7 +803,7 @@ fn dev(channel: u8, func_id: u32, wc: u64, t: u64, d: u64) -> Record {
 /// (seq, replay, exec) of each instance, in delivery order.
 fn got(out: &[Completed]) -> Vec<(u64, u32, u64)> {
     out.iter()
-        .map(|c| (c.coll.seq, c.coll.replay, c.coll.exec_ns))
+        .map(|c| (c.coll.desc.seq, c.coll.replay, c.coll.exec_ns))
         .collect()
 }
 
@@ -1093,7 +1098,7 @@ fn a_restart_after_a_delivered_replay_marks_it_prior() {
     assert_eq!(fresh.len(), 1);
     assert_eq!(
         (
-            fresh[0].coll.seq,
+            fresh[0].coll.desc.seq,
             fresh[0].coll.replay,
             fresh[0].coll.exec_ns
         ),
@@ -1300,7 +1305,7 @@ fn kernel_times_mapped_before_the_enqueue_or_into_the_future_are_not_used() {
     }
     let by_seq: Vec<(u64, &str, u64)> = out
         .iter()
-        .map(|c| (c.coll.seq, c.coll.timing_source, c.coll.exec_ns))
+        .map(|c| (c.coll.desc.seq, c.coll.timing_source, c.coll.exec_ns))
         .collect();
     assert_eq!(
         by_seq,
