@@ -125,9 +125,17 @@ impl Live<'_> {
         (self.generation as u64) << 32 | self.index as u64
     }
 
-    /// Marks the event stopped; false if it already was (a repeated stopEvent).
+    /// Marks the event stopped; false if it already was (a repeated stopEvent). A load and a store, not
+    /// a read-modify-write (one locked instruction less per event): while the stopping thread holds
+    /// the reference the event was started with, nothing else writes its state (no free, no other
+    /// stop but a racing duplicate from the host, whose record would carry an id already stopped).
     pub fn stop(&self) -> bool {
-        self.slot.state.fetch_or(STOPPED, Ordering::AcqRel) & STOPPED == 0
+        let state = self.slot.state.load(Ordering::Acquire);
+        if state & STOPPED != 0 {
+            return false;
+        }
+        self.slot.state.store(state | STOPPED, Ordering::Release);
+        true
     }
 }
 
@@ -385,6 +393,18 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A repeated stopEvent is refused, and the event keeps its kind for the stop that counted.
+    #[test]
+    fn an_event_stops_once() {
+        let mut c = Cache::default();
+        let pool = Pool::new(2);
+        let op = pool.alloc(&mut c, Kind::Coll, 1, 2).unwrap();
+        let h = pool.handle(&op);
+        assert!(pool.lookup(h).unwrap().stop());
+        assert!(!pool.lookup(h).unwrap().stop(), "a second stop is refused");
+        assert_eq!(pool.lookup(h).map(|l| l.kind), Some(Kind::Coll));
+    }
 
     #[test]
     fn alloc_until_exhausted_then_reuse_with_a_new_id() {
