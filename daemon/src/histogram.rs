@@ -325,15 +325,16 @@ impl<C: Count> Exponential<C> {
     }
 }
 
-/// A value with the trace it was measured in: a classic bucket's link to a trace (Prometheus
+/// A value with the rank span it was measured in: a classic bucket's link to a trace (Prometheus
 /// exemplars, Grafana's drill-down from a histogram to Tempo).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Exemplar {
-    pub trace_id: [u8; 16],
-    pub span_id: [u8; 8],
+    pub span: RankSpan,
     pub value: f64,
     pub unix_ns: u64,
 }
+
+use crate::spans::RankSpan;
 
 /// What one exported series keeps of its values: classic and exponential buckets, and the latest
 /// exemplar of each classic bucket that has one.

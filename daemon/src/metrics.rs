@@ -399,8 +399,8 @@ fn render_text(families: &[Family], job_series: bool, openmetrics: bool) -> Stri
                             let _ = write!(
                                 out,
                                 " # {{trace_id=\"{}\",span_id=\"{}\"}} {} {}.{:09}",
-                                hex(&e.trace_id),
-                                hex(&e.span_id),
+                                hex(&e.span.trace_id()),
+                                hex(&e.span.span_id()),
                                 e.value,
                                 e.unix_ns / 1_000_000_000,
                                 e.unix_ns % 1_000_000_000
@@ -567,8 +567,8 @@ fn otel_name(f: &Family) -> String {
 fn otlp_exemplar(e: &Exemplar) -> otlp_metrics::Exemplar {
     otlp_metrics::Exemplar {
         time_unix_nano: e.unix_ns,
-        trace_id: e.trace_id.to_vec(),
-        span_id: e.span_id.to_vec(),
+        trace_id: e.span.trace_id().to_vec(),
+        span_id: e.span.span_id().to_vec(),
         value: Some(otlp_metrics::exemplar::Value::AsDouble(e.value)),
         ..Default::default()
     }

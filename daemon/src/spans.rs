@@ -99,6 +99,27 @@ pub fn root_span_id(uid: u32, comm_hash: u64, seq: u64) -> [u8; 8] {
     nonzero(mix(collective(uid, comm_hash, seq), 0x726f_6f74)).to_be_bytes() // "root"
 }
 
+/// A rank span named by what its ids derive from (an exemplar's link): the ids are computed when
+/// exported, not for every instance recorded.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RankSpan {
+    pub uid: u32,
+    pub comm_hash: u64,
+    /// [`instance_key`].
+    pub key: u64,
+    pub rank: u32,
+}
+
+impl RankSpan {
+    pub fn trace_id(&self) -> [u8; 16] {
+        trace_id(self.uid, self.comm_hash, self.key)
+    }
+
+    pub fn span_id(&self) -> [u8; 8] {
+        rank_span_id(self.uid, self.comm_hash, self.key, self.rank)
+    }
+}
+
 pub fn rank_span_id(uid: u32, comm_hash: u64, seq: u64, rank: u32) -> [u8; 8] {
     nonzero(mix(
         collective(uid, comm_hash, seq),

@@ -327,8 +327,12 @@ impl Stats {
             } else {
                 let key = spans::instance_key(c);
                 s.exec_us.record_exemplar(Exemplar {
-                    trace_id: spans::trace_id(c.uid(), c.comm_hash, key),
-                    span_id: spans::rank_span_id(c.uid(), c.comm_hash, key, c.rank),
+                    span: spans::RankSpan {
+                        uid: c.uid(),
+                        comm_hash: c.comm_hash,
+                        key,
+                        rank: c.rank,
+                    },
                     value: exec_us,
                     unix_ns: c.end_unix_ns,
                 });
