@@ -2,14 +2,16 @@
 //!
 //! A thread takes a free lane at its first event and keeps it until it exits (`profiler`'s thread-local
 //! state gives it back); a lane and what is queued in it outlive the thread, so a thread that exits with
-//! events queued loses none of them, and the next thread to take the lane queues behind them. Only the
-//! lane's holder pushes ([`Held`] is the proof) and only the forwarding thread pops, so a lane is a
+//! events queued loses none of them, and the next thread to take the lane queues behind them.
+//!
+//! Only the lane's holder pushes ([`Held`] is the proof) and one consumer at a time pops (the
+//! forwarding thread, or an exiting process's last thread, under the consumer's lock), so a lane is a
 //! single-producer single-consumer ring: a push is a slot write and a release store of the lane's own
 //! count, with no atomic read-modify-write (crossbeam's multi-producer `ArrayQueue`, here before, took
-//! a fifth of an NCCL thread's time in the plugin; this push, under a tenth), and an NCCL thread never
-//! writes a cache line that another NCCL thread writes. A full lane
-//! drops the event and the caller counts it; a thread that finds no free lane ([`MAX_LANES`] threads
-//! hold one) borrows one for the call, or drops and counts: nothing spins or blocks.
+//! a fifth of an NCCL thread's time in the plugin; this push takes under a tenth), and an NCCL thread
+//! never writes a cache line that another NCCL thread writes. A full lane drops the event and the
+//! caller counts it; a thread that finds no free lane ([`MAX_LANES`] threads hold one) borrows one for
+//! the call, or drops and counts: nothing spins or blocks.
 //!
 //! Order. Each lane is FIFO. Across lanes, an event that must follow others carries up to two [`Dep`]s:
 //! the lane and position of an event it must follow. Every event of a communicator follows the
