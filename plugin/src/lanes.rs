@@ -168,7 +168,10 @@ impl Drop for Lane {
         let Some(slots) = self.slots.get_mut() else {
             return;
         };
-        let (from, to) = (*self.consumer.popped.get_mut(), *self.producer.pushed.get_mut());
+        let (from, to) = (
+            *self.consumer.popped.get_mut(),
+            *self.producer.pushed.get_mut(),
+        );
         for pos in from..to {
             // SAFETY: `&mut self`: no other thread; positions between popped and pushed were written
             // and not read.
