@@ -2294,6 +2294,118 @@ mod tests {
         assert_eq!(published, (0..30).collect::<Vec<_>>());
     }
 
+    /// Issue 19: the resume state is durable before the tail it describes is committed, and ingest
+    /// does not wait for it. While the state writer is held (a slow fsync), ticks go on reading and
+    /// delivering, and the ring's tail stays where the last durable state is (none yet: where it
+    /// began); once the writer has caught up, the tail moves on, and an engine restarted from the
+    /// state on disk delivers each operation once.
+    #[test]
+    fn the_tail_waits_for_a_durable_state_and_ingest_does_not() {
+        struct Gated {
+            dir: state_writer::Dir,
+            open: Arc<AtomicBool>,
+        }
+        impl state_writer::Store for Gated {
+            fn store(&mut self, states: &[SegmentState]) -> Vec<(usize, std::io::Error)> {
+                while !self.open.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                self.dir.store(states)
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mut p = producer(1 << 12);
+        let name = key_of(&p).to_string();
+        write_dictionary(&mut p);
+        let (mut e, _rx, hub) = engine(dir.path());
+        let open = Arc::new(AtomicBool::new(false));
+        let gated = Gated {
+            dir: state_writer::Dir(dir.path().to_path_buf()),
+            open: open.clone(),
+        };
+        e.states = StateWriter::start(Box::new(gated)).unwrap();
+        let mut live = hub.subscribe();
+        let _conn = hand_over(&mut e, &p);
+        for round in 0..3 {
+            write_colls(&mut p, round * 10..round * 10 + 10);
+            e.tick();
+            std::thread::sleep(COMMIT_EVERY);
+            e.tick();
+            assert_eq!(e.health().collectives, round * 10 + 10, "ingest went on");
+            assert_eq!(p.segment().tail(), 0, "the tail waits for a durable state");
+        }
+        assert_eq!(resume::load(dir.path(), &name).unwrap(), None);
+        open.store(true, Ordering::Release);
+        assert!(e.flush(Duration::from_secs(10)));
+        assert_eq!(p.segment().tail(), p.segment().head(), "the tail moved on");
+        let saved = resume::load(dir.path(), &name).unwrap().unwrap();
+        assert!(saved.tail > 0 && saved.tail <= p.segment().tail());
+        let published: Vec<u64> = std::iter::from_fn(|| live.try_recv().ok())
+            .map(|c| c.inst.desc.seq)
+            .collect();
+        assert_eq!(published, (0..30).collect::<Vec<_>>());
+
+        drop(e);
+        write_colls(&mut p, 30..40);
+        let (mut e2, _rx2, hub2) = engine(dir.path());
+        let mut live = hub2.subscribe();
+        let _conn2 = hand_over(&mut e2, &p);
+        e2.tick();
+        let seen: Vec<u64> = std::iter::from_fn(|| live.try_recv().ok())
+            .inspect(|c| assert_eq!(c.view().func(), "AllReduce", "dictionary restored"))
+            .map(|c| c.inst.desc.seq)
+            .collect();
+        assert_eq!(
+            seen,
+            (30..40).collect::<Vec<_>>(),
+            "nothing twice, nothing missing"
+        );
+        assert_eq!(e2.health().lost["resume_state_missing"], 0);
+    }
+
+    /// A state that cannot be written (its directory gone, as a full disk) is counted and the tail
+    /// does not move; nothing the engine accepted is lost: once the directory is back, the next
+    /// commit saves again, the tail moves on, and a restart delivers each operation once.
+    #[test]
+    fn a_state_that_cannot_be_written_is_counted_and_saved_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let state_dir = dir.path().join("state");
+        std::fs::create_dir(&state_dir).unwrap();
+        let mut p = producer(1 << 12);
+        write_dictionary(&mut p);
+        write_colls(&mut p, 0..10);
+        let (mut e, _rx, _hub) = engine(&state_dir);
+        let _conn = hand_over(&mut e, &p);
+        std::fs::remove_dir(&state_dir).unwrap();
+        e.tick();
+        e.commit_all(true);
+        assert_eq!(e.health().collectives, 10);
+        assert!(e.health().lost["state_write_failed"] > 0);
+        assert_eq!(p.segment().tail(), 0, "not committed without its state");
+
+        std::fs::create_dir(&state_dir).unwrap();
+        e.commit_all(true);
+        assert_eq!(
+            p.segment().tail(),
+            p.segment().head(),
+            "saved again, committed"
+        );
+        drop(e);
+        write_colls(&mut p, 10..20);
+        let (mut e2, _rx2, hub2) = engine(&state_dir);
+        let mut live = hub2.subscribe();
+        let _conn2 = hand_over(&mut e2, &p);
+        e2.tick();
+        let seen: Vec<u64> = std::iter::from_fn(|| live.try_recv().ok())
+            .map(|c| c.inst.desc.seq)
+            .collect();
+        assert_eq!(
+            seen,
+            (10..20).collect::<Vec<_>>(),
+            "nothing twice, nothing missing"
+        );
+    }
+
     /// Spans are at-least-once across a kill: an operation that started first but finished after
     /// another (here on another communicator) keeps the tail at its first record until its span is
     /// acknowledged, although it was emitted second.

@@ -2,7 +2,9 @@
 //! tail survives a daemon restart inside the segment itself; this file carries what the records before
 //! the tail defined (strings, communicators, calibration) and which operations after the tail were
 //! already delivered, so a restarted daemon neither misreads nor double-counts what it re-reads
-//! (together with the spool's record of what it holds from the saved position on).
+//! (together with the spool's record of what it holds from the saved position on). The engine's
+//! state writer thread ([`crate::state_writer`]) makes a state durable ([`store`], [`sync_dir`])
+//! before the tail it describes is committed.
 //!
 //! Every type written to the file is defined here, apart from the in-memory structures they are
 //! taken from and [`Desc`], the one description of a collective that the instance shares; and
