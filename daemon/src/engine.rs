@@ -167,6 +167,10 @@ struct Attached {
     saving: VecDeque<(u64, u64)>,
     /// The last state queued was not written: save again before the tail moves on.
     resave: bool,
+    /// A state of this segment is durable. Until one is, its spooled batches wait for the states
+    /// queued before them: without a state, a restarted engine would not read the spool back for
+    /// it. (A later state only moves the spool mark on: one left older makes a restart read more.)
+    on_disk: bool,
     read_upto: u64,
     acked: Arc<AtomicU64>,
     next_emit: u64,
@@ -608,6 +612,7 @@ impl Engine {
             tail,
             saving: VecDeque::new(),
             resave: false,
+            on_disk: state_saved,
             read_upto: tail,
             acked: Arc::new(AtomicU64::new(0)),
             next_emit: 1,
@@ -833,7 +838,7 @@ impl Engine {
                 c.coll.trace_root = observed.trace_root;
             }
         }
-        // The last write-ahead state queued: the spool writer appends this batch only after it.
+        // The last state the spool writer must write this batch after (see `Attached::on_disk`).
         let mut after = 0;
         if let Some(spool) = &self.spool {
             // Write-ahead: the saved state's spool mark must precede what the segment queues now.
@@ -850,7 +855,7 @@ impl Engine {
                     let parked = Parked::AsSaved;
                     let mark = spool_mark(seg, spool);
                     match save_state(&mut self.states, seg, seg.tail, Some(mark), parked) {
-                        Ok(no) => after = no,
+                        Ok(_) => {}
                         Err(e) => {
                             tracing::error!(segment = %seg.label, error = %e, "cannot save resume state before spooling; a crash now could record these instances twice");
                             self.daemon_lost.add(Loss::StateWriteFailed, 1);
@@ -953,6 +958,11 @@ impl Engine {
             if let Some(spool) = &self.spool
                 && !ops.is_empty()
             {
+                if !seg.on_disk
+                    && let Some(&(no, _)) = seg.saving.back()
+                {
+                    after = after.max(no);
+                }
                 spooled.push((i, spool_mark(seg, spool), ops));
                 let names = names.clone();
                 batch.push(SpoolRun { names, items });
@@ -1045,6 +1055,7 @@ impl Engine {
             }
             if let Some(t) = tail {
                 seg.consumer.commit(t);
+                seg.on_disk = true;
             }
         }
     }
