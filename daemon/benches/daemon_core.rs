@@ -167,7 +167,8 @@ fn ingest(ranks: u64, spool: bool) -> (f64, f64, f64) {
         Arc::new(Hub::default()),
         spool,
         outputs,
-    );
+    )
+    .unwrap();
     // 150 k collectives (900 k records) per round in all; one warm-up round, then 6 measured.
     let per_rank = 150_000 / ranks;
     let capacity = (per_rank * (2 + CHANNELS)).next_power_of_two();
@@ -193,7 +194,7 @@ fn ingest(ranks: u64, spool: bool) -> (f64, f64, f64) {
         }
         engine.tick();
         let c = thread_cpu() - c;
-        assert!(engine.flush_spool(Duration::from_secs(60)), "spool flushed");
+        assert!(engine.flush(Duration::from_secs(60)), "spool flushed");
         if round > 0 {
             records += written;
             wall += t.elapsed();
@@ -203,6 +204,7 @@ fn ingest(ranks: u64, spool: bool) -> (f64, f64, f64) {
         // Untimed: the engine commits a drained tail at most every 10 ms; free the rings for the next round.
         std::thread::sleep(Duration::from_millis(15));
         engine.tick();
+        assert!(engine.flush(Duration::from_secs(60)), "states saved");
     }
     let health = engine.health();
     let lost: Vec<_> = health.lost.iter().filter(|(_, n)| **n > 0).collect();

@@ -4,8 +4,11 @@
 //!
 //! Commit point of a segment = the oldest of: the first record of an operation still in flight, the
 //! first record of a completed operation whose span is not yet acknowledged by the exporter, and the
-//! read position. Before committing, the segment's resume state (see [`crate::resume`]) is saved, so a
-//! daemon killed at any point re-reads what it had not finished and skips what it had delivered.
+//! read position. Committing saves the segment's resume state (see [`crate::resume`]) for that point
+//! through the state writer thread ([`crate::state_writer`]), and moves the ring's tail there only
+//! once the writer reports the state durable (a later tick): a daemon killed, or a machine rebooted,
+//! at any point re-reads what it had not finished and skips what it had delivered. The engine goes
+//! on from the new point meanwhile (`Attached::tail`); it never waits on the disk.
 //!
 //! The spool is exactly-once across a kill, and metrics count an instance in one daemon run only:
 //! every spooled instance carries its origin (segment, operation), and the saved state holds a spool
@@ -41,6 +44,7 @@ use crate::prometheus;
 use crate::resend::Dropped;
 use crate::resume::{self, SegmentState};
 use crate::spool::{JobKey, Origin, Position};
+use crate::state_writer::{self, StateWriter};
 use crate::stats::Stats;
 
 /// Which process's segment: the uid and pid the kernel reported for the process that handed it over
@@ -137,6 +141,11 @@ const PARK_PRESSED: Duration = Duration::from_millis(10);
 /// How long after start a resume state waits for its segment to be handed over again (plugins retry
 /// at least every 2 s) before it is taken for one whose process ended while no daemon ran.
 const STATE_CLAIM_WINDOW: Duration = Duration::from_secs(300);
+/// States of a segment queued and not yet durable at which its commits wait for the writer: bounds
+/// what a slow state disk makes the daemon hold (the ring holds the records meanwhile).
+const MAX_SAVING: usize = 8;
+/// Longest a detached segment waits for its queued states before its state file is removed.
+const FORGET_WAIT: Duration = Duration::from_secs(1);
 
 struct Attached {
     key: SegmentKey,
@@ -150,6 +159,18 @@ struct Attached {
     job: JobKey,
     consumer: Consumer,
     asm: Assembler,
+    /// The committed tail as far as the engine goes: that of the last state queued. The ring's tail
+    /// follows once that state is durable (see `saving`).
+    tail: u64,
+    /// (state number, tail) of each state queued and not yet durable, in queue order: the ring's tail
+    /// moves to `tail` once the state writer reports the number durable.
+    saving: VecDeque<(u64, u64)>,
+    /// The last state queued was not written: save again before the tail moves on.
+    resave: bool,
+    /// A state of this segment is durable. Until one is, its spooled batches wait for the states
+    /// queued before them: without a state, a restarted engine would not read the spool back for
+    /// it. (A later state only moves the spool mark on: one left older makes a restart read more.)
+    on_disk: bool,
     read_upto: u64,
     acked: Arc<AtomicU64>,
     next_emit: u64,
@@ -160,11 +181,12 @@ struct Attached {
     last_commit: Instant,
     /// `delivered` changed since the state was last saved.
     dirty: bool,
-    /// A state file for this segment exists (saved by this daemon, or restored from a previous one).
+    /// A state for this segment was queued by this daemon, or restored from a previous one.
     state_saved: bool,
     /// The dictionary changed since the state was last saved.
     dict_changed: bool,
-    /// When a changed dictionary was last saved, and how long that took (see [`DICT_SAVE_SHARE`]).
+    /// When a changed dictionary was last saved, and how long the ingest thread spent on it (see
+    /// [`DICT_SAVE_SHARE`]).
     dict_saved_at: Instant,
     dict_save_cost: Duration,
     /// The spool position in the saved state.
@@ -291,6 +313,8 @@ pub struct Engine {
     stats: Stats,
     hub: Arc<Hub>,
     spool: Option<SpoolWriter>,
+    /// After `spool`, whose thread may wait on it when dropped.
+    states: StateWriter,
     /// Instances the spool writer reported it could not append, as last counted.
     spool_failed: u64,
     out: Outputs,
@@ -337,14 +361,16 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// Starts the state writer thread (and the spool's, with a spool) for an engine.
     pub fn new(
         cfg: Arc<Config>,
         hub: Arc<Hub>,
         spool: Option<Box<dyn Durable>>,
         out: Outputs,
-    ) -> Engine {
+    ) -> std::io::Result<Engine> {
         let now = Instant::now();
-        Engine {
+        let states = StateWriter::start(Box::new(state_writer::Dir(cfg.state_dir.clone())))?;
+        Ok(Engine {
             stats: Stats::new(
                 cfg.aggregate.rolling_window_s * 1_000_000_000,
                 cfg.aggregate.skew_window_ms * 1_000_000,
@@ -354,13 +380,14 @@ impl Engine {
             .with_job_limit(cfg.limits.max_job_series),
             cfg,
             segments: Vec::new(),
-            spool: spool.and_then(|s| match SpoolWriter::start(s, hub.clone()) {
+            spool: spool.and_then(|s| match SpoolWriter::start(s, hub.clone(), states.progress()) {
                 Ok(w) => Some(w),
                 Err(e) => {
                     tracing::error!(error = %e, "cannot start the spool writer thread; nothing is spooled");
                     None
                 }
             }),
+            states,
             spool_failed: 0,
             hub,
             out,
@@ -387,7 +414,7 @@ impl Engine {
             last_snapshot: now,
             last_metrics_export: now,
             started: now,
-        }
+        })
     }
 
     /// Drains until `stop` is set; then reads what is left (bounded by the shutdown timeout), commits
@@ -573,7 +600,7 @@ impl Engine {
                 tracing::warn!(segment = %label, error = %e, "cannot keep the segment in systemd's file descriptor store");
             }
         }
-        let read_upto = consumer.segment().tail();
+        let tail = consumer.segment().tail();
         let exited = conn.is_none();
         self.segments.push(Attached {
             key,
@@ -582,7 +609,11 @@ impl Engine {
             job,
             consumer,
             asm,
-            read_upto,
+            tail,
+            saving: VecDeque::new(),
+            resave: false,
+            on_disk: state_saved,
+            read_upto: tail,
             acked: Arc::new(AtomicU64::new(0)),
             next_emit: 1,
             unacked: Unacked::default(),
@@ -738,6 +769,7 @@ impl Engine {
             self.retire(seg);
         }
         self.collect_spooled();
+        self.collect_states();
         self.collect_acks();
         self.commit_all(false);
         self.reap();
@@ -747,12 +779,15 @@ impl Engine {
         busy
     }
 
-    /// Waits (at most `timeout`) until the spool writer made everything queued durable, and takes
-    /// note of it; whether it did. Shutdown does this; tests and benchmarks that read the spool too.
-    pub fn flush_spool(&mut self, timeout: Duration) -> bool {
+    /// Waits (at most `timeout` each) until the spool writer and the state writer made everything
+    /// queued durable, and takes note of it (committing the tails that waited for states); whether
+    /// they did. Shutdown does this; tests and benchmarks that read the spool too.
+    pub fn flush(&mut self, timeout: Duration) -> bool {
         let flushed = self.spool.as_ref().is_none_or(|s| s.flush(timeout));
         self.collect_spooled();
-        flushed
+        let saved = self.states.flush(timeout);
+        self.collect_states();
+        flushed && saved
     }
 
     /// Whether reading waits for the spool writer (see [`BACKLOG_PAUSE`]).
@@ -803,6 +838,8 @@ impl Engine {
                 c.coll.trace_root = observed.trace_root;
             }
         }
+        // The last state the spool writer must write this batch after (see `Attached::on_disk`).
+        let mut after = 0;
         if let Some(spool) = &self.spool {
             // Write-ahead: the saved state's spool mark must precede what the segment queues now.
             for (i, range) in &runs {
@@ -813,14 +850,16 @@ impl Engine {
                         .iter()
                         .any(|c| c.prior & done::RECORDED == 0)
                 {
-                    let tail = seg.consumer.segment().tail();
                     // The parked operations as last saved (for this tail): some may have
                     // completed in this very batch, and are recorded (or not) only by what follows.
                     let parked = Parked::AsSaved;
                     let mark = spool_mark(seg, spool);
-                    if let Err(e) = save_state(&self.cfg.state_dir, seg, tail, Some(mark), parked) {
-                        tracing::error!(segment = %seg.label, error = %e, "cannot save resume state before spooling; a crash now could record these instances twice");
-                        self.daemon_lost.add(Loss::StateWriteFailed, 1);
+                    match save_state(&mut self.states, seg, seg.tail, Some(mark), parked) {
+                        Ok(_) => {}
+                        Err(e) => {
+                            tracing::error!(segment = %seg.label, error = %e, "cannot save resume state before spooling; a crash now could record these instances twice");
+                            self.daemon_lost.add(Loss::StateWriteFailed, 1);
+                        }
                     }
                 }
             }
@@ -877,7 +916,7 @@ impl Engine {
                                 Ok(()) => {
                                     seg.next_emit += 1;
                                     // Records a forced commit already freed cannot be read again.
-                                    if c.first_pos >= seg.consumer.segment().tail() {
+                                    if c.first_pos >= seg.tail {
                                         seg.unacked.push(emit_no, c.first_pos, c.op_id);
                                     }
                                 }
@@ -919,6 +958,11 @@ impl Engine {
             if let Some(spool) = &self.spool
                 && !ops.is_empty()
             {
+                if !seg.on_disk
+                    && let Some(&(no, _)) = seg.saving.back()
+                {
+                    after = after.max(no);
+                }
                 spooled.push((i, spool_mark(seg, spool), ops));
                 let names = names.clone();
                 batch.push(SpoolRun { names, items });
@@ -933,7 +977,7 @@ impl Engine {
         if batch.is_empty() {
             return;
         }
-        let queued = spool.queue(batch);
+        let queued = spool.queue(batch, after);
         for (i, mark, ops) in spooled {
             let seg = &mut self.segments[i];
             match queued {
@@ -988,6 +1032,34 @@ impl Engine {
         }
     }
 
+    /// Moves each segment's ring tail to that of its newest state the state writer made durable;
+    /// counts the states it could not write, whose segments save again at their next commit (their
+    /// tails wait meanwhile).
+    fn collect_states(&mut self) {
+        // Before the failures: every failure up to it is reported by then.
+        let durable = self.states.durable();
+        for (label, no) in self.states.take_failed() {
+            self.daemon_lost.add(Loss::StateWriteFailed, 1);
+            if let Some(seg) = self.segments.iter_mut().find(|s| s.label == label) {
+                seg.saving.retain(|&(n, _)| n > no);
+                seg.resave = true;
+            }
+        }
+        for seg in &mut self.segments {
+            let mut tail = None;
+            while let Some(&(no, t)) = seg.saving.front()
+                && no <= durable
+            {
+                seg.saving.pop_front();
+                tail = Some(t);
+            }
+            if let Some(t) = tail {
+                seg.consumer.commit(t);
+                seg.on_disk = true;
+            }
+        }
+    }
+
     fn collect_acks(&mut self) {
         for seg in &mut self.segments {
             let acked = seg.acked.load(Ordering::Acquire);
@@ -1005,7 +1077,8 @@ impl Engine {
     }
 
     /// Saves state and commits each segment whose commit point moved (at most every [`COMMIT_EVERY`]
-    /// unless `now` or the ring is a quarter full).
+    /// unless `now` or the ring is a quarter full). With `now` (shutdown), waits (bounded by the
+    /// shutdown timeout) until the states are durable and the tails committed.
     fn commit_all(&mut self, now: bool) {
         let now_ns = now_ns();
         for seg in &mut self.segments {
@@ -1021,13 +1094,17 @@ impl Engine {
             self.parked_ops += seg.asm.park(seg.read_upto, read_before);
             let end = self.spool.as_ref().map(|s| spool_mark(seg, s));
             commit(
-                &self.cfg.state_dir,
+                &mut self.states,
                 seg,
                 now,
                 end,
                 &mut self.daemon_lost,
                 &mut self.forced_commits,
             );
+        }
+        if now {
+            self.states.flush(self.cfg.shutdown_timeout());
+            self.collect_states();
         }
     }
 
@@ -1045,7 +1122,7 @@ impl Engine {
                 let mut seg = self.segments.remove(i);
                 let end = self.spool.as_ref().map(|s| spool_mark(&seg, s));
                 commit(
-                    &self.cfg.state_dir,
+                    &mut self.states,
                     &mut seg,
                     true,
                     end,
@@ -1062,9 +1139,15 @@ impl Engine {
         }
     }
 
-    /// Removes what would bring a detached segment back: its resume state and its descriptors in
-    /// systemd's store. The mapping and the memory file go with the [`Attached`] value.
+    /// Removes what would bring a detached segment back: its resume state (once the states queued
+    /// for it are written, so none comes back after) and its descriptors in systemd's store. The
+    /// mapping and the memory file go with the [`Attached`] value.
     fn forget(&self, seg: &Attached) {
+        if let Some(&(no, _)) = seg.saving.back()
+            && !self.states.wait(no, FORGET_WAIT)
+        {
+            tracing::warn!(segment = %seg.label, "resume state still being written; it may outlive its segment until the next restart");
+        }
         resume::remove(&self.cfg.state_dir, &seg.label);
         if self.fd_store {
             let name = crate::notify::segment_fd_name(&seg.label);
@@ -1354,15 +1437,21 @@ fn mark_recorded(
     }
 }
 
+/// Moves the segment's commit point (`Attached::tail`) where it can go, queueing the state that
+/// describes it; the ring's tail follows once that state is durable (see `Engine::collect_states`).
 fn commit(
-    state_dir: &std::path::Path,
+    states: &mut StateWriter,
     seg: &mut Attached,
     now: bool,
     spool_end: Option<Position>,
     lost: &mut Losses,
     forced: &mut u64,
 ) {
-    let tail = seg.consumer.segment().tail();
+    // A state disk this far behind: the records wait in the ring rather than states in memory.
+    if seg.saving.len() >= MAX_SAVING {
+        return;
+    }
+    let tail = seg.tail;
     let mut target = seg.read_upto;
     if let Some(p) = seg.asm.oldest_pending_pos(tail) {
         target = target.min(p);
@@ -1387,7 +1476,7 @@ fn commit(
     seg.dict_changed |= seg.asm.take_dictionary_changed();
     let dict_changed = seg.dict_changed;
     let stale = mark_stale(seg.spool_mark, spool_end);
-    if target <= tail && !dict_changed && !seg.dirty && !stale {
+    if target <= tail && !dict_changed && !seg.dirty && !stale && !seg.resave {
         return;
     }
     let lag = target.saturating_sub(tail);
@@ -1410,7 +1499,8 @@ fn commit(
     let cursors_moved = seg.asm.prune_prior(target);
     // A saved state stays valid for any later tail: with the same dictionary, nothing delivered past
     // the new tail, no operation parked (the saved ones are continued from where they were saved)
-    // and a recent spool mark, there is nothing new to save (a segment fully drained).
+    // and a recent spool mark, there is nothing new to save (a segment fully drained). The ring's
+    // tail moves once the last state queued is durable (at once if it is).
     if seg.delivered.is_empty()
         && !seg.asm.has_parked()
         && seg.saved_parked.0.is_empty()
@@ -1419,14 +1509,20 @@ fn commit(
         && !stale
         && !cursors_moved
         && seg.state_saved
+        && !seg.resave
     {
-        seg.consumer.commit(target);
+        seg.tail = seg.tail.max(target);
+        match seg.saving.back() {
+            Some(&(no, _)) => seg.saving.push_back((no, seg.tail)),
+            None => seg.consumer.commit(seg.tail),
+        }
         seg.last_commit = Instant::now();
         seg.dirty = false;
         return;
     }
+    // What the ingest thread spends on it (the state's copy; the writer thread does the rest).
     let started = Instant::now();
-    if let Err(e) = save_state(state_dir, seg, target.max(tail), spool_end, Parked::Now) {
+    if let Err(e) = save_state(states, seg, target.max(tail), spool_end, Parked::Now) {
         // Without saved state a restart could not interpret what lies before the tail: keep it.
         tracing::error!(segment = %seg.label, error = %e, "cannot save resume state; not committing");
         lost.add(Loss::StateWriteFailed, 1);
@@ -1437,7 +1533,6 @@ fn commit(
         seg.dict_saved_at = Instant::now();
         seg.dict_save_cost = started.elapsed();
     }
-    seg.consumer.commit(target);
     seg.last_commit = Instant::now();
     seg.dirty = false;
 }
@@ -1458,16 +1553,17 @@ enum Parked {
     AsSaved,
 }
 
-/// Saves the segment's resume state for a committed tail of `tail`: its dictionary, what it delivered
-/// past the tail, the operations in flight that began before it, and the spool position everything
-/// it spools later will follow.
+/// Queues the segment's resume state for a committed tail of `tail` (which becomes the segment's
+/// commit point): its dictionary, what it delivered past the tail, the operations in flight that
+/// began before it, and the spool position everything it spools later will follow. Its number
+/// ([`StateWriter::queue`]); the ring's tail moves to `tail` once it is durable.
 fn save_state(
-    state_dir: &std::path::Path,
+    states: &mut StateWriter,
     seg: &mut Attached,
     tail: u64,
     spool_mark: Option<Position>,
     parked: Parked,
-) -> std::io::Result<()> {
+) -> std::io::Result<u64> {
     let mut delivered: Vec<(u64, u64, u8)> = seg
         .delivered
         .iter()
@@ -1492,11 +1588,15 @@ fn save_state(
         parked_upto: if parked.is_empty() { 0 } else { parked_upto },
         parked,
     };
-    resume::store(state_dir, &st)?;
+    let saved_parked = (st.parked.clone(), st.parked_upto);
+    let no = states.queue(st)?;
+    seg.tail = tail;
+    seg.saving.push_back((no, tail));
+    seg.resave = false;
     seg.state_saved = true;
     seg.spool_mark = spool_mark;
-    seg.saved_parked = (st.parked, st.parked_upto);
-    Ok(())
+    seg.saved_parked = saved_parked;
+    Ok(no)
 }
 
 #[cfg(test)]
@@ -1540,7 +1640,11 @@ mod tests {
             dropped: None,
             prometheus: prom,
         };
-        (Engine::new(Arc::new(cfg), hub.clone(), spool, out), rx, hub)
+        (
+            Engine::new(Arc::new(cfg), hub.clone(), spool, out).unwrap(),
+            rx,
+            hub,
+        )
     }
 
     /// A segment of job "j" written by this process, as a plugin's.
@@ -1775,7 +1879,7 @@ mod tests {
         e.attach(key.parse().unwrap(), seg, Some(theirs)).unwrap();
         for _ in 0..100 {
             e.tick();
-            e.flush_spool(Duration::from_secs(10));
+            e.flush(Duration::from_secs(10));
             e.commit_all(true);
         }
         panic!("not killed");
@@ -1828,7 +1932,7 @@ mod tests {
             let mut live = hub.subscribe();
             let _conn = hand_over(&mut e, &p);
             while e.tick() {}
-            e.flush_spool(Duration::from_secs(10));
+            e.flush(Duration::from_secs(10));
             e.commit_all(true);
             e.snapshot(true);
             assert_eq!(
@@ -1865,19 +1969,26 @@ mod tests {
         let (mut e1, _rx1, _hub1) = engine_with(&state_dir, Some(spool()), 8192);
         let _conn1 = hand_over(&mut e1, &p);
         e1.tick();
-        e1.flush_spool(Duration::from_secs(10));
+        e1.flush(Duration::from_secs(10));
         e1.commit_all(true);
         write_colls(&mut p, 10..20);
         // No commit inside this tick: the next one is not due.
         e1.segments[0].last_commit = Instant::now() + Duration::from_secs(60);
         e1.tick();
-        e1.flush_spool(Duration::from_secs(10));
+        e1.flush(Duration::from_secs(10));
         let committed = e1.segments[0].consumer.segment().tail();
         // What `commit` does first, without the second step: the state for the new tail is saved...
         let target = e1.segments[0].read_upto;
         assert!(target > committed);
         let end = e1.spool.as_ref().map(|s| s.end(&job_j()));
-        save_state(&state_dir, &mut e1.segments[0], target, end, Parked::Now).unwrap();
+        save_state(
+            &mut e1.states,
+            &mut e1.segments[0],
+            target,
+            end,
+            Parked::Now,
+        )
+        .unwrap();
         // ... and the daemon is killed before the tail is committed.
         drop(e1);
         assert_eq!(p.segment().tail(), committed);
@@ -1892,7 +2003,7 @@ mod tests {
             "commit finished"
         );
         while e2.tick() {}
-        e2.flush_spool(Duration::from_secs(10));
+        e2.flush(Duration::from_secs(10));
         let mut seen = Vec::new();
         while let Ok(c) = live.try_recv() {
             assert_eq!(c.view().func(), "AllReduce", "dictionary restored");
@@ -2075,7 +2186,7 @@ mod tests {
             }
             p.segment().count(Counter::QueueFull, 1);
             e1.tick();
-            e1.flush_spool(Duration::from_secs(10));
+            e1.flush(Duration::from_secs(10));
             e1.commit_all(true);
             assert_eq!(p.segment().tail(), p.segment().head());
             assert_eq!(e1.health().parked_ops, 1);
@@ -2089,7 +2200,7 @@ mod tests {
                 std::fs::rename(&state_dir, &away).unwrap();
                 std::fs::write(&state_dir, b"not a directory").unwrap();
                 e1.tick();
-                e1.flush_spool(Duration::from_secs(10));
+                e1.flush(Duration::from_secs(10));
                 e1.commit_all(true);
                 assert_eq!(e1.health().collectives, 15, "all spooled before the kill");
                 std::fs::remove_file(&state_dir).unwrap();
@@ -2100,7 +2211,7 @@ mod tests {
             let mut live = hub.subscribe();
             let _conn2 = hand_over(&mut e2, &p);
             e2.tick();
-            e2.flush_spool(Duration::from_secs(10));
+            e2.flush(Duration::from_secs(10));
             e2.commit_all(true);
             let spooled: Vec<_> = crate::spool::SpoolReader::open_dir(dir.path().join("spool"))
                 .unwrap()
@@ -2179,7 +2290,7 @@ mod tests {
             "published once durable, not before"
         );
         open.store(true, Ordering::Release);
-        assert!(e.flush_spool(Duration::from_secs(10)));
+        assert!(e.flush(Duration::from_secs(10)));
         e.commit_all(true);
         assert_eq!(p.segment().tail(), p.segment().head());
         let spooled: Vec<u64> = crate::spool::SpoolReader::open_dir(dir.path().join("spool"))
@@ -2192,6 +2303,118 @@ mod tests {
             .map(|c| c.inst.desc.seq)
             .collect();
         assert_eq!(published, (0..30).collect::<Vec<_>>());
+    }
+
+    /// Issue 19: the resume state is durable before the tail it describes is committed, and ingest
+    /// does not wait for it. While the state writer is held (a slow fsync), ticks go on reading and
+    /// delivering, and the ring's tail stays where the last durable state is (none yet: where it
+    /// began); once the writer has caught up, the tail moves on, and an engine restarted from the
+    /// state on disk delivers each operation once.
+    #[test]
+    fn the_tail_waits_for_a_durable_state_and_ingest_does_not() {
+        struct Gated {
+            dir: state_writer::Dir,
+            open: Arc<AtomicBool>,
+        }
+        impl state_writer::Store for Gated {
+            fn store(&mut self, states: &[SegmentState]) -> Vec<(usize, std::io::Error)> {
+                while !self.open.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                self.dir.store(states)
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mut p = producer(1 << 12);
+        let name = key_of(&p).to_string();
+        write_dictionary(&mut p);
+        let (mut e, _rx, hub) = engine(dir.path());
+        let open = Arc::new(AtomicBool::new(false));
+        let gated = Gated {
+            dir: state_writer::Dir(dir.path().to_path_buf()),
+            open: open.clone(),
+        };
+        e.states = StateWriter::start(Box::new(gated)).unwrap();
+        let mut live = hub.subscribe();
+        let _conn = hand_over(&mut e, &p);
+        for round in 0..3 {
+            write_colls(&mut p, round * 10..round * 10 + 10);
+            e.tick();
+            std::thread::sleep(COMMIT_EVERY);
+            e.tick();
+            assert_eq!(e.health().collectives, round * 10 + 10, "ingest went on");
+            assert_eq!(p.segment().tail(), 0, "the tail waits for a durable state");
+        }
+        assert_eq!(resume::load(dir.path(), &name).unwrap(), None);
+        open.store(true, Ordering::Release);
+        assert!(e.flush(Duration::from_secs(10)));
+        assert_eq!(p.segment().tail(), p.segment().head(), "the tail moved on");
+        let saved = resume::load(dir.path(), &name).unwrap().unwrap();
+        assert!(saved.tail > 0 && saved.tail <= p.segment().tail());
+        let published: Vec<u64> = std::iter::from_fn(|| live.try_recv().ok())
+            .map(|c| c.inst.desc.seq)
+            .collect();
+        assert_eq!(published, (0..30).collect::<Vec<_>>());
+
+        drop(e);
+        write_colls(&mut p, 30..40);
+        let (mut e2, _rx2, hub2) = engine(dir.path());
+        let mut live = hub2.subscribe();
+        let _conn2 = hand_over(&mut e2, &p);
+        e2.tick();
+        let seen: Vec<u64> = std::iter::from_fn(|| live.try_recv().ok())
+            .inspect(|c| assert_eq!(c.view().func(), "AllReduce", "dictionary restored"))
+            .map(|c| c.inst.desc.seq)
+            .collect();
+        assert_eq!(
+            seen,
+            (30..40).collect::<Vec<_>>(),
+            "nothing twice, nothing missing"
+        );
+        assert_eq!(e2.health().lost["resume_state_missing"], 0);
+    }
+
+    /// A state that cannot be written (its directory gone, as a full disk) is counted and the tail
+    /// does not move; nothing the engine accepted is lost: once the directory is back, the next
+    /// commit saves again, the tail moves on, and a restart delivers each operation once.
+    #[test]
+    fn a_state_that_cannot_be_written_is_counted_and_saved_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let state_dir = dir.path().join("state");
+        std::fs::create_dir(&state_dir).unwrap();
+        let mut p = producer(1 << 12);
+        write_dictionary(&mut p);
+        write_colls(&mut p, 0..10);
+        let (mut e, _rx, _hub) = engine(&state_dir);
+        let _conn = hand_over(&mut e, &p);
+        std::fs::remove_dir(&state_dir).unwrap();
+        e.tick();
+        e.commit_all(true);
+        assert_eq!(e.health().collectives, 10);
+        assert!(e.health().lost["state_write_failed"] > 0);
+        assert_eq!(p.segment().tail(), 0, "not committed without its state");
+
+        std::fs::create_dir(&state_dir).unwrap();
+        e.commit_all(true);
+        assert_eq!(
+            p.segment().tail(),
+            p.segment().head(),
+            "saved again, committed"
+        );
+        drop(e);
+        write_colls(&mut p, 10..20);
+        let (mut e2, _rx2, hub2) = engine(&state_dir);
+        let mut live = hub2.subscribe();
+        let _conn2 = hand_over(&mut e2, &p);
+        e2.tick();
+        let seen: Vec<u64> = std::iter::from_fn(|| live.try_recv().ok())
+            .map(|c| c.inst.desc.seq)
+            .collect();
+        assert_eq!(
+            seen,
+            (10..20).collect::<Vec<_>>(),
+            "nothing twice, nothing missing"
+        );
     }
 
     /// Spans are at-least-once across a kill: an operation that started first but finished after
@@ -2212,7 +2435,7 @@ mod tests {
             dropped: None,
             prometheus: watch::channel(Arc::default()).0,
         };
-        let mut e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out);
+        let mut e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out).unwrap();
         let mut p = producer(64);
         write_dictionary(&mut p);
         p.push(&comm_record(1, 6));
@@ -2258,7 +2481,7 @@ mod tests {
             dropped: Some(dropped.clone()),
             prometheus: watch::channel(Arc::default()).0,
         };
-        let mut e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out);
+        let mut e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out).unwrap();
         let mut p = producer(64);
         write_dictionary(&mut p);
         for seq in 0..3 {
@@ -2401,7 +2624,15 @@ mod tests {
                 id += 1;
             }
             e.tick();
+            let committed = p.segment().tail();
             let saved = std::fs::read(resume::path(dir.path(), &name.to_string())).ok();
+            if let Some(text) = &saved {
+                let st: SegmentState = serde_json::from_slice(text).unwrap();
+                assert!(
+                    st.tail >= committed,
+                    "the tail runs behind the state on disk"
+                );
+            }
             if saved.is_some() && saved != last {
                 saves += 1;
                 last = saved;
@@ -2412,7 +2643,9 @@ mod tests {
             saves <= 21,
             "{saves} state files written in 200 ms for {id} strings"
         );
-        // The tail moved only with a saved dictionary that covers every record before it.
+        // The tail moved only with a saved dictionary that covers every record before it (once the
+        // last state queued is durable, the ring's tail is its).
+        assert!(e.flush(Duration::from_secs(10)));
         let st = resume::load(dir.path(), &name.to_string())
             .unwrap()
             .unwrap();

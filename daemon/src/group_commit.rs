@@ -7,6 +7,9 @@
 //! state list the operation as recorded. The spool position a segment's state saves
 //! (`spool_mark`) precedes every batch of the segment not yet reported durable: each batch carries
 //! the spool's end as it was before the batch was queued, and the writer appends in queue order.
+//! A batch also waits for the resume states queued ahead of it that it must follow (a segment's
+//! first state, which tells a restarted engine to look for the segment in the spool at all): the
+//! state writer is another thread ([`crate::state_writer`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
@@ -14,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use crate::hub::{Durable, Hub, SpoolRun};
 use crate::spool::{JobKey, Origin, Position, SpoolIndex};
+use crate::state_writer;
 
 /// Batches queued and not yet durable (a delivery's new instances each, about 1,000) at which the
 /// engine stops reading segments until the writer catches up: a disk slower than a burst leaves the
@@ -29,6 +33,9 @@ const GROUP_INSTANCES: usize = 16_384;
 /// Emptied buffers kept for reuse, and the largest kept (instances): at most about 7 MiB held.
 const SPARE_BUFFERS: usize = 32;
 const SPARE_CAPACITY: usize = 1024;
+/// Longest a batch waits for the states it must follow: a state disk that hangs this long no longer
+/// holds the spool (a kill then could record the batch twice, as when the state write fails).
+const STATE_WAIT: Duration = Duration::from_secs(10);
 
 type Batch = Vec<SpoolRun>;
 type Items = Vec<(Origin, crate::instance::Instance)>;
@@ -43,7 +50,8 @@ struct Progress {
 }
 
 pub struct SpoolWriter {
-    tx: Option<mpsc::SyncSender<Batch>>,
+    /// Each batch with the number of the last resume state it must follow (0: none).
+    tx: Option<mpsc::SyncSender<(Batch, u64)>>,
     /// Emptied runs' buffers back from the writer, for the next batches: a fresh buffer each time
     /// cost the ingest thread a page fault per page and a copy per growth.
     spare: mpsc::Receiver<Items>,
@@ -55,8 +63,13 @@ pub struct SpoolWriter {
 }
 
 impl SpoolWriter {
-    /// Starts the writer thread over `spool`; it publishes what it made durable to `hub`.
-    pub fn start(spool: Box<dyn Durable>, hub: Arc<Hub>) -> std::io::Result<SpoolWriter> {
+    /// Starts the writer thread over `spool`; it publishes what it made durable to `hub`, and waits
+    /// on `states` for the states a batch must follow.
+    pub fn start(
+        spool: Box<dyn Durable>,
+        hub: Arc<Hub>,
+        states: Arc<state_writer::Progress>,
+    ) -> std::io::Result<SpoolWriter> {
         let index = spool.index();
         let (tx, rx) = mpsc::sync_channel(QUEUE_BATCHES);
         let (spare_tx, spare) = mpsc::sync_channel(SPARE_BUFFERS);
@@ -65,7 +78,7 @@ impl SpoolWriter {
             let progress = progress.clone();
             std::thread::Builder::new()
                 .name("ncclscope-spool".into())
-                .spawn(move || write_loop(spool, hub, rx, spare_tx, &progress))?
+                .spawn(move || write_loop(spool, hub, &states, rx, spare_tx, &progress))?
         };
         Ok(SpoolWriter {
             tx: Some(tx),
@@ -82,15 +95,16 @@ impl SpoolWriter {
         self.spare.try_recv().unwrap_or_default()
     }
 
-    /// Queues `batch`; its number (see [`Self::durable`]), or the batch back if the queue is full.
-    pub fn queue(&mut self, batch: Batch) -> Result<u64, Batch> {
+    /// Queues `batch`, to be appended once resume state number `after` is durable (0: at once); its
+    /// number (see [`Self::durable`]), or the batch back if the queue is full.
+    pub fn queue(&mut self, batch: Batch, after: u64) -> Result<u64, Batch> {
         let tx = self.tx.as_ref().expect("queued before drop");
-        match tx.try_send(batch) {
+        match tx.try_send((batch, after)) {
             Ok(()) => {
                 self.queued += 1;
                 Ok(self.queued)
             }
-            Err(mpsc::TrySendError::Full(b) | mpsc::TrySendError::Disconnected(b)) => Err(b),
+            Err(mpsc::TrySendError::Full(b) | mpsc::TrySendError::Disconnected(b)) => Err(b.0),
         }
     }
 
@@ -157,22 +171,29 @@ impl Drop for SpoolWriter {
 fn write_loop(
     mut spool: Box<dyn Durable>,
     hub: Arc<Hub>,
-    rx: mpsc::Receiver<Batch>,
+    states: &state_writer::Progress,
+    rx: mpsc::Receiver<(Batch, u64)>,
     spare: mpsc::SyncSender<Items>,
     progress: &Progress,
 ) {
     let mut group: Batch = Vec::new();
     let size = |b: &Batch| b.iter().map(|r| r.items.len()).sum::<usize>();
-    while let Ok(first) = rx.recv() {
+    while let Ok((first, mut after)) = rx.recv() {
         let (mut n, mut instances) = (1, size(&first));
         group.extend(first);
         // Whatever queued up while the last group was synced goes with this one.
         while instances < GROUP_INSTANCES
-            && let Ok(more) = rx.try_recv()
+            && let Ok((more, more_after)) = rx.try_recv()
         {
             instances += size(&more);
             group.extend(more);
+            after = after.max(more_after);
             n += 1;
+        }
+        if !states.wait(after, STATE_WAIT) {
+            tracing::error!(
+                "resume state not saved in time; spooling without it (a crash now could record these instances twice)"
+            );
         }
         if let Err(e) = spool.append(&group) {
             tracing::error!(error = %e, n = instances, "spool append failed; instances not spooled");

@@ -29,6 +29,7 @@ pub mod run;
 pub mod socket;
 pub mod spans;
 pub mod spool;
+pub mod state_writer;
 pub mod stats;
 
 /// The exporter builds a batch of OTLP spans (many small strings) per request, and every instance

@@ -2,7 +2,9 @@
 //! tail survives a daemon restart inside the segment itself; this file carries what the records before
 //! the tail defined (strings, communicators, calibration) and which operations after the tail were
 //! already delivered, so a restarted daemon neither misreads nor double-counts what it re-reads
-//! (together with the spool's record of what it holds from the saved position on).
+//! (together with the spool's record of what it holds from the saved position on). The engine's
+//! state writer thread ([`crate::state_writer`]) makes a state durable ([`store`], [`sync_dir`])
+//! before the tail it describes is committed.
 //!
 //! Every type written to the file is defined here, apart from the in-memory structures they are
 //! taken from and [`Desc`], the one description of a collective that the instance shares; and
@@ -200,7 +202,8 @@ pub fn load(dir: &Path, segment: &str) -> io::Result<Option<SegmentState>> {
     Ok((state.segment == segment).then_some(state))
 }
 
-/// Replaces the saved state atomically (write then rename).
+/// Replaces the saved state atomically: written to a temporary file, synced, renamed over the
+/// state. Durable once [`sync_dir`] has followed the rename.
 pub fn store(dir: &Path, state: &SegmentState) -> io::Result<()> {
     let final_path = path(dir, &state.segment);
     let tmp = final_path.with_extension("json.tmp");
@@ -213,8 +216,14 @@ pub fn store(dir: &Path, state: &SegmentState) -> io::Result<()> {
         .open(&tmp)?;
     f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
     f.write_all(&serde_json::to_vec(state).map_err(io::Error::other)?)?;
+    f.sync_data()?;
     drop(f);
     std::fs::rename(&tmp, &final_path)
+}
+
+/// Makes the renames [`store`] did in `dir` durable: one sync for every state stored since the last.
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
 }
 
 pub fn remove(dir: &Path, segment: &str) {

@@ -215,7 +215,8 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
         let _ = reg_tx.send(restored);
     }
     let stop = Arc::new(AtomicBool::new(false));
-    let engine = Engine::new(cfg.clone(), hub.clone(), spool, outputs);
+    let engine = Engine::new(cfg.clone(), hub.clone(), spool, outputs)
+        .context("starting the state writer thread")?;
     let engine = {
         let stop = stop.clone();
         std::thread::Builder::new()
