@@ -473,9 +473,10 @@ fn rss() {
     };
     let hwm = status_kib(daemon_pid, "VmHWM");
     let cpu = run_ns(daemon_pid, None) - cpu0;
-    let (ingest, spooler) = (
+    let (ingest, spooler, states) = (
         run_ns(daemon_pid, Some("ncclscope-ingest")),
         run_ns(daemon_pid, Some("ncclscope-spool")),
+        run_ns(daemon_pid, Some("ncclscope-state")),
     );
     sampling.store(false, Ordering::Relaxed);
     let (anon, shmem) = sampler.join().unwrap();
@@ -493,7 +494,7 @@ fn rss() {
     println!(
         "rss: daemon peak private (anon) RSS {:.1} MiB; VmHWM {:.1} MiB incl. up to {:.1} MiB of mapped segment pages; \
          {nranks} ranks at {:.2} M records/s offered for {:?}{}; ingested {:.0} records, {:.0} collectives, {} spans received; \
-         daemon CPU {:.2} s (ingest thread {:.2} s, spool writer thread {:.2} s)",
+         daemon CPU {:.2} s (ingest thread {:.2} s, spool writer thread {:.2} s, state writer thread {:.2} s)",
         anon as f64 / 1024.0,
         hwm as f64 / 1024.0,
         shmem as f64 / 1024.0,
@@ -506,6 +507,7 @@ fn rss() {
         cpu as f64 / 1e9,
         ingest as f64 / 1e9,
         spooler as f64 / 1e9,
+        states as f64 / 1e9,
     );
     let losses: Vec<&str> = metrics
         .lines()
