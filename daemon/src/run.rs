@@ -217,6 +217,9 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
     let stop = Arc::new(AtomicBool::new(false));
     let engine = Engine::new(cfg.clone(), hub.clone(), spool, outputs)
         .context("starting the state writer thread")?;
+    // Logged before the ingest thread starts, so the segments it restores from systemd's store are
+    // logged after it (its sockets are bound: connections queue until they are served).
+    tracing::info!(socket = %cfg.socket.display(), api = %cfg.api_socket.display(), otlp = %cfg.otlp.endpoint, prometheus = ?prometheus_addr, "ncclscope daemon started");
     let engine = {
         let stop = stop.clone();
         std::thread::Builder::new()
@@ -238,7 +241,6 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
             let _ = api_stop.await;
         },
     ));
-    tracing::info!(socket = %cfg.socket.display(), api = %cfg.api_socket.display(), otlp = %cfg.otlp.endpoint, prometheus = ?prometheus_addr, "ncclscope daemon started");
     Ok(Running {
         stop,
         engine: Some(engine),
