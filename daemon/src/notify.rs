@@ -18,13 +18,17 @@ const MAX_FDS: usize = 2;
 /// Sends `state` (e.g. "READY=1") with `fds` to the service manager, if there is one. Never waits: a
 /// manager that does not keep up gets an error (WouldBlock), not a stalled ingest thread.
 pub fn notify(state: &str, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
-    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
-        return Ok(());
-    };
-    let path = path.to_string_lossy().into_owned();
+    match std::env::var_os("NOTIFY_SOCKET") {
+        Some(path) => send(&path.to_string_lossy(), state, fds),
+        None => Ok(()),
+    }
+}
+
+/// Sends `state` with `fds` to the notification socket at `path` (`@` starts an abstract name).
+fn send(path: &str, state: &str, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     let addr = match path.strip_prefix('@') {
         Some(abstract_name) => SocketAddrUnix::new_abstract_name(abstract_name.as_bytes())?,
-        None => SocketAddrUnix::new(path.as_str())?,
+        None => SocketAddrUnix::new(path)?,
     };
     if fds.len() > MAX_FDS {
         return Err(io::Error::other(
@@ -80,17 +84,14 @@ mod tests {
     use std::os::fd::AsFd;
 
     #[test]
-    fn sends_to_the_socket_named_by_the_environment_with_descriptors() {
+    fn sends_to_the_notification_socket_with_descriptors() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("notify");
         let server = std::os::unix::net::UnixDatagram::bind(&path).unwrap();
         let file = tempfile::tempfile().unwrap();
-        // SAFETY: no other code in this test binary reads or writes NOTIFY_SOCKET.
-        unsafe { std::env::set_var("NOTIFY_SOCKET", &path) };
-        super::notify("READY=1", &[]).unwrap();
-        super::notify("FDSTORE=1\nFDNAME=segment.1.2.3", &[file.as_fd()]).unwrap();
-        // SAFETY: as above.
-        unsafe { std::env::remove_var("NOTIFY_SOCKET") };
+        let path = path.to_str().unwrap();
+        super::send(path, "READY=1", &[]).unwrap();
+        super::send(path, "FDSTORE=1\nFDNAME=segment.1.2.3", &[file.as_fd()]).unwrap();
         let mut buf = [0u8; 64];
         let n = server.recv(&mut buf).unwrap();
         assert_eq!(&buf[..n], b"READY=1");
