@@ -13,7 +13,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::hub::{Durable, Hub, SpoolRun};
 use crate::spool::{JobKey, Origin, Position, SpoolIndex};
@@ -43,8 +43,8 @@ type Items = Vec<(Origin, crate::instance::Instance)>;
 /// What the writer reports back, read by the engine.
 #[derive(Default)]
 struct Progress {
-    /// Batches written and synced, or failed (numbered from 1 in queue order).
-    done: AtomicU64,
+    /// Batches written and synced, or failed.
+    done: state_writer::Done,
     /// Instances whose append failed (full disk, I/O error).
     failed: AtomicU64,
 }
@@ -111,17 +111,12 @@ impl SpoolWriter {
     /// The highest batch number written and synced (or failed: see [`Self::failed`]); every lower
     /// one is, too.
     pub fn durable(&self) -> u64 {
-        self.progress.done.load(Ordering::Acquire)
+        self.progress.done.get()
     }
 
     /// Batches queued and not yet durable.
     pub fn backlog(&self) -> u64 {
         self.queued - self.durable()
-    }
-
-    /// Whether every queued batch is durable.
-    pub fn idle(&self) -> bool {
-        self.durable() >= self.queued
     }
 
     /// Instances the spool could not take so far.
@@ -131,14 +126,7 @@ impl SpoolWriter {
 
     /// Waits until every queued batch is durable, for at most `timeout`; whether they are.
     pub fn flush(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        while !self.idle() {
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        }
-        true
+        self.progress.done.wait(self.queued, timeout)
     }
 
     /// See [`SpoolIndex::end`].
@@ -210,6 +198,6 @@ fn write_loop(
                 let _ = spare.try_send(run.items);
             }
         }
-        progress.done.fetch_add(n, Ordering::Release);
+        progress.done.reach(progress.done.get() + n);
     }
 }

@@ -44,12 +44,40 @@ impl Store for Dir {
     }
 }
 
+/// How many of its queued items a writer thread has finished (numbered from 1 in queue order; every
+/// lower one is finished too): the state writer's and the spool's.
+#[derive(Default)]
+pub struct Done(AtomicU64);
+
+impl Done {
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// Reports everything up to `number` finished (the writer thread).
+    pub fn reach(&self, number: u64) {
+        self.0.store(number, Ordering::Release);
+    }
+
+    /// Waits until item `number` is finished, for at most `timeout`; whether it is.
+    pub fn wait(&self, number: u64, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while self.get() < number {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        true
+    }
+}
+
 /// What the writer reports back, read by the engine (and by the spool writer, which waits for the
 /// states a batch must follow).
 #[derive(Default)]
 pub struct Progress {
-    /// States written and synced, or failed (numbered from 1 in queue order).
-    done: AtomicU64,
+    /// States written and synced, or failed.
+    done: Done,
     /// (segment, number) of each state that was not made durable, with every earlier one of the
     /// segment it replaced; until the engine takes them.
     failed: Mutex<Vec<(String, u64)>>,
@@ -58,14 +86,7 @@ pub struct Progress {
 impl Progress {
     /// Waits until state `number` is durable (or failed), for at most `timeout`; whether it is.
     pub fn wait(&self, number: u64, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        while self.done.load(Ordering::Acquire) < number {
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_micros(100));
-        }
-        true
+        self.done.wait(number, timeout)
     }
 }
 
@@ -115,7 +136,7 @@ impl StateWriter {
     /// The highest state number written and synced, or failed (see [`Self::take_failed`]); every
     /// lower one is, too.
     pub fn durable(&self) -> u64 {
-        self.progress.done.load(Ordering::Acquire)
+        self.progress.done.get()
     }
 
     /// The states reported as failed since the last call: (segment, number). Read after
@@ -182,7 +203,7 @@ fn write_loop(mut store: Box<dyn Store>, rx: mpsc::Receiver<SegmentState>, progr
                 reported.push((group[i].segment.clone(), numbers[i]));
             }
         }
-        progress.done.store(n, Ordering::Release);
+        progress.done.reach(n);
         group.clear();
         numbers.clear();
         at.clear();
