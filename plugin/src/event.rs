@@ -7,18 +7,8 @@ pub use crate::abi::CText;
 /// What NCCL threads hand to the forwarding thread. Every `host_ns` is a [`crate::clock::stamp`].
 #[derive(Debug)]
 pub enum Event {
-    Comm {
-        comm: u32,
-        comm_hash: u64,
-        rank: u32,
-        nranks: u32,
-        nnodes: u32,
-        cuda_dev: i32,
-        name: Vec<u8>,
-        path: TimingPath,
-        host_ns: u64,
-        gpu: Option<Gpu>,
-    },
+    /// Boxed: it comes once per communicator, and unboxed it would make every queued event larger.
+    Comm(Box<CommEvent>),
     /// `table` is the communicator's slot in the plugin's table, flagged once the end is written.
     CommEnd { comm: u32, table: u32, host_ns: u64 },
     CollStart {
@@ -49,4 +39,19 @@ pub enum Event {
     },
     /// A record without strings (OpStop, KernelCh, KernelPhase).
     Ready(Record),
+}
+
+/// A communicator's announcement ([`Event::Comm`]).
+#[derive(Debug)]
+pub struct CommEvent {
+    pub comm: u32,
+    pub comm_hash: u64,
+    pub rank: u32,
+    pub nranks: u32,
+    pub nnodes: u32,
+    pub cuda_dev: i32,
+    pub name: Vec<u8>,
+    pub path: TimingPath,
+    pub host_ns: u64,
+    pub gpu: Option<Gpu>,
 }

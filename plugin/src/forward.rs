@@ -18,7 +18,7 @@ use ncclscope_proto::{Counter, Producer, Record, StrId};
 
 use crate::clock::Converter;
 use crate::devhook;
-use crate::event::{CText, Event};
+use crate::event::{CText, CommEvent, Event};
 use crate::profiler::{self, ORPHAN_AGE, Plugin};
 use crate::register::Registration;
 use crate::sink::Sink;
@@ -264,18 +264,19 @@ impl Forwarder {
 
     fn forward(&mut self, event: Event) {
         let record = match event {
-            Event::Comm {
-                comm,
-                comm_hash,
-                rank,
-                nranks,
-                nnodes,
-                cuda_dev,
-                name,
-                path,
-                host_ns,
-                gpu,
-            } => {
+            Event::Comm(c) => {
+                let CommEvent {
+                    comm,
+                    comm_hash,
+                    rank,
+                    nranks,
+                    nnodes,
+                    cuda_dev,
+                    name,
+                    path,
+                    host_ns,
+                    gpu,
+                } = *c;
                 let name = if name.is_empty() {
                     StrId(0)
                 } else {

@@ -74,6 +74,8 @@ struct Item {
     event: Event,
     deps: [Dep; 2],
 }
+// Every push writes one: a cache line and a half (rare, large events are boxed, see `Event::Comm`).
+const _: () = assert!(size_of::<Item>() <= 96);
 
 /// A lane a thread holds, from [`Lanes::claim`] to [`Lanes::release`]: neither `Clone` nor `Copy`, so
 /// one thread at a time pushes to a lane.

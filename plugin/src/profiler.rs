@@ -20,7 +20,7 @@ use crate::abi::{MaskSlot, event};
 use crate::clock;
 use crate::config::Config;
 use crate::devhook;
-use crate::event::{CText, Event};
+use crate::event::{CText, CommEvent, Event};
 use crate::host::{self, HostInfo};
 use crate::lanes::{Dep, Held, LANE_EVENTS, Lanes};
 use crate::pool::{Cache, Kind, POOL_SLOTS, Pool};
@@ -465,7 +465,7 @@ impl Plugin {
         }
         let name = slot.name.lock().map(|n| n.clone()).unwrap_or_default();
         let gpu = slot.gpu.lock().map(|g| *g).unwrap_or_default();
-        let event = Event::Comm {
+        let event = Event::Comm(Box::new(CommEvent {
             comm: slot.id.load(Ordering::Relaxed),
             comm_hash: slot.comm_hash.load(Ordering::Relaxed),
             rank: slot.rank.load(Ordering::Relaxed),
@@ -476,7 +476,7 @@ impl Plugin {
             path,
             host_ns: clock::stamp(),
             gpu,
-        };
+        }));
         let at = self.push(local, event, [Dep::NONE; 2]);
         slot.advance(at);
     }
