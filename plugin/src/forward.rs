@@ -4,9 +4,9 @@
 //! out in an order that keeps every event after the ones it depends on, turns them into
 //! records (interning NCCL's static strings on the way), drains the device-hook rings, flushes the loss
 //! counters into the segment header, heartbeats the segment and hands it to the daemon (again after a
-//! daemon restart). After a pass that emptied the lanes it sleeps 1 ms (growing to 20 ms while
-//! nothing comes), so it takes events out in batches; NCCL threads wake it early when their lane fills
-//! up, and while the GPU writes device records it does not sleep. It empties the lanes from its first moment; for the first millisecond, until the TSC rate is
+//! daemon restart). When there
+//! is nothing to do it sleeps, 1 ms growing to 20 ms; NCCL threads wake it early when their lane fills
+//! up. It empties the lanes from its first moment; for the first millisecond, until the TSC rate is
 //! measured, the events wait in the thread's own buffer.
 
 use std::collections::HashMap;
@@ -223,15 +223,15 @@ impl Forwarder {
                 self.forward(event);
             }
             let plugin = self.plugin;
-            let events = plugin.lanes.drain(BATCH, &mut |event| self.forward(event));
-            forwarded += events as u64;
+            let mut work = plugin.lanes.drain(BATCH, &mut |event| self.forward(event));
+            forwarded += work as u64;
             if let Some(n) = self.plugin.config.test_panic_forward
                 && forwarded >= n
             {
                 panic!("NCCLSCOPE_TEST_PANIC=forward:{n}: panicking after {forwarded} events");
             }
             self.holding = true;
-            let device = devhook::drain(self);
+            work += devhook::drain(self);
             self.release_held();
             self.plugin.flush_counters(self.producer.segment());
             self.producer.segment().beat();
@@ -240,25 +240,16 @@ impl Forwarder {
                 self.plugin.sweep(self.clock.stamp_ago(ORPHAN_AGE));
                 self.sweep_due = now + SWEEP_PERIOD;
             }
-            // Behind (a full batch) or the GPU writing: go on at once.
-            if events >= BATCH || device > 0 {
+            if work > 0 {
                 idle = MIN_IDLE;
                 continue;
             }
-            // Otherwise wait, even with events queued: taken out in batches rather than one at a
-            // time right behind the NCCL threads, they do not pull the lanes' cache lines away from
-            // the threads at every push. A lane filling up wakes the thread early.
-            if events > 0 {
-                idle = MIN_IDLE;
-            }
             self.plugin.fwd_idle.store(true, Ordering::SeqCst);
-            if events > 0 || self.plugin.lanes.is_empty() {
+            if self.plugin.lanes.is_empty() {
                 std::thread::park_timeout(idle);
             }
             self.plugin.fwd_idle.store(false, Ordering::SeqCst);
-            if events == 0 {
-                idle = (idle * 2).min(MAX_IDLE);
-            }
+            idle = (idle * 2).min(MAX_IDLE);
         }
     }
 
