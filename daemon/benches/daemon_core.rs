@@ -591,18 +591,35 @@ fn daemon_config(dir: &std::path::Path, spool: bool, more: &str) -> (std::path::
     (config, port)
 }
 
-/// The real daemon binary over prefilled segments: (records per CPU-second of the process, of its
-/// ingest thread), every loss counter checked zero. The CPU time is counted from just before the
-/// segments are handed over until the daemon's metrics (refreshed every second) count every
-/// collective, so it includes up to a second of idle ticks.
-fn real(ranks: u64, spool: bool, late_kernels: bool) -> (f64, f64) {
+/// Records per CPU-second of the daemon process and of its ingest thread.
+struct Rate {
+    process: f64,
+    ingest: f64,
+}
+
+/// Rounds the real daemon ingests after the first, in steady state.
+const WARM_ROUNDS: u64 = 3;
+
+/// The real daemon binary over prefilled segments, every loss counter checked zero: (cold, warm).
+/// Cold: the first 150 k collectives, in segments the daemon finds full (as after a burst or its
+/// own restart), CPU counted from just before they are handed over until the daemon's metrics
+/// (refreshed every second) count every collective, so it includes up to a second of idle ticks and
+/// everything a daemon does once (series, maps and buffers growing, the segments' pages mapped).
+/// Warm: [`WARM_ROUNDS`] more rounds of 150 k, each written once the daemon committed the one
+/// before (every segment's tail at its head), CPU counted until the last round is committed: the
+/// ingest rate of a daemon already running, as the in-process `ingest` bench measures it.
+fn real(ranks: u64, spool: bool, late_kernels: bool) -> (Rate, Rate) {
     let dir = tempfile::tempdir().unwrap();
     let (config, port) = daemon_config(dir.path(), spool, "");
     // The segments first: the daemon finds them full, as after a burst or its own restart.
     let per_rank = 150_000 / ranks;
     let capacity = (per_rank * (2 + CHANNELS) + 64).next_power_of_two();
+    let write = |p: &mut Producer, round: u64| match late_kernels {
+        true => fill_late_kernels(p, round * per_rank, per_rank, 8),
+        false => fill(p, round * per_rank, per_rank),
+    };
     let mut records = 0;
-    let producers: Vec<Producer> = (0..ranks)
+    let mut producers: Vec<Producer> = (0..ranks)
         .map(|rank| {
             let claims = Claims {
                 hostname: "bench".into(),
@@ -610,10 +627,7 @@ fn real(ranks: u64, spool: bool, late_kernels: bool) -> (f64, f64) {
             };
             let mut p = Producer::new(Segment::create(&claims, capacity).unwrap());
             prelude(&mut p, 0xbe7c, rank as u32, ranks as u32, rank as i32);
-            records += match late_kernels {
-                true => fill_late_kernels(&mut p, 0, per_rank, 8),
-                false => fill(&mut p, 0, per_rank),
-            };
+            records += write(&mut p, 0);
             p
         })
         .collect();
@@ -644,10 +658,10 @@ fn real(ranks: u64, spool: bool, late_kernels: bool) -> (f64, f64) {
             ncclscope_fakenccl::process::register(&socket, fd, Duration::from_secs(10)).unwrap()
         })
         .collect();
-    let expected = (per_rank * ranks) as f64;
-    let text = loop {
+    // The metrics' text once they count `n` collectives.
+    let counted = |n: u64| loop {
         let text = scrape();
-        if value(&text, "ncclscope_collectives_total") >= expected {
+        if value(&text, "ncclscope_collectives_total") >= n as f64 {
             break text;
         }
         assert!(t0.elapsed() < Duration::from_secs(300), "not ingested");
@@ -655,8 +669,37 @@ fn real(ranks: u64, spool: bool, late_kernels: bool) -> (f64, f64) {
         // sooner, and each render is the daemon's CPU (every 5 ms, a tenth of what was measured).
         std::thread::sleep(Duration::from_millis(100));
     };
-    let cpu = run_ns(pid, None) - cpu0;
-    let ingest = run_ns(pid, Some("ncclscope-ingest")) - ingest0;
+    counted(per_rank * ranks);
+    let cold = rate(
+        records,
+        run_ns(pid, None) - cpu0,
+        run_ns(pid, Some("ncclscope-ingest")) - ingest0,
+    );
+    let committed = |producers: &[Producer]| {
+        let t0 = Instant::now();
+        while !producers
+            .iter()
+            .all(|p| p.segment().tail() == p.segment().head())
+        {
+            assert!(t0.elapsed() < Duration::from_secs(300), "not committed");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    committed(&producers);
+    let (cpu0, ingest0) = (run_ns(pid, None), run_ns(pid, Some("ncclscope-ingest")));
+    let mut records = 0;
+    for round in 1..=WARM_ROUNDS {
+        for p in &mut producers {
+            records += write(p, round);
+        }
+        committed(&producers);
+    }
+    let warm = rate(
+        records,
+        run_ns(pid, None) - cpu0,
+        run_ns(pid, Some("ncclscope-ingest")) - ingest0,
+    );
+    let text = counted(per_rank * ranks * (1 + WARM_ROUNDS));
     let lost: Vec<&str> = (text.lines())
         .filter(|l| l.starts_with("ncclscope_lost_total{") && !l.ends_with(" 0"))
         .collect();
@@ -667,11 +710,14 @@ fn real(ranks: u64, spool: bool, late_kernels: bool) -> (f64, f64) {
         rustix::process::Signal::TERM,
     );
     let _ = daemon.wait();
-    let records = records as f64;
-    (
-        records / (cpu as f64 / 1e9),
-        records / (ingest as f64 / 1e9),
-    )
+    (cold, warm)
+}
+
+fn rate(records: u64, process_ns: u64, ingest_ns: u64) -> Rate {
+    Rate {
+        process: records as f64 / (process_ns as f64 / 1e9),
+        ingest: records as f64 / (ingest_ns as f64 / 1e9),
+    }
 }
 
 fn main() {
@@ -741,18 +787,21 @@ fn main() {
             {
                 continue;
             }
-            let (process, ingest) = real(ranks, spool, late);
+            let (cold, warm) = real(ranks, spool, late);
             println!(
                 "real daemon, {ranks} prefilled segment(s){}{}: {:.2} M records per CPU-second of the \
-                 process, {:.2} M of its ingest thread",
+                 process, {:.2} M of its ingest thread; warm ({WARM_ROUNDS} more rounds): {:.2} M, \
+                 {:.2} M",
                 if late {
                     ", kernel records 8 operations late"
                 } else {
                     ""
                 },
                 if spool { " + spool" } else { "" },
-                process / 1e6,
-                ingest / 1e6,
+                cold.process / 1e6,
+                cold.ingest / 1e6,
+                warm.process / 1e6,
+                warm.ingest / 1e6,
             );
         }
     }
