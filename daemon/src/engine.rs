@@ -828,11 +828,11 @@ impl Engine {
                     names,
                 };
                 let otlp = &self.cfg.otlp;
-                let observed = self.stats.observe(inst, now, SLOW_MIN_SAMPLES, |p50| {
+                let observed = self.stats.observe(inst, now, SLOW_MIN_SAMPLES, |p50, key| {
                     let slow = otlp.slow_factor > 0.0
                         && p50
                             .is_some_and(|p50| inst.exec_ns as f64 > otlp.slow_factor * p50 as f64);
-                    live_spans(otlp, slow, inst)
+                    live_spans(otlp, slow, inst.comm_hash, key)
                 });
                 c.coll.live_spans = observed.live_spans;
                 c.coll.trace_root = observed.trace_root;
@@ -890,7 +890,8 @@ impl Engine {
                         inst: &c.coll,
                         names,
                     };
-                    c.coll.live_spans = live_spans(&self.cfg.otlp, false, inst);
+                    let key = crate::spans::instance_key(inst);
+                    c.coll.live_spans = live_spans(&self.cfg.otlp, false, inst.comm_hash, key);
                 }
                 if c.coll.live_spans == LiveSpans::None && c.coll.trace_root.is_none() {
                     flags |= done::EXPORTED;
@@ -1381,11 +1382,10 @@ fn remember(list: &mut VecDeque<SegmentKey>, key: SegmentKey, max: usize) {
     list.push_back(key);
 }
 
-/// What the live export sends for `inst`: nothing unless it is sampled or `slow`; its channels' spans
-/// with `otlp.channel_spans`.
-fn live_spans(otlp: &crate::config::Otlp, slow: bool, inst: InstanceRef) -> LiveSpans {
-    let key = crate::spans::instance_key(inst);
-    if !slow && !crate::spans::sampled(inst.comm_hash, key, otlp.sample_ratio) {
+/// What the live export sends for the instance of `comm_hash` whose [`crate::spans::instance_key`] is
+/// `key`: nothing unless it is sampled or `slow`; its channels' spans with `otlp.channel_spans`.
+fn live_spans(otlp: &crate::config::Otlp, slow: bool, comm_hash: u64, key: u64) -> LiveSpans {
+    if !slow && !crate::spans::sampled(comm_hash, key, otlp.sample_ratio) {
         LiveSpans::None
     } else if otlp.channel_spans {
         LiveSpans::Channels

@@ -682,7 +682,7 @@ mod tests {
             (3, 1_520, LiveSpans::None),
             (4, 3_000, LiveSpans::None),
         ] {
-            stats.observe(coll(seq, exec_ns).view(), 0, 1, |_| live);
+            stats.observe(coll(seq, exec_ns).view(), 0, 1, |_, _| live);
         }
         let f = families(&stats, &Health::default());
         let om = render_openmetrics(&f, true);
@@ -735,7 +735,7 @@ mod tests {
                 timing_source: "kernel_gpu".into(),
                 ..Default::default()
             });
-            stats.observe(c.view(), 0, 1, |_| LiveSpans::None);
+            stats.observe(c.view(), 0, 1, |_, _| LiveSpans::None);
         }
         let health = Health {
             lost: BTreeMap::from([("ring_full".into(), 3)]),
@@ -825,7 +825,7 @@ mod tests {
                     timing_source: "kernel_gpu".into(),
                     ..Default::default()
                 });
-                stats.observe(c.view(), 0, 1, |_| LiveSpans::None);
+                stats.observe(c.view(), 0, 1, |_, _| LiveSpans::None);
                 let e = exact.entry(bytes).or_default();
                 e.0.push(exec_ns as f64 / 1000.0);
                 e.1.push(busbw_gbs);

@@ -47,7 +47,12 @@ fn nonzero(x: u64) -> u64 {
 /// 0 are two collectives. So the key is (collective type, seq) for an eager launch and (type, seq,
 /// replay) for the r-th graph replay, the same on every rank of every node.
 pub fn collective_key(func: &str, seq: u64, replay: u32) -> u64 {
-    let key = mix(type_key(func), seq);
+    typed_key(type_key(func), seq, replay)
+}
+
+/// [`collective_key`] of the type whose [`type_key`] is `type_key`.
+fn typed_key(type_key: u64, seq: u64, replay: u32) -> u64 {
+    let key = mix(type_key, seq);
     if replay == 0 {
         key
     } else {
@@ -67,6 +72,12 @@ pub fn type_key(func: &str) -> u64 {
 /// the transfer's (sender, receiver, number), the same on its Send and its Recv side (the assembler
 /// numbers each (peer, function) in order).
 pub fn instance_key(c: InstanceRef) -> u64 {
+    instance_key_typed(c, type_key(c.func()))
+}
+
+/// [`instance_key`] given the [`type_key`] of `c`'s function: the statistics take that once per
+/// instance, for its key and its skew window (each FNV pass over the name was a percent of ingest).
+pub fn instance_key_typed(c: InstanceRef, func_key: u64) -> u64 {
     if c.desc.is_p2p {
         let (from, to) = match c.func() {
             "Recv" => (c.desc.peer as u32, c.rank),
@@ -78,7 +89,7 @@ pub fn instance_key(c: InstanceRef) -> u64 {
             c.replay,
         );
     }
-    collective_key(c.func(), c.desc.seq, c.replay)
+    typed_key(func_key, c.desc.seq, c.replay)
 }
 
 /// The collective's identity: everything the ids derive from.

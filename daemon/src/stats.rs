@@ -301,15 +301,18 @@ impl Stats {
 
     /// Records `c` and returns what the live export sends of it: `decide` gets its series' rolling
     /// p50 exec time before `c`, once the series has `min_samples` (for the slow-outlier sampling
-    /// decision). An instance whose spans are sent becomes its exec-time bucket's exemplar.
+    /// decision), and `c`'s [`spans::instance_key`]. An instance whose spans are sent becomes its
+    /// exec-time bucket's exemplar.
     pub fn observe(
         &mut self,
         c: InstanceRef,
         now_ns: u64,
         min_samples: u64,
-        decide: impl FnOnce(Option<u64>) -> LiveSpans,
+        decide: impl FnOnce(Option<u64>, u64) -> LiveSpans,
     ) -> Observed {
         let window = self.window_ns;
+        let type_key = spans::type_key(c.func());
+        let key = spans::instance_key_typed(c, type_key);
         let exec_ns = Sample::from(c.exec_ns as f64);
         let live = self.with_series(c, now_ns, |s| {
             // A settled p50 moves slowly: once the series has a few windows' worth of samples,
@@ -320,12 +323,12 @@ impl Stats {
             }
             s.p50_age += 1;
             s.last_ns = now_ns;
-            let live = decide((s.rolling_exec_ns.count() >= min_samples).then_some(s.p50_exec_ns));
+            let p50 = (s.rolling_exec_ns.count() >= min_samples).then_some(s.p50_exec_ns);
+            let live = decide(p50, key);
             let exec_us = c.exec_ns as f64 / 1000.0;
             if live == LiveSpans::None {
                 s.exec_us.record(exec_us);
             } else {
-                let key = spans::instance_key(c);
                 s.exec_us.record_exemplar(Exemplar {
                     span: spans::RankSpan {
                         uid: c.uid(),
@@ -401,7 +404,7 @@ impl Stats {
         // Without kernel times a rank meets no other (nor its root: it has none).
         let trace_root = match (c.desc.is_p2p || c.timing_source == "host", local >= 2) {
             (true, _) => None,
-            (false, true) => self.arrive(c, local, now_ns, sent),
+            (false, true) => self.arrive(c, type_key, local, now_ns, sent),
             (false, false) => (c.rank == 0 && sent).then_some((c.start_unix_ns, c.end_unix_ns)),
         };
         Observed {
@@ -479,11 +482,12 @@ impl Stats {
         f(self.series.entry(overflow).or_insert_with(new))
     }
 
-    /// `c` joins the node's ranks of its collective; the root span's times when it completes them
-    /// (see [`Observed::trace_root`]).
+    /// `c` (of the collective type `type_key`) joins the node's ranks of its collective; the root
+    /// span's times when it completes them (see [`Observed::trace_root`]).
     fn arrive(
         &mut self,
         c: InstanceRef,
+        type_key: u64,
         expected: usize,
         now_ns: u64,
         sent: bool,
@@ -494,7 +498,7 @@ impl Stats {
             end: c.end_unix_ns,
             sent,
         };
-        let key = (c.uid(), c.comm_hash, spans::type_key(c.func()), c.replay);
+        let key = (c.uid(), c.comm_hash, type_key, c.replay);
         if !self.late.is_empty() {
             let late_key = (key.0, key.1, key.2, key.3, c.desc.seq);
             if let Some((arrivals, _)) = self.late.get_mut(&late_key) {
@@ -805,7 +809,7 @@ mod tests {
     use super::*;
     use crate::instance::Shared;
 
-    fn no_spans(_: Option<u64>) -> LiveSpans {
+    fn no_spans(_: Option<u64>, _: u64) -> LiveSpans {
         LiveSpans::None
     }
 
@@ -834,7 +838,7 @@ mod tests {
     fn the_last_local_rank_carries_a_root_covering_the_sent_rank_spans() {
         let mut s = Stats::new(60_000_000_000, 1_000_000_000, 100);
         s.set_local_ranks(HashMap::from([((0, 9), 3)]));
-        let sent = |_: Option<u64>| LiveSpans::Rank;
+        let sent = |_: Option<u64>, _: u64| LiveSpans::Rank;
         let observed = [
             s.observe(coll(0, 1, 100, 500).view(), 0, 1, sent),
             s.observe(coll(2, 1, 50, 1_000).view(), 0, 1, sent),
@@ -1081,7 +1085,7 @@ mod tests {
         let mut s = Stats::new(60_000_000_000, 1000, 100);
         let mut p50 = None;
         for seq in 0..300 {
-            s.observe(coll(0, seq, 0, 10_000 + seq % 7).view(), 0, 100, |p| {
+            s.observe(coll(0, seq, 0, 10_000 + seq % 7).view(), 0, 100, |p, _| {
                 p50 = p;
                 LiveSpans::None
             });

@@ -1126,7 +1126,9 @@ impl Assembler {
         self.prune_by_pos();
         self.comm_ops.finished(op.comm, op.first_pos, id);
         let elem_bytes = self.dict.datatype_size(op.desc.datatype);
-        let hook = self.dict.comms.get(&op.comm).is_some_and(|c| c.device_hook);
+        // Looked up once for all that follows.
+        let info = self.dict.comms.get(&op.comm);
+        let hook = info.is_some_and(|c| c.device_hook);
         if hook && op.replay == 0 {
             for ch in 0..op.desc.n_channels.min(MAX_CHANNELS) {
                 if let Some(lane) = self.waiting.get_mut(&(op.comm, ch)) {
@@ -1145,7 +1147,6 @@ impl Assembler {
         if !op.complete() {
             self.counters.incomplete += 1;
         }
-        let info = self.dict.comms.get(&op.comm);
         let calibration = info
             .and_then(|c| self.dict.calibrations.get(&c.cuda_dev))
             .copied();
@@ -1165,7 +1166,6 @@ impl Assembler {
             op.channels.clear(); // its host times only
         }
         let (first_pos, prior) = (op.first_pos, op.prior);
-        let info = self.dict.comms.get(&op.comm);
         let coll = build::instance(
             op,
             self.pid,
