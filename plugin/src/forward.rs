@@ -18,7 +18,7 @@ use ncclscope_proto::{Counter, Producer, Record, StrId};
 
 use crate::clock::Converter;
 use crate::devhook;
-use crate::event::{CText, CommEvent, Event};
+use crate::event::{CText, Event};
 use crate::profiler::{self, ORPHAN_AGE, Plugin};
 use crate::register::Registration;
 use crate::sink::Sink;
@@ -255,39 +255,22 @@ impl Forwarder {
 
     fn forward(&mut self, event: Event) {
         let record = match event {
-            Event::Comm(c) => {
-                let CommEvent {
-                    comm,
-                    comm_hash,
-                    rank,
-                    nranks,
-                    nnodes,
-                    cuda_dev,
-                    name,
-                    path,
-                    host_ns,
-                    gpu,
-                } = *c;
-                let name = if name.is_empty() {
-                    StrId(0)
-                } else {
-                    self.intern(&name)
-                };
-                let nccl_version = self.plugin.host.version.unwrap_or(0);
-                Record::Comm {
-                    comm,
-                    comm_hash,
-                    rank,
-                    nranks,
-                    nnodes,
-                    cuda_dev,
-                    name,
-                    nccl_version,
-                    path,
-                    host_ns,
-                    gpu,
-                }
-            }
+            Event::Comm(c) => Record::Comm {
+                comm: c.comm,
+                comm_hash: c.comm_hash,
+                rank: c.rank,
+                nranks: c.nranks,
+                nnodes: c.nnodes,
+                cuda_dev: c.cuda_dev,
+                name: match c.name.is_empty() {
+                    true => StrId(0),
+                    false => self.intern(&c.name),
+                },
+                nccl_version: self.plugin.host.version.unwrap_or(0),
+                path: c.path,
+                host_ns: c.host_ns,
+                gpu: c.gpu,
+            },
             Event::CommEnd {
                 comm,
                 table,
