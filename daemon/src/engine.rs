@@ -854,12 +854,10 @@ impl Engine {
                     // completed in this very batch, and are recorded (or not) only by what follows.
                     let parked = Parked::AsSaved;
                     let mark = spool_mark(seg, spool);
-                    match save_state(&mut self.states, seg, seg.tail, Some(mark), parked) {
-                        Ok(_) => {}
-                        Err(e) => {
-                            tracing::error!(segment = %seg.label, error = %e, "cannot save resume state before spooling; a crash now could record these instances twice");
-                            self.daemon_lost.add(Loss::StateWriteFailed, 1);
-                        }
+                    if let Err(e) = save_state(&mut self.states, seg, seg.tail, Some(mark), parked)
+                    {
+                        tracing::error!(segment = %seg.label, error = %e, "cannot save resume state before spooling; a crash now could record these instances twice");
+                        self.daemon_lost.add(Loss::StateWriteFailed, 1);
                     }
                 }
             }

@@ -4,6 +4,8 @@
 //! (ExponentialHistogram) and Prometheus native histograms. Percentiles for `stats` and `top` come
 //! from exponential buckets over a rolling window ([`Rolling`]), interpolated inside the bucket.
 
+use crate::spans::RankSpan;
+
 /// A value to record with its base-2 logarithm, which places it in every bucket layout here: taken
 /// once per value, not once per histogram (a collective's time goes into four).
 #[derive(Clone, Copy, Debug)]
@@ -333,8 +335,6 @@ pub struct Exemplar {
     pub value: f64,
     pub unix_ns: u64,
 }
-
-use crate::spans::RankSpan;
 
 /// What one exported series keeps of its values: classic and exponential buckets, and the latest
 /// exemplar of each classic bucket that has one.
