@@ -647,11 +647,9 @@ fn real(ranks: u64, spool: bool, late_kernels: bool) -> (Rate, Rate) {
     };
     let pid = daemon.id();
     std::thread::sleep(Duration::from_millis(200));
-    let (t0, cpu0, ingest0) = (
-        Instant::now(),
-        run_ns(pid, None),
-        run_ns(pid, Some("ncclscope-ingest")),
-    );
+    // The daemon's CPU so far: (process, ingest thread), ns.
+    let cpu = || (run_ns(pid, None), run_ns(pid, Some("ncclscope-ingest")));
+    let (t0, cpu0) = (Instant::now(), cpu());
     let conns: Vec<_> = (producers.iter())
         .map(|p| {
             let fd = p.segment().fd();
@@ -670,11 +668,7 @@ fn real(ranks: u64, spool: bool, late_kernels: bool) -> (Rate, Rate) {
         std::thread::sleep(Duration::from_millis(100));
     };
     counted(per_rank * ranks);
-    let cold = rate(
-        records,
-        run_ns(pid, None) - cpu0,
-        run_ns(pid, Some("ncclscope-ingest")) - ingest0,
-    );
+    let cold = rate(records, cpu0, cpu());
     let committed = |producers: &[Producer]| {
         let t0 = Instant::now();
         while !producers
@@ -686,7 +680,7 @@ fn real(ranks: u64, spool: bool, late_kernels: bool) -> (Rate, Rate) {
         }
     };
     committed(&producers);
-    let (cpu0, ingest0) = (run_ns(pid, None), run_ns(pid, Some("ncclscope-ingest")));
+    let cpu0 = cpu();
     let mut records = 0;
     for round in 1..=WARM_ROUNDS {
         for p in &mut producers {
@@ -694,11 +688,7 @@ fn real(ranks: u64, spool: bool, late_kernels: bool) -> (Rate, Rate) {
         }
         committed(&producers);
     }
-    let warm = rate(
-        records,
-        run_ns(pid, None) - cpu0,
-        run_ns(pid, Some("ncclscope-ingest")) - ingest0,
-    );
+    let warm = rate(records, cpu0, cpu());
     let text = counted(per_rank * ranks * (1 + WARM_ROUNDS));
     let lost: Vec<&str> = (text.lines())
         .filter(|l| l.starts_with("ncclscope_lost_total{") && !l.ends_with(" 0"))
@@ -713,10 +703,11 @@ fn real(ranks: u64, spool: bool, late_kernels: bool) -> (Rate, Rate) {
     (cold, warm)
 }
 
-fn rate(records: u64, process_ns: u64, ingest_ns: u64) -> Rate {
+/// `records` over the CPU (process, ingest thread; ns) spent between `from` and `to`.
+fn rate(records: u64, from: (u64, u64), to: (u64, u64)) -> Rate {
     Rate {
-        process: records as f64 / (process_ns as f64 / 1e9),
-        ingest: records as f64 / (ingest_ns as f64 / 1e9),
+        process: records as f64 / ((to.0 - from.0) as f64 / 1e9),
+        ingest: records as f64 / ((to.1 - from.1) as f64 / 1e9),
     }
 }
 
