@@ -74,14 +74,21 @@ impl Default for Hub {
 }
 
 impl Hub {
+    /// Inlined: nobody watching is the common case, a load in the ingest loop (no call, no copy,
+    /// no lock).
+    #[inline]
     pub fn publish(&self, inst: &Instance, names: &Arc<Names>) {
-        // Nobody watching is the common case: no copy, and no lock taken.
         if self.watchers.load(Ordering::Relaxed) > 0 {
-            let _ = self.live.send(Arc::new(Shared {
-                inst: inst.clone(),
-                names: names.clone(),
-            }));
+            self.send(inst, names);
         }
+    }
+
+    #[inline(never)]
+    fn send(&self, inst: &Instance, names: &Arc<Names>) {
+        let _ = self.live.send(Arc::new(Shared {
+            inst: inst.clone(),
+            names: names.clone(),
+        }));
     }
 
     pub fn subscribe(&self) -> Subscription {

@@ -591,7 +591,7 @@ impl Plugin {
             }
             &Start::KernelCh { channel, p_timer } => {
                 let op = self.pool.lookup(parent).filter(|p| p.kind.is_op());
-                let Some(live) = self.alloc(l, Kind::KernelCh, comm_slot, 1) else {
+                let Some(live) = self.alloc(l, Kind::KernelCh, comm_slot, 1, channel as u32) else {
                     if let Some(op) = op {
                         self.pool.release(&mut l.cache, &op);
                     }
@@ -602,9 +602,6 @@ impl Plugin {
                     op.map_or((0, 0), |op| (op.id(), op.slot.dep.load(Ordering::Relaxed)));
                 live.slot.parent.store(parent_id, Ordering::Relaxed);
                 live.slot.dep.store(dep, Ordering::Relaxed);
-                live.slot
-                    .channel
-                    .fetch_or(channel as u32, Ordering::Relaxed);
                 live.slot.gpu_start.store(p_timer, Ordering::Relaxed);
                 if let Some(op) = op {
                     // This child has its parent's id now; the parent no longer waits for it.
@@ -627,14 +624,12 @@ impl Plugin {
                         k.slot.dep.load(Ordering::Relaxed),
                     )
                 });
-                let Some(live) = self.alloc(l, Kind::KernelPhase, comm_slot, 1) else {
+                let at = channel as u32 | (phase as u32) << 8;
+                let Some(live) = self.alloc(l, Kind::KernelPhase, comm_slot, 1, at) else {
                     return std::ptr::null_mut();
                 };
                 live.slot.parent.store(op_id, Ordering::Relaxed);
                 live.slot.dep.store(dep, Ordering::Relaxed);
-                live.slot
-                    .channel
-                    .fetch_or(channel as u32 | (phase as u32) << 8, Ordering::Relaxed);
                 live.slot.gpu_start.store(p_timer, Ordering::Relaxed);
                 self.pool.handle(&live)
             }
@@ -656,7 +651,7 @@ impl Plugin {
         refs: u32,
         event: impl FnOnce(u64) -> Event,
     ) -> *mut c_void {
-        let Some(live) = self.alloc(l, kind, comm_slot, refs) else {
+        let Some(live) = self.alloc(l, kind, comm_slot, refs, 0) else {
             return std::ptr::null_mut();
         };
         let at = self.push(l, event(live.id()), [comm_slot.last(), Dep::NONE]);
@@ -670,13 +665,15 @@ impl Plugin {
     }
 
     /// A slot for an event of `comm`, with the communicator's table index in the top half of
-    /// `channel` (where its stop finds the communicator).
+    /// `channel` (where its stop finds the communicator) and `channel_bits` (a kernel event's
+    /// channel and phase) in the bottom half: one store, no read-modify-write.
     fn alloc(
         &self,
         l: &mut Local,
         kind: Kind,
         comm: &CommSlot,
         refs: u32,
+        channel_bits: u32,
     ) -> Option<crate::pool::Live<'_>> {
         let id = comm.id.load(Ordering::Relaxed);
         let Some(live) = self.pool.alloc(&mut l.cache, kind, id, refs) else {
@@ -687,7 +684,7 @@ impl Plugin {
             / size_of::<CommSlot>();
         live.slot
             .channel
-            .store((table as u32) << 16, Ordering::Relaxed);
+            .store((table as u32) << 16 | channel_bits, Ordering::Relaxed);
         Some(live)
     }
 
