@@ -552,7 +552,6 @@ impl Plugin {
             self.announce(l, comm_slot, TimingPath::KernelCh, -1);
         }
         let comm = comm_slot.id.load(Ordering::Relaxed);
-        let host_ns = clock::stamp();
         let kernel_children = |n_channels: u8| {
             if self.mask.load(Ordering::Relaxed) & event::KERNEL_CH as i32 != 0 {
                 n_channels as u32
@@ -561,28 +560,29 @@ impl Plugin {
             }
         };
         let captured = parent == api_handle(true);
+        // Only an operation's start reads the host clock: a kernel event's start records none.
         match start {
             Start::Group | Start::Api { .. } | Start::Other => std::ptr::null_mut(),
             Start::Coll(c) if captured => {
-                let event = c.event(comm, self.captured_id(), host_ns, true);
+                let event = c.event(comm, self.captured_id(), clock::stamp(), true);
                 comm_slot.advance(self.push(l, event, [comm_slot.last(), Dep::NONE]));
                 captured_op_handle()
             }
             Start::P2p(p) if captured => {
-                let event = p.event(comm, self.captured_id(), host_ns, true);
+                let event = p.event(comm, self.captured_id(), clock::stamp(), true);
                 comm_slot.advance(self.push(l, event, [comm_slot.last(), Dep::NONE]));
                 captured_op_handle()
             }
             Start::Coll(c) => {
                 let refs = 1 + kernel_children(c.n_channels);
                 self.start_op(l, comm_slot, Kind::Coll, refs, |id| {
-                    c.event(comm, id, host_ns, false)
+                    c.event(comm, id, clock::stamp(), false)
                 })
             }
             Start::P2p(p) => {
                 let refs = 1 + kernel_children(p.n_channels);
                 self.start_op(l, comm_slot, Kind::P2p, refs, |id| {
-                    p.event(comm, id, host_ns, false)
+                    p.event(comm, id, clock::stamp(), false)
                 })
             }
             Start::KernelCh { .. } if parent == captured_op_handle() => {
