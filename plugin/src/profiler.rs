@@ -624,8 +624,8 @@ impl Plugin {
                         k.slot.dep.load(Ordering::Relaxed),
                     )
                 });
-                let at = channel as u32 | (phase as u32) << 8;
-                let Some(live) = self.alloc(l, Kind::KernelPhase, comm_slot, 1, at) else {
+                let bits = channel as u32 | (phase as u32) << 8;
+                let Some(live) = self.alloc(l, Kind::KernelPhase, comm_slot, 1, bits) else {
                     return std::ptr::null_mut();
                 };
                 live.slot.parent.store(op_id, Ordering::Relaxed);
