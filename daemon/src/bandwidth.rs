@@ -14,7 +14,8 @@
 /// a case-insensitive compare against each name in turn was over a percent of ingest.
 pub fn datatype_size(name: &str) -> Option<u64> {
     let n = name.strip_prefix("nccl").unwrap_or(name);
-    let mut buf = [0u8; 10]; // the longest name's length
+    // Room for every name matched below (10 bytes at most): a longer one is no datatype.
+    let mut buf = [0u8; 16];
     let lower = buf.get_mut(..n.len())?;
     lower.copy_from_slice(n.as_bytes());
     lower.make_ascii_lowercase();
@@ -113,6 +114,8 @@ mod tests {
         assert_eq!(datatype_size("ncclInt8"), Some(1));
         assert_eq!(datatype_size("ncclFloat64"), Some(8));
         assert_eq!(datatype_size("ncclFloat8e4m3"), Some(1));
+        assert_eq!(datatype_size("float8e5m2"), Some(1));
+        assert_eq!(datatype_size("ncclFloat8e4m3fnuzLongerThanAny"), None);
         assert_eq!(datatype_size("ncclUint64"), Some(8));
         assert_eq!(datatype_size("ncclNothing"), None);
     }
