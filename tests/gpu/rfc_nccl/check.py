@@ -8,7 +8,9 @@ for its size; each instance (commHash, collective, seq, replay) has one trace id
 uses, one root span, and both ranks' spans under that root; no span id is used twice. Prints the daemon's
 non-zero loss counters. For `cost`: the median microseconds per all-reduce of each configuration and the
 added time against no plugin. Exit status 1 when a traced case misses a goal (delivered < 99%, or any
-wrong id, duplicate or implausible exec time; eager and graph6 need 100%)."""
+wrong id, duplicate or implausible exec time; eager and graph6 need 100%). For a2a and pp (torch_p2p.py):
+every operation per (rank, function, peer), device-timed, and each transfer's two sides in one trace
+(`check_p2p`); they need 100%."""
 
 import collections
 import re
@@ -99,6 +101,54 @@ def check_case(name, driver_line, spans):
                                  or orphans))
 
 
+def check_p2p(name, driver, spans):
+    """a2a / pp (torch_p2p.py): each rank's operations per (function, peer) against the rank spans the
+    daemon delivered, every one device-timed with a plausible exec time, and each transfer (p2p trace)
+    holding exactly its two sides: a Send on one rank and the Recv of its peer."""
+    want = collections.Counter()  # (rank, function, peer or None) -> operations
+    for line in driver.splitlines():
+        m = re.match(r"rank=(\d+) (.*)", line)
+        if not m:
+            continue
+        rank = int(m.group(1))
+        for kv in m.group(2).split():
+            k, v = kv.split("=")
+            if k in ("torch", "nccl"):
+                continue
+            func, _, peer = k.partition(":")
+            want[(rank, func, int(peer) if peer else None)] += int(v)
+    got = collections.Counter()
+    host_timed, implausible = collections.Counter(), []
+    sides = collections.defaultdict(list)  # p2p trace -> (function, rank, peer)
+    for s in spans:
+        a = s["a"]
+        if "nccl.rank" not in a:
+            continue
+        peer = a.get("nccl.peer") if a["nccl.collective"] in ("Send", "Recv") else None
+        key = (a["nccl.rank"], a["nccl.collective"], peer)
+        got[key] += 1
+        if a.get("nccl.timing_source") != "device_hook":
+            host_timed[key] += 1
+        elif not plausible(a["nccl.exec_ns"], a["nccl.bytes"]):
+            implausible.append((key, a["nccl.exec_ns"], a["nccl.bytes"]))
+        if peer is not None:
+            sides[s["trace_id"]].append((a["nccl.collective"], a["nccl.rank"], peer))
+    ok = True
+    for key in sorted(set(want) | set(got), key=str):
+        w, g = want[key], got[key]
+        print(f"{name}: rank {key[0]} {key[1]}{'' if key[2] is None else f' peer {key[2]}'}: "
+              f"{g}/{w} delivered, {host_timed[key]} not device-timed")
+        ok &= g == w and host_timed[key] == 0
+    whole = sum(1 for v in sides.values()
+                if sorted(f for f, _, _ in v) == ["Recv", "Send"]
+                and {(r, p) for f, r, p in v if f == "Send"} == {(p, r) for f, r, p in v if f == "Recv"})
+    print(f"{name}: {whole}/{len(sides)} transfers with exactly their send and recv side, "
+          f"{len(implausible)} implausible exec")
+    for k in implausible[:5]:
+        print("  implausible", k)
+    return ok and whole == len(sides) and not implausible
+
+
 def cost(path):
     rows = collections.defaultdict(list)  # (cfg, bytes) -> [us]
     for line in open(path):
@@ -124,9 +174,12 @@ def main():
         if c == "cost":
             cost(f"{out}/cost.txt")
             continue
-        if c == "torchraw":  # recorded without the daemon: nothing to check here
+        if c == "torchraw" or c.startswith("raw-"):  # recorded without the daemon: nothing to check here
             continue
         line = open(f"{out}/{c}.driver").read().strip()
+        if c in ("a2a", "pp"):
+            ok &= check_p2p(c, line, spans.get(f"rfc-{c}", []))
+            continue
         ok &= check_case(c, line, spans.get(f"rfc-{c}", []))
     for line in open(f"{out}/metrics.txt"):
         if line.startswith("ncclscope_lost_total") and not line.rstrip().endswith(" 0"):

@@ -6,7 +6,10 @@
 #   burstN     the same graph replayed N times back to back (the CPU far ahead of the GPU)
 #   torch      PyTorch, 2 processes: torch.cuda.graph of 30 collectives, 20 replays (torch_graphs.py)
 #   torchraw   the same without the daemon: segment-dump saves both processes' segments (raw/*.seg.xz,
-#              test data for the CPU tests, see tests/data/README.md)
+#              test data for the CPU tests, see tests/data/README.md) and prints their records
+#   a2a, pp    PyTorch, 2 processes: MoE all_to_all_single and a pipeline-parallel batch_isend_irecv
+#              schedule beside collectives, eager and in a CUDA graph (torch_p2p.py)
+#   raw-a2a, raw-pp   the same without the daemon, saved as torchraw is
 #   cost       a graph of 200 all-reduces at 8 B, 1 MiB and 16 MiB: no plugin, device ring (default),
 #              host-mapped ring, NCCL's own KernelCh path; 3 processes each, interleaved; medians
 # For the GPU machine, which has no cargo. Build here and carry .carry/ holding
@@ -23,7 +26,7 @@ work="${WORK:-$(mktemp -d)}"
 out="$work/results"
 mkdir -p "$out"
 cases=("$@")
-[ ${#cases[@]} -gt 0 ] || cases=(eager graph6 burst100 burst300 cost torch torchraw)
+[ ${#cases[@]} -gt 0 ] || cases=(eager graph6 burst100 burst300 cost torch torchraw a2a pp raw-a2a raw-pp)
 log() { echo "$(date +%T) $*" | tee -a "$out/steps.txt"; }
 limited() { local s=$1; shift; timeout -s KILL "$s" "$@"; }  # limited SECONDS COMMAND...
 
@@ -103,6 +106,23 @@ cost() {
   done
 }
 
+# raw NAME COMMAND...: one 2-process PyTorch job without the daemon: segment-dump saves both processes'
+# segments (raw/*.seg.xz, test data for the CPU tests, see tests/data/README.md) and prints their records.
+raw() {
+  local name=$1; shift
+  mkdir -p "$out/raw"
+  limited $(( ${TORCH_LIMIT:-60} + 10 )) "$bin/segment-dump" "$work/dump.sock" 2 "$out/raw" \
+    > "$out/$name.dump" 2>&1 < /dev/null &
+  local dump=$!
+  for _ in $(seq 50); do [ -S "$work/dump.sock" ] && break; sleep 0.1; done
+  NCCLSCOPE_SOCKET="$work/dump.sock" LD_PRELOAD="$work/nccl/libnccl.so.2" traced "$name" \
+    "${TORCH_LIMIT:-60}" "$@"
+  wait "$dump"
+  log "$name: $(tr '\n' ' ' < "$out/$name.dump")"
+  "$bin/segment-dump" --read "$out"/raw/"rfc-$name".*.seg > "$out/$name.records.txt" 2>&1
+  xz -T0 "$out"/raw/"rfc-$name".*.seg
+}
+
 status=0
 for c in "${cases[@]}"; do
   case $c in
@@ -111,17 +131,9 @@ for c in "${cases[@]}"; do
     burst*) traced "$c" "${GRAPH_LIMIT:-40}" "$work/driver" graph 50 "${c#burst}" 0 0 ;;
     cost) cost ;;
     torch) LD_PRELOAD="$work/nccl/libnccl.so.2" traced torch "${TORCH_LIMIT:-60}" python3 "$here/torch_graphs.py" 30 20 ;;
-    torchraw)
-      mkdir -p "$out/raw"
-      limited $(( ${TORCH_LIMIT:-60} + 10 )) "$bin/segment-dump" "$work/dump.sock" 2 "$out/raw" \
-        > "$out/torchraw.dump" 2>&1 < /dev/null &
-      dump=$!
-      for _ in $(seq 50); do [ -S "$work/dump.sock" ] && break; sleep 0.1; done
-      NCCLSCOPE_SOCKET="$work/dump.sock" LD_PRELOAD="$work/nccl/libnccl.so.2" traced torchraw \
-        "${TORCH_LIMIT:-60}" python3 "$here/torch_graphs.py" 30 20
-      wait "$dump"
-      log "torchraw: $(tr '\n' ' ' < "$out/torchraw.dump")"
-      xz -T0 "$out"/raw/*.seg ;;
+    torchraw) raw torchraw python3 "$here/torch_graphs.py" 30 20 ;;
+    a2a|pp) LD_PRELOAD="$work/nccl/libnccl.so.2" traced "$c" "${TORCH_LIMIT:-60}" python3 "$here/torch_p2p.py" "$c" 9 10 ;;
+    raw-a2a|raw-pp) raw "$c" python3 "$here/torch_p2p.py" "${c#raw-}" 9 10 ;;
     *) log "unknown case $c"; status=1 ;;
   esac
 done

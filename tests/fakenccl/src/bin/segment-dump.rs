@@ -4,6 +4,7 @@
 //! `NCCLSCOPE_SOCKET` at it), takes the segments of N processes (default 1), and dumps each one once
 //! its process has ended (its connection closed), without consuming anything. With DIR, each
 //! segment's bytes are saved there as `<job>.<i>.seg` instead (test data, see tests/data).
+//! `segment-dump --read FILE...` dumps segments saved so.
 
 use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
@@ -11,13 +12,24 @@ use std::os::unix::net::UnixListener;
 
 use ncclscope_fakenccl::process::receive_segment;
 use ncclscope_proto::Record;
-use ncclscope_proto::segment::{Consumer, Counter, Segment};
+use ncclscope_proto::segment::{Consumer, Counter, REQUIRED_SEALS, Segment};
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let Some(socket) = args.next() else {
-        anyhow::bail!("usage: segment-dump SOCKET [N [DIR]]");
+        anyhow::bail!("usage: segment-dump SOCKET [N [DIR]] | segment-dump --read FILE...");
     };
+    if socket == "--read" {
+        for (i, path) in args.enumerate() {
+            // A saved segment goes back into a sealed memory file, as the plugin hands it over.
+            let fd = rustix::fs::memfd_create("ncclscope", rustix::fs::MemfdFlags::ALLOW_SEALING)?;
+            rustix::io::write(&fd, &std::fs::read(&path)?)?;
+            rustix::fs::fcntl_add_seals(&fd, REQUIRED_SEALS)?;
+            println!("file {path}");
+            dump(i, Segment::open(fd)?)?;
+        }
+        return Ok(());
+    }
     let n: usize = args.next().map_or(Ok(1), |a| a.parse())?;
     let save = args.next().map(std::path::PathBuf::from);
     let _ = std::fs::remove_file(&socket);
@@ -34,11 +46,10 @@ fn main() -> anyhow::Result<()> {
     for (i, (seg, file, mut conn)) in held.into_iter().enumerate() {
         // The plugin never writes after its registration: this returns when the process has ended.
         let _ = conn.read(&mut [0u8; 16]);
-        let claims = seg.claims();
         if let Some(dir) = &save {
             let mut bytes = vec![0u8; file.metadata()?.len() as usize];
             file.read_exact_at(&mut bytes, 0)?;
-            let path = dir.join(format!("{}.{i}.seg", claims.job_id));
+            let path = dir.join(format!("{}.{i}.seg", seg.claims().job_id));
             std::fs::write(&path, bytes)?;
             println!(
                 "segment {i}: saved {} (head {})",
@@ -47,36 +58,43 @@ fn main() -> anyhow::Result<()> {
             );
             continue;
         }
-        println!(
-            "segment {i}: inode {} uid {} host {} job {} capacity {} head {} closed {}",
-            seg.inode(),
-            seg.file_uid(),
-            claims.hostname,
-            claims.job_id,
-            seg.capacity(),
-            seg.head(),
-            seg.is_closed(),
-        );
-        for c in Counter::ALL {
-            println!("  counter {} = {}", c.name(), seg.counter(c));
-        }
-        let mut consumer = Consumer::new(seg);
-        let mut out = Vec::new();
-        while consumer.read(4096, &mut out)? > 0 {}
-        for (pos, record) in out {
-            match record {
-                Ok(Record::Str { id, len, bytes }) => {
-                    println!(
-                        "  {pos}: Str {{ id: {}, text: {:?} }}",
-                        id.0,
-                        String::from_utf8_lossy(&bytes[..len as usize])
-                    )
-                }
-                Ok(r) => println!("  {pos}: {r:?}"),
-                Err(e) => println!("  {pos}: undecodable: {e}"),
-            }
-        }
+        dump(i, seg)?;
     }
     let _ = std::fs::remove_file(&socket);
+    Ok(())
+}
+
+/// Prints a segment's header, counters and every record it holds.
+fn dump(i: usize, seg: Segment) -> anyhow::Result<()> {
+    let claims = seg.claims();
+    println!(
+        "segment {i}: inode {} uid {} host {} job {} capacity {} head {} closed {}",
+        seg.inode(),
+        seg.file_uid(),
+        claims.hostname,
+        claims.job_id,
+        seg.capacity(),
+        seg.head(),
+        seg.is_closed(),
+    );
+    for c in Counter::ALL {
+        println!("  counter {} = {}", c.name(), seg.counter(c));
+    }
+    let mut consumer = Consumer::new(seg);
+    let mut out = Vec::new();
+    while consumer.read(4096, &mut out)? > 0 {}
+    for (pos, record) in out {
+        match record {
+            Ok(Record::Str { id, len, bytes }) => {
+                println!(
+                    "  {pos}: Str {{ id: {}, text: {:?} }}",
+                    id.0,
+                    String::from_utf8_lossy(&bytes[..len as usize])
+                )
+            }
+            Ok(r) => println!("  {pos}: {r:?}"),
+            Err(e) => println!("  {pos}: undecodable: {e}"),
+        }
+    }
     Ok(())
 }
