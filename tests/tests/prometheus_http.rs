@@ -18,6 +18,8 @@ use prost::Message;
 use serde_json::Value;
 
 const JOB: &str = "prom-http";
+/// The daemon's `host.name`.
+const HOST: &str = "gpu-node-7";
 
 struct Daemon {
     child: Child,
@@ -33,7 +35,13 @@ impl Daemon {
             .local_addr()
             .unwrap()
             .port();
-        let config = format!("[prometheus]\nlisten = \"127.0.0.1:{port}\"\njob_series = true\n");
+        // The classic buckets at their finest (the percentile test holds them to 10%), and the
+        // node's name as an operator sets it.
+        let config = format!(
+            "[prometheus]\nlisten = \"127.0.0.1:{port}\"\njob_series = true\n\
+             classic_buckets_per_doubling = 8\n\
+             [otlp]\nresource_attributes = \"host.name={HOST}\"\n"
+        );
         std::fs::write(dir.path().join("ncclscope.toml"), config).unwrap();
         let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
         let child = ncclscope_tests::daemon_args(
@@ -248,13 +256,13 @@ fn reported_percentiles_match_the_exact_values_of_the_run() {
 }
 
 /// /metrics on a real HTTP server: HEAD, keep-alive, gzip when asked, 404 elsewhere, the health
-/// endpoint and the build info.
+/// endpoint and the build info (with the configured host name).
 #[test]
 fn metrics_endpoint_speaks_http() {
     let d = Daemon::start();
     let metrics = format!("{}/metrics", d.url);
     let build_info = format!(
-        "ncclscope_build_info{{version=\"{}\"}} 1\n",
+        "ncclscope_build_info{{version=\"{}\",host_name=\"{HOST}\"}} 1\n",
         env!("CARGO_PKG_VERSION")
     );
     // The first snapshot comes a second after the start.
