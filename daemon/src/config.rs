@@ -231,6 +231,23 @@ pub struct Prometheus {
     /// can read a localhost port, so it would show every user's jobs to every user. Per-job metrics
     /// always go to the OTLP collector, and each user sees their own through the API.
     pub job_series: bool,
+    /// Classic histogram buckets per doubling of the exec-time and bus-bandwidth histograms: 1, 2,
+    /// 4 or 8 (all the daemon keeps). Each costs a sample per series and scrape; Prometheus
+    /// scraping native histograms (protobuf) gets the fine resolution whatever this is.
+    pub classic_buckets_per_doubling: u32,
+    /// Classic buckets of the per-rank skew histograms too (one per job, communicator and rank);
+    /// without, the text formats serve their sum and count (the mean), protobuf the native one.
+    pub rank_classic_buckets: bool,
+}
+
+impl Prometheus {
+    pub fn exposition(&self) -> crate::metrics::Exposition {
+        crate::metrics::Exposition {
+            job_series: self.job_series,
+            classic_per_doubling: self.classic_buckets_per_doubling,
+            rank_buckets: self.rank_classic_buckets,
+        }
+    }
 }
 
 impl Default for Config {
@@ -303,6 +320,8 @@ impl Default for Prometheus {
         Prometheus {
             listen: "127.0.0.1:9464".into(),
             job_series: false,
+            classic_buckets_per_doubling: 1,
+            rank_classic_buckets: false,
         }
     }
 }
@@ -516,6 +535,12 @@ impl Config {
             if !(1..=max).contains(&v) {
                 return Err(err(key, format!("must be between 1 and {max}")));
             }
+        }
+        if ![1, 2, 4, 8].contains(&self.prometheus.classic_buckets_per_doubling) {
+            return Err(err(
+                "prometheus.classic_buckets_per_doubling",
+                "must be 1, 2, 4 or 8",
+            ));
         }
         if self.aggregate.skew_window_ms > HOUR_MS {
             return Err(err(
@@ -885,6 +910,13 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.origin, "drain.max_interval_ms");
+        let e = load(
+            "[prometheus]\nclassic_buckets_per_doubling = 3\n",
+            &[],
+            Overrides::default(),
+        )
+        .unwrap_err();
+        assert_eq!(e.origin, "prometheus.classic_buckets_per_doubling");
         let e = load(
             "[otlp]\nendpoint = \"localhost:4317\"\n",
             &[],

@@ -108,6 +108,8 @@ pub struct Outputs {
     /// (`None` without a spool or an exporter).
     pub dropped: Option<Arc<Dropped>>,
     pub prometheus: watch::Sender<Arc<prometheus::Snapshot>>,
+    /// The node's `host.name`, on `ncclscope_build_info`.
+    pub host_name: String,
 }
 
 /// Minimum samples in a series before "slower than slow_factor x p50" keeps an instance.
@@ -1332,6 +1334,7 @@ impl Engine {
         let snapshot = Arc::new(prometheus::Snapshot::new(metrics::families(
             &self.stats,
             &health,
+            &self.out.host_name,
         )));
         let _ = self.out.prometheus.send(snapshot.clone());
         if let Some(tx) = &self.out.metrics {
@@ -1637,6 +1640,7 @@ mod tests {
             export_counters: Arc::default(),
             dropped: None,
             prometheus: prom,
+            host_name: "h".into(),
         };
         (
             Engine::new(Arc::new(cfg), hub.clone(), spool, out).unwrap(),
@@ -1944,7 +1948,8 @@ mod tests {
             }
             assert_eq!(published, (before..20).collect::<Vec<_>>());
             assert_eq!(e.health().collectives, 20 - before);
-            let text = metrics::render_prometheus(&rx.borrow().families, true);
+            let text =
+                metrics::render_prometheus(&rx.borrow().families, &metrics::Exposition::FULL);
             let counted: f64 = text
                 .lines()
                 .filter(|l| l.starts_with("ncclscope_rank_collectives_total{"))
@@ -2432,6 +2437,7 @@ mod tests {
             export_counters: Arc::default(),
             dropped: None,
             prometheus: watch::channel(Arc::default()).0,
+            host_name: "h".into(),
         };
         let mut e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out).unwrap();
         let mut p = producer(64);
@@ -2478,6 +2484,7 @@ mod tests {
             export_counters: Arc::default(),
             dropped: Some(dropped.clone()),
             prometheus: watch::channel(Arc::default()).0,
+            host_name: "h".into(),
         };
         let mut e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out).unwrap();
         let mut p = producer(64);

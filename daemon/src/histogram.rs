@@ -41,7 +41,7 @@ fn pow2(scale: i32) -> f64 {
 
 /// Classic bucket bounds per doubling: a ratio of 2^(1/8) (1.09) keeps `histogram_quantile` within 9%
 /// wherever the values sit inside a bucket (1-2-5 steps read an exec p99 83% high).
-const CLASSIC_PER_DOUBLING: i32 = 8;
+pub const CLASSIC_PER_DOUBLING: i32 = 8;
 
 /// The classic bounds of one family: 2^(k/8) from `2^lo_exp` to `2^hi_exp`, then +Inf. They are
 /// the bucket boundaries of a native histogram of schema 3.

@@ -20,7 +20,7 @@ use opentelemetry_proto::tonic::metrics::v1::{
 use prost::Message;
 
 use crate::bandwidth;
-use crate::histogram::{Distribution, Exemplar};
+use crate::histogram::{self, Distribution, Exemplar};
 use crate::stats::Stats;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,6 +45,9 @@ pub struct Family {
     pub kind: Kind,
     /// Its points describe users' jobs (labelled job_id and uid), not the daemon.
     pub per_job: bool,
+    /// One point per (job, communicator, rank): the node's largest label sets (see
+    /// [`Exposition::rank_buckets`]).
+    pub per_rank: bool,
     pub points: Vec<(Vec<(&'static str, String)>, Value)>,
 }
 
@@ -56,12 +59,18 @@ impl Family {
             help,
             kind,
             per_job: false,
+            per_rank: false,
             points: Vec::new(),
         }
     }
 
     fn per_job(mut self) -> Family {
         self.per_job = true;
+        self
+    }
+
+    fn per_rank(mut self) -> Family {
+        self.per_rank = true;
         self
     }
 
@@ -109,8 +118,9 @@ fn algo_proto(algo: &str, proto: &str) -> String {
     format!("{}_{}", known(algo), known(proto))
 }
 
-/// Builds every metric family from the statistics and the health counters.
-pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
+/// Builds every metric family from the statistics and the health counters; `host_name` is the
+/// node's `host.name` (the OTLP resource's), on `ncclscope_build_info`.
+pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> {
     let mut exec = Family::new(
         "ncclscope_collective_exec_time_microseconds",
         "us",
@@ -149,17 +159,24 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
             .points
             .push((labels, Value::Histogram(s.busbw_gbs.clone())));
     }
+    // Skew and last-to-start compare the ranks of one node only: in a communicator over several
+    // nodes every node has its own latest rank, and a node whose ranks are all late has none.
     let mut skew = Family::new(
         "ncclscope_rank_skew_microseconds",
         "us",
-        "How much later this rank's kernels started than the earliest rank of the same collective on this node",
+        "Node-local: how much later this rank's kernels started than the earliest of this node's \
+         ranks of the same collective (not the job's: across nodes see \
+         ncclscope:rank_lateness_microseconds:1m)",
         Kind::Histogram,
     )
-    .per_job();
+    .per_job()
+    .per_rank();
     let mut straggler = Family::new(
         "ncclscope_rank_straggler_total",
         "{collective}",
-        "Collectives in which this rank was the last of the node's ranks to start (when=start) or to end (when=end)",
+        "Node-local: collectives in which this rank was the last of this node's ranks to start \
+         (when=start) or to end (when=end); every node of a multi-node communicator has one, so \
+         it is not the job's straggler (see ncclscope:rank_lateness_microseconds:1m)",
         Kind::Counter,
     )
     .per_job();
@@ -167,6 +184,15 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
         "ncclscope_rank_collectives_total",
         "{collective}",
         "Collective instances per rank",
+        Kind::Counter,
+    )
+    .per_job();
+    let mut rank_exec = Family::new(
+        "ncclscope_rank_exec_time_microseconds_total",
+        "us",
+        "Sum of the exec times of the rank's instances (those of ncclscope_rank_collectives_total): \
+         over that count, the rank's mean exec time, comparable across nodes (a duration on the \
+         rank's own GPU); a late rank waits least, so has the shortest of its communicator",
         Kind::Counter,
     )
     .per_job();
@@ -194,17 +220,22 @@ pub fn families(stats: &Stats, health: &Health) -> Vec<Family> {
         };
         straggler.push(with("start"), r.last_to_start as f64);
         straggler.push(with("end"), r.last_to_end as f64);
+        rank_exec.push(labels.clone(), r.exec_us_sum);
         per_rank.push(labels, r.collectives as f64);
     }
-    let mut out = vec![exec, busbw, skew, straggler, per_rank];
+    let mut out = vec![exec, busbw, skew, straggler, per_rank, rank_exec];
     let mut build = Family::new(
         "ncclscope_build_info",
         "",
-        "The daemon's version, always 1",
+        "The daemon's version and its node's host.name, always 1: joins a scrape's instance to the \
+         node",
         Kind::Gauge,
     );
     build.push(
-        vec![("version", env!("CARGO_PKG_VERSION").to_string())],
+        vec![
+            ("version", env!("CARGO_PKG_VERSION").to_string()),
+            ("host_name", host_name.to_string()),
+        ],
         1.0,
     );
     out.push(build);
@@ -354,20 +385,93 @@ fn label_text(labels: &[(&'static str, String)], extra: Option<(&str, String)>) 
     }
 }
 
-/// Prometheus text exposition format 0.0.4; per-job families only with `job_series`.
-pub fn render_prometheus(families: &[Family], job_series: bool) -> String {
-    render_text(families, job_series, false)
+/// What `/metrics` serves (`[prometheus]` in the configuration): which families, and how many
+/// classic buckets. Classic buckets cost a sample each per series and scrape (issue 35: 96% of a
+/// scrape); the native histograms of the protobuf format keep the full resolution in one sample.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Exposition {
+    /// Per-job families too (`prometheus.job_series`).
+    pub job_series: bool,
+    /// Classic bucket bounds per doubling served for the per-series histograms (exec time, bus
+    /// bandwidth): 1, 2, 4 or [`histogram::CLASSIC_PER_DOUBLING`] (all the daemon keeps).
+    pub classic_per_doubling: u32,
+    /// Classic buckets of the per-rank histograms (skew) too; without, they serve only `+Inf`,
+    /// `_sum` and `_count` (the mean) in text, and their native histogram in protobuf.
+    pub rank_buckets: bool,
+}
+
+impl Exposition {
+    /// Every family at the full classic resolution.
+    pub const FULL: Exposition = Exposition {
+        job_series: true,
+        classic_per_doubling: histogram::CLASSIC_PER_DOUBLING as u32,
+        rank_buckets: true,
+    };
+
+    /// Every how many of the daemon's classic buckets of `f` one is served (`None`: +Inf only).
+    fn classic_step(&self, f: &Family) -> Option<usize> {
+        if f.per_rank && !self.rank_buckets {
+            return None;
+        }
+        let per = self
+            .classic_per_doubling
+            .clamp(1, histogram::CLASSIC_PER_DOUBLING as u32);
+        Some((histogram::CLASSIC_PER_DOUBLING as u32 / per) as usize)
+    }
+
+    fn shows(&self, f: &Family) -> bool {
+        self.job_series || !f.per_job
+    }
+}
+
+/// One served classic bucket: its upper bound (`None`: +Inf), cumulative count, and the latest
+/// exemplar of the daemon's buckets merged into it.
+struct Served<'a> {
+    bound: Option<f64>,
+    cumulative: u64,
+    exemplar: Option<&'a Exemplar>,
+}
+
+/// The classic buckets of `d` served at every `step`-th bound (the bounds are 2^(k/8) and a range
+/// starts at a power of two, so every step of 1, 2, 4 or 8 keeps powers of two; `None`: none),
+/// then +Inf. Cumulative counts make the coarser buckets exact.
+fn served(d: &Distribution, step: Option<usize>) -> Vec<Served<'_>> {
+    let (b, mut cum) = (&d.classic, 0);
+    let mut exemplar: Option<&Exemplar> = None;
+    let mut out = Vec::new();
+    for (i, c) in b.counts().iter().enumerate() {
+        cum += c;
+        if let Some(e) = d.exemplar(i)
+            && exemplar.is_none_or(|x| e.unix_ns >= x.unix_ns)
+        {
+            exemplar = Some(e);
+        }
+        let bound = b.bound(i);
+        if bound.is_none() || step.is_some_and(|s| i % s == 0) {
+            out.push(Served {
+                bound,
+                cumulative: cum,
+                exemplar: exemplar.take(),
+            });
+        }
+    }
+    out
+}
+
+/// Prometheus text exposition format 0.0.4.
+pub fn render_prometheus(families: &[Family], how: &Exposition) -> String {
+    render_text(families, how, false)
 }
 
 /// OpenMetrics text 1.0.0: the Prometheus text with each classic bucket's exemplar (the trace of
 /// its latest sampled instance), counters' families named without `_total`, and `# EOF`.
-pub fn render_openmetrics(families: &[Family], job_series: bool) -> String {
-    render_text(families, job_series, true)
+pub fn render_openmetrics(families: &[Family], how: &Exposition) -> String {
+    render_text(families, how, true)
 }
 
-fn render_text(families: &[Family], job_series: bool, openmetrics: bool) -> String {
+fn render_text(families: &[Family], how: &Exposition, openmetrics: bool) -> String {
     let mut out = String::new();
-    for f in families.iter().filter(|f| job_series || !f.per_job) {
+    for f in families.iter().filter(|f| how.shows(f)) {
         let kind = match f.kind {
             Kind::Counter => "counter",
             Kind::Gauge => "gauge",
@@ -384,18 +488,16 @@ fn render_text(families: &[Family], job_series: bool, openmetrics: bool) -> Stri
                     let _ = writeln!(out, "{}{} {}", f.name, label_text(labels, None), n);
                 }
                 Value::Histogram(d) => {
-                    let (b, mut cum) = (&d.classic, 0);
-                    for (i, c) in b.counts().iter().enumerate() {
-                        cum += c;
-                        let le = b.bound(i).map_or("+Inf".to_string(), |x| x.to_string());
+                    for b in served(d, how.classic_step(f)) {
+                        let le = b.bound.map_or("+Inf".to_string(), |x| x.to_string());
                         let _ = write!(
                             out,
                             "{}_bucket{} {}",
                             f.name,
                             label_text(labels, Some(("le", le))),
-                            cum
+                            b.cumulative
                         );
-                        if let Some(e) = d.exemplar(i).filter(|_| openmetrics) {
+                        if let Some(e) = b.exemplar.filter(|_| openmetrics) {
                             let _ = write!(
                                 out,
                                 " # {{trace_id=\"{}\",span_id=\"{}\"}} {} {}.{:09}",
@@ -439,10 +541,10 @@ fn hex(bytes: &[u8]) -> String {
 /// Prometheus protobuf exposition (length-delimited `MetricFamily` messages), the format that
 /// carries native histograms: each histogram has its classic buckets and its exponential ones as a
 /// native histogram (schema = the OTLP scale; Prometheus numbers a bucket by its upper bound, one
-/// above OTLP's index). Per-job families only with `job_series`.
-pub fn render_protobuf(families: &[Family], job_series: bool) -> Vec<u8> {
+/// above OTLP's index); its classic buckets as `how` serves them in text.
+pub fn render_protobuf(families: &[Family], how: &Exposition) -> Vec<u8> {
     let mut out = Vec::new();
-    for f in families.iter().filter(|f| job_series || !f.per_job) {
+    for f in families.iter().filter(|f| how.shows(f)) {
         let kind = match f.kind {
             Kind::Counter => prom::MetricType::Counter,
             Kind::Gauge => prom::MetricType::Gauge,
@@ -468,7 +570,7 @@ pub fn render_protobuf(families: &[Family], job_series: bool) -> Vec<u8> {
                         m.counter = Some(prom::Counter { value: Some(*n) })
                     }
                     (Value::Number(n), _) => m.gauge = Some(prom::Gauge { value: Some(*n) }),
-                    (Value::Histogram(d), _) => m.histogram = Some(native(d)),
+                    (Value::Histogram(d), _) => m.histogram = Some(native(d, how.classic_step(f))),
                 }
                 m
             })
@@ -486,15 +588,13 @@ pub fn render_protobuf(families: &[Family], job_series: bool) -> Vec<u8> {
     out
 }
 
-fn native(d: &Distribution) -> prom::Histogram {
+fn native(d: &Distribution, classic_step: Option<usize>) -> prom::Histogram {
     let e = &d.exponential;
-    let mut cum = 0;
-    let bucket = (d.classic.counts().iter().enumerate())
-        .filter_map(|(i, c)| {
-            cum += c;
+    let bucket = (served(d, classic_step).into_iter())
+        .filter_map(|b| {
             Some(prom::Bucket {
-                cumulative_count: Some(cum),
-                upper_bound: Some(d.classic.bound(i)?),
+                cumulative_count: Some(b.cumulative),
+                upper_bound: Some(b.bound?),
             })
         })
         .collect();
@@ -651,6 +751,7 @@ pub fn to_otlp(families: &[Family], start_ns: u64, now_ns: u64) -> Vec<Metric> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
     use crate::instance::Shared;
     use ncclscope_proto::api::LiveSpans;
     use ncclscope_tests::promql::{histogram_quantile, native_quantile, text_buckets};
@@ -684,8 +785,8 @@ mod tests {
         ] {
             stats.observe(coll(seq, exec_ns).view(), 0, 1, |_, _| live);
         }
-        let f = families(&stats, &Health::default());
-        let om = render_openmetrics(&f, true);
+        let f = families(&stats, &Health::default(), "h");
+        let om = render_openmetrics(&f, &Exposition::FULL);
         let with: Vec<&str> = om.lines().filter(|l| l.contains(" # {")).collect();
         let key = crate::spans::collective_key("AllReduce", 2, 0);
         let want = format!(
@@ -702,7 +803,7 @@ mod tests {
         );
         assert!(om.contains("# TYPE ncclscope_lost counter\n"), "{om}");
         assert!(om.ends_with("# EOF\n"));
-        let text = render_prometheus(&f, true);
+        let text = render_prometheus(&f, &Exposition::FULL);
         assert!(!text.contains(" # {") && !text.contains("# EOF"), "{text}");
         let Some(metric::Data::ExponentialHistogram(h)) = &to_otlp(&f, 1, 2)[0].data else {
             panic!()
@@ -741,7 +842,7 @@ mod tests {
             lost: BTreeMap::from([("ring_full".into(), 3)]),
             ..Default::default()
         };
-        let text = render_prometheus(&families(&stats, &health), true);
+        let text = render_prometheus(&families(&stats, &health, "h"), &Exposition::FULL);
         let l = "uid=\"1234\",job_id=\"j\\\"1\",comm=\"0000000000000001\",collective=\"AllReduce\",size_bucket=\"<=4KiB\",n_nodes=\"1\",nranks=\"8\",comm_name=\"dp\",algo_proto=\"RING_LL\",message_size=\"4-5KB\"";
         assert!(
             text.contains(&format!(
@@ -760,17 +861,23 @@ mod tests {
         )));
         assert!(text.contains("ncclscope_lost_total{stage=\"ring_full\"} 3\n"));
         // By default Prometheus (any local user may scrape it) serves the daemon's health, no job.
-        let public = render_prometheus(&families(&stats, &health), false);
+        let public = render_prometheus(
+            &families(&stats, &health, "h"),
+            &Exposition {
+                job_series: false,
+                ..Exposition::FULL
+            },
+        );
         assert!(public.contains("ncclscope_lost_total{stage=\"ring_full\"} 3\n"));
         assert!(
             !public.contains("job_id") && !public.contains("uid="),
             "{public}"
         );
         assert!(public.contains(&format!(
-            "ncclscope_build_info{{version=\"{}\"}} 1\n",
+            "ncclscope_build_info{{version=\"{}\",host_name=\"h\"}} 1\n",
             env!("CARGO_PKG_VERSION")
         )));
-        let otlp = to_otlp(&families(&stats, &health), 1, 2);
+        let otlp = to_otlp(&families(&stats, &health, "h"), 1, 2);
         assert_eq!(
             (otlp[0].name.as_str(), otlp[0].unit.as_str()),
             ("ncclscope.collective_exec_time", "us")
@@ -831,9 +938,9 @@ mod tests {
                 e.1.push(busbw_gbs);
             }
         }
-        let fams = families(&stats, &Health::default());
-        let text = render_prometheus(&fams, true);
-        let pb = render_protobuf(&fams, true);
+        let fams = families(&stats, &Health::default(), "h");
+        let text = render_prometheus(&fams, &Exposition::FULL);
+        let pb = render_protobuf(&fams, &Exposition::FULL);
         let mut pb: &[u8] = &pb;
         let mut natives = Vec::new();
         while !pb.is_empty() {
@@ -921,12 +1028,103 @@ mod tests {
         eprintln!("worst relative errors (stats, native, OTLP, classic): {worst:?}");
     }
 
+    /// The default exposition (issue 35's cardinality budget): one classic bound per doubling,
+    /// powers of two whose cumulative counts are exact, each with the latest exemplar of the
+    /// buckets merged into it; the per-rank skew as +Inf, sum and count only. Protobuf carries the
+    /// same classic buckets and the native histogram at full resolution. Per rank, the sum of exec
+    /// times beside the count (its mean compares across nodes).
+    #[test]
+    fn the_default_serves_a_classic_bound_per_doubling_and_the_rank_exec_sum() {
+        let mut stats = Stats::new(1_000_000_000, 1000, 10);
+        for (seq, exec_ns, live) in [
+            (1, 1_500, LiveSpans::Rank),
+            (2, 1_900, LiveSpans::Rank),
+            (3, 3_000, LiveSpans::None),
+            (4, 900_000, LiveSpans::None),
+        ] {
+            let c = Shared::from(&ncclscope_proto::api::Collective {
+                uid: 7,
+                job_id: "j".into(),
+                comm_hash: 1,
+                func: "AllReduce".into(),
+                seq,
+                rank: 2,
+                nranks: 4,
+                exec_ns,
+                end_unix_ns: 1_700_000_000_000_000_000 + seq,
+                timing_source: "kernel_gpu".into(),
+                ..Default::default()
+            });
+            stats.observe(c.view(), 0, 1, |_, _| live);
+        }
+        let f = families(&stats, &Health::default(), "h");
+        let how = Exposition {
+            job_series: true,
+            ..Config::default().prometheus.exposition()
+        };
+        let om = render_openmetrics(&f, &how);
+        let exec = "ncclscope_collective_exec_time_microseconds_bucket{";
+        let buckets: Vec<(&str, &str)> = (om.lines())
+            .filter(|l| l.starts_with(exec))
+            .map(|l| {
+                let le = l.split("le=\"").nth(1).unwrap().split('"').next().unwrap();
+                (le, l)
+            })
+            .collect();
+        // 1 us to 2^24 us, then +Inf.
+        assert_eq!(buckets.len(), 26, "{om}");
+        for (i, (le, _)) in buckets.iter().enumerate().take(25) {
+            assert_eq!(le.parse::<f64>().unwrap(), (i as f64).exp2());
+        }
+        let at = |le: &str| buckets.iter().find(|b| b.0 == le).unwrap().1;
+        assert!(at("1").contains("} 0"), "{om}");
+        // 1.5 and 1.9 us in (1, 2]: the later one (seq 2) is the exemplar.
+        let key = crate::spans::collective_key("AllReduce", 2, 0);
+        let span = hex(&crate::spans::rank_span_id(7, 1, key, 2));
+        assert!(
+            at("2").contains("} 2 # {") && at("2").contains(&span),
+            "{}",
+            at("2")
+        );
+        assert!(at("4").ends_with("} 3"), "{}", at("4"));
+        assert!(at("512").ends_with("} 3") && at("1024").ends_with("} 4"));
+        assert!(at("+Inf").ends_with("} 4"));
+        let skew: Vec<&str> = (om.lines())
+            .filter(|l| l.starts_with("ncclscope_rank_skew_microseconds"))
+            .collect();
+        assert_eq!(skew.len(), 3, "{skew:?}");
+        assert!(skew[0].contains("le=\"+Inf\""), "{skew:?}");
+        let labels = "uid=\"7\",job_id=\"j\",comm=\"0000000000000001\",rank=\"2\"";
+        assert!(om.contains(&format!(
+            "ncclscope_rank_exec_time_microseconds_total{{{labels}}} 906.4\n"
+        )));
+        assert!(om.contains(&format!("ncclscope_rank_collectives_total{{{labels}}} 4\n")));
+        let mut pb: &[u8] = &render_protobuf(&f, &how);
+        let mut natives = Vec::new();
+        while !pb.is_empty() {
+            natives.push(prom::MetricFamily::decode_length_delimited(&mut pb).unwrap());
+        }
+        let histogram = |name: &str| {
+            let f = natives.iter().find(|f| f.name() == name).unwrap();
+            f.metric[0].histogram.clone().unwrap()
+        };
+        let h = histogram("ncclscope_collective_exec_time_microseconds");
+        let bounds: Vec<f64> = h.bucket.iter().map(|b| b.upper_bound()).collect();
+        assert_eq!(
+            bounds,
+            (0..25).map(|i| (i as f64).exp2()).collect::<Vec<_>>()
+        );
+        assert_eq!((h.schema(), h.sample_count()), (histogram::EXPORT_SCALE, 4));
+        let skew = histogram("ncclscope_rank_skew_microseconds");
+        assert!(skew.bucket.is_empty());
+    }
+
     /// What a collector's Prometheus exporter makes of each OTLP metric (unit suffix and `_total`
     /// added back, `.` as `_`) is the name `/metrics` serves, but for the bandwidth's unit spelling.
     #[test]
     fn otlp_names_and_units_map_back_to_the_prometheus_names() {
         let stats = Stats::new(1_000_000_000, 1000, 10);
-        let fams = families(&stats, &Health::default());
+        let fams = families(&stats, &Health::default(), "h");
         for f in &fams {
             // An info metric's value is no quantity: it alone has no unit.
             assert!(

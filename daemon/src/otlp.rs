@@ -95,6 +95,13 @@ pub fn resource(cfg: &Otlp, host: &str) -> Resource {
     }
 }
 
+/// The node's `host.name` as [`resource`] gives it: `otlp.resource_attributes`' if set, else `host`.
+pub fn host_name(cfg: &Otlp, host: &str) -> String {
+    let given = key_values(&cfg.resource_attributes).unwrap_or_default();
+    let named = given.into_iter().find(|(k, _)| k == "host.name");
+    named.map_or_else(|| host.to_string(), |(_, v)| v)
+}
+
 /// A UUID stable for the machine: its machine id (/etc/machine-id) hashed with an application key
 /// (HMAC-SHA256, then the UUID version 4 bits), as machine-id(5) asks of applications, since the id
 /// itself is meant to stay on the machine; the host name where there is no machine id (a container

@@ -18,7 +18,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 
-use crate::metrics::{self, Family};
+use crate::metrics::{self, Exposition, Family};
 
 /// Answers 200 while the ingest thread publishes snapshots (every second), 503 once the latest is
 /// older than [`STALE_AFTER`]: for liveness probes and load balancers.
@@ -60,11 +60,11 @@ impl Default for Snapshot {
     }
 }
 
-/// Serves `listener` until the task is dropped; per-job families only with `job_series`.
+/// Serves `listener` until the task is dropped, the families and buckets `how` says.
 pub async fn serve(
     listener: TcpListener,
     snapshots: watch::Receiver<Arc<Snapshot>>,
-    job_series: bool,
+    how: Exposition,
 ) {
     let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
@@ -84,7 +84,7 @@ pub async fn serve(
                     req.uri().path(),
                     req.headers(),
                     &snapshot,
-                    job_series,
+                    &how,
                 );
                 async move { Ok::<_, Infallible>(response) }
             });
@@ -110,7 +110,7 @@ fn respond(
     path: &str,
     headers: &HeaderMap,
     snapshot: &Snapshot,
-    job_series: bool,
+    how: &Exposition,
 ) -> Response<Full<Bytes>> {
     if method != Method::GET && method != Method::HEAD {
         let mut r = plain(StatusCode::METHOD_NOT_ALLOWED, "GET or HEAD\n");
@@ -121,13 +121,13 @@ fn respond(
     match path {
         "/metrics" => {
             let (body, content_type) = if wants_protobuf(headers) {
-                let body = metrics::render_protobuf(&snapshot.families, job_series);
+                let body = metrics::render_protobuf(&snapshot.families, how);
                 (body, PROTOBUF)
             } else if wants_openmetrics(headers) {
-                let text = metrics::render_openmetrics(&snapshot.families, job_series);
+                let text = metrics::render_openmetrics(&snapshot.families, how);
                 (text.into_bytes(), OPENMETRICS)
             } else {
-                let text = metrics::render_prometheus(&snapshot.families, job_series);
+                let text = metrics::render_prometheus(&snapshot.families, how);
                 (text.into_bytes(), TEXT)
             };
             let gzip = accepts_gzip(headers);
@@ -248,7 +248,7 @@ mod tests {
                 "/metrics",
                 &headers(&[(header::ACCEPT, accept)]),
                 &Snapshot::default(),
-                false,
+                &Exposition::FULL,
             );
             r.headers()[header::CONTENT_TYPE]
                 .to_str()
@@ -269,7 +269,13 @@ mod tests {
     #[test]
     fn health_turns_503_when_snapshots_stop() {
         let fresh = Snapshot::default();
-        let r = respond(&Method::GET, HEALTH_PATH, &HeaderMap::new(), &fresh, false);
+        let r = respond(
+            &Method::GET,
+            HEALTH_PATH,
+            &HeaderMap::new(),
+            &fresh,
+            &Exposition::FULL,
+        );
         assert_eq!(r.status(), StatusCode::OK);
         let Some(at) = Instant::now().checked_sub(STALE_AFTER + Duration::from_secs(1)) else {
             return; // a machine up for less than that
@@ -278,9 +284,21 @@ mod tests {
             families: Vec::new(),
             at,
         };
-        let r = respond(&Method::GET, HEALTH_PATH, &HeaderMap::new(), &stale, false);
+        let r = respond(
+            &Method::GET,
+            HEALTH_PATH,
+            &HeaderMap::new(),
+            &stale,
+            &Exposition::FULL,
+        );
         assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
-        let r = respond(&Method::POST, "/metrics", &HeaderMap::new(), &fresh, false);
+        let r = respond(
+            &Method::POST,
+            "/metrics",
+            &HeaderMap::new(),
+            &fresh,
+            &Exposition::FULL,
+        );
         assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
     }
 }

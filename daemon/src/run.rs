@@ -179,6 +179,7 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
         export_counters: export_counters.clone(),
         dropped: None,
         prometheus: prom_tx,
+        host_name: otlp::host_name(&cfg.otlp, &host),
     };
     let exporter = if cfg.otlp.endpoint.is_empty() {
         None
@@ -228,8 +229,8 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
     };
     let mut listeners = vec![tokio::spawn(register::serve(registration, reg_tx))];
     if let Some(l) = prometheus_listener {
-        let job_series = cfg.prometheus.job_series;
-        listeners.push(tokio::spawn(prometheus::serve(l, prom_rx, job_series)));
+        let how = cfg.prometheus.exposition();
+        listeners.push(tokio::spawn(prometheus::serve(l, prom_rx, how)));
     }
     let (api_shutdown, api_stop) = oneshot::channel::<()>();
     let service = api::QueryService::new(hub, reader);

@@ -172,6 +172,9 @@ pub struct RankSeries {
     /// The rank's GPU as its latest instance gave it: labels that join DCGM exporter's series.
     pub gpu: Option<ncclscope_proto::Gpu>,
     pub collectives: u64,
+    /// Sum of those instances' exec times (us): with `collectives`, the rank's mean exec time, which
+    /// compares across nodes (a duration on the rank's own GPU clock): a late rank waits least.
+    pub exec_us_sum: f64,
     pub skew_us: Distribution,
     /// Collectives in which this rank's kernels started last / ended last among the node's ranks.
     pub last_to_start: u64,
@@ -377,6 +380,7 @@ impl Stats {
             let series = RankSeries {
                 gpu: None,
                 collectives: 0,
+                exec_us_sum: 0.0,
                 skew_us: Distribution::new(SKEW_US),
                 last_to_start: 0,
                 last_to_end: 0,
@@ -390,6 +394,7 @@ impl Stats {
         });
         r.gpu = c.gpu;
         r.collectives += 1;
+        r.exec_us_sum += c.exec_ns as f64 / 1000.0;
         r.last_ns = now_ns;
         r.first_end_ns = r.first_end_ns.min(c.end_unix_ns);
         r.last_end_ns = r.last_end_ns.max(c.end_unix_ns);

@@ -18,6 +18,8 @@ use prost::Message;
 use serde_json::Value;
 
 const JOB: &str = "prom-http";
+/// The daemon's `host.name`.
+const HOST: &str = "gpu-node-7";
 
 struct Daemon {
     child: Child,
@@ -26,14 +28,24 @@ struct Daemon {
 }
 
 impl Daemon {
+    /// The classic buckets at their finest (the percentile test holds them to 10%), and the
+    /// node's name as an operator sets it.
     fn start() -> Daemon {
+        Daemon::start_with(&format!(
+            "classic_buckets_per_doubling = 8\n[otlp]\nresource_attributes = \"host.name={HOST}\"\n"
+        ))
+    }
+
+    /// A daemon serving per-job series, with more configuration `extra` (after `[prometheus]`).
+    fn start_with(extra: &str) -> Daemon {
         let dir = tempfile::tempdir().unwrap();
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
-        let config = format!("[prometheus]\nlisten = \"127.0.0.1:{port}\"\njob_series = true\n");
+        let config =
+            format!("[prometheus]\nlisten = \"127.0.0.1:{port}\"\njob_series = true\n{extra}");
         std::fs::write(dir.path().join("ncclscope.toml"), config).unwrap();
         let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
         let child = ncclscope_tests::daemon_args(
@@ -248,13 +260,13 @@ fn reported_percentiles_match_the_exact_values_of_the_run() {
 }
 
 /// /metrics on a real HTTP server: HEAD, keep-alive, gzip when asked, 404 elsewhere, the health
-/// endpoint and the build info.
+/// endpoint and the build info (with the configured host name).
 #[test]
 fn metrics_endpoint_speaks_http() {
     let d = Daemon::start();
     let metrics = format!("{}/metrics", d.url);
     let build_info = format!(
-        "ncclscope_build_info{{version=\"{}\"}} 1\n",
+        "ncclscope_build_info{{version=\"{}\",host_name=\"{HOST}\"}} 1\n",
         env!("CARGO_PKG_VERSION")
     );
     // The first snapshot comes a second after the start.
@@ -320,4 +332,133 @@ fn metrics_endpoint_speaks_http() {
         String::from_utf8(curl(&[&format!("{}/healthz", d.url)])).unwrap(),
         "ok\n"
     );
+}
+
+/// What one scrape of `/metrics` costs: samples (lines that are not comments) and bytes.
+fn scrape_cost(body: &str) -> (usize, usize) {
+    let samples = body
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .count();
+    (samples, body.len())
+}
+
+/// The cardinality budget (issue 35) on one node's load: 8 ranks (processes of the real plugin
+/// through the fake NCCL, each with its GPU from the fake libcuda) of a 64-rank, 8-node job, each
+/// in the same 16 communicators, each running 3 collective types (one size each): 48 series and
+/// 128 rank series. At the default configuration (per-job series on) one text scrape is at most
+/// 10,000 samples and 1 MB, OpenMetrics (Prometheus' default, with exemplars) too. The same load
+/// with every classic bucket the daemon keeps (the configuration before the budget) is printed
+/// beside it, and must be over the budget: the cut is what keeps the default within it.
+#[test]
+fn a_node_of_8_ranks_16_communicators_and_3_collectives_fits_the_scrape_budget() {
+    const SAMPLES: usize = 10_000;
+    const BYTES: usize = 1_000_000;
+    let default = node_load_scrapes("");
+    let full = node_load_scrapes("classic_buckets_per_doubling = 8\nrank_classic_buckets = true\n");
+    for (what, (text, om, pb)) in [("default", &default), ("every classic bucket", &full)] {
+        let (t, o) = (scrape_cost(text), scrape_cost(om));
+        eprintln!(
+            "{what}: text {} samples {} bytes; OpenMetrics {} samples {} bytes; protobuf {} bytes",
+            t.0,
+            t.1,
+            o.0,
+            o.1,
+            pb.len()
+        );
+    }
+    let (text, om, _) = &default;
+    for (format, body) in [("text", text), ("OpenMetrics", om)] {
+        let (samples, bytes) = scrape_cost(body);
+        assert!(
+            samples <= SAMPLES && bytes <= BYTES,
+            "{format}: {samples} samples, {bytes} bytes"
+        );
+    }
+    let (samples, bytes) = scrape_cost(&full.0);
+    assert!(samples > SAMPLES || bytes > BYTES, "{samples} {bytes}");
+}
+
+/// Runs the node's load of the budget test against a daemon with `extra` configuration; its
+/// text, OpenMetrics and protobuf scrapes once every instance is counted.
+fn node_load_scrapes(extra: &str) -> (String, String, Vec<u8>) {
+    const RANKS: u32 = 8;
+    const COMMS: u32 = 16;
+    const COLLECTIVES: u32 = 3;
+    let d = Daemon::start_with(extra);
+    let cuda = d.dir.path().join("cuda");
+    std::fs::create_dir(&cuda).unwrap();
+    let fake = ncclscope_fakenccl::target_dir().join("libfakenccl_cuda.so");
+    assert!(
+        fake.exists(),
+        "{} is missing: cargo build -p ncclscope-fakenccl-libcuda",
+        fake.display()
+    );
+    std::fs::copy(&fake, cuda.join("libcuda.so")).unwrap();
+    let rank_binary = ncclscope_fakenccl::process::rank_binary().unwrap();
+    let ranks: Vec<Child> = (0..RANKS)
+        .map(|rank| {
+            Command::new(&rank_binary)
+                .args([
+                    "--rank",
+                    &rank.to_string(),
+                    "--nranks",
+                    "64",
+                    "--nnodes",
+                    "8",
+                ])
+                .args(["--comms", &COMMS.to_string()])
+                .args(["--colls", &COLLECTIVES.to_string()])
+                .env("NCCLSCOPE_SOCKET", d.dir.path().join("reg.sock"))
+                .env("NCCLSCOPE_RING_MEMORY", "cpu")
+                .env("NCCLSCOPE_JOB_ID", "4242424")
+                .env("LD_LIBRARY_PATH", &cuda)
+                .env("FAKENCCL_CUDA_DEVICE", rank.to_string())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut r in ranks {
+        assert!(r.wait().unwrap().success());
+    }
+    let metrics = format!("{}/metrics", d.url);
+    let want = format!(
+        "ncclscope_collectives_total {}\n",
+        RANKS * COMMS * COLLECTIVES
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let text = String::from_utf8(curl(&[&metrics])).unwrap();
+        if text.contains(&want) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{want}?\n{text}\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The snapshot after the last instance (one a second).
+    std::thread::sleep(Duration::from_millis(1500));
+    let text = String::from_utf8(curl(&[&metrics])).unwrap();
+    let count = |prefix: &str| text.lines().filter(|l| l.starts_with(prefix)).count();
+    assert_eq!(
+        count("ncclscope_collective_exec_time_microseconds_count{"),
+        (COMMS * COLLECTIVES) as usize,
+        "{text}"
+    );
+    let per_rank = "ncclscope_rank_collectives_total{";
+    assert_eq!(count(per_rank), (RANKS * COMMS) as usize, "{text}");
+    assert!(
+        (text.lines())
+            .filter(|l| l.starts_with(per_rank))
+            .all(|l| l.contains("UUID=\"GPU-")),
+        "{text}"
+    );
+    let om = curl(&["-H", "Accept: application/openmetrics-text", &metrics]);
+    let pb = curl(&[
+        "-H",
+        "Accept: application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited",
+        &metrics,
+    ]);
+    (text, String::from_utf8(om).unwrap(), pb)
 }

@@ -70,7 +70,7 @@ fn promtool_checks_the_configs_and_unit_tests_the_rules() {
                 .args(["check", "config"])
                 .arg(dir.join(config)),
         );
-        assert!(out.contains("8 rules found"), "{out}");
+        assert!(out.contains("17 rules found"), "{out}");
     }
     run_ok(
         Command::new(tool("promtool"))
