@@ -21,7 +21,7 @@ use serde_json::Value;
 /// The shipped recording rules this reads.
 pub const RANK_LATENESS: &str = "ncclscope:rank_lateness_microseconds:1m";
 pub const NODE_LATENESS: &str = "ncclscope:node_lateness_microseconds:1m";
-/// The daemon's info series: `instance` to the node's `host_name`.
+/// The daemon's info series: `instance` to the node's `host_name` (its `host.name`).
 const BUILD_INFO: &str = "ncclscope_build_info";
 /// A series every daemon serving the job exports (with `job_series = true`).
 const JOB_SERIES: &str = "ncclscope_rank_collectives_total";
@@ -276,7 +276,12 @@ pub async fn suspects(prom: &Prometheus, job: &str, threshold_us: f64) -> anyhow
         .query(BUILD_INFO)
         .await?
         .into_iter()
-        .filter_map(|(l, _)| Some((l.get("instance")?.clone(), l.get("host_name")?.clone())))
+        .filter_map(|(mut l, _)| {
+            // A scrape config that sets `host_name` on the target (the shipped one does, from the
+            // address) renames the daemon's own to `exported_host_name`.
+            let host = l.remove("exported_host_name").or(l.remove("host_name"))?;
+            Some((l.remove("instance")?, host))
+        })
         .collect();
     let label = |l: &HashMap<String, String>, k: &str| l.get(k).cloned().unwrap_or_default();
     let mut view = View {

@@ -207,6 +207,7 @@ impl Node {
                     .map(|port| format!("127.0.0.{}:{port}", index + 1))
                     .unwrap_or_default(),
                 job_series: true,
+                ..defaults.prometheus
             },
             otlp: crate::config::Otlp {
                 endpoint: args.otlp_endpoint.clone().unwrap_or_default(),
