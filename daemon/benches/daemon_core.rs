@@ -157,6 +157,7 @@ fn ingest(ranks: u64, spool: bool) -> (f64, f64, f64) {
         export_counters: Arc::default(),
         dropped: None,
         prometheus: prom,
+        host_name: "bench".into(),
     };
     let spool = spool.then(|| {
         let s = Spool::open(dir.path().join("spool"), SpoolLimits::default()).unwrap();

@@ -838,6 +838,7 @@ impl Engine {
                 });
                 c.coll.live_spans = observed.live_spans;
                 c.coll.trace_root = observed.trace_root;
+                c.coll.local_lateness_ns = observed.local_lateness_ns;
             }
         }
         // The last state the spool writer must write this batch after (see `Attached::on_disk`).

@@ -134,6 +134,8 @@ pub struct Instance {
     /// (start, end) of its trace's root span, when this instance carries it: decided by the engine
     /// when it records the instance (see `Collective`).
     pub trace_root: Option<(u64, u64)>,
+    /// The rank's node-local lateness, for its span (see `Collective.local_lateness_ns`).
+    pub local_lateness_ns: Option<u64>,
 }
 
 /// The values `timing_source` takes.
@@ -224,6 +226,7 @@ impl<'a> InstanceRef<'a> {
             gpu_uuid: self.gpu.map(|g| g.uuid_text()).unwrap_or_default(),
             trace_root_start_unix_ns: self.trace_root.map_or(0, |r| r.0),
             trace_root_end_unix_ns: self.trace_root.map_or(0, |r| r.1),
+            local_lateness_ns: self.local_lateness_ns,
         }
     }
 }
@@ -298,6 +301,7 @@ impl From<&Collective> for Shared {
                 .and_then(|ordinal| Gpu::from_text(ordinal, &c.gpu_uuid)),
             trace_root: (c.trace_root_end_unix_ns != 0)
                 .then_some((c.trace_root_start_unix_ns, c.trace_root_end_unix_ns)),
+            local_lateness_ns: c.local_lateness_ns,
         };
         Shared {
             inst,
@@ -353,6 +357,7 @@ mod tests {
             gpu_uuid: "GPU-8d1c2a3b-0001-0203-0405-06070809feff".into(),
             trace_root_start_unix_ns: 12,
             trace_root_end_unix_ns: 18,
+            local_lateness_ns: Some(19),
         };
         let s = Shared::from(&m);
         let i = s.view();

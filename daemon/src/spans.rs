@@ -277,6 +277,9 @@ fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
         attributes.push(i("nccl.gpu", g.ordinal as i64));
         attributes.push(s("nccl.gpu_uuid", &g.uuid_text()));
     }
+    if let Some(ns) = c.local_lateness_ns {
+        attributes.push(i("ncclscope.local_lateness_ns", ns as i64));
+    }
     if c.desc.is_p2p {
         attributes.push(i("nccl.peer", c.desc.peer as i64));
     } else if c.desc.root >= 0 {
@@ -492,6 +495,34 @@ mod tests {
             ..m
         });
         assert!(!without.iter().any(|kv| kv.key.starts_with("nccl.gpu")));
+    }
+
+    /// Issue 35: the rank's node-local lateness, for TraceQL (`span.ncclscope.local_lateness_ns >
+    /// 1000000`), on its span where the daemon evaluated it, absent elsewhere.
+    #[test]
+    fn a_rank_span_carries_its_node_local_lateness_when_evaluated() {
+        let m = ncclscope_proto::api::Collective {
+            func: "AllReduce".into(),
+            rank: 1,
+            nranks: 2,
+            local_lateness_ns: Some(3_000_000),
+            ..Default::default()
+        };
+        let lateness = |m: &ncclscope_proto::api::Collective| {
+            let mut out = Vec::new();
+            spans_of(Shared::from(m).view(), false, &mut out);
+            let span = out.pop().unwrap();
+            let kv = span.attributes.into_iter();
+            kv.filter(|kv| kv.key == "ncclscope.local_lateness_ns")
+                .map(|kv| kv.value.and_then(|v| v.value))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(lateness(&m), [Some(any_value::Value::IntValue(3_000_000))]);
+        let none = ncclscope_proto::api::Collective {
+            local_lateness_ns: None,
+            ..m
+        };
+        assert!(lateness(&none).is_empty());
     }
 
     /// Issue 17: span status was never set. A complete instance leaves it UNSET; one closed without

@@ -179,6 +179,10 @@ pub struct RankSeries {
     /// Collectives in which this rank's kernels started last / ended last among the node's ranks.
     pub last_to_start: u64,
     pub last_to_end: u64,
+    /// In the rank's latest collective evaluated with other ranks of this node: the longest exec
+    /// time (kernel start to end) among them less its own. A late rank waits least, so it reads about its delay; a node
+    /// whose ranks are all late reads ~0 (node-local).
+    pub local_lateness_ns: Option<u64>,
     rolling_exec_ns: Rolling,
     rolling_skew_ns: Rolling,
     last_ns: u64,
@@ -204,6 +208,8 @@ pub struct Observed {
     /// node's ranks to complete the collective carries it, on the node of rank 0 and only if rank
     /// 0's span is sent; it covers the rank spans this node sends (earliest start to latest end).
     pub trace_root: Option<(u64, u64)>,
+    /// The rank's node-local lateness (see [`RankSeries::local_lateness_ns`]), for a sent span.
+    pub local_lateness_ns: Option<u64>,
 }
 
 /// The local ranks' arrivals for one collective.
@@ -366,6 +372,7 @@ impl Stats {
                 return Observed {
                     live_spans: live,
                     trace_root: None,
+                    local_lateness_ns: None,
                 };
             }
             job.ranks += 1;
@@ -384,6 +391,7 @@ impl Stats {
                 skew_us: Distribution::new(SKEW_US),
                 last_to_start: 0,
                 last_to_end: 0,
+                local_lateness_ns: None,
                 rolling_exec_ns: Rolling::default(),
                 rolling_skew_ns: Rolling::default(),
                 last_ns: now_ns,
@@ -399,6 +407,8 @@ impl Stats {
         r.first_end_ns = r.first_end_ns.min(c.end_unix_ns);
         r.last_end_ns = r.last_end_ns.max(c.end_unix_ns);
         r.rolling_exec_ns.record(exec_ns, now_ns, window);
+        let local_lateness_ns =
+            (r.local_lateness_ns).filter(|_| live != LiveSpans::None && !c.desc.is_p2p);
         // Skew needs at least two of the collective's ranks on this node.
         let local = self
             .local_ranks
@@ -415,6 +425,7 @@ impl Stats {
         Observed {
             live_spans: live,
             trace_root,
+            local_lateness_ns,
         }
     }
 
@@ -786,6 +797,8 @@ fn evaluate(
         .iter()
         .max_by_key(|a| (a.end, a.rank))
         .map(|a| a.rank);
+    let exec = |a: &Arrival| a.end.saturating_sub(a.start);
+    let longest = rv.arrivals.iter().map(exec).max().unwrap_or(0);
     for a in rv.arrivals {
         let skew = a.start - min_start;
         let key = RankRef {
@@ -805,6 +818,7 @@ fn evaluate(
         if Some(a.rank) == last_end {
             r.last_to_end += 1;
         }
+        r.local_lateness_ns = Some(longest - exec(&a));
     }
     true
 }
@@ -834,6 +848,28 @@ mod tests {
             timing_source: "kernel_gpu".into(),
             ..Default::default()
         })
+    }
+
+    /// Issue 35: a rank's node-local lateness, for its span: the longest exec among the node's
+    /// ranks of its latest collective evaluated before this instance, less its own. Rank 1, 3 ms
+    /// late, waits least: 3 ms; the others ~0. None before any evaluation, nor for unsent spans.
+    #[test]
+    fn a_sent_rank_span_carries_its_node_local_lateness() {
+        let mut s = Stats::new(60_000_000_000, 1_000_000_000, 100);
+        s.set_local_ranks(HashMap::from([((0, 9), 3)]));
+        let sent = |_: Option<u64>, _: u64| LiveSpans::Rank;
+        let lateness = |s: &mut Stats, rank, seq, start, exec| {
+            s.observe(coll(rank, seq, start, exec).view(), 0, 1, sent)
+                .local_lateness_ns
+        };
+        assert_eq!(lateness(&mut s, 0, 1, 1_000, 3_200_000), None);
+        assert_eq!(lateness(&mut s, 2, 1, 1_100, 3_150_000), None);
+        assert_eq!(lateness(&mut s, 1, 1, 3_001_000, 200_000), None);
+        assert_eq!(lateness(&mut s, 0, 2, 5_000_000, 3_200_000), Some(0));
+        assert_eq!(lateness(&mut s, 2, 2, 5_000_100, 3_180_000), Some(50_000));
+        let o = s.observe(coll(1, 2, 8_000_000, 200_000).view(), 0, 1, no_spans);
+        assert_eq!(o.local_lateness_ns, None);
+        assert_eq!(lateness(&mut s, 1, 3, 9_000_000, 250_000), Some(3_000_000));
     }
 
     /// Issue 17: the root span was rank 0's view, and rank spans ended after it. The last of the

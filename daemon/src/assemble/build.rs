@@ -113,5 +113,6 @@ pub(super) fn instance(
         live_spans: LiveSpans::None,
         gpu: info.and_then(|c| c.gpu),
         trace_root: None,
+        local_lateness_ns: None,
     }
 }
