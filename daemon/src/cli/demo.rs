@@ -45,7 +45,8 @@ pub struct Args {
     /// How late a late rank starts its kernels, in microseconds.
     #[arg(long, default_value_t = 3000)]
     pub straggler_delay_us: u64,
-    /// Seconds into the run at which the late rank or node becomes late.
+    /// Seconds into the run at which the late rank or node becomes late (the verdict judges the
+    /// whole run: start it before the middle).
     #[arg(long, default_value_t = 0)]
     pub late_from: u64,
     /// Serve each node's /metrics (with per-job series) on 127.0.0.<node + 1>:PORT (default: none).
@@ -188,10 +189,11 @@ impl Node {
         };
         let name = format!("demo-node{index}");
         let defaults = Config::default();
-        let mut resource_attributes = String::new();
-        if args.nodes > 1 {
-            resource_attributes = format!("host.name={name},service.instance.id={name}");
-        }
+        let resource_attributes = if args.nodes == 1 {
+            String::new()
+        } else {
+            format!("host.name={name},service.instance.id={name}")
+        };
         let config = Config {
             socket: dir.join("ncclscope.sock"),
             api_socket: dir.join("api.sock"),
@@ -218,16 +220,6 @@ impl Node {
         };
         Node { name, config }
     }
-}
-
-/// The ranks made late by `args` (a late rank, every rank of a late node), in order.
-fn late_ranks(args: &Args, straggler: Option<u32>) -> Vec<u32> {
-    (0..args.ranks)
-        .filter(|&r| {
-            straggler == Some(r)
-                || args.late_node == Some(sim_rank::node_of(r, args.ranks, args.nodes))
-        })
-        .collect()
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -304,7 +296,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
-    let late = late_ranks(&args, straggler);
+    let late = sim_rank::late_ranks(args.ranks, args.nodes, straggler, args.late_node);
     let fault = match (straggler, args.late_node) {
         (Some(r), None) => format!("rank {r} made"),
         (None, Some(n)) => format!("node {n} (ranks {}) made", list(&late)),
@@ -623,9 +615,10 @@ fn verdict_across_nodes(
         .map(|(node, rank, late)| format!("rank {rank} on node {node} ({late:.0} us late)"))
         .collect();
     let found: Vec<u32> = found.iter().map(|&(_, rank, _)| rank).collect();
-    let injected_text = match args.late_node {
-        Some(n) => format!("node {n}: ranks {}", list(injected)),
-        None => format!("rank {}", list(injected)),
+    let injected_text = match (args.straggler, args.late_node) {
+        (Some(r), Some(n)) => format!("rank {r} and node {n}: ranks {}", list(injected)),
+        (None, Some(n)) => format!("node {n}: ranks {}", list(injected)),
+        _ => format!("rank {}", list(injected)),
     };
     if found == injected {
         println!(

@@ -117,12 +117,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         // The node's local device, as a launcher hands out one GPU per local rank.
         cuda_dev: (args.rank - first_on_node) as i32,
     })?;
-    let late = (0..args.nranks)
-        .filter(|&r| {
-            args.straggler == Some(r)
-                || args.late_node == Some(node_of(r, args.nranks, args.nnodes))
-        })
-        .collect();
+    let late = late_ranks(args.nranks, args.nnodes, args.straggler, args.late_node);
     let schedule = Schedule {
         epoch_ns: args.epoch_ns,
         nranks: args.nranks,
@@ -174,6 +169,18 @@ pub const COMM_HASH: u64 = 0x5eed_0dde_c0ff_ee01;
 pub fn comm_hash_of(job: &str) -> u64 {
     job.bytes()
         .fold(COMM_HASH, |h, b| splitmix(h ^ u64::from(b)))
+}
+
+/// The ranks made late by a late rank (`straggler`) and a late node (all its ranks), in order.
+pub fn late_ranks(
+    nranks: u32,
+    nnodes: u32,
+    straggler: Option<u32>,
+    late_node: Option<u32>,
+) -> Vec<u32> {
+    (0..nranks)
+        .filter(|&r| straggler == Some(r) || late_node == Some(node_of(r, nranks, nnodes)))
+        .collect()
 }
 
 /// The node `rank` runs on: ranks fill nodes in contiguous blocks (node sizes differ by at most one).
