@@ -3,6 +3,8 @@
 //! ranks of one 4-rank communicator (`ncclscope sim-rank`: the real plugin through the fake NCCL
 //! host, NCCL's `nnodes` = 2), both exporting to one real OTLP/gRPC receiver. Every instance is one
 //! trace holding the 4 rank spans from both nodes under one root, and the series say `n_nodes="2"`.
+//! A second job runs on the same nodes at the same time: its communicator hash is its own, so no
+//! trace holds spans of both.
 
 mod common;
 
@@ -96,10 +98,11 @@ async fn one_communicator_on_two_nodes_is_one_trace_per_instance_with_n_nodes_2(
         straggler: Some(3),
         ..SimJob::new("multi-node", 4, 3)
     };
-    let ranks: Vec<Child> = job
-        .commands(&sockets)
-        .iter_mut()
-        .map(|c| c.spawn().unwrap())
+    let other = SimJob::new("multi-node-b", 4, 3);
+    let ranks: Vec<Child> = [job, other]
+        .iter()
+        .flat_map(|j| j.commands(&sockets))
+        .map(|mut c| c.spawn().unwrap())
         .collect();
     let waited = tokio::task::spawn_blocking(move || common::produced(ranks));
 
@@ -124,6 +127,7 @@ async fn one_communicator_on_two_nodes_is_one_trace_per_instance_with_n_nodes_2(
         produced.iter().all(|&p| p == produced[0] && p > 0),
         "{produced:?}"
     );
+    // Per job.
     let instances = produced[0] as usize;
 
     // A root comes with the last of its node's rank spans, or once it stops waiting for them.
@@ -135,7 +139,7 @@ async fn one_communicator_on_two_nodes_is_one_trace_per_instance_with_n_nodes_2(
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline && {
         let (ranks, roots) = count(&spans);
-        ranks < 4 * instances || roots < instances
+        ranks < 2 * 4 * instances || roots < 2 * instances
     } {
         spans.extend(
             collector
@@ -182,13 +186,14 @@ async fn one_communicator_on_two_nodes_is_one_trace_per_instance_with_n_nodes_2(
         assert_eq!(ranks, want, "node {k}");
     }
 
-    // Every instance: one trace, one root (rank 0's node sends it), the 4 rank spans under it, ranks
-    // 0-1 from node 0's daemon and 2-3 from node 1's (each daemon serves only its own ranks).
+    // Every instance of each job: one trace, one root (rank 0's node sends it), the 4 rank spans under
+    // it, ranks 0-1 from node 0's daemon and 2-3 from node 1's (each daemon serves only its own
+    // ranks), all of the one job.
     let mut traces: BTreeMap<&str, Vec<&ExportedSpan>> = BTreeMap::new();
     for s in &spans {
         traces.entry(s.trace_id.as_str()).or_default().push(s);
     }
-    assert_eq!(traces.len(), instances, "{} spans", spans.len());
+    assert_eq!(traces.len(), 2 * instances, "{} spans", spans.len());
     for (id, t) in &traces {
         let roots: Vec<&&ExportedSpan> = t.iter().filter(|s| s.parent_span_id.is_empty()).collect();
         let names: Vec<(&str, &str)> = t
@@ -208,7 +213,12 @@ async fn one_communicator_on_two_nodes_is_one_trace_per_instance_with_n_nodes_2(
             .map(|s| ncclscope_tests::attr(s, "nccl.rank"))
             .collect();
         ranks.sort();
-        assert_eq!(ranks, ["0", "1", "2", "3"], "trace {id}");
+        assert_eq!(ranks, ["0", "1", "2", "3"], "trace {id}: {names:?}");
+        let jobs: BTreeSet<&str> = t
+            .iter()
+            .map(|s| ncclscope_tests::attr(s, "job.id"))
+            .collect();
+        assert_eq!(jobs.len(), 1, "trace {id}: {jobs:?}");
         assert!(
             t.iter()
                 .filter(|s| s.name.ends_with(" rank"))
