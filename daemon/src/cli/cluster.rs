@@ -69,7 +69,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut first = true;
     loop {
         let view = rt.block_on(suspects(&prom, &args.job, args.threshold_us));
-        let now = clock();
+        let now = crate::cli::top::utc_hms();
         let lines = match view {
             Ok(v) => v.lines(&args.job, args.threshold_us),
             Err(e) if first => return Err(e),
@@ -98,12 +98,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         std::thread::sleep(interval);
     }
-}
-
-/// The wall clock as HH:MM:SS UTC.
-fn clock() -> String {
-    let s = ncclscope_proto::now_ns() / 1_000_000_000;
-    format!("{:02}:{:02}:{:02}", s / 3600 % 24, s / 60 % 60, s % 60)
 }
 
 /// A Prometheus HTTP API client (plain HTTP/1.1).
