@@ -432,9 +432,9 @@ struct Served<'a> {
     exemplar: Option<&'a Exemplar>,
 }
 
-/// The classic buckets of `d` served at every `step`-th bound (the bounds are 2^(k/8) and a range
-/// starts at a power of two, so every step of 1, 2, 4 or 8 keeps powers of two; `None`: none),
-/// then +Inf. Cumulative counts make the coarser buckets exact.
+/// The classic buckets of `d` served: every `step`-th bound (the bounds are 2^(k/8) from a power
+/// of two, so a step of 8 keeps the powers of two; `None`: none), then +Inf. Cumulative counts
+/// make the coarser buckets exact.
 fn served(d: &Distribution, step: Option<usize>) -> Vec<Served<'_>> {
     let (b, mut cum) = (&d.classic, 0);
     let mut exemplar: Option<&Exemplar> = None;

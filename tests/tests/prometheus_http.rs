@@ -358,8 +358,18 @@ fn a_node_of_8_ranks_16_communicators_and_3_collectives_fits_the_scrape_budget()
     let full = node_load_scrapes("classic_buckets_per_doubling = 8\nrank_classic_buckets = true\n");
     for (what, (text, om, pb)) in [("default", &default), ("every classic bucket", &full)] {
         let (t, o) = (scrape_cost(text), scrape_cost(om));
+        // Scraped as native histograms, a histogram is one sample: one per metric.
+        let mut rest: &[u8] = pb;
+        let mut native = 0;
+        while !rest.is_empty() {
+            native += MetricFamily::decode_length_delimited(&mut rest)
+                .unwrap()
+                .metric
+                .len();
+        }
         eprintln!(
-            "{what}: text {} samples {} bytes; OpenMetrics {} samples {} bytes; protobuf {} bytes",
+            "{what}: text {} samples {} bytes; OpenMetrics {} samples {} bytes; protobuf {} bytes, \
+             {native} samples as native histograms",
             t.0,
             t.1,
             o.0,

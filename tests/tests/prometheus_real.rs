@@ -5,8 +5,10 @@
 //! with values. Twice: as deploy/prometheus/prometheus-scrape.yml scrapes /metrics (text: classic
 //! buckets, `..._gbs`), and with native histograms (protobuf) and the bus bandwidth renamed as the
 //! OpenTelemetry Collector names it (`..._gigabytes_per_second`), the form remote write gives.
-//! The daemon exports spans to an OTLP receiver (otlp-sink), and Prometheus runs with exemplar
-//! storage: scraping OpenMetrics, the exec-time buckets' exemplars name traces the receiver got.
+//! Rank 1 of the 4 is 3 ms late: the cross-node rank lateness rule and the rank spans' node-local
+//! lateness both name it. The daemon exports spans to an OTLP receiver (otlp-sink), and Prometheus
+//! runs with exemplar storage: scraping OpenMetrics, the exec-time buckets' exemplars name traces
+//! the receiver got.
 //! The ranks have a GPU identity from the fake libcuda (device = rank), and Prometheus also scrapes
 //! a stand-in DCGM exporter for those GPUs: the rule joining DCGM's series returns each rank's GPU.
 //! promtool checks both Prometheus configurations and the rules, and runs the rules' unit tests;
@@ -530,6 +532,21 @@ fn every_query_returns_series(native: bool) {
         }
     }
     assert!(missing.is_empty(), "no data:\n{}", missing.join("\n"));
+    // Rank 1, late in every collective, is the latest by the cross-node rule, over 1 ms.
+    let lateness = query(
+        &s.prom,
+        &format!("ncclscope:rank_lateness_microseconds:1m{{job_id=\"{JOB}\"}}"),
+    );
+    let (latest, us) = (lateness.iter())
+        .map(|(m, v)| {
+            (
+                m["rank"].as_str().unwrap().to_string(),
+                v.parse::<f64>().unwrap(),
+            )
+        })
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap();
+    assert!(latest == "1" && us > 1000.0, "{lateness:?}");
 
     // The form this run is meant to prove, and the labels Inspector's dashboards filter on.
     let native_series = query(
@@ -656,15 +673,39 @@ fn every_query_returns_series(native: bool) {
         .filter(|s| s["name"].as_str().unwrap().ends_with(" rank"))
         .collect();
     assert!(!rank_spans.is_empty());
+    // And its node-local lateness (issue 35): rank 1, 2.4-3.6 ms late in every collective, waits
+    // least; the others wait for it.
+    let mut lateness: [Vec<u64>; 4] = Default::default();
     for span in rank_spans {
         let attr = |k: &str| span["attributes"][k].as_str().unwrap_or("").to_string();
-        let rank: u32 = attr("nccl.rank")
-            .trim_start_matches("Some(AnyValue { value: Some(IntValue(")
-            .trim_end_matches(")) })")
-            .parse()
-            .unwrap();
-        assert!(attr("nccl.gpu_uuid").contains(&fake_uuid(rank)), "{span}");
+        let int = |k: &str| {
+            let v = attr(k);
+            let v = v.trim_start_matches("Some(AnyValue { value: Some(IntValue(");
+            v.trim_end_matches(")) })").parse::<u64>().ok()
+        };
+        let rank = int("nccl.rank").unwrap();
+        assert!(
+            attr("nccl.gpu_uuid").contains(&fake_uuid(rank as u32)),
+            "{span}"
+        );
+        lateness[rank as usize].extend(int("ncclscope.local_lateness_ns"));
     }
+    let median = |v: &mut Vec<u64>| {
+        v.sort_unstable();
+        v[v.len() / 2]
+    };
+    // (On a busy machine the simulated kernels end late by up to milliseconds: medians, and rank
+    // 1 twice the others.)
+    let medians: Vec<u64> = (lateness.iter_mut())
+        .map(|v| {
+            assert!(v.len() > 10, "{} spans with a lateness", v.len());
+            median(v)
+        })
+        .collect();
+    assert!(
+        medians[1] > 2_000_000 && [0, 2, 3].iter().all(|&r| medians[1] > 2 * medians[r]),
+        "median local lateness (ns) per rank: {medians:?}"
+    );
 
     for mut r in s.ranks.drain(..) {
         let _ = r.kill();
