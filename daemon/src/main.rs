@@ -32,6 +32,8 @@ enum Cmd {
     Stats(cli::stats::Args),
     /// Export a job's trace (Perfetto protobuf or JSON, or OTLP JSON).
     Export(cli::export::Args),
+    /// A job's late ranks and nodes across the cluster, from Prometheus (Thanos, Mimir).
+    Cluster(cli::cluster::Args),
     /// One simulated rank (used by `demo`).
     #[cfg(feature = "demo")]
     #[command(hide = true)]
@@ -47,6 +49,7 @@ fn main() -> ExitCode {
         Cmd::Top(a) => cli::top::run(a),
         Cmd::Stats(a) => cli::stats::run(a),
         Cmd::Export(a) => cli::export::run(a),
+        Cmd::Cluster(a) => cli::cluster::run(a),
         #[cfg(feature = "demo")]
         Cmd::SimRank(a) => cli::sim_rank::run(a),
     };

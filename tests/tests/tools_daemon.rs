@@ -663,6 +663,11 @@ fn every_commands_help_shows_defaults_and_variables() {
             "{h}"
         );
     }
+    let cluster = help(&["cluster", "--help"]);
+    assert!(
+        cluster.contains("[env: NCCLSCOPE_PROMETHEUS") && cluster.contains("[default: 1000]"),
+        "{cluster}"
+    );
     let demo = help(&["demo", "--help"]);
     assert!(
         demo.contains("NCCLSCOPE_PLUGIN") && demo.contains("[default: 20]"),

@@ -97,3 +97,61 @@ async fn demo_names_the_injected_straggler_writes_the_trace_and_exports_otlp() {
         spans.len()
     );
 }
+
+/// `demo --nodes 2` with a late node: two daemons, each with its own ranks of the one communicator;
+/// the demo names every rank of the late node, and only those, from exec time across nodes (the
+/// node-local "last to start" names a rank on every node), and writes one trace per node.
+#[test]
+fn demo_on_two_nodes_names_the_late_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("demo.json");
+    let out = Command::new(ncclscope_bin())
+        .args(["demo", "--nodes", "2", "--ranks", "4", "--seconds", "3"])
+        .args(["--late-node", "1", "--plain", "--metrics-port", "0"])
+        .arg("--trace")
+        .arg(&trace)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "demo failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for node in [
+        "node 0 (demo-node0): ranks 0, 1",
+        "node 1 (demo-node1): ranks 2, 3",
+    ] {
+        assert!(stdout.contains(node), "{stdout}");
+    }
+    // Each node serves its own /metrics.
+    assert!(stdout.contains("/metrics on http://127.0.0.1:"), "{stdout}");
+    assert!(stdout.contains("/metrics on http://127.0.0.2:"), "{stdout}");
+    let verdict = stdout
+        .lines()
+        .find(|l| l.starts_with("late across nodes"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(
+        verdict.contains("rank 2 on node 1")
+            && verdict.contains("rank 3 on node 1")
+            && !verdict.contains("node 0")
+            && verdict.ends_with("(injected: node 1: ranks 2, 3) ✔"),
+        "{verdict}"
+    );
+    // 3 s of 5 steps of 8 collectives, 2 ranks per node.
+    assert!(
+        stdout.contains("instances: 480 produced by the ranks, 480 assembled by the daemons"),
+        "{stdout}"
+    );
+    for node in 0..2 {
+        let path = trace.with_extension(format!("node{node}.json"));
+        let doc: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let slices = doc["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["cat"] == "collective")
+            .count();
+        assert_eq!(slices, 240, "{}", path.display());
+    }
+}

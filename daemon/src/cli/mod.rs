@@ -1,5 +1,6 @@
 //! One module per subcommand of `ncclscope`; each has `Args` and `run`.
 
+pub mod cluster;
 pub mod daemon;
 #[cfg(feature = "demo")]
 pub mod demo;

@@ -4,9 +4,15 @@
 //! work timed on the simulated GPU clock (CLOCK_MONOTONIC).
 //!
 //! The ranks do not talk to each other: every rank computes every rank's arrival time from the same
-//! deterministic schedule (shared epoch, hashed jitter, the injected straggler's delay), so all of them
+//! deterministic schedule (shared epoch, hashed jitter, the injected faults' delay), so all of them
 //! agree on when each collective's kernels can finish, exactly as a real collective ends only after its
 //! last rank arrived.
+//!
+//! A job may span nodes: ranks are placed on `--nnodes` nodes in contiguous blocks, as a launcher
+//! places them, and NCCL's `init` gets the node count; each node's ranks register with that node's
+//! daemon (the caller's `NCCLSCOPE_SOCKET`). The faults: one late rank (`--straggler`) and one late
+//! node (`--late-node`: every rank on it late, as behind a bad host, NIC or PCIe switch), from
+//! `--late-from-s` on.
 
 use std::ffi::CStr;
 use std::path::PathBuf;
@@ -46,10 +52,27 @@ pub struct Args {
     pub epoch_ns: u64,
     #[arg(long, default_value_t = 20)]
     pub seconds: u64,
+    /// Nodes the job's ranks are spread over (contiguous blocks of ranks, as [`node_of`] places them).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub nnodes: u32,
+    /// The communicator's hash (NCCL derives it from the communicator's unique id; default: the demo's).
+    #[arg(long, default_value_t = COMM_HASH)]
+    pub comm_hash: u64,
+    /// The communicator's name (`config.commName`).
+    #[arg(long, default_value = "demo-dp")]
+    pub comm_name: String,
+    /// A rank made late.
     #[arg(long)]
-    pub straggler: u32,
+    pub straggler: Option<u32>,
+    /// A node made late: every rank on it.
+    #[arg(long)]
+    pub late_node: Option<u32>,
+    /// How late a late rank starts its kernels, in microseconds.
     #[arg(long, default_value_t = 3000)]
     pub straggler_delay_us: u64,
+    /// Seconds after the first step at which the late ranks start being late.
+    #[arg(long, default_value_t = 0)]
+    pub late_from_s: u64,
     #[arg(long, value_enum, default_value_t = TimingPath::Hook)]
     pub path: TimingPath,
 }
@@ -63,23 +86,43 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.rank,
         args.nranks
     );
+    anyhow::ensure!(
+        args.nnodes <= args.nranks,
+        "{} nodes for {} ranks: every node runs a rank",
+        args.nnodes,
+        args.nranks
+    );
+    if let Some(n) = args.late_node {
+        anyhow::ensure!(
+            n < args.nnodes,
+            "--late-node {n} is not a node of {}",
+            args.nnodes
+        );
+    }
     let plugin = match args.plugin {
         Some(p) => p,
         None => crate::cli::demo::find_plugin(args.path)?,
     };
     let host = Host::load(&plugin, host_kind(args.path))?;
+    let node = node_of(args.rank, args.nranks, args.nnodes);
+    let first_on_node = (0..args.nranks)
+        .find(|&r| node_of(r, args.nranks, args.nnodes) == node)
+        .unwrap_or(0);
     let mut comm = host.init_comm(&CommSpec {
-        comm_hash: COMM_HASH,
+        comm_hash: args.comm_hash,
         rank: args.rank as i32,
         nranks: args.nranks as i32,
-        nnodes: 1,
-        name: Some("demo-dp".into()),
-        cuda_dev: args.rank as i32,
+        nnodes: args.nnodes as i32,
+        name: Some(args.comm_name.clone()),
+        // The node's local device, as a launcher hands out one GPU per local rank.
+        cuda_dev: (args.rank - first_on_node) as i32,
     })?;
+    let late = late_ranks(args.nranks, args.nnodes, args.straggler, args.late_node);
     let schedule = Schedule {
         epoch_ns: args.epoch_ns,
         nranks: args.nranks,
-        straggler: args.straggler,
+        late,
+        late_from_ns: args.late_from_s * 1_000_000_000,
         straggler_delay_ns: args.straggler_delay_us * 1000,
     };
     let total = schedule.count(args.seconds);
@@ -118,8 +161,32 @@ pub fn host_kind(path: TimingPath) -> HostKind {
     }
 }
 
-/// The communicator every simulated rank joins (a fixed hash: the demo's ranks form one job).
+/// The communicator a simulated rank joins unless told another (`--comm-hash`).
 pub const COMM_HASH: u64 = 0x5eed_0dde_c0ff_ee01;
+
+/// A simulated job's communicator hash, from its job id: two jobs running at once never share one
+/// (and so never share trace ids), as NCCL's hashes of random unique ids never do.
+pub fn comm_hash_of(job: &str) -> u64 {
+    job.bytes()
+        .fold(COMM_HASH, |h, b| splitmix(h ^ u64::from(b)))
+}
+
+/// The ranks made late by a late rank (`straggler`) and a late node (all its ranks), in order.
+pub fn late_ranks(
+    nranks: u32,
+    nnodes: u32,
+    straggler: Option<u32>,
+    late_node: Option<u32>,
+) -> Vec<u32> {
+    (0..nranks)
+        .filter(|&r| straggler == Some(r) || late_node == Some(node_of(r, nranks, nnodes)))
+        .collect()
+}
+
+/// The node `rank` runs on: ranks fill nodes in contiguous blocks (node sizes differ by at most one).
+pub fn node_of(rank: u32, nranks: u32, nnodes: u32) -> u32 {
+    (u64::from(rank) * u64::from(nnodes) / u64::from(nranks)) as u32
+}
 /// A training step: every op in [`STEP_MIX`] once, then idle until the next step.
 pub const STEP_PERIOD_NS: u64 = 200_000_000;
 /// Compute between two collectives of a step.
@@ -203,7 +270,10 @@ pub struct Planned {
 pub struct Schedule {
     pub epoch_ns: u64,
     pub nranks: u32,
-    pub straggler: u32,
+    /// The ranks made late (a late rank, every rank of a late node).
+    pub late: Vec<u32>,
+    /// From this long after the epoch on (by planned step start), the late ranks are late.
+    pub late_from_ns: u64,
     pub straggler_delay_ns: u64,
 }
 
@@ -218,9 +288,10 @@ impl Schedule {
         for earlier in &STEP_MIX[..index] {
             base += GAP_NS + self.kernel_ns(earlier) + self.straggler_delay_ns * 2 + JITTER_NS;
         }
+        let late_now = step * STEP_PERIOD_NS >= self.late_from_ns;
         let arrival = |r: u32| {
             let jitter = splitmix(seq ^ (u64::from(r) << 40)) % JITTER_NS;
-            let late = if r == self.straggler {
+            let late = if late_now && self.late.contains(&r) {
                 // 80% .. 120% of the configured delay.
                 self.straggler_delay_ns * 4 / 5
                     + splitmix(seq.wrapping_mul(31) ^ 0xdead)
@@ -291,7 +362,8 @@ mod tests {
         Schedule {
             epoch_ns: 1_000_000_000,
             nranks: 4,
-            straggler: 2,
+            late: vec![2],
+            late_from_ns: 0,
             straggler_delay_ns: 1_500_000,
         }
     }
@@ -324,6 +396,47 @@ mod tests {
             assert!(p.end_ns < s.epoch_ns + (step + 1) * STEP_PERIOD_NS);
         }
         assert_eq!(s.count(20), 100 * STEP_MIX.len() as u64);
+    }
+
+    #[test]
+    fn a_late_node_is_late_in_every_rank_from_its_start_on() {
+        // 4 ranks on 2 nodes, node 1 (ranks 2 and 3) late from the second second on.
+        assert_eq!(
+            (0..4).map(|r| node_of(r, 4, 2)).collect::<Vec<_>>(),
+            [0, 0, 1, 1]
+        );
+        assert_eq!(
+            (0..5).map(|r| node_of(r, 5, 2)).collect::<Vec<_>>(),
+            [0, 0, 0, 1, 1]
+        );
+        let s = Schedule {
+            late: vec![2, 3],
+            late_from_ns: 1_000_000_000,
+            ..schedule()
+        };
+        let lateness = |seq: u64, r: u32| {
+            let earliest = (0..4).map(|r| s.plan(seq, r).arrival_ns).min().unwrap();
+            s.plan(seq, r).arrival_ns - earliest
+        };
+        let per_second = s.count(1);
+        for seq in 0..per_second {
+            assert!((0..4).all(|r| lateness(seq, r) < JITTER_NS), "seq {seq}");
+        }
+        for seq in per_second..3 * per_second {
+            for r in [2, 3] {
+                assert!(
+                    lateness(seq, r) >= 1_200_000 - JITTER_NS,
+                    "seq {seq} rank {r}"
+                );
+            }
+            assert!([0, 1].iter().all(|&r| lateness(seq, r) < JITTER_NS));
+        }
+    }
+
+    #[test]
+    fn each_job_has_its_own_communicator_hash() {
+        assert_ne!(comm_hash_of("job-a"), comm_hash_of("job-b"));
+        assert_eq!(comm_hash_of("job-a"), comm_hash_of("job-a"));
     }
 
     #[test]

@@ -1118,8 +1118,8 @@ fn fit_line(parts: &[String], width: usize) -> String {
     out
 }
 
-/// UTC wall-clock time as HH:MM:SS for the plain lines.
-fn utc_hms() -> String {
+/// UTC wall-clock time as HH:MM:SS for the plain lines (`top`'s and `cluster`'s).
+pub fn utc_hms() -> String {
     let secs = ncclscope_proto::now_ns() / 1_000_000_000;
     format!(
         "{:02}:{:02}:{:02}",

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
-use ncclscope::cli::sim_rank::{monotonic_ns, parse_produced};
+use ncclscope::cli::sim_rank::{comm_hash_of, monotonic_ns, node_of, parse_produced};
 
 /// One `ncclscope sim-rank` per rank of a job of `nranks`, registering at `socket`: the real plugin
 /// through the fake NCCL host, with CPU rings and a simulated GPU clock (no GPU), every rank starting
@@ -19,32 +19,86 @@ pub fn sim_ranks(
     seconds: u64,
     straggler: u32,
 ) -> Vec<Command> {
-    let epoch = monotonic_ns() + 500_000_000;
-    (0..nranks)
-        .map(|rank| {
-            let mut c = Command::new(ncclscope_tests::daemon_binary());
-            c.arg("sim-rank")
-                .args(["--rank", &rank.to_string(), "--nranks", &nranks.to_string()])
-                .args([
-                    "--epoch-ns",
-                    &epoch.to_string(),
-                    "--seconds",
-                    &seconds.to_string(),
-                ])
-                .args([
-                    "--straggler",
-                    &straggler.to_string(),
-                    "--straggler-delay-us",
-                    "3000",
-                ])
-                .env("NCCLSCOPE_SOCKET", socket)
-                .env("NCCLSCOPE_RING_MEMORY", "cpu")
-                .env("NCCLSCOPE_JOB_ID", job)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            c
-        })
-        .collect()
+    SimJob {
+        straggler: Some(straggler),
+        ..SimJob::new(job, nranks, seconds)
+    }
+    .commands(&[socket])
+}
+
+/// A simulated job, on one node or several: its ranks spread over the nodes in contiguous blocks
+/// (`sim_rank::node_of`), NCCL's `nnodes` set, the communicator's hash the job's own.
+pub struct SimJob<'a> {
+    pub job: &'a str,
+    pub nranks: u32,
+    pub seconds: u64,
+    /// A late rank.
+    pub straggler: Option<u32>,
+    /// A late node: every rank on it.
+    pub late_node: Option<u32>,
+    /// Seconds after the first step at which the late ranks start being late.
+    pub late_from_s: u64,
+    pub delay_us: u64,
+}
+
+impl<'a> SimJob<'a> {
+    /// No fault, 3 ms of delay for any added.
+    pub fn new(job: &'a str, nranks: u32, seconds: u64) -> SimJob<'a> {
+        SimJob {
+            job,
+            nranks,
+            seconds,
+            straggler: None,
+            late_node: None,
+            late_from_s: 0,
+            delay_us: 3000,
+        }
+    }
+
+    /// The ranks' commands, each registering at its node's daemon (`sockets[node]`), starting their
+    /// collectives at one moment half a second from now. Callers add what else they need (a uid, a
+    /// GPU, another stdout) and spawn them.
+    pub fn commands(&self, sockets: &[&Path]) -> Vec<Command> {
+        let epoch = monotonic_ns() + 500_000_000;
+        let nnodes = sockets.len() as u32;
+        (0..self.nranks)
+            .map(|rank| {
+                let mut c = Command::new(ncclscope_tests::daemon_binary());
+                c.arg("sim-rank")
+                    .args([
+                        "--rank",
+                        &rank.to_string(),
+                        "--nranks",
+                        &self.nranks.to_string(),
+                    ])
+                    .args(["--nnodes", &nnodes.to_string()])
+                    .args(["--comm-hash", &comm_hash_of(self.job).to_string()])
+                    .args([
+                        "--epoch-ns",
+                        &epoch.to_string(),
+                        "--seconds",
+                        &self.seconds.to_string(),
+                    ])
+                    .args(["--straggler-delay-us", &self.delay_us.to_string()])
+                    .args(["--late-from-s", &self.late_from_s.to_string()])
+                    .env(
+                        "NCCLSCOPE_SOCKET",
+                        sockets[node_of(rank, self.nranks, nnodes) as usize],
+                    )
+                    .env("NCCLSCOPE_RING_MEMORY", "cpu")
+                    .env("NCCLSCOPE_JOB_ID", self.job)
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped());
+                if let Some(r) = self.straggler {
+                    c.args(["--straggler", &r.to_string()]);
+                }
+                if let Some(n) = self.late_node {
+                    c.args(["--late-node", &n.to_string()]);
+                }
+                c
+            })
+            .collect()
+    }
 }
 
 /// Waits for ranks started from [`sim_ranks`]; the instances each made (its `produced` line).
