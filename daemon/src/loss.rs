@@ -1,6 +1,13 @@
 //! The daemon's own loss stages (the `stage` label of `ncclscope_lost_total`, next to the plugin's
 //! counters and the assembler's): one enum, so that a stage cannot be misspelt in one place and
-//! exported under another name.
+//! exported under another name. Also what of the plugins' own counters (which each process writes
+//! into its segment's header, so any user can forge its own) the node-wide totals take in
+//! ([`PluginLosses`]).
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use ncclscope_proto::segment::Counter;
 
 macro_rules! stages {
     ($( $(#[$doc:meta])* $variant:ident => $name:literal, )*) => {
@@ -70,6 +77,108 @@ impl Losses {
     }
 }
 
+/// One segment's (or uid's) plugin counters, by [`Counter`].
+pub type PluginCounts = [u64; Counter::ALL.len()];
+
+/// How much one uid's plugin counters may have raised a node-wide stage, per second since its first
+/// segment attached. Its owner writes a header counter, so a hostile user could raise it to 2^64 and
+/// hold the node-wide figure there (another user's losses then change nothing Prometheus reads), or
+/// make one jump: in the node-wide totals a uid counts at most this rate times how long it has been
+/// here; past that its figure is taken in as time goes on (its own series,
+/// `ncclscope_plugin_lost_total{uid,stage}`, is exact). With at most [`MAX_DETACHED_UIDS`] plus
+/// `drain.max_segments` uids known at once (2,048 by default), a node-wide stage stays below 2^53
+/// (where Prometheus's float64 still shows a change of one) for two years of every one of them
+/// forging its counters; a real loss within the bound shows at once.
+pub const UID_RATE_PER_SEC: u64 = 1 << 16;
+
+/// Uids kept, with no segment attached, for their figures: past it, the one detached longest is
+/// forgotten (what the node-wide totals took in from it stays there).
+pub const MAX_DETACHED_UIDS: usize = 1024;
+
+/// Each uid's plugin counters (those of its detached segments, summed) and what the node-wide totals
+/// take in of them (see [`UID_RATE_PER_SEC`]).
+#[derive(Default)]
+pub struct PluginLosses {
+    uids: HashMap<u32, UidCounts>,
+    /// Taken in from uids forgotten.
+    forgotten: PluginCounts,
+}
+
+struct UidCounts {
+    /// Its segments that were detached, summed (saturating).
+    detached: PluginCounts,
+    /// Its first segment attached (since it was last forgotten).
+    since: Instant,
+    /// When its last segment was detached.
+    detached_at: Instant,
+}
+
+impl PluginLosses {
+    /// A segment of `uid` attached (from now on its counts may enter the node-wide totals).
+    pub fn attached(&mut self, uid: u32) {
+        let now = Instant::now();
+        self.uids.entry(uid).or_insert(UidCounts {
+            detached: [0; Counter::ALL.len()],
+            since: now,
+            detached_at: now,
+        });
+    }
+
+    /// A segment of `uid` was detached with `counts`; `attached`: the uids still with a segment.
+    pub fn detached(&mut self, uid: u32, counts: &PluginCounts, attached: &[u32]) {
+        self.attached(uid);
+        let u = self.uids.get_mut(&uid).expect("inserted above");
+        for (d, v) in u.detached.iter_mut().zip(counts) {
+            *d = d.saturating_add(*v);
+        }
+        u.detached_at = Instant::now();
+        let idle = || self.uids.iter().filter(|(k, _)| !attached.contains(k));
+        if idle().count() > MAX_DETACHED_UIDS
+            && let Some((&old, _)) = idle().min_by_key(|(_, u)| u.detached_at)
+        {
+            let gone = self.uids.remove(&old).expect("listed above");
+            let taken = taken_in(&gone.detached, gone.since, Instant::now());
+            for (f, v) in self.forgotten.iter_mut().zip(taken) {
+                *f = f.saturating_add(v);
+            }
+        }
+    }
+
+    /// Each known uid's counters: its detached segments' plus those of `attached` (a uid's attached
+    /// segments, summed), saturating.
+    pub fn by_uid(&self, attached: &HashMap<u32, PluginCounts>) -> HashMap<u32, PluginCounts> {
+        let mut out: HashMap<u32, PluginCounts> =
+            self.uids.iter().map(|(&k, u)| (k, u.detached)).collect();
+        for (uid, counts) in attached {
+            let sum = out.entry(*uid).or_insert([0; Counter::ALL.len()]);
+            for (t, v) in sum.iter_mut().zip(counts) {
+                *t = t.saturating_add(*v);
+            }
+        }
+        out
+    }
+
+    /// The node-wide figure of each counter: what every uid's `by_uid` figure contributes within
+    /// its bound, plus what forgotten uids contributed.
+    pub fn node(&self, by_uid: &HashMap<u32, PluginCounts>, now: Instant) -> PluginCounts {
+        let mut node = self.forgotten;
+        for (uid, counts) in by_uid {
+            let since = self.uids.get(uid).map_or(now, |u| u.since);
+            for (n, v) in node.iter_mut().zip(taken_in(counts, since, now)) {
+                *n = n.saturating_add(v);
+            }
+        }
+        node
+    }
+}
+
+/// What a uid's `counts`, here `since`, contribute to the node-wide totals at `now`.
+fn taken_in(counts: &PluginCounts, since: Instant, now: Instant) -> PluginCounts {
+    let elapsed = now.saturating_duration_since(since).as_nanos();
+    let bound = (elapsed * UID_RATE_PER_SEC as u128 / 1_000_000_000).min(u64::MAX as u128) as u64;
+    counts.map(|v| v.min(bound))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,5 +195,86 @@ mod tests {
         assert_eq!(names.len(), Loss::ALL.len(), "names are distinct");
         assert_eq!(l.get(Loss::SegmentForeign), 2);
         assert_eq!(l.get(Loss::SpoolFailed), u64::MAX, "saturating");
+    }
+
+    /// Issue 37: a forged header held the node-wide `ring_full` at 2^64 - 1 for the daemon's life
+    /// (and `forward_panic` jumped by 10^6), so another user's real losses changed nothing
+    /// Prometheus read. A uid now reaches the node-wide figure only at its bound per second here;
+    /// another uid's loss shows in full.
+    #[test]
+    fn a_forged_counter_reaches_the_node_wide_figure_only_within_its_bound() {
+        let (victim, hostile) = (1001, 1002);
+        let mut p = PluginLosses::default();
+        p.attached(victim);
+        p.attached(hostile);
+        let t0 = p.uids[&hostile].since.max(p.uids[&victim].since);
+        let counts = |ring_full: u64, forward_panic: u64| {
+            let mut c = [0; Counter::ALL.len()];
+            c[Counter::RingFull as usize] = ring_full;
+            c[Counter::ForwardPanic as usize] = forward_panic;
+            c
+        };
+        let mut attached = HashMap::from([
+            (victim, counts(7, 0)),
+            (hostile, counts(u64::MAX - 3, 1_000_000)),
+        ]);
+        let at = |secs: u64| t0 + std::time::Duration::from_secs(secs);
+        let ring_full = |p: &PluginLosses, a: &HashMap<u32, PluginCounts>, secs| {
+            p.node(&p.by_uid(a), at(secs))[Counter::RingFull as usize]
+        };
+        let by_uid = p.by_uid(&attached);
+        assert_eq!(
+            by_uid[&hostile][Counter::RingFull as usize],
+            u64::MAX - 3,
+            "its own figure exact"
+        );
+        let node = p.node(&by_uid, at(1));
+        assert_eq!(node[Counter::RingFull as usize], 7 + UID_RATE_PER_SEC);
+        assert_eq!(
+            node[Counter::ForwardPanic as usize],
+            UID_RATE_PER_SEC,
+            "not 10^6 at once"
+        );
+        // The victim loses 5 more: the node-wide figure shows them, next to the hostile uid's bound.
+        let before = ring_full(&p, &attached, 2);
+        attached.insert(victim, counts(12, 0));
+        assert_eq!(ring_full(&p, &attached, 2) - before, 5);
+        // Both processes end; the figures stay.
+        p.detached(hostile, &attached[&hostile], &[victim]);
+        p.detached(victim, &attached[&victim], &[]);
+        attached.clear();
+        assert_eq!(ring_full(&p, &attached, 2), 12 + 2 * UID_RATE_PER_SEC);
+        assert_eq!(p.by_uid(&attached)[&victim][Counter::RingFull as usize], 12);
+        // Two years on, every uid that can be known at once forging its counters: still below 2^53.
+        let two_years = 2 * 365 * 86_400;
+        let worst = 2048 * UID_RATE_PER_SEC * two_years;
+        assert!(worst < 1 << 53, "{worst}");
+        assert_eq!(
+            ring_full(&p, &attached, two_years),
+            12 + UID_RATE_PER_SEC * two_years
+        );
+    }
+
+    /// Past [`MAX_DETACHED_UIDS`], the uid detached longest is forgotten: its series go, what it
+    /// contributed to the node-wide figure stays.
+    #[test]
+    fn detached_uids_are_bounded_and_the_node_wide_figure_keeps_what_they_gave() {
+        let mut p = PluginLosses::default();
+        let mut one = [0; Counter::ALL.len()];
+        one[Counter::QueueFull as usize] = 1;
+        for uid in 0..=MAX_DETACHED_UIDS as u32 {
+            p.attached(uid);
+            std::thread::sleep(std::time::Duration::from_micros(20));
+            p.detached(uid, &one, &[]);
+        }
+        let by_uid = p.by_uid(&HashMap::new());
+        assert_eq!(by_uid.len(), MAX_DETACHED_UIDS);
+        assert!(!by_uid.contains_key(&0), "the oldest is forgotten");
+        let later = Instant::now() + std::time::Duration::from_secs(1);
+        let node = p.node(&by_uid, later);
+        assert_eq!(
+            node[Counter::QueueFull as usize],
+            MAX_DETACHED_UIDS as u64 + 1
+        );
     }
 }

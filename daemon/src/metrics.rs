@@ -104,7 +104,8 @@ pub struct Health {
     /// Host clock steps the daemon saw, and collectives left out of the skew near them.
     pub clock_steps: u64,
     pub skew_clock_step: u64,
-    /// Non-zero plugin counters per (uid, stage): whose processes reported the loss.
+    /// Plugin counters per (uid, stage): whose processes reported the loss (every stage of a uid
+    /// with a segment attached, a detached uid's non-zero ones).
     pub plugin_lost_by_uid: BTreeMap<(u32, &'static str), u64>,
 }
 
@@ -276,7 +277,8 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
     let mut lost = Family::new(
         "ncclscope_lost_total",
         "{event}",
-        "Events lost (or declined) per stage: plugin counters and the daemon's own",
+        "Events lost (or declined) per stage: the daemon's own, and plugin counters (each uid's taken \
+         in only up to a rate since it attached; ncclscope_plugin_lost_total has it exact)",
         Kind::Counter,
     );
     for (stage, v) in &health.lost {
@@ -286,7 +288,8 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
     let mut by_uid = Family::new(
         "ncclscope_plugin_lost_total",
         "{event}",
-        "Events the plugins of one uid's processes reported lost, per stage (non-zero only)",
+        "Events the plugins of one uid's processes reported lost, per stage (every stage while the uid \
+         has a segment attached, then non-zero ones)",
         Kind::Counter,
     );
     for (&(uid, stage), v) in &health.plugin_lost_by_uid {

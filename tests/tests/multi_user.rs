@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
 use ncclscope_fakenccl::process::register;
 use ncclscope_proto::fixture::{self, Coll, Comm};
-use ncclscope_proto::segment::{Claims, Producer, Segment};
+use ncclscope_proto::segment::{Claims, Counter, Producer, Segment};
 use ncclscope_proto::{Record, StrId};
 use ncclscope_tests::attr;
 
@@ -31,6 +31,8 @@ const COMM_HASH: u64 = 0x0a0a_0000_0000_beef;
 const NCOLLS: u64 = 30;
 const GPU_BASE: u64 = 1_000_000_000;
 const HOST_BASE: i64 = 1_790_000_000_000_000_000;
+/// Records a "lose" child loses to its full ring.
+const LOST: u64 = 500;
 
 /// Kernel start and end (GPU clock) of `rank`'s collective `seq`; B's claimed rank 0 is 900 us long.
 fn gpu_times(uid: u32, rank: u32, seq: u64) -> (u64, u64) {
@@ -47,7 +49,8 @@ fn gpu_times(uid: u32, rank: u32, seq: u64) -> (u64, u64) {
 /// of JOB on COMM_HASH, the ranks of one uid meeting at a barrier), "hold|socket|shared_dir|tag"
 /// (registers an empty segment, prints the daemon's reply; if refused, retries every 200 ms as the
 /// plugin does and prints the reply that accepts it; keeps the segment until
-/// `shared_dir/release.<tag>` exists), or "foreign|socket|shared_dir|uid" (run as root: creates a
+/// `shared_dir/release.<tag>` exists), "lose|..." (as hold, after losing LOST records to a full
+/// ring), "forge|..." (as hold, then writes forged loss counters into its header), or "foreign|socket|shared_dir|uid" (run as root: creates a
 /// segment, becomes `uid` and hands it over, prints the reply).
 #[test]
 #[ignore = "child process of the multi-user tests"]
@@ -69,8 +72,20 @@ fn multi_user_child() {
         return;
     }
     let uid = rustix::process::getuid().as_raw();
+    if f[0] == "lose" {
+        // A real loss: records written while no daemon reads the ring, LOST more than it holds.
+        for _ in 0..p.segment().capacity() + LOST {
+            p.push(&Record::str(StrId(1), b"x"));
+        }
+        assert_eq!(p.segment().counter(Counter::RingFull), LOST);
+    }
     let (reply, conn) = register(socket, p.segment().fd(), Duration::from_secs(30)).unwrap();
-    if f[0] == "hold" {
+    if f[0] == "forge" {
+        // A hostile owner writes its header's counters as it likes.
+        p.segment().count(Counter::RingFull, u64::MAX - 3);
+        p.segment().count(Counter::ForwardPanic, 1_000_000);
+    }
+    if matches!(f[0], "hold" | "lose" | "forge") {
         println!("REPLY {}", reply.trim_end());
         std::io::stdout().flush().unwrap();
         let release = shared.join(format!("release.{}", f[3]));
@@ -600,4 +615,59 @@ fn a_segment_handed_over_by_another_uid_is_refused_and_counted() {
     node.wait_all();
     node.wait_metric("ncclscope_lost_total{stage=\"segment_foreign\"}", 1.0);
     node.wait_metric("ncclscope_segments", 0.0);
+}
+
+/// Issue 37: a forged header held the node-wide `ring_full` at 1.8e19 for the daemon's life (another
+/// user's losses there changed nothing Prometheus read) and raised a false `forward_panic` of 10^6.
+/// B's process, registered through the real socket, writes those counters into its header; A's loses
+/// LOST records to a full ring. A's loss is in A's series exactly and in the node-wide figure, which
+/// stays below 2^53 (where a change of one still shows); B's counts there stay within its bound.
+#[test]
+fn a_forged_header_cannot_pin_the_node_wide_loss_figures() {
+    let rate = ncclscope::loss::UID_RATE_PER_SEC as f64;
+    let mut node = Node::start("", "");
+    let started = Instant::now();
+    let b = node.spawn(B, "forge", "b");
+    assert_eq!(node.reply(b), "OK");
+    node.wait_metric(
+        &format!("ncclscope_plugin_lost_total{{uid=\"{B}\",stage=\"forward_panic\"}}"),
+        1e6,
+    );
+    let a = node.spawn(A, "lose", "a");
+    assert_eq!(node.reply(a), "OK");
+    let text = node.wait_metric(
+        &format!("ncclscope_plugin_lost_total{{uid=\"{A}\",stage=\"ring_full\"}}"),
+        LOST as f64,
+    );
+    let bound = started.elapsed().as_secs_f64() * rate;
+    let value = |sample: &str| -> f64 {
+        let v = text
+            .lines()
+            .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok());
+        v.unwrap_or_else(|| panic!("{sample} missing\n{text}"))
+    };
+    let ring_full = value("ncclscope_lost_total{stage=\"ring_full\"}");
+    let forward_panic = value("ncclscope_lost_total{stage=\"forward_panic\"}");
+    assert!(
+        ring_full < 2f64.powi(53),
+        "node-wide ring_full {ring_full}: pinned where A's loss changes nothing"
+    );
+    assert!(
+        ring_full >= LOST as f64 && ring_full <= LOST as f64 + bound,
+        "node-wide ring_full {ring_full}: A's {LOST} and at most {bound} of B's"
+    );
+    assert!(
+        forward_panic <= bound,
+        "node-wide forward_panic {forward_panic}"
+    );
+    assert_eq!(
+        value(&format!(
+            "ncclscope_plugin_lost_total{{uid=\"{B}\",stage=\"ring_full\"}}"
+        )),
+        (u64::MAX - 3) as f64,
+        "B's own figure as it wrote it"
+    );
+    eprintln!(
+        "forged: node-wide ring_full {ring_full} (A lost {LOST}), forward_panic {forward_panic}, bound {bound:.0}"
+    );
 }
