@@ -166,11 +166,11 @@ fn sigterm_sent_as_it_says_started_ends_it_cleanly() {
     out.read_to_end(&mut text).unwrap();
     let status = child.wait().unwrap();
     let text = String::from_utf8_lossy(&text[filler..]).into_owned();
+    assert!(status.success(), "{status}: {text:?}");
     assert!(
         text.lines().next().is_some_and(|l| l.contains(STARTED)),
         "the line the daemon was held in is not its start: {text}"
     );
-    assert!(status.success(), "{status}: {text}");
     assert!(text.contains("stopping: draining segments"), "{text}");
 }
 
