@@ -119,8 +119,9 @@ const SNAPSHOT_EVERY: Duration = Duration::from_secs(1);
 const SERIES_IDLE: Duration = Duration::from_secs(3600);
 /// Longest a segment's tail may lag the engine's progress before it is committed.
 const COMMIT_EVERY: Duration = Duration::from_millis(10);
-/// Records decoded at once (a few pages: still in cache when they are applied).
-const READ_CHUNK: usize = 256;
+/// Records copied out of a ring (one pread) and decoded at once: 64 KiB, still in cache when they are
+/// applied, and the system call's cost spread over as many.
+const READ_CHUNK: usize = 1024;
 /// Completed instances delivered (spooled, counted, queued for export) at once, at most about.
 const DELIVER_AT: usize = 1024;
 /// A changed dictionary rewrites the segment's whole state file: saved at most every [`COMMIT_EVERY`]
@@ -346,6 +347,8 @@ pub struct Engine {
     /// systemd's file descriptor store, where attached segments are kept across a restart.
     fd_store: bool,
     watchdog: Option<(Duration, Instant)>,
+    /// Where every segment's records are copied to be decoded (one buffer: it stays in cache).
+    reads: Vec<[u64; ncclscope_proto::record::RECORD_WORDS]>,
     /// Instances completed and not yet delivered, and which segment's they are: runs of `completed`
     /// by segment index (kept in place: moving an instance out costs more than reading it).
     completed: Vec<Completed>,
@@ -405,6 +408,7 @@ impl Engine {
             unclaimed_states: None,
             fd_store: crate::notify::fd_store_available(),
             watchdog: crate::notify::watchdog_interval().map(|every| (every, now)),
+            reads: Vec::new(),
             completed: Vec::new(),
             completed_runs: Vec::new(),
             last_sweep: now,
@@ -467,8 +471,8 @@ impl Engine {
         }
     }
 
-    /// Counts (and logs) a segment refused under `stage` (for now: for want of room, or its file
-    /// attached already), once however often it is retried.
+    /// Counts (and logs) a segment refused under `stage` (no room for it, or its file attached
+    /// already), once however often it is retried.
     fn count_refusal(&mut self, key: SegmentKey, stage: Loss, why: &str) {
         if !self.refused.contains(&key) {
             if let Some(held_back) = crate::ratelimit::lines().allow(key.uid) {
@@ -707,7 +711,7 @@ impl Engine {
             let mut left = batch;
             while left > 0 {
                 let want = left.min(READ_CHUNK);
-                let (first, reads) = match seg.consumer.read_raw(want) {
+                let (first, reads) = match seg.consumer.read_raw(want, &mut self.reads) {
                     Ok(r) => r,
                     Err(e) => {
                         if let Some(held_back) = crate::ratelimit::lines().allow(seg.key.uid) {
@@ -1366,9 +1370,9 @@ fn finish_commit(consumer: &mut Consumer, state_tail: u64) -> bool {
     if state_tail > consumer.segment().head() {
         return false;
     }
-    let mut left = state_tail - tail;
+    let (mut left, mut skipped) = (state_tail - tail, Vec::new());
     while left > 0 {
-        match consumer.read_raw((left as usize).min(READ_CHUNK)) {
+        match consumer.read_raw((left as usize).min(READ_CHUNK), &mut skipped) {
             Ok((_, skipped)) if !skipped.is_empty() => left -= skipped.len() as u64,
             _ => return false,
         }

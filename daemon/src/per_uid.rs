@@ -72,7 +72,11 @@ mod tests {
         let a: Vec<_> = (0..2).map(|_| p.take(1000, 2, 4).unwrap()).collect();
         assert_eq!(p.take(1000, 2, 4).unwrap_err(), Full::Uid);
         let root: Vec<_> = (0..2).map(|_| p.take(0, 2, 4).unwrap()).collect();
-        assert_eq!(p.take(1001, 2, 4).unwrap_err(), Full::All, "root counts in all");
+        assert_eq!(
+            p.take(1001, 2, 4).unwrap_err(),
+            Full::All,
+            "root counts in all"
+        );
         drop(root);
         let b = p.take(1001, 2, 4).unwrap();
         drop(a);

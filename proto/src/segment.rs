@@ -494,8 +494,6 @@ impl Producer {
 pub struct Consumer {
     seg: Segment,
     read: u64,
-    /// Where records are copied out of the file: as many as the largest read asked for.
-    copied: Vec<[u64; RECORD_WORDS]>,
 }
 
 /// One record read from a segment: its position in the stream and its decoding.
@@ -506,7 +504,6 @@ impl Consumer {
         Consumer {
             read: seg.tail(),
             seg,
-            copied: Vec::new(),
         }
     }
 
@@ -522,28 +519,38 @@ impl Consumer {
     /// Reads up to `max` records after the last read position into `out`. A cursor that claims more
     /// than a ring's worth, or that went backwards, is a corrupt segment.
     pub fn read(&mut self, max: usize, out: &mut Vec<Read>) -> Result<usize, SegmentError> {
-        let (first, words) = self.read_raw(max)?;
-        out.extend((first..).zip(words).map(|(pos, w)| (pos, Record::decode(w))));
+        let mut buf = Vec::new();
+        let (first, words) = self.read_raw(max, &mut buf)?;
+        out.extend(
+            (first..)
+                .zip(words)
+                .map(|(pos, w)| (pos, Record::decode(w))),
+        );
         Ok(words.len())
     }
 
     /// [`Consumer::read`] without decoding: the first record's position and each record's words, for a
     /// reader that decodes where it uses the record (a decoded `Record` copied through a buffer stalls
     /// on store forwarding). The words are copied out of the memory file with pread(2), so a hole
-    /// reads as zeros (an invalid record) without allocating a page.
-    pub fn read_raw(&mut self, max: usize) -> Result<(u64, &[[u64; RECORD_WORDS]]), SegmentError> {
+    /// reads as zeros (an invalid record) without allocating a page, into `buf`, which only grows:
+    /// one buffer for every segment a reader drains stays in cache.
+    pub fn read_raw<'b>(
+        &mut self,
+        max: usize,
+        buf: &'b mut Vec<[u64; RECORD_WORDS]>,
+    ) -> Result<(u64, &'b [[u64; RECORD_WORDS]]), SegmentError> {
         let positions = self.take(max)?;
         let n = (positions.end - positions.start) as usize;
-        if self.copied.len() < n {
-            self.copied.resize(n, [0; RECORD_WORDS]);
+        if buf.len() < n {
+            buf.resize(n, [0; RECORD_WORDS]);
         }
         // The ring's end splits a read in two.
         let first = positions.start & (self.seg.capacity - 1);
         let before_end = ((self.seg.capacity - first) as usize).min(n);
-        let (a, b) = self.copied[..n].split_at_mut(before_end);
+        let (a, b) = buf[..n].split_at_mut(before_end);
         pread_words(self.seg.fd(), a, self.seg.slot_offset(positions.start))?;
         pread_words(self.seg.fd(), b, self.seg.slot_offset(0))?;
-        Ok((positions.start, &self.copied[..n]))
+        Ok((positions.start, &buf[..n]))
     }
 
     /// The positions of up to `max` published records after the read cursor, which moves past them.
@@ -722,8 +729,8 @@ mod tests {
         assert!((4096..=65536).contains(&page), "{page}");
         crate::fixture::publish_unwritten(&seg, CAPACITY);
         let mut c = Consumer::new(Segment::open(handed_over(&seg)).unwrap());
-        let mut read = 0;
-        while let Ok((_, words)) = c.read_raw(4096)
+        let (mut read, mut buf) = (0, Vec::new());
+        while let Ok((_, words)) = c.read_raw(4096, &mut buf)
             && !words.is_empty()
         {
             assert!(words.iter().all(|w| *w == [0; RECORD_WORDS]));
@@ -752,12 +759,19 @@ mod tests {
         let punched = allocated(p.segment().fd());
         assert_eq!(punched, 2 * page);
         let mut out = Vec::new();
-        assert_eq!(c.read(CAPACITY as usize, &mut out).unwrap(), CAPACITY as usize / 2);
+        assert_eq!(
+            c.read(CAPACITY as usize, &mut out).unwrap(),
+            CAPACITY as usize / 2
+        );
         // Past the header's page, zeros: no record.
         let in_first_page = (page as usize - W_RECORDS * 8) / (RECORD_WORDS * 8);
         assert!(out[..in_first_page].iter().all(|(_, r)| r.is_ok()));
         assert!(out[in_first_page..].iter().all(|(_, r)| r.is_err()));
-        assert_eq!(allocated(p.segment().fd()), punched, "reading allocated pages");
+        assert_eq!(
+            allocated(p.segment().fd()),
+            punched,
+            "reading allocated pages"
+        );
 
         // A sound ring, read in pieces that wrap around its end.
         c.commit(CAPACITY / 2);
@@ -765,7 +779,7 @@ mod tests {
             assert!(p.push(&rec(i)));
         }
         let mut ids = Vec::new();
-        while let Ok((first, words)) = c.read_raw(1000)
+        while let Ok((first, words)) = c.read_raw(1000, &mut buf)
             && !words.is_empty()
         {
             for (pos, w) in (first..).zip(words) {

@@ -223,14 +223,22 @@ fn twice_child(socket: &Path, shared: &Path, claims: &Claims, role: &str) {
         p.segment().fd().as_raw_fd()
     );
     let mut second = Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "multi_user_child", "--test-threads=1"])
+        .args([
+            "--ignored",
+            "--exact",
+            "multi_user_child",
+            "--test-threads=1",
+        ])
         .env(CHILD_ENV, spec)
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     while !reply_file.exists() {
-        assert!(Instant::now() < deadline, "the second process never registered");
+        assert!(
+            Instant::now() < deadline,
+            "the second process never registered"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     println!("REPLY {}", std::fs::read_to_string(&reply_file).unwrap());
@@ -763,8 +771,14 @@ fn reading_a_ring_never_written_or_punched_out_costs_the_daemon_no_memory() {
                 .unwrap_or_else(|| panic!("{name} in {report}"))
         };
         let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
-        eprintln!("unwritten ring of 2^{log2} records, punched {punch}: {report}; daemon RssShmem peak {peak} KiB");
-        assert_eq!(field("tail"), 1 << log2, "the daemon read every record: {report}");
+        eprintln!(
+            "unwritten ring of 2^{log2} records, punched {punch}: {report}; daemon RssShmem peak {peak} KiB"
+        );
+        assert_eq!(
+            field("tail"),
+            1 << log2,
+            "the daemon read every record: {report}"
+        );
         assert_eq!(
             field("allocated_after"),
             field("allocated_before"),
@@ -822,10 +836,13 @@ fn one_user_holding_its_most_registration_connections_costs_another_users_job_no
         std::thread::spawn(move || {
             rustix::thread::set_thread_uid(rustix::process::Uid::from_raw(A)).unwrap();
             let connect = || UnixStream::connect(&socket).unwrap();
-            let mut held: Vec<UnixStream> = (0..MAX_CONNECTIONS_PER_UID).map(|_| connect()).collect();
+            let mut held: Vec<UnixStream> =
+                (0..MAX_CONNECTIONS_PER_UID).map(|_| connect()).collect();
             // One more: answered at once, not after the silent ones' timeout.
             let extra = connect();
-            extra.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+            extra
+                .set_read_timeout(Some(Duration::from_secs(1)))
+                .unwrap();
             let mut reply = String::new();
             let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(&extra), &mut reply);
             probe_tx.send(reply).unwrap();
@@ -834,7 +851,10 @@ fn one_user_holding_its_most_registration_connections_costs_another_users_job_no
                 held.retain(|s| {
                     s.set_nonblocking(true).unwrap();
                     let mut b = [0u8; 1];
-                    matches!(rustix::net::recv(s, &mut b, rustix::net::RecvFlags::PEEK), Err(rustix::io::Errno::AGAIN))
+                    matches!(
+                        rustix::net::recv(s, &mut b, rustix::net::RecvFlags::PEEK),
+                        Err(rustix::io::Errno::AGAIN)
+                    )
                 });
                 while held.len() < MAX_CONNECTIONS_PER_UID + 200 {
                     held.push(connect());
@@ -866,8 +886,13 @@ fn one_user_holding_its_most_registration_connections_costs_another_users_job_no
         .find_map(|l| l.strip_prefix("ncclscope_lost_total{stage=\"uid_connection_quota\"} "))
         .and_then(|v| v.parse().ok())
         .unwrap();
-    assert!(refused >= 200.0, "A's connections past its most are counted: {refused}");
+    assert!(
+        refused >= 200.0,
+        "A's connections past its most are counted: {refused}"
+    );
     let spool = ncclscope::spool::SpoolReader::open_dir(node.path("spool")).unwrap();
     assert_eq!(spool.read_job(&(B, JOB.into())).count() as u64, NCOLLS);
-    eprintln!("connections: A held {MAX_CONNECTIONS_PER_UID}, {refused} refused; B's {NCOLLS} collectives spooled, 0 spool_failed, 0 state_write_failed");
+    eprintln!(
+        "connections: A held {MAX_CONNECTIONS_PER_UID}, {refused} refused; B's {NCOLLS} collectives spooled, 0 spool_failed, 0 state_write_failed"
+    );
 }
