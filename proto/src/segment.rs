@@ -494,6 +494,8 @@ impl Producer {
 pub struct Consumer {
     seg: Segment,
     read: u64,
+    /// Where [`Consumer::read`] copies records before it decodes them (kept: it only grows).
+    copied: Vec<[u64; RECORD_WORDS]>,
 }
 
 /// One record read from a segment: its position in the stream and its decoding.
@@ -504,6 +506,7 @@ impl Consumer {
         Consumer {
             read: seg.tail(),
             seg,
+            copied: Vec::new(),
         }
     }
 
@@ -519,14 +522,17 @@ impl Consumer {
     /// Reads up to `max` records after the last read position into `out`. A cursor that claims more
     /// than a ring's worth, or that went backwards, is a corrupt segment.
     pub fn read(&mut self, max: usize, out: &mut Vec<Read>) -> Result<usize, SegmentError> {
-        let mut buf = Vec::new();
-        let (first, words) = self.read_raw(max, &mut buf)?;
-        out.extend(
-            (first..)
-                .zip(words)
-                .map(|(pos, w)| (pos, Record::decode(w))),
-        );
-        Ok(words.len())
+        let mut copied = std::mem::take(&mut self.copied);
+        let read = self.read_raw(max, &mut copied).map(|(first, words)| {
+            out.extend(
+                (first..)
+                    .zip(words)
+                    .map(|(pos, w)| (pos, Record::decode(w))),
+            );
+            words.len()
+        });
+        self.copied = copied;
+        read
     }
 
     /// [`Consumer::read`] without decoding: the first record's position and each record's words, for a
