@@ -18,12 +18,11 @@
 //! slot; the tools' clients reconnect). No
 //! user can take the daemon's descriptors, threads or memory from the others.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 
@@ -45,6 +44,7 @@ use tonic::transport::{Channel, Endpoint, Server, Uri};
 use tonic::{Request, Response, Status};
 
 use crate::hub::Hub;
+use crate::per_uid::{Held, PerUid};
 use crate::spool::SpoolReader;
 
 /// Where the daemon serves the API and the tools look for it (`--api-socket`, `NCCLSCOPE_API_SOCKET`).
@@ -109,46 +109,6 @@ impl Timeouts {
 /// Spooled instances an Export reads per blocking read (the thread is given back between reads).
 const EXPORT_CHUNK: usize = 1024;
 
-/// How many of something each uid holds; [`Held`] gives one back when dropped.
-#[derive(Debug, Default)]
-struct PerUid {
-    held: Mutex<HashMap<u32, usize>>,
-}
-
-impl PerUid {
-    /// One more for `uid`, if it holds fewer than `max` (root: always).
-    fn take(self: &Arc<Self>, uid: u32, max: usize) -> Option<Held> {
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        let n = held.entry(uid).or_default();
-        if uid != 0 && *n >= max {
-            return None;
-        }
-        *n += 1;
-        Some(Held {
-            uid,
-            of: self.clone(),
-        })
-    }
-}
-
-#[derive(Debug)]
-struct Held {
-    uid: u32,
-    of: Arc<PerUid>,
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        let mut held = self.of.held.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = held.get_mut(&self.uid) {
-            *n -= 1;
-            if *n == 0 {
-                held.remove(&self.uid);
-            }
-        }
-    }
-}
-
 /// The `Query` service over the daemon's hub and spool.
 #[derive(Clone)]
 pub struct QueryService {
@@ -170,7 +130,7 @@ impl QueryService {
     /// A stream slot of `req`'s caller, or `resource_exhausted`.
     fn stream_slot<T>(&self, req: &Request<T>) -> Result<Held, Status> {
         let uid = caller(req)?;
-        self.streams.take(uid, MAX_STREAMS_PER_UID).ok_or_else(|| {
+        (self.streams.take(uid, MAX_STREAMS_PER_UID, usize::MAX)).map_err(|_| {
             Status::resource_exhausted(format!(
                 "uid {uid} has {MAX_STREAMS_PER_UID} Watch/Export streams open, the most one user may; \
                  close one first"
@@ -369,7 +329,7 @@ pub async fn serve(
             Err(e) => return Some(Err(e)),
         };
         let uid = io.peer_cred().map(|c| c.uid()).ok()?;
-        let Some(held) = connections.take(uid, MAX_CONNECTIONS_PER_UID) else {
+        let Ok(held) = connections.take(uid, MAX_CONNECTIONS_PER_UID, usize::MAX) else {
             // Closed at once (dropped); the line limited per uid.
             if let Some(held_back) = crate::ratelimit::lines().allow(uid) {
                 tracing::warn!(
@@ -499,6 +459,7 @@ mod tests {
     use crate::spool::{Spool, SpoolLimits};
     use ncclscope_proto::api::{CollStats, Job, RankStats};
     use std::os::unix::fs::PermissionsExt;
+    use std::sync::Mutex;
 
     fn coll(job: &str, seq: u64) -> Collective {
         Collective {

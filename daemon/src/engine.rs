@@ -27,7 +27,7 @@ use ncclscope_proto::api::{
     Communicator, Health as ApiHealth, Job, ListJobsResponse, LiveSpans, RankInfo, StatsResponse,
 };
 use ncclscope_proto::now_ns;
-use ncclscope_proto::segment::{Consumer, Counter, RawRead, Segment};
+use ncclscope_proto::segment::{Consumer, Counter, Segment};
 use opentelemetry_proto::tonic::metrics::v1::Metric;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -121,8 +121,9 @@ const SNAPSHOT_EVERY: Duration = Duration::from_secs(1);
 const SERIES_IDLE: Duration = Duration::from_secs(3600);
 /// Longest a segment's tail may lag the engine's progress before it is committed.
 const COMMIT_EVERY: Duration = Duration::from_millis(10);
-/// Records decoded at once (a few pages: still in cache when they are applied).
-const READ_CHUNK: usize = 256;
+/// Records copied out of a ring (one pread) and decoded at once: 64 KiB, still in cache when they are
+/// applied, and the system call's cost spread over as many.
+const READ_CHUNK: usize = 1024;
 /// Completed instances delivered (spooled, counted, queued for export) at once, at most about.
 const DELIVER_AT: usize = 1024;
 /// A changed dictionary rewrites the segment's whole state file: saved at most every [`COMMIT_EVERY`]
@@ -400,16 +401,17 @@ pub struct Engine {
     /// `drain.max_segments`).
     broken: VecDeque<SegmentKey>,
     /// Segments refused for want of room (`drain.max_segments`, or their uid's
-    /// `drain.max_segments_per_uid`), each counted once however often its plugin retries (the most
-    /// recent `drain.max_segments`); attached once there is room again.
+    /// `drain.max_segments_per_uid`) or because their file is attached already, each counted once
+    /// however often its plugin retries (the most recent `drain.max_segments`); attached once there
+    /// is room again, or the other reader of their file is gone.
     refused: VecDeque<SegmentKey>,
     /// Resume state files not yet claimed by a segment: removed once [`STATE_CLAIM_WINDOW`] passed.
     unclaimed_states: Option<Vec<Unclaimed>>,
     /// systemd's file descriptor store, where attached segments are kept across a restart.
     fd_store: bool,
     watchdog: Option<(Duration, Instant)>,
-    /// Buffers reused by every tick (their capacity would otherwise be reallocated each time).
-    reads: Vec<RawRead>,
+    /// Where every segment's records are copied to be decoded (one buffer: it stays in cache).
+    reads: Vec<[u64; ncclscope_proto::record::RECORD_WORDS]>,
     /// Instances completed and not yet delivered, and which segment's they are: runs of `completed`
     /// by segment index (kept in place: moving an instance out costs more than reading it).
     completed: Vec<Completed>,
@@ -547,12 +549,12 @@ impl Engine {
         }
     }
 
-    /// Counts (and logs) a segment refused for want of room under `stage`, once however often it is
-    /// retried.
+    /// Counts (and logs) a segment refused under `stage` (no room for it, or its file attached
+    /// already), once however often it is retried.
     fn count_refusal(&mut self, key: SegmentKey, stage: Loss, why: &str) {
         if !self.refused.contains(&key) {
             if let Some(held_back) = crate::ratelimit::lines().allow(key.uid) {
-                tracing::warn!(segment = %key, reason = %why, held_back, "segment refused; attached once there is room");
+                tracing::warn!(segment = %key, reason = %why, held_back, "segment refused; attached if handed over again once it may be");
             }
             remember(&mut self.refused, key, self.cfg.drain.max_segments);
             self.daemon_lost.add(stage, 1);
@@ -589,6 +591,15 @@ impl Engine {
         }
         if self.broken.contains(&key) {
             return Err("the segment was detached as corrupt".into());
+        }
+        let file = segment.file_id();
+        if let Some(s) = (self.segments.iter()).find(|s| s.consumer.segment().file_id() == file) {
+            let why = format!(
+                "its memory file is attached already, handed over by pid {}",
+                s.key.pid
+            );
+            self.count_refusal(key, Loss::SegmentDuplicate, &why);
+            return Err(why);
         }
         if self.segments.len() >= self.cfg.drain.max_segments {
             let why = format!(
@@ -790,9 +801,8 @@ impl Engine {
             let mut left = batch;
             while left > 0 {
                 let want = left.min(READ_CHUNK);
-                self.reads.clear();
-                let n = match seg.consumer.read_raw(want, &mut self.reads) {
-                    Ok(n) => n,
+                let (first, reads) = match seg.consumer.read_raw(want, &mut self.reads) {
+                    Ok(r) => r,
                     Err(e) => {
                         if let Some(held_back) = crate::ratelimit::lines().allow(seg.key.uid) {
                             tracing::error!(segment = %seg.label, error = %e, held_back, "corrupt segment detached");
@@ -801,8 +811,9 @@ impl Engine {
                         break;
                     }
                 };
+                let n = reads.len();
                 left -= n;
-                for &(pos, ref words) in &self.reads {
+                for (pos, words) in (first..).zip(reads) {
                     seg.read_upto = pos + 1;
                     match ncclscope_proto::Record::decode(words) {
                         Ok(ref rec) => seg.asm.apply(pos, rec, now, &mut self.completed),
@@ -1483,12 +1494,10 @@ fn finish_commit(consumer: &mut Consumer, state_tail: u64) -> bool {
     if state_tail > consumer.segment().head() {
         return false;
     }
-    let mut skipped = Vec::new();
-    let mut left = state_tail - tail;
+    let (mut left, mut skipped) = (state_tail - tail, Vec::new());
     while left > 0 {
-        skipped.clear();
         match consumer.read_raw((left as usize).min(READ_CHUNK), &mut skipped) {
-            Ok(n) if n > 0 => left -= n as u64,
+            Ok((_, skipped)) if !skipped.is_empty() => left -= skipped.len() as u64,
             _ => return false,
         }
     }

@@ -40,6 +40,14 @@ stages! {
     SegmentsRefused => "segments_refused",
     /// Segments refused because their uid holds `limits.max_segments_per_uid`.
     UidSegmentQuota => "uid_segment_quota",
+    /// A segment whose memory file is attached already, handed over by another process (a forked
+    /// child): one reader per ring, or its records would be counted twice.
+    SegmentDuplicate => "segment_duplicate",
+    /// Registration connections closed at accept because their uid held
+    /// `register::MAX_CONNECTIONS_PER_UID`.
+    UidConnectionQuota => "uid_connection_quota",
+    /// Registration connections closed at accept because the daemon held `register::MAX_CONNECTIONS`.
+    ConnectionsRefused => "connections_refused",
     /// A segment whose ring could not be read (a corrupt header or record words).
     CorruptSegment => "corrupt_segment",
     /// The spool could not be read back when a segment's resume state was checked against it.

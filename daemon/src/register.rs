@@ -5,12 +5,17 @@
 //! that uid, be sealed against resizing and have the size its header declares, or it is refused and
 //! counted before it is mapped. The connection then stays open until the process ends: that end is
 //! how the engine learns the process is gone.
+//!
+//! What one user can make the daemon hold here is bounded: [`MAX_CONNECTIONS_PER_UID`] connections
+//! not yet answered (root excepted), [`MAX_CONNECTIONS`] of every uid together; more are answered
+//! `ERR` and closed at accept, and counted. A connection answered `OK` is the engine's to hold, one
+//! per attached segment (`drain.max_segments_per_uid`).
 
 use std::io::IoSliceMut;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
-use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, mpsc as std_mpsc};
 use std::time::Duration;
 
 use ncclscope_proto::segment::{Segment, SegmentError};
@@ -21,10 +26,19 @@ use tokio::sync::oneshot;
 
 use crate::engine::{Attach, Handover, SegmentKey};
 use crate::loss::Loss;
+use crate::per_uid::{Full, PerUid};
 
 /// The message a plugin sends with its descriptor.
 pub const REQUEST: &[u8] = b"REGISTER\n";
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
+/// Registration connections not yet answered that one uid (other than root) holds at most: as many
+/// as its segments (`drain.max_segments_per_uid`'s default) registering at once. Each is held at
+/// most [`IO_TIMEOUT`] unless it sent its request.
+pub const MAX_CONNECTIONS_PER_UID: usize = 64;
+/// Registration connections not yet answered that every uid together holds at most: with
+/// `drain.max_segments` (1024) segments' memory files and connections, well within the unit's
+/// `LimitNOFILE` (65536).
+pub const MAX_CONNECTIONS: usize = 1024;
 
 /// Binds the registration socket, mode 0666: every user's NCCL processes register.
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
@@ -33,6 +47,7 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
 
 /// Accepts registrations until the task is dropped.
 pub async fn serve(listener: UnixListener, engine: std_mpsc::Sender<Handover>) {
+    let pending = Arc::new(PerUid::default());
     loop {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -42,9 +57,45 @@ pub async fn serve(listener: UnixListener, engine: std_mpsc::Sender<Handover>) {
                 continue;
             }
         };
+        let Ok(uid) = stream.peer_cred().map(|c| c.uid()) else {
+            continue;
+        };
+        let held = match pending.take(uid, MAX_CONNECTIONS_PER_UID, MAX_CONNECTIONS) {
+            Ok(held) => held,
+            Err(full) => {
+                refuse(&stream, uid, full, &engine);
+                continue;
+            }
+        };
         let engine = engine.clone();
-        tokio::spawn(async move { handle(stream, &engine).await });
+        tokio::spawn(async move {
+            handle(stream, &engine).await;
+            drop(held);
+        });
     }
+}
+
+/// Answers a connection beyond the bounds and counts it; the caller closes it. The answer is written
+/// only if the socket takes it at once (a fresh connection's buffer is empty).
+fn refuse(stream: &UnixStream, uid: u32, full: Full, engine: &std_mpsc::Sender<Handover>) {
+    let (stage, reason) = match full {
+        Full::Uid => (
+            Loss::UidConnectionQuota,
+            format!(
+                "uid {uid} holds {MAX_CONNECTIONS_PER_UID} registration connections not yet answered, \
+                 the most one user may"
+            ),
+        ),
+        Full::All => (
+            Loss::ConnectionsRefused,
+            format!("the daemon holds {MAX_CONNECTIONS} registration connections not yet answered"),
+        ),
+    };
+    if let Some(held_back) = crate::ratelimit::lines().allow(uid) {
+        tracing::warn!(uid, reason = %reason, held_back, "registration connection refused");
+    }
+    let _ = stream.try_write(format!("ERR {reason}\n").as_bytes());
+    let _ = engine.send(Handover::Refused(stage));
 }
 
 /// Why a handed-over segment was refused: the loss stage it is counted under, and the reply.

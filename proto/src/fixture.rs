@@ -1,8 +1,23 @@
 //! Records as the plugin writes them, for tests, benchmarks and fuzz seeds: a fixture names the
 //! values it is about and takes the usual ones for the rest, instead of spelling out every field of
-//! every record again. No I/O; nothing in the plugin or the daemon uses it.
+//! every record again; and segments as a hostile owner makes them. No I/O beyond creating a segment;
+//! nothing in the plugin or the daemon uses it.
 
+use crate::segment::{Claims, Segment, SegmentError};
 use crate::{Gpu, Record, StrId, TimingPath};
+
+/// A segment of `capacity` records as a hostile owner can hand it over: sealed, its header sound, but
+/// none of its record pages reserved or written (only the header's page is allocated), and nothing
+/// published yet (see [`publish_unwritten`]).
+pub fn unwritten_segment(claims: &Claims, capacity: u64) -> Result<Segment, SegmentError> {
+    Segment::create_in(claims, capacity, false)
+}
+
+/// Says `head` records were published without writing them, as a hostile owner can (or one that
+/// punched its written pages out of the file).
+pub fn publish_unwritten(seg: &Segment, head: u64) {
+    seg.set_head(head);
+}
 
 /// One collective as its records carry it. [`Coll::default`]: operation 1, seq 0 of communicator 0,
 /// an AllReduce of 1 Mi elements on one channel, with string ids 1 to 4 for its function, datatype,

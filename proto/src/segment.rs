@@ -1,7 +1,13 @@
 //! The per-process segment: a header and a single-producer single-consumer ring of [`Record`]s in an
 //! anonymous memory file (memfd). The plugin creates it, sizes it once and seals it against shrinking
 //! and growing, then hands its descriptor to the daemon over the registration socket; the daemon checks
-//! the seals and the size before it maps it, and drains it.
+//! the seals and the size before it maps its header, and drains it.
+//!
+//! The daemon maps only the header's page and copies records out of the file with pread(2): reading
+//! a page the owner never wrote, or punched out after sealing (`fallocate(PUNCH_HOLE)` is allowed on a
+//! sealed memfd), copies zeros and allocates nothing, whereas a fault through a shared mapping
+//! allocates the page, charged to the daemon's memory cgroup. What an owner can make the daemon's
+//! reads allocate is one header page per segment (a one-page mapping takes no huge page).
 //!
 //! Nothing has a name: no other process can open, pre-create or replace a segment, and a container
 //! shares only the socket directory with the daemon. The sealed size means the owner cannot truncate
@@ -196,10 +202,13 @@ fn io_err(what: &'static str) -> impl FnOnce(io::Error) -> SegmentError {
 
 /// A mapped segment. Both sides hold one; [`Producer`] and [`Consumer`] add the ring discipline.
 pub struct Segment {
+    /// The whole file for its creator ([`Segment::create`]); the header alone for a reader
+    /// ([`Segment::open`]), which reads records with pread(2).
     map: MmapMut,
     fd: OwnedFd,
     capacity: u64,
-    /// The memory file's inode number and owner, from fstat: the kernel's, not the producer's.
+    /// The memory file's device, inode number and owner, from fstat: the kernel's, not the producer's.
+    dev: u64,
     inode: u64,
     file_uid: u32,
 }
@@ -236,6 +245,15 @@ impl Segment {
     /// Creates a segment with room for `capacity` records (a power of two): a memfd, sized once with
     /// its pages reserved, sealed with [`REQUIRED_SEALS`], mapped.
     pub fn create(claims: &Claims, capacity: u64) -> Result<Segment, SegmentError> {
+        Segment::create_in(claims, capacity, true)
+    }
+
+    /// [`Segment::create`], reserving the pages or not (a hostile owner's, in `fixture`).
+    pub(crate) fn create_in(
+        claims: &Claims,
+        capacity: u64,
+        reserve: bool,
+    ) -> Result<Segment, SegmentError> {
         if !capacity.is_power_of_two() || capacity > MAX_CAPACITY {
             return Err(SegmentError::Invalid(format!("capacity {capacity}")));
         }
@@ -246,8 +264,10 @@ impl Segment {
         rustix::fs::ftruncate(&fd, len).map_err(|e| io_err("ftruncate")(e.into()))?;
         // Reserve the pages now: memory that runs out later would otherwise kill the writer with
         // SIGBUS on its first store to an unbacked page; this way it is an error here instead.
-        rustix::fs::fallocate(&fd, rustix::fs::FallocateFlags::empty(), 0, len)
-            .map_err(|e| io_err("fallocate")(e.into()))?;
+        if reserve {
+            rustix::fs::fallocate(&fd, rustix::fs::FallocateFlags::empty(), 0, len)
+                .map_err(|e| io_err("fallocate")(e.into()))?;
+        }
         rustix::fs::fcntl_add_seals(&fd, REQUIRED_SEALS)
             .map_err(|e| io_err("sealing")(e.into()))?;
         let seg = Segment::map(fd, len)?;
@@ -268,8 +288,9 @@ impl Segment {
         Ok(seg)
     }
 
-    /// Maps a segment handed over by another process and validates it: a regular memory file that
-    /// carries [`REQUIRED_SEALS`] and has the size its header declares. The contents are untrusted.
+    /// Maps the header of a segment handed over by another process and validates it: a regular memory
+    /// file that carries [`REQUIRED_SEALS`] and has the size its header declares. The contents are
+    /// untrusted. The records are not mapped: [`Consumer`] reads them with pread(2).
     pub fn open(fd: OwnedFd) -> Result<Segment, SegmentError> {
         let stat = rustix::fs::fstat(&fd).map_err(|e| io_err("fstat")(e.into()))?;
         if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
@@ -284,7 +305,7 @@ impl Segment {
         if len < segment_bytes(1) || len > segment_bytes(MAX_CAPACITY) || !len.is_multiple_of(8) {
             return Err(SegmentError::Invalid(format!("size {len}")));
         }
-        let mut seg = Segment::map(fd, len)?;
+        let mut seg = Segment::map(fd, W_RECORDS as u64 * 8)?;
         let w = seg.words();
         if w[W_MAGIC].load(Ordering::Acquire) != MAGIC {
             return Err(SegmentError::NotReady);
@@ -309,19 +330,22 @@ impl Segment {
         Ok(seg)
     }
 
-    /// Maps `len` bytes of a sealed memory file (capacity 0 until the caller has checked the header).
+    /// Maps the first `len` bytes of a sealed memory file (capacity 0 until the caller has checked the
+    /// header).
     fn map(fd: OwnedFd, len: u64) -> Result<Segment, SegmentError> {
         let stat = rustix::fs::fstat(&fd).map_err(|e| io_err("fstat")(e.into()))?;
         let file = File::from(fd);
         // SAFETY: the file is sealed against shrinking and growing (created so above, or checked by
-        // `open`) and `len` is its size, so no access through the mapping can fault; every access goes
-        // through atomics (see `words`), so whatever the other process writes is a value, never UB.
+        // `open`) and `len` is at most its size, so no access through the mapping can fault; every
+        // access goes through atomics (see `words`), so whatever the other process writes is a value,
+        // never UB.
         let map = unsafe { MmapOptions::new().len(len as usize).map_mut(&file) }
             .map_err(io_err("mmap"))?;
         Ok(Segment {
             map,
             fd: file.into(),
             capacity: 0,
+            dev: stat.st_dev,
             inode: stat.st_ino,
             file_uid: stat.st_uid,
         })
@@ -347,6 +371,11 @@ impl Segment {
     /// The memory file's inode number: tells segments apart while they exist.
     pub fn inode(&self) -> u64 {
         self.inode
+    }
+
+    /// The memory file's device and inode number: two segments with the same are one file.
+    pub fn file_id(&self) -> (u64, u64) {
+        (self.dev, self.inode)
     }
 
     /// Uid that created the memory file, from fstat (not from the header, which the owner writes).
@@ -398,14 +427,25 @@ impl Segment {
         self.words()[W_HEAD].load(Ordering::Acquire)
     }
 
+    /// Says `head` records were published, whatever was written (a hostile owner's, in `fixture`).
+    pub(crate) fn set_head(&self, head: u64) {
+        self.words()[W_HEAD].store(head, Ordering::Release);
+    }
+
     /// Records ever consumed and committed by the daemon.
     pub fn tail(&self) -> u64 {
         self.words()[W_TAIL].load(Ordering::Acquire)
     }
 
+    /// The words of a record's slot; only the creator maps them.
     fn slot(&self, index: u64) -> &[AtomicU64] {
         let at = W_RECORDS + (index & (self.capacity - 1)) as usize * RECORD_WORDS;
         &self.words()[at..at + RECORD_WORDS]
+    }
+
+    /// The byte offset of a record's slot in the memory file.
+    fn slot_offset(&self, index: u64) -> u64 {
+        (W_RECORDS as u64 + (index & (self.capacity - 1)) * RECORD_WORDS as u64) * 8
     }
 }
 
@@ -417,6 +457,7 @@ pub struct Producer {
 }
 
 impl Producer {
+    /// `seg` must be the creator's ([`Segment::create`]): a reader's maps no records.
     pub fn new(seg: Segment) -> Producer {
         let head = seg.head();
         Producer {
@@ -453,18 +494,19 @@ impl Producer {
 pub struct Consumer {
     seg: Segment,
     read: u64,
+    /// Where [`Consumer::read`] copies records before it decodes them (kept: it only grows).
+    copied: Vec<[u64; RECORD_WORDS]>,
 }
 
 /// One record read from a segment: its position in the stream and its decoding.
 pub type Read = (u64, Result<Record, DecodeError>);
-/// A record's position and its undecoded words.
-pub type RawRead = (u64, [u64; RECORD_WORDS]);
 
 impl Consumer {
     pub fn new(seg: Segment) -> Consumer {
         Consumer {
             read: seg.tail(),
             seg,
+            copied: Vec::new(),
         }
     }
 
@@ -480,19 +522,41 @@ impl Consumer {
     /// Reads up to `max` records after the last read position into `out`. A cursor that claims more
     /// than a ring's worth, or that went backwards, is a corrupt segment.
     pub fn read(&mut self, max: usize, out: &mut Vec<Read>) -> Result<usize, SegmentError> {
-        let positions = self.take(max)?;
-        let n = positions.end - positions.start;
-        out.extend(positions.map(|pos| (pos, Record::decode(&self.words(pos)))));
-        Ok(n as usize)
+        let mut copied = std::mem::take(&mut self.copied);
+        let read = self.read_raw(max, &mut copied).map(|(first, words)| {
+            out.extend(
+                (first..)
+                    .zip(words)
+                    .map(|(pos, w)| (pos, Record::decode(w))),
+            );
+            words.len()
+        });
+        self.copied = copied;
+        read
     }
 
-    /// [`Consumer::read`] without decoding: each record's words, for a reader that decodes where it
-    /// uses the record (a decoded `Record` copied through a buffer stalls on store forwarding).
-    pub fn read_raw(&mut self, max: usize, out: &mut Vec<RawRead>) -> Result<usize, SegmentError> {
+    /// [`Consumer::read`] without decoding: the first record's position and each record's words, for a
+    /// reader that decodes where it uses the record (a decoded `Record` copied through a buffer stalls
+    /// on store forwarding). The words are copied out of the memory file with pread(2), so a hole
+    /// reads as zeros (an invalid record) without allocating a page, into `buf`, which only grows:
+    /// one buffer for every segment a reader drains stays in cache.
+    pub fn read_raw<'b>(
+        &mut self,
+        max: usize,
+        buf: &'b mut Vec<[u64; RECORD_WORDS]>,
+    ) -> Result<(u64, &'b [[u64; RECORD_WORDS]]), SegmentError> {
         let positions = self.take(max)?;
-        let n = positions.end - positions.start;
-        out.extend(positions.map(|pos| (pos, self.words(pos))));
-        Ok(n as usize)
+        let n = (positions.end - positions.start) as usize;
+        if buf.len() < n {
+            buf.resize(n, [0; RECORD_WORDS]);
+        }
+        // The ring's end splits a read in two.
+        let first = positions.start & (self.seg.capacity - 1);
+        let before_end = ((self.seg.capacity - first) as usize).min(n);
+        let (a, b) = buf[..n].split_at_mut(before_end);
+        pread_words(self.seg.fd(), a, self.seg.slot_offset(positions.start))?;
+        pread_words(self.seg.fd(), b, self.seg.slot_offset(0))?;
+        Ok((positions.start, &buf[..n]))
     }
 
     /// The positions of up to `max` published records after the read cursor, which moves past them.
@@ -509,14 +573,6 @@ impl Consumer {
         Ok(start..self.read)
     }
 
-    fn words(&self, pos: u64) -> [u64; RECORD_WORDS] {
-        let mut w = [0u64; RECORD_WORDS];
-        for (dst, word) in w.iter_mut().zip(self.seg.slot(pos)) {
-            *dst = word.load(Ordering::Relaxed);
-        }
-        w
-    }
-
     /// Frees every slot before `upto` for the producer; persists in the segment across daemon restarts.
     pub fn commit(&mut self, upto: u64) {
         let upto = upto.min(self.read);
@@ -524,6 +580,34 @@ impl Consumer {
             self.seg.words()[W_TAIL].store(upto, Ordering::Release);
         }
     }
+}
+
+/// Fills `records` from `fd` at byte `offset` (the slots of consecutive records).
+fn pread_words(
+    fd: BorrowedFd<'_>,
+    records: &mut [[u64; RECORD_WORDS]],
+    mut offset: u64,
+) -> Result<(), SegmentError> {
+    // SAFETY: the slice's memory is `size_of_val` initialized bytes, borrowed mutably for as long
+    // as this view lives; u64 has no padding and every byte pattern is a valid u64.
+    let mut bytes = unsafe {
+        std::slice::from_raw_parts_mut(
+            records.as_mut_ptr().cast::<u8>(),
+            std::mem::size_of_val(records),
+        )
+    };
+    while !bytes.is_empty() {
+        match rustix::io::pread(fd, &mut *bytes, offset) {
+            Ok(0) => return Err(SegmentError::Invalid("records past its end".into())),
+            Ok(n) => {
+                bytes = &mut bytes[n..];
+                offset += n as u64;
+            }
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(io_err("pread")(e.into())),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -632,6 +716,87 @@ mod tests {
         assert_eq!(p.segment().counter(Counter::RingFull), 4);
         // Delivered + dropped = produced.
         assert_eq!(3 + 5 + 8 + p.segment().counter(Counter::RingFull), 20);
+    }
+
+    /// Bytes of memory the file holds (its allocated pages).
+    fn allocated(fd: BorrowedFd<'_>) -> u64 {
+        rustix::fs::fstat(fd).unwrap().st_blocks as u64 * 512
+    }
+
+    /// Issue 37: a reader's fault on a page its owner never wrote (or punched out) allocated it,
+    /// charged to the reader (the daemon OOM-killed by one registration). Reading a whole ring of such
+    /// pages allocates nothing but the header's page; a sound ring still reads right, across its end.
+    #[test]
+    fn reading_pages_never_written_or_punched_out_allocates_nothing() {
+        const CAPACITY: u64 = 1 << 16; // 4 MiB of records
+        let seg = crate::fixture::unwritten_segment(&claims(), CAPACITY).unwrap();
+        // Only the header's page, which its creator wrote.
+        let page = allocated(seg.fd());
+        assert!((4096..=65536).contains(&page), "{page}");
+        crate::fixture::publish_unwritten(&seg, CAPACITY);
+        let mut c = Consumer::new(Segment::open(handed_over(&seg)).unwrap());
+        let (mut read, mut buf) = (0, Vec::new());
+        while let Ok((_, words)) = c.read_raw(4096, &mut buf)
+            && !words.is_empty()
+        {
+            assert!(words.iter().all(|w| *w == [0; RECORD_WORDS]));
+            read += words.len() as u64;
+        }
+        assert_eq!(read, CAPACITY);
+        assert_eq!(allocated(seg.fd()), page, "reading allocated pages");
+
+        // Written, handed over, then punched out: what is read is zeros, and allocates nothing.
+        let seg = Segment::create(&claims(), CAPACITY).unwrap();
+        let fd = handed_over(&seg);
+        let mut p = Producer::new(seg);
+        let mut c = Consumer::new(Segment::open(fd).unwrap());
+        for i in 0..CAPACITY / 2 {
+            assert!(p.push(&rec(i)));
+        }
+        let len = segment_bytes(CAPACITY);
+        rustix::fs::fallocate(
+            p.segment().fd(),
+            rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
+            page,
+            len - page,
+        )
+        .unwrap();
+        // The header's page, and the last one (partly records: zeroed, not freed).
+        let punched = allocated(p.segment().fd());
+        assert_eq!(punched, 2 * page);
+        let mut out = Vec::new();
+        assert_eq!(
+            c.read(CAPACITY as usize, &mut out).unwrap(),
+            CAPACITY as usize / 2
+        );
+        // Past the header's page, zeros: no record.
+        let in_first_page = (page as usize - W_RECORDS * 8) / (RECORD_WORDS * 8);
+        assert!(out[..in_first_page].iter().all(|(_, r)| r.is_ok()));
+        assert!(out[in_first_page..].iter().all(|(_, r)| r.is_err()));
+        assert_eq!(
+            allocated(p.segment().fd()),
+            punched,
+            "reading allocated pages"
+        );
+
+        // A sound ring, read in pieces that wrap around its end.
+        c.commit(CAPACITY / 2);
+        for i in CAPACITY / 2..CAPACITY * 3 / 2 {
+            assert!(p.push(&rec(i)));
+        }
+        let mut ids = Vec::new();
+        while let Ok((first, words)) = c.read_raw(1000, &mut buf)
+            && !words.is_empty()
+        {
+            for (pos, w) in (first..).zip(words) {
+                match Record::decode(w) {
+                    Ok(Record::OpStop { id, .. }) => ids.push((pos, id)),
+                    r => panic!("{pos}: {r:?}"),
+                }
+            }
+        }
+        assert_eq!(ids.len() as u64, CAPACITY);
+        assert!(ids.iter().all(|(pos, id)| pos == id));
     }
 
     #[test]

@@ -125,6 +125,55 @@ fn a_terminal_gets_colour_unless_no_color_is_set() {
     assert!(!plain.contains('\x1b'), "NO_COLOR=1: {plain:?}");
 }
 
+/// Issue 37: a supervisor that stops the daemon right after it said it started sees it exit cleanly
+/// (it was killed: SIGTERM was handled only later). The daemon's stderr is a pipe kept full, so the
+/// daemon is held inside the very write of that line while SIGTERM is sent.
+#[test]
+fn sigterm_sent_as_it_says_started_ends_it_cleanly() {
+    use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
+    let dir = tempfile::tempdir().unwrap();
+    let (mut out, into) = std::io::pipe().unwrap();
+    let flags = fcntl_getfl(&into).unwrap();
+    fcntl_setfl(&into, flags | OFlags::NONBLOCK).unwrap();
+    let mut filler = 0;
+    while let Ok(n) = rustix::io::write(&into, &[0u8; 4096]) {
+        filler += n;
+    }
+    // The daemon shares this open file: its writes must block, not fail.
+    fcntl_setfl(&into, flags).unwrap();
+    let mut child = daemon(dir.path(), &[]).stderr(into).spawn().unwrap();
+    let pid = child.id();
+    // Until one of its threads sleeps writing to the full pipe: its first line.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let writing = || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|t| {
+                std::fs::read_to_string(t.path().join("wchan"))
+                    .is_ok_and(|w| w.ends_with("pipe_write"))
+            })
+    };
+    while !writing() {
+        assert!(child.try_wait().unwrap().is_none(), "daemon exited");
+        assert!(Instant::now() < deadline, "daemon never wrote to stderr");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = rustix::process::Pid::from_child(&child);
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let mut text = Vec::new();
+    out.read_to_end(&mut text).unwrap();
+    let status = child.wait().unwrap();
+    let text = String::from_utf8_lossy(&text[filler..]).into_owned();
+    assert!(status.success(), "{status}: {text:?}");
+    assert!(
+        text.lines().next().is_some_and(|l| l.contains(STARTED)),
+        "the line the daemon was held in is not its start: {text}"
+    );
+    assert!(text.contains("stopping: draining segments"), "{text}");
+}
+
 #[test]
 fn json_logs_are_one_object_per_line() {
     for (env, args) in [

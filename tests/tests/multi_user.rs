@@ -50,8 +50,11 @@ fn gpu_times(uid: u32, rank: u32, seq: u64) -> (u64, u64) {
 /// (registers an empty segment, prints the daemon's reply; if refused, retries every 200 ms as the
 /// plugin does and prints the reply that accepts it; keeps the segment until
 /// `shared_dir/release.<tag>` exists), "lose|..." (as hold, after losing LOST records to a full
-/// ring), "forge|..." (as hold, then writes forged loss counters into its header), or "foreign|socket|shared_dir|uid" (run as root: creates a
-/// segment, becomes `uid` and hands it over, prints the reply).
+/// ring), "forge|..." (as hold, then writes forged loss counters into its header),
+/// "foreign|socket|shared_dir|uid" (run as root: creates a segment, becomes `uid` and hands it over,
+/// prints the reply), "unwritten|socket|shared_dir|log2 capacity|punch" (see
+/// [`reading_a_ring_never_written_or_punched_out_costs_the_daemon_no_memory`]) or
+/// "twice|socket|shared_dir|first" (see [`one_memory_file_registered_by_two_processes_is_read_once`]).
 #[test]
 #[ignore = "child process of the multi-user tests"]
 fn multi_user_child() {
@@ -62,6 +65,11 @@ fn multi_user_child() {
         hostname: "testhost".into(),
         job_id: JOB.into(),
     };
+    match f[0] {
+        "unwritten" => return unwritten_child(socket, &claims, f[3].parse().unwrap(), f[4] == "1"),
+        "twice" => return twice_child(socket, shared, &claims, f[3]),
+        _ => {}
+    }
     let mut p = Producer::new(Segment::create(&claims, 1 << 12).unwrap());
     if f[0] == "foreign" {
         // The registering thread's credentials are what the kernel reports to the daemon.
@@ -71,7 +79,6 @@ fn multi_user_child() {
         println!("REPLY {}", reply.trim_end());
         return;
     }
-    let uid = rustix::process::getuid().as_raw();
     if f[0] == "lose" {
         // A real loss: records written while no daemon reads the ring, LOST more than it holds.
         for _ in 0..p.segment().capacity() + LOST {
@@ -107,6 +114,13 @@ fn multi_user_child() {
     assert_eq!(reply, "OK\n");
     let _conn = conn;
     let (rank, nranks): (u32, u32) = (f[3].parse().unwrap(), f[4].parse().unwrap());
+    write_job(&mut p, shared, rank, nranks, NCOLLS);
+}
+
+/// What a rank of `nranks` writes: its dictionary, clock and communicator, then `ncolls`
+/// collectives (after the other ranks of its uid are ready, for A), then its communicator's end.
+fn write_job(p: &mut Producer, shared: &Path, rank: u32, nranks: u32, ncolls: u64) {
+    let uid = rustix::process::getuid().as_raw();
     for (id, text) in [(1, "AllReduce"), (2, "ncclFloat32")] {
         assert!(p.push(&Record::str(StrId(id), text.as_bytes())));
     }
@@ -128,7 +142,7 @@ fn multi_user_child() {
         assert!(Instant::now() < deadline, "the other rank never started");
         std::thread::sleep(Duration::from_millis(5));
     }
-    for seq in 0..NCOLLS {
+    for seq in 0..ncolls {
         let (gpu_start, gpu_stop) = gpu_times(uid, rank, seq);
         // Enqueued 1 us before its kernel starts, on the calibration's (synthetic) host clock.
         let host_ns = (gpu_start as i64 + HOST_BASE - GPU_BASE as i64) as u64 - 1_000;
@@ -152,6 +166,106 @@ fn multi_user_child() {
     p.segment().close();
 }
 
+/// A hostile owner's segment of `1 << log2` records: never written, or written and then punched
+/// out after registering; either way its header says a full ring was published. Prints the reply,
+/// then, once the daemon committed every record, how much memory the file holds.
+fn unwritten_child(socket: &Path, claims: &Claims, log2: u32, punch: bool) {
+    use ncclscope_proto::fixture::{publish_unwritten, unwritten_segment};
+    let capacity = 1u64 << log2;
+    let seg = if punch {
+        Segment::create(claims, capacity).unwrap()
+    } else {
+        unwritten_segment(claims, capacity).unwrap()
+    };
+    let allocated = || rustix::fs::fstat(seg.fd()).unwrap().st_blocks as u64 * 512;
+    let header_page = 4096;
+    let (reply, _conn) = register(socket, seg.fd(), Duration::from_secs(30)).unwrap();
+    println!("REPLY {}", reply.trim_end());
+    std::io::stdout().flush().unwrap();
+    if punch {
+        let len = rustix::fs::fstat(seg.fd()).unwrap().st_size as u64;
+        rustix::fs::fallocate(
+            seg.fd(),
+            rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
+            header_page,
+            len - header_page,
+        )
+        .unwrap();
+    }
+    let before = allocated();
+    publish_unwritten(&seg, capacity);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while seg.tail() < capacity && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    println!(
+        "REPLY tail={} allocated_before={before} allocated_after={}",
+        seg.tail(),
+        allocated()
+    );
+}
+
+/// "first": registers a segment, then has another process (this binary again, as "second", which
+/// inherits the memory file as a forked child does) register the same file, prints both replies,
+/// writes a job of 1,000 collectives, and keeps both connections open until `release.all`.
+fn twice_child(socket: &Path, shared: &Path, claims: &Claims, role: &str) {
+    use std::os::fd::{AsFd, AsRawFd};
+    // Or the test's directory is gone (it ended without releasing this process).
+    let released = || shared.join("release.all").exists() || !shared.exists();
+    let reply_file = shared.join("second.reply");
+    if let Some(fd) = role.strip_prefix("second:") {
+        // The descriptor the first process left open across exec for this one.
+        let file = (std::fs::File::options().read(true).write(true))
+            .open(format!("/proc/self/fd/{fd}"))
+            .unwrap();
+        let (reply, _conn) = register(socket, file.as_fd(), Duration::from_secs(30)).unwrap();
+        let tmp = shared.join("second.reply.tmp");
+        std::fs::write(&tmp, reply.trim_end()).unwrap();
+        std::fs::rename(tmp, reply_file).unwrap();
+        while !released() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        return;
+    }
+    let mut p = Producer::new(Segment::create(claims, 1 << 12).unwrap());
+    let (reply, _conn) = register(socket, p.segment().fd(), Duration::from_secs(30)).unwrap();
+    println!("REPLY {}", reply.trim_end());
+    std::io::stdout().flush().unwrap();
+    rustix::io::fcntl_setfd(p.segment().fd(), rustix::io::FdFlags::empty()).unwrap();
+    let spec = format!(
+        "twice|{}|{}|second:{}",
+        socket.display(),
+        shared.display(),
+        p.segment().fd().as_raw_fd()
+    );
+    let mut second = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "multi_user_child",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, spec)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !reply_file.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the second process never registered"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    println!("REPLY {}", std::fs::read_to_string(&reply_file).unwrap());
+    std::io::stdout().flush().unwrap();
+    write_job(&mut p, shared, 0, 1, 1000);
+    while !released() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(second.wait().unwrap().success());
+}
+
 /// A daemon (root) on sockets every user can reach, and the user processes; cleaned up on drop.
 struct Node {
     dir: tempfile::TempDir,
@@ -162,6 +276,11 @@ struct Node {
 
 impl Node {
     fn start(otlp_endpoint: &str, extra_config: &str) -> Node {
+        Node::start_with(otlp_endpoint, extra_config, &[])
+    }
+
+    /// [`Node::start`], the daemon run through `wrap` (a program and its arguments).
+    fn start_with(otlp_endpoint: &str, extra_config: &str, wrap: &[&str]) -> Node {
         let dir = tempfile::tempdir().unwrap();
         // Users reach the sockets and their shared directory; the daemon's state and spool stay its own.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -188,7 +307,16 @@ impl Node {
             ),
         )
         .unwrap();
-        let daemon = Command::new(ncclscope_tests::daemon_binary())
+        let bin = ncclscope_tests::daemon_binary();
+        let mut command = match wrap {
+            [] => Command::new(&bin),
+            [program, args @ ..] => {
+                let mut c = Command::new(program);
+                c.args(args).arg(&bin);
+                c
+            }
+        };
+        let daemon = command
             .args(["daemon", "--config"])
             .arg(&config)
             .env("NCCLSCOPE_LOG", "warn")
@@ -669,5 +797,173 @@ fn a_forged_header_cannot_pin_the_node_wide_loss_figures() {
     );
     eprintln!(
         "forged: node-wide ring_full {ring_full} (A lost {LOST}), forward_panic {forward_panic}, bound {bound:.0}"
+    );
+}
+
+/// Issue 37: reading a segment faulted its pages in, charged to the daemon: one user's 1 GiB memory
+/// file that was never written, its header saying a full ring was published, OOM-killed the daemon
+/// (and under systemd, every restarted one). A ring of the largest accepted size never written, and
+/// one written then punched out after registering, are read through to their head while the daemon's
+/// shared memory (RssShmem) stays under 1 MiB and the files gain no page; a sound job is still read.
+#[test]
+fn reading_a_ring_never_written_or_punched_out_costs_the_daemon_no_memory() {
+    let mut node = Node::start("", "");
+    let pid = node.daemon.id();
+    let shmem_kib = move || -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        (status.lines())
+            .find_map(|l| l.strip_prefix("RssShmem:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap()
+    };
+    let max_log2 = ncclscope_proto::segment::MAX_CAPACITY.trailing_zeros();
+    for (log2, punch) in [(max_log2, "0"), (20, "1")] {
+        let c = node.spawn(A, "unwritten", &format!("{log2}|{punch}"));
+        assert_eq!(node.reply(c), "OK");
+        // Sampled while the daemon reads, until the child says it read everything.
+        let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sampler = {
+            let (peak, done) = (peak.clone(), done.clone());
+            std::thread::spawn(move || {
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    peak.fetch_max(shmem_kib(), std::sync::atomic::Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            })
+        };
+        let report = node.reply(c);
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        sampler.join().unwrap();
+        let field = |name: &str| -> u64 {
+            (report.split(' '))
+                .find_map(|f| f.strip_prefix(name)?.strip_prefix('='))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{name} in {report}"))
+        };
+        let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
+        eprintln!(
+            "unwritten ring of 2^{log2} records, punched {punch}: {report}; daemon RssShmem peak {peak} KiB"
+        );
+        assert_eq!(
+            field("tail"),
+            1 << log2,
+            "the daemon read every record: {report}"
+        );
+        assert_eq!(
+            field("allocated_after"),
+            field("allocated_before"),
+            "reading allocated pages of the file"
+        );
+        assert!(peak < 1024, "daemon RssShmem {peak} KiB");
+        assert!(node.children[c].wait().unwrap().success());
+    }
+    // A sound job of another user is still read whole.
+    node.spawn(B, "rank", "0|1");
+    node.wait_all();
+    node.wait_metric("ncclscope_collectives_total", NCOLLS as f64);
+}
+
+/// Issue 37: one memory file registered by a process and by its child (which inherited it) was read
+/// by two consumers: its 1,000 collectives spooled and counted twice. The second registration of a
+/// file already attached is refused and counted; the job is spooled once.
+#[test]
+fn one_memory_file_registered_by_two_processes_is_read_once() {
+    let mut node = Node::start("", "");
+    let c = node.spawn(A, "twice", "first");
+    assert_eq!(node.reply(c), "OK");
+    let second = node.reply(c);
+    assert!(
+        second.starts_with("ERR its memory file is attached already, handed over by pid"),
+        "{second}"
+    );
+    node.wait_metric("ncclscope_collectives_total", 1000.0);
+    node.wait_metric("ncclscope_lost_total{stage=\"segment_duplicate\"}", 1.0);
+    // Past the next statistics snapshot: a second reader would have counted more by now.
+    std::thread::sleep(Duration::from_millis(1500));
+    node.wait_metric("ncclscope_collectives_total", 1000.0);
+    let spool = ncclscope::spool::SpoolReader::open_dir(node.path("spool")).unwrap();
+    assert_eq!(spool.read_job(&(A, JOB.into())).count(), 1000);
+    std::fs::write(node.path("shared/release.all"), b"").unwrap();
+    node.wait_all();
+}
+
+/// Issue 37: registration connections had no per-uid bound: one user holding ~21,000 idle ones kept
+/// the daemon at its descriptor limit, and another user's job lost spool writes and resume-state
+/// saves. The daemon runs with 256 descriptors; A holds `register::MAX_CONNECTIONS_PER_UID` (the most
+/// one user may: one more is answered ERR at once) and keeps opening 200 more, re-opening each the
+/// daemon closes, while B's job runs: B loses nothing.
+#[test]
+fn one_user_holding_its_most_registration_connections_costs_another_users_job_nothing() {
+    use ncclscope::register::MAX_CONNECTIONS_PER_UID;
+    use std::os::unix::net::UnixStream;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let mut node = Node::start_with("", "", &["prlimit", "--nofile=256", "--"]);
+    let socket = node.path("reg.sock");
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let (probe_tx, probe_rx) = std::sync::mpsc::channel();
+    let hostile = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            rustix::thread::set_thread_uid(rustix::process::Uid::from_raw(A)).unwrap();
+            let connect = || UnixStream::connect(&socket).unwrap();
+            let mut held: Vec<UnixStream> =
+                (0..MAX_CONNECTIONS_PER_UID).map(|_| connect()).collect();
+            // One more: answered at once, not after the silent ones' timeout.
+            let extra = connect();
+            extra
+                .set_read_timeout(Some(Duration::from_secs(1)))
+                .unwrap();
+            let mut reply = String::new();
+            let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(&extra), &mut reply);
+            probe_tx.send(reply).unwrap();
+            // Keep MAX + 200 open, re-opening every one the daemon answered (refused, or timed out).
+            while !stop.load(Ordering::Relaxed) {
+                held.retain(|s| {
+                    s.set_nonblocking(true).unwrap();
+                    let mut b = [0u8; 1];
+                    matches!(
+                        rustix::net::recv(s, &mut b, rustix::net::RecvFlags::PEEK),
+                        Err(rustix::io::Errno::AGAIN)
+                    )
+                });
+                while held.len() < MAX_CONNECTIONS_PER_UID + 200 {
+                    held.push(connect());
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        })
+    };
+    let probe = probe_rx.recv().unwrap();
+    assert_eq!(
+        probe,
+        format!(
+            "ERR uid {A} holds {MAX_CONNECTIONS_PER_UID} registration connections not yet \
+             answered, the most one user may\n"
+        )
+    );
+    // B's job, while A holds its most (its silent ones time out after 2 s and are re-opened).
+    std::thread::sleep(Duration::from_secs(3));
+    node.spawn(B, "rank", "0|1");
+    node.wait_all();
+    let text = node.wait_metric("ncclscope_collectives_total", NCOLLS as f64);
+    stop.store(true, Ordering::Relaxed);
+    hostile.join().unwrap();
+    for stage in ["spool_failed", "state_write_failed"] {
+        let sample = format!("ncclscope_lost_total{{stage=\"{stage}\"}} 0");
+        assert!(text.lines().any(|l| l == sample), "{sample}\n{text}");
+    }
+    let refused: f64 = (text.lines())
+        .find_map(|l| l.strip_prefix("ncclscope_lost_total{stage=\"uid_connection_quota\"} "))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(
+        refused >= 200.0,
+        "A's connections past its most are counted: {refused}"
+    );
+    let spool = ncclscope::spool::SpoolReader::open_dir(node.path("spool")).unwrap();
+    assert_eq!(spool.read_job(&(B, JOB.into())).count() as u64, NCOLLS);
+    eprintln!(
+        "connections: A held {MAX_CONNECTIONS_PER_UID}, {refused} refused; B's {NCOLLS} collectives spooled, 0 spool_failed, 0 state_write_failed"
     );
 }

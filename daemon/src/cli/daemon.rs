@@ -6,6 +6,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use clap::builder::TypedValueParser;
+
 use crate::config::{Config, DEFAULT_CONFIG_PATH, Overrides};
 use crate::hub::Hub;
 use crate::logging::LogFormat;
@@ -24,7 +26,8 @@ pub struct Args {
     pub state_dir: Option<PathBuf>,
     #[arg(long, value_name = "PATH", help = flag("Query API socket", "api_socket"))]
     pub api_socket: Option<PathBuf>,
-    #[arg(long, value_name = "DIR", help = flag("Spool directory (\"\" disables the spool)", "spool.dir"))]
+    // Any string, "" included: clap's path parser refuses an empty value.
+    #[arg(long, value_name = "DIR", value_parser = clap::builder::OsStringValueParser::new().map(PathBuf::from), help = flag("Spool directory (\"\" disables the spool)", "spool.dir"))]
     pub spool_dir: Option<PathBuf>,
     #[arg(long, value_name = "URL", help = flag("OTLP/gRPC endpoint, e.g. http://127.0.0.1:4317 (\"\" disables)", "otlp.endpoint"))]
     pub otlp_endpoint: Option<String>,
@@ -44,37 +47,44 @@ fn flag(what: &str, key: &str) -> String {
     format!("{what} [config: {key}] [env: {var}] [default: {default}]")
 }
 
+impl Args {
+    fn overrides(&self) -> Overrides {
+        Overrides {
+            socket: self.socket.clone(),
+            state_dir: self.state_dir.clone(),
+            api_socket: self.api_socket.clone(),
+            spool_dir: self.spool_dir.clone(),
+            otlp_endpoint: self.otlp_endpoint.clone(),
+            prometheus_listen: self.prometheus_listen.clone(),
+            sample_ratio: self.sample_ratio,
+        }
+    }
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     crate::logging::init(args.log_format);
-    let overrides = Overrides {
-        socket: args.socket,
-        state_dir: args.state_dir,
-        api_socket: args.api_socket,
-        spool_dir: args.spool_dir,
-        otlp_endpoint: args.otlp_endpoint,
-        prometheus_listen: args.prometheus_listen,
-        sample_ratio: args.sample_ratio,
-    };
-    let config = Config::load(args.config.as_deref(), std::env::vars(), &overrides)?;
+    let config = Config::load(args.config.as_deref(), std::env::vars(), &args.overrides())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     runtime.block_on(async move {
-        let running = crate::run::start(config, Arc::new(Hub::default())).await?;
-        if let Err(e) = crate::notify::notify("READY=1", &[]) {
-            tracing::warn!(error = %e, "could not notify systemd");
-        }
+        // Handled before the daemon says it started: a supervisor may stop it right after.
         use tokio::signal::unix::{SignalKind, signal};
         let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
         // Their default action kills the process undrained: a stray `kill -HUP` (logrotate, an
         // operator expecting a reload) must not cost what the rings hold.
         let mut hup = signal(SignalKind::hangup())?;
         let mut usr1 = signal(SignalKind::user_defined1())?;
+        let running = crate::run::start(config, Arc::new(Hub::default())).await?;
+        if let Err(e) = crate::notify::notify("READY=1", &[]) {
+            tracing::warn!(error = %e, "could not notify systemd");
+        }
         loop {
             tokio::select! {
                 _ = term.recv() => break,
-                _ = tokio::signal::ctrl_c() => break,
+                _ = int.recv() => break,
                 _ = hup.recv() => tracing::info!("SIGHUP ignored: the configuration is read at start; restart to apply a new one"),
                 _ = usr1.recv() => tracing::info!("SIGUSR1 ignored"),
             }
@@ -83,4 +93,47 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let _ = crate::notify::notify("STOPPING=1", &[]);
         running.stop().await
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, Parser};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        daemon: Args,
+    }
+
+    /// Issue 37: `--spool-dir ""`, as its help says, disables the spool (the parser refused it); so do
+    /// the other flags whose help documents "".
+    #[test]
+    fn flags_documented_to_take_an_empty_value_take_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ncclscope.toml");
+        std::fs::write(
+            &file,
+            "[spool]\ndir = \"/var/spool/x\"\n[otlp]\nendpoint = \"http://c:4317\"\n\
+             [prometheus]\nlisten = \"127.0.0.1:9\"\n",
+        )
+        .unwrap();
+        let cli = Cli::try_parse_from([
+            "t",
+            "--spool-dir",
+            "",
+            "--otlp-endpoint",
+            "",
+            "--prometheus-listen",
+            "",
+        ])
+        .unwrap();
+        let config = Config::load(Some(&file), Vec::new(), &cli.daemon.overrides()).unwrap();
+        assert_eq!(config.spool.dir, PathBuf::new());
+        assert_eq!(config.otlp.endpoint, "");
+        assert_eq!(config.prometheus.listen, "");
+        // Every flag whose help documents "" is among those above.
+        let help = Cli::command().render_long_help().to_string();
+        assert_eq!(help.matches("\"\" disables").count(), 3, "{help}");
+    }
 }

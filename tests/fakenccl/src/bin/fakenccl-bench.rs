@@ -381,11 +381,9 @@ fn child(a: &Args) -> anyhow::Result<()> {
                         .collect();
                 }
                 for c in &mut consumers {
-                    while c.read_raw(4096, &mut buf).unwrap_or(0) > 0 {
-                        if let Some((pos, _)) = buf.last() {
-                            c.commit(pos + 1);
-                        }
-                        buf.clear();
+                    while let Ok((first, read @ [_, ..])) = c.read_raw(4096, &mut buf) {
+                        let upto = first + read.len() as u64;
+                        c.commit(upto);
                     }
                 }
                 std::thread::sleep(Duration::from_millis(1));
