@@ -109,6 +109,13 @@ impl Config {
                 ),
             }
         }
+        // Read by `ncclscope_proto::clock_offset_ns`, which takes an invalid value as 0.
+        let name = ncclscope_proto::TEST_CLOCK_OFFSET;
+        if let Some(v) = var(name)
+            && let Err(why) = ncclscope_proto::parse_clock_offset(Some(&v))
+        {
+            invalid(name, &v, &why);
+        }
         let mut test_panic_forward = None;
         if let Some(v) = var("NCCLSCOPE_TEST_PANIC") {
             match v.strip_prefix("forward:").and_then(parse_int) {
