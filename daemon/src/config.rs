@@ -988,6 +988,31 @@ mod tests {
         assert_eq!(c.api_socket, PathBuf::from("/tmp/a.sock"));
     }
 
+    /// Issue 35: a simulated node's clock offset, for the engine; a bad one stops the daemon.
+    #[test]
+    fn the_test_clock_offset_is_read_and_a_bad_one_is_an_error() {
+        let c = load(
+            "",
+            &[(ncclscope_proto::TEST_CLOCK_OFFSET, "-7000000")],
+            Overrides::default(),
+        );
+        assert_eq!(c.unwrap().test_clock_offset_ns, -7_000_000);
+        assert_eq!(
+            load("", &[], Overrides::default())
+                .unwrap()
+                .test_clock_offset_ns,
+            0
+        );
+        let e = load(
+            "",
+            &[(ncclscope_proto::TEST_CLOCK_OFFSET, "7ms")],
+            Overrides::default(),
+        )
+        .unwrap_err();
+        assert_eq!(e.origin, ncclscope_proto::TEST_CLOCK_OFFSET);
+        assert!(e.message.contains("\"7ms\""), "{e}");
+    }
+
     /// Values that used to pass and then panic at start, abort at the first span, or wrap and delete
     /// the spool at the next restart are refused at load, naming the key.
     #[test]

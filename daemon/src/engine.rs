@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 use ncclscope_proto::api::{
     Communicator, Health as ApiHealth, Job, ListJobsResponse, LiveSpans, RankInfo, StatsResponse,
 };
-use ncclscope_proto::{realtime_ns, shift};
 use ncclscope_proto::segment::{Consumer, Counter, RawRead, Segment};
+use ncclscope_proto::{realtime_ns, shift};
 use opentelemetry_proto::tonic::metrics::v1::Metric;
 use tokio::sync::{mpsc, oneshot, watch};
 

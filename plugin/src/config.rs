@@ -235,12 +235,14 @@ mod tests {
             ("NCCLSCOPE_EVENT_MASK", "-1"),
             ("NCCLSCOPE_SEGMENT_RECORDS", "1000"),
             ("NCCLSCOPE_TEST_PANIC", "drain"),
+            ("NCCLSCOPE_TEST_CLOCK_OFFSET_NS", "7ms"),
         ]);
         assert!(!c.disabled);
         assert_eq!((c.event_mask, c.mask_explicit), (DEFAULT_EVENT_MASK, false));
         assert_eq!(c.segment_records, DEFAULT_CAPACITY);
         assert_eq!(c.test_panic_forward, None);
-        assert_eq!(c.warnings.len(), 4, "{:?}", c.warnings);
+        assert_eq!(c.warnings.len(), 5, "{:?}", c.warnings);
         assert!(c.warnings[1].contains("NCCLSCOPE_EVENT_MASK"));
+        assert!(c.warnings[3].contains("NCCLSCOPE_TEST_CLOCK_OFFSET_NS=\"7ms\""));
     }
 }

@@ -93,7 +93,11 @@ mod tests {
         assert_eq!(parse_clock_offset(Some(" ")), Ok(0));
         assert_eq!(parse_clock_offset(Some("-7000000")), Ok(-7_000_000));
         assert_eq!(parse_clock_offset(Some("+250")), Ok(250));
-        assert!(parse_clock_offset(Some("7ms")).unwrap_err().contains("\"7ms\""));
+        assert!(
+            parse_clock_offset(Some("7ms"))
+                .unwrap_err()
+                .contains("\"7ms\"")
+        );
         assert_eq!(shift(10, -3), 7);
         assert_eq!(shift(10, -30), 0);
         assert_eq!(shift(u64::MAX - 1, 5), u64::MAX);

@@ -108,11 +108,14 @@ async fn run(collector: &mut FakeCollectorServer, nodes: &[Daemon], jobs: &[SimJ
         .flat_map(|j| {
             // Each rank on its node's clock.
             let nnodes = nodes.len() as u32;
-            j.commands(&sockets).into_iter().enumerate().map(move |(rank, mut c)| {
-                let node = &nodes[node_of(rank as u32, j.nranks, nnodes) as usize];
-                c.env(TEST_CLOCK_OFFSET, node.clock_offset_ns.to_string());
-                c
-            })
+            j.commands(&sockets)
+                .into_iter()
+                .enumerate()
+                .map(move |(rank, mut c)| {
+                    let node = &nodes[node_of(rank as u32, j.nranks, nnodes) as usize];
+                    c.env(TEST_CLOCK_OFFSET, node.clock_offset_ns.to_string());
+                    c
+                })
         })
         .map(|mut c| c.spawn().unwrap())
         .collect();
@@ -287,7 +290,13 @@ fn per_rank(text: &str, family: &str, job: &str) -> BTreeMap<String, f64> {
         if !l.starts_with(&format!("{family}{{")) || !l.contains(&job) {
             continue;
         }
-        let rank = l.split("rank=\"").nth(1).unwrap().split('"').next().unwrap();
+        let rank = l
+            .split("rank=\"")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap();
         let value: f64 = l.rsplit(' ').next().unwrap().parse().unwrap();
         *sums.entry(rank.to_string()).or_default() += value;
     }
