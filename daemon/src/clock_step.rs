@@ -3,7 +3,8 @@
 //! every few seconds, so for that long after a step the ranks of one node disagree by the step:
 //! their skew and stragglers would be the step's, not the job's. The engine samples the two clocks
 //! every tick; [`crate::stats::Stats::clock_stepped`] leaves the collectives around a step out of the
-//! skew.
+//! skew. The clocks are read unshifted: a test clock offset ([`crate::config::Config::test_clock_offset_ns`])
+//! is constant for the process's life, so never a step; the engine moves a step's time onto its clock.
 
 use rustix::time::{ClockId, clock_gettime};
 

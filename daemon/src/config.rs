@@ -33,6 +33,12 @@ pub struct Config {
     pub prometheus: Prometheus,
     pub spool: SpoolConfig,
     pub limits: Limits,
+    /// Test harnesses only, never a key: this daemon's clock offset in ns, as a simulated node's clock
+    /// differs from its neighbours'. From `NCCLSCOPE_TEST_CLOCK_OFFSET_NS` (see
+    /// [`ncclscope_proto::TEST_CLOCK_OFFSET`]), or set per node by `demo`, whose daemons share one
+    /// process.
+    #[serde(skip)]
+    pub test_clock_offset_ns: i64,
 }
 
 /// What one process's records can make the daemon hold, per segment: a record beyond a limit is
@@ -263,6 +269,7 @@ impl Default for Config {
             prometheus: Prometheus::default(),
             spool: SpoolConfig::default(),
             limits: Limits::default(),
+            test_clock_offset_ns: 0,
         }
     }
 }
@@ -378,9 +385,16 @@ impl Config {
             Err(e) if file.is_none() && e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(err(path.display().to_string(), e.to_string())),
         }
+        let clock_offset = ncclscope_proto::parse_clock_offset(
+            env.iter()
+                .find(|(name, _)| name == ncclscope_proto::TEST_CLOCK_OFFSET)
+                .map(|(_, v)| v.as_str()),
+        )
+        .map_err(|e| err(ncclscope_proto::TEST_CLOCK_OFFSET, e))?;
         apply_env(&mut table, env)?;
         let mut config = Config::deserialize(toml::Value::Table(table))
             .map_err(|e| err("configuration", e.to_string()))?;
+        config.test_clock_offset_ns = clock_offset;
         let f = flags.clone();
         if let Some(v) = f.socket {
             config.socket = v;
@@ -972,6 +986,31 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.api_socket, PathBuf::from("/tmp/a.sock"));
+    }
+
+    /// Issue 35: a simulated node's clock offset, for the engine; a bad one stops the daemon.
+    #[test]
+    fn the_test_clock_offset_is_read_and_a_bad_one_is_an_error() {
+        let c = load(
+            "",
+            &[(ncclscope_proto::TEST_CLOCK_OFFSET, "-7000000")],
+            Overrides::default(),
+        );
+        assert_eq!(c.unwrap().test_clock_offset_ns, -7_000_000);
+        assert_eq!(
+            load("", &[], Overrides::default())
+                .unwrap()
+                .test_clock_offset_ns,
+            0
+        );
+        let e = load(
+            "",
+            &[(ncclscope_proto::TEST_CLOCK_OFFSET, "7ms")],
+            Overrides::default(),
+        )
+        .unwrap_err();
+        assert_eq!(e.origin, ncclscope_proto::TEST_CLOCK_OFFSET);
+        assert!(e.message.contains("\"7ms\""), "{e}");
     }
 
     /// Values that used to pass and then panic at start, abort at the first span, or wrap and delete

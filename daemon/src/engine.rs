@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 use ncclscope_proto::api::{
     Communicator, Health as ApiHealth, Job, ListJobsResponse, LiveSpans, RankInfo, StatsResponse,
 };
-use ncclscope_proto::now_ns;
 use ncclscope_proto::segment::{Consumer, Counter, Segment};
+use ncclscope_proto::{realtime_ns, shift};
 use opentelemetry_proto::tonic::metrics::v1::Metric;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -428,6 +428,12 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// This node's CLOCK_REALTIME, the time base of its ranks' records: shifted by the node's test
+    /// clock offset ([`Config::test_clock_offset_ns`]) as theirs are.
+    fn now_ns(&self) -> u64 {
+        shift(realtime_ns(), self.cfg.test_clock_offset_ns)
+    }
+
     /// Starts the state writer thread (and the spool's, with a spool) for an engine.
     pub fn new(
         cfg: Arc<Config>,
@@ -436,6 +442,7 @@ impl Engine {
         out: Outputs,
     ) -> std::io::Result<Engine> {
         let now = Instant::now();
+        let started_ns = shift(realtime_ns(), cfg.test_clock_offset_ns);
         let states = StateWriter::start(Box::new(state_writer::Dir(cfg.state_dir.clone())))?;
         Ok(Engine {
             stats: Stats::new(
@@ -458,7 +465,7 @@ impl Engine {
             spool_failed: 0,
             hub,
             out,
-            started_ns: now_ns(),
+            started_ns,
             plugin: PluginLosses::default(),
             reaped_asm: AssembleCounters::default(),
             daemon_lost: Losses::default(),
@@ -656,7 +663,7 @@ impl Engine {
                     }
                 }
                 asm.restore(st.dictionary, delivered);
-                asm.restore_parked(&st.parked, st.parked_upto, now_ns());
+                asm.restore_parked(&st.parked, st.parked_upto, self.now_ns());
                 state_saved = true;
                 spool_mark = st.spool_mark;
                 saved_parked = (st.parked, st.parked_upto);
@@ -781,9 +788,10 @@ impl Engine {
                 delta_ms = step.delta_ns / 1_000_000,
                 "host clock stepped: collectives near it left out of the skew"
             );
-            self.stats.clock_stepped(step.at_ns, step.delta_ns);
+            let at_ns = shift(step.at_ns, self.cfg.test_clock_offset_ns);
+            self.stats.clock_stepped(at_ns, step.delta_ns);
         }
-        let now = now_ns();
+        let now = self.now_ns();
         self.tick_ns = now;
         // A spool writer that fell behind (a slow disk) holds reading, not this thread: the records
         // wait in the rings meanwhile.
@@ -1215,7 +1223,7 @@ impl Engine {
     /// unless `now` or the ring is a quarter full). With `now` (shutdown), waits (bounded by the
     /// shutdown timeout) until the states are durable and the tails committed.
     fn commit_all(&mut self, now: bool) {
-        let now_ns = now_ns();
+        let now_ns = self.now_ns();
         for seg in &mut self.segments {
             // Operations open long (sooner once the ring is over half full) no longer hold the
             // tail: the state carries them. Not younger ones even then: they mostly complete within
@@ -1378,7 +1386,7 @@ impl Engine {
     fn snapshot(&mut self, final_export: bool) {
         self.last_snapshot = Instant::now();
         self.stats
-            .evict_idle(now_ns(), SERIES_IDLE.as_nanos() as u64);
+            .evict_idle(self.now_ns(), SERIES_IDLE.as_nanos() as u64);
         let health = self.health();
         let mut lost_by_rank = HashMap::new();
         let mut jobs: HashMap<(u32, String), Job> = HashMap::new();
@@ -1474,7 +1482,7 @@ impl Engine {
                 >= Duration::from_millis(self.cfg.otlp.metrics_interval_ms);
             if due || final_export {
                 self.last_metrics_export = Instant::now();
-                let metrics = metrics::to_otlp(&snapshot.families, self.started_ns, now_ns());
+                let metrics = metrics::to_otlp(&snapshot.families, self.started_ns, self.now_ns());
                 let _ = tx.try_send(metrics);
             }
         }

@@ -1,12 +1,15 @@
 //! Host timestamps for the hot path. On x86-64, when the kernel itself keeps time with the TSC (so it
 //! is invariant and synchronised across cores), NCCL threads read the TSC (a few ns) and the forwarding
 //! thread converts the ticks to CLOCK_REALTIME; elsewhere the stamp is CLOCK_REALTIME itself (vDSO,
-//! ~30 ns). Every `host_ns` in the segment is CLOCK_REALTIME either way.
+//! ~30 ns). Every `host_ns` in the segment is CLOCK_REALTIME either way, shifted by the process's
+//! test clock offset ([`ncclscope_proto::clock_offset_ns`]): the offset is added by the forwarding
+//! thread's conversion (in the anchors read with [`now_ns`], or to the stamp without the TSC), never
+//! on NCCL's threads.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use ncclscope_proto::now_ns;
+use ncclscope_proto::{now_ns, realtime_ns, shift};
 
 static TSC: AtomicBool = AtomicBool::new(false);
 
@@ -26,7 +29,7 @@ pub fn stamp() -> u64 {
     if TSC.load(Ordering::Relaxed) {
         ticks()
     } else {
-        now_ns()
+        realtime_ns()
     }
 }
 
@@ -40,7 +43,7 @@ fn ticks() -> u64 {
 #[cfg(not(target_arch = "x86_64"))]
 #[inline]
 fn ticks() -> u64 {
-    now_ns()
+    realtime_ns()
 }
 
 /// The first baseline of the tick rate. Re-anchored after 1, 2, 4, ... ms (up to [`MAX_PERIOD`]), a
@@ -53,6 +56,8 @@ const MAX_PERIOD: Duration = Duration::from_secs(1);
 /// rate measured over the longest baseline seen. Owned by the forwarding thread.
 pub struct Converter {
     tsc: bool,
+    /// The clock offset added to a stamp without the TSC (with it, the anchors carry it).
+    offset_ns: i64,
     first: (u64, u64),
     anchor: (u64, u64),
     /// ns per tick, 32.32 fixed point.
@@ -84,6 +89,7 @@ impl Converter {
         let first = if tsc { pair() } else { (0, 0) };
         Converter {
             tsc,
+            offset_ns: ncclscope_proto::clock_offset_ns(),
             first,
             anchor: first,
             rate: 1 << 32,
@@ -130,7 +136,7 @@ impl Converter {
     /// CLOCK_REALTIME ns of a stamp.
     pub fn to_ns(&self, stamp: u64) -> u64 {
         if !self.tsc {
-            return stamp;
+            return shift(stamp, self.offset_ns);
         }
         let dt = stamp.wrapping_sub(self.anchor.0) as i64 as i128;
         let dns = (dt * self.rate as i128) >> 32;

@@ -109,6 +109,13 @@ impl Config {
                 ),
             }
         }
+        // Read by `ncclscope_proto::clock_offset_ns`, which takes an invalid value as 0.
+        let name = ncclscope_proto::TEST_CLOCK_OFFSET;
+        if let Some(v) = var(name)
+            && let Err(why) = ncclscope_proto::parse_clock_offset(Some(&v))
+        {
+            invalid(name, &v, &why);
+        }
         let mut test_panic_forward = None;
         if let Some(v) = var("NCCLSCOPE_TEST_PANIC") {
             match v.strip_prefix("forward:").and_then(parse_int) {
@@ -228,12 +235,14 @@ mod tests {
             ("NCCLSCOPE_EVENT_MASK", "-1"),
             ("NCCLSCOPE_SEGMENT_RECORDS", "1000"),
             ("NCCLSCOPE_TEST_PANIC", "drain"),
+            ("NCCLSCOPE_TEST_CLOCK_OFFSET_NS", "7ms"),
         ]);
         assert!(!c.disabled);
         assert_eq!((c.event_mask, c.mask_explicit), (DEFAULT_EVENT_MASK, false));
         assert_eq!(c.segment_records, DEFAULT_CAPACITY);
         assert_eq!(c.test_panic_forward, None);
-        assert_eq!(c.warnings.len(), 4, "{:?}", c.warnings);
+        assert_eq!(c.warnings.len(), 5, "{:?}", c.warnings);
         assert!(c.warnings[1].contains("NCCLSCOPE_EVENT_MASK"));
+        assert!(c.warnings[3].contains("NCCLSCOPE_TEST_CLOCK_OFFSET_NS=\"7ms\""));
     }
 }

@@ -41,8 +41,65 @@ pub mod prometheus {
     tonic::include_proto!("io.prometheus.client");
 }
 
-/// CLOCK_REALTIME in nanoseconds since the Unix epoch: the host time base of every record.
+/// The host time base of every record: CLOCK_REALTIME in nanoseconds since the Unix epoch, shifted
+/// by this process's [`clock_offset_ns`] (zero but in test harnesses).
 pub fn now_ns() -> u64 {
+    shift(realtime_ns(), clock_offset_ns())
+}
+
+/// CLOCK_REALTIME in nanoseconds since the Unix epoch, unshifted: for what compares it with another
+/// clock of the host (steps against CLOCK_BOOTTIME) or adds the offset itself, off the hot path.
+pub fn realtime_ns() -> u64 {
     let ts = rustix::time::clock_gettime(rustix::time::ClockId::Realtime);
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// `ns` moved by `offset_ns`, clamped to the u64 range.
+pub fn shift(ns: u64, offset_ns: i64) -> u64 {
+    ns.saturating_add_signed(offset_ns)
+}
+
+/// Test harnesses' per-process clock offset (signed ns): Linux cannot shift CLOCK_REALTIME for one
+/// process, so a simulated node whose clock differs from its neighbours' (as NTP- or PTP-kept clocks
+/// of real nodes do) gets its offset through this variable, applied wherever [`now_ns`] is read.
+pub const TEST_CLOCK_OFFSET: &str = "NCCLSCOPE_TEST_CLOCK_OFFSET_NS";
+
+/// The value of [`TEST_CLOCK_OFFSET`]: none or empty is 0.
+pub fn parse_clock_offset(value: Option<&str>) -> Result<i64, String> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(0),
+        Some(v) => v
+            .parse()
+            .map_err(|_| format!("expected a signed integer of nanoseconds, not {v:?}")),
+    }
+}
+
+/// This process's clock offset: [`TEST_CLOCK_OFFSET`], read once (an invalid value counts as 0; the
+/// daemon refuses it and the plugin warns, see [`parse_clock_offset`]).
+pub fn clock_offset_ns() -> i64 {
+    static OFFSET: std::sync::LazyLock<i64> = std::sync::LazyLock::new(|| {
+        parse_clock_offset(std::env::var(TEST_CLOCK_OFFSET).ok().as_deref()).unwrap_or(0)
+    });
+    *OFFSET
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clock_offsets_parse_signed_and_shift_within_range() {
+        assert_eq!(parse_clock_offset(None), Ok(0));
+        assert_eq!(parse_clock_offset(Some(" ")), Ok(0));
+        assert_eq!(parse_clock_offset(Some("-7000000")), Ok(-7_000_000));
+        assert_eq!(parse_clock_offset(Some("+250")), Ok(250));
+        assert!(
+            parse_clock_offset(Some("7ms"))
+                .unwrap_err()
+                .contains("\"7ms\"")
+        );
+        assert_eq!(shift(10, -3), 7);
+        assert_eq!(shift(10, -30), 0);
+        assert_eq!(shift(u64::MAX - 1, 5), u64::MAX);
+    }
 }

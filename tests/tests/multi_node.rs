@@ -16,11 +16,15 @@ use std::time::{Duration, Instant};
 use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
 
 use common::SimJob;
+use ncclscope::cli::sim_rank::node_of;
+use ncclscope_proto::TEST_CLOCK_OFFSET;
 
 struct Daemon {
     child: Child,
     dir: PathBuf,
     metrics: String,
+    /// Its node's clock offset, its ranks' too.
+    clock_offset_ns: i64,
 }
 
 impl Drop for Daemon {
@@ -47,8 +51,8 @@ fn get(url: &str) -> Option<String> {
 }
 
 /// Node `index`'s daemon: its directory under `root`, /metrics on 127.0.0.<index + 1>, its name
-/// `node-<index>`, exporting to `endpoint`.
-fn node(root: &Path, index: u32, endpoint: &str) -> Daemon {
+/// `node-<index>`, exporting to `endpoint`, its clock `clock_offset_ns` off the host's.
+fn node(root: &Path, index: u32, endpoint: &str, clock_offset_ns: i64) -> Daemon {
     let dir = root.join(format!("node{index}"));
     std::fs::create_dir(&dir).unwrap();
     let ip = format!("127.0.0.{}", index + 1);
@@ -64,6 +68,7 @@ fn node(root: &Path, index: u32, endpoint: &str) -> Daemon {
     let child =
         ncclscope_tests::daemon_args(&mut Command::new(ncclscope_tests::daemon_binary()), &dir)
             .args(["--otlp-endpoint", endpoint])
+            .env(TEST_CLOCK_OFFSET, clock_offset_ns.to_string())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(dir.join("daemon.log")).unwrap())
             .spawn()
@@ -81,43 +86,54 @@ fn node(root: &Path, index: u32, endpoint: &str) -> Daemon {
         child,
         dir,
         metrics,
+        clock_offset_ns,
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_communicator_on_two_nodes_is_one_trace_per_instance_with_n_nodes_2() {
-    let mut collector = FakeCollectorServer::start().await.unwrap();
-    let root = tempfile::tempdir().unwrap();
-    let nodes = [
-        node(root.path(), 0, &collector.endpoint()),
-        node(root.path(), 1, &collector.endpoint()),
-    ];
+/// What the receiver and the nodes' `/metrics` showed of jobs run to their end.
+struct Seen {
+    spans: Vec<ExportedSpan>,
+    /// Each node's last scrape that had series of the first job.
+    texts: Vec<String>,
+    /// Instances each job ran.
+    instances: usize,
+}
+
+/// Runs `jobs` (of equal length) on `nodes`, collecting the spans every instance of them makes.
+async fn run(collector: &mut FakeCollectorServer, nodes: &[Daemon], jobs: &[SimJob<'_>]) -> Seen {
     let sockets: Vec<PathBuf> = nodes.iter().map(|n| n.dir.join("reg.sock")).collect();
     let sockets: Vec<&Path> = sockets.iter().map(PathBuf::as_path).collect();
-    let job = SimJob {
-        straggler: Some(3),
-        ..SimJob::new("multi-node", 4, 3)
-    };
-    let other = SimJob::new("multi-node-b", 4, 3);
-    let ranks: Vec<Child> = [job, other]
+    let ranks: Vec<Child> = jobs
         .iter()
-        .flat_map(|j| j.commands(&sockets))
+        .flat_map(|j| {
+            // Each rank on its node's clock.
+            let nnodes = nodes.len() as u32;
+            j.commands(&sockets)
+                .into_iter()
+                .enumerate()
+                .map(move |(rank, mut c)| {
+                    let node = &nodes[node_of(rank as u32, j.nranks, nnodes) as usize];
+                    c.env(TEST_CLOCK_OFFSET, node.clock_offset_ns.to_string());
+                    c
+                })
+        })
         .map(|mut c| c.spawn().unwrap())
         .collect();
     let waited = tokio::task::spawn_blocking(move || common::produced(ranks));
 
     // The receiver hands spans over through a bounded queue: drain it while the ranks run, and
     // read each node's series meanwhile.
+    let first = format!("job_id=\"{}\"", jobs[0].job);
     let mut spans: Vec<ExportedSpan> = Vec::new();
-    let mut texts = [String::new(), String::new()];
+    let mut texts = vec![String::new(); nodes.len()];
     while !waited.is_finished() {
         spans.extend(
             collector
                 .exported_spans(1, Duration::from_millis(200))
                 .await,
         );
-        for (text, n) in texts.iter_mut().zip(&nodes) {
-            if let Some(t) = get(&n.metrics).filter(|t| t.contains("job_id=\"multi-node\"")) {
+        for (text, n) in texts.iter_mut().zip(nodes) {
+            if let Some(t) = get(&n.metrics).filter(|t| t.contains(&first)) {
                 *text = t;
             }
         }
@@ -131,15 +147,10 @@ async fn one_communicator_on_two_nodes_is_one_trace_per_instance_with_n_nodes_2(
     let instances = produced[0] as usize;
 
     // A root comes with the last of its node's rank spans, or once it stops waiting for them.
-    let count = |spans: &[ExportedSpan]| {
-        let ranks = spans.iter().filter(|s| s.name.ends_with(" rank")).count();
-        let roots = spans.iter().filter(|s| s.parent_span_id.is_empty()).count();
-        (ranks, roots)
-    };
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline && {
         let (ranks, roots) = count(&spans);
-        ranks < 2 * 4 * instances || roots < 2 * instances
+        ranks < jobs.len() * 4 * instances || roots < jobs.len() * instances
     } {
         spans.extend(
             collector
@@ -152,6 +163,83 @@ async fn one_communicator_on_two_nodes_is_one_trace_per_instance_with_n_nodes_2(
             .exported_spans(usize::MAX, Duration::from_millis(500))
             .await,
     );
+    Seen {
+        spans,
+        texts,
+        instances,
+    }
+}
+
+/// (rank spans, roots) among `spans`.
+fn count(spans: &[ExportedSpan]) -> (usize, usize) {
+    let ranks = spans.iter().filter(|s| s.name.ends_with(" rank")).count();
+    let roots = spans.iter().filter(|s| s.parent_span_id.is_empty()).count();
+    (ranks, roots)
+}
+
+/// `spans` by trace id.
+fn traces(spans: &[ExportedSpan]) -> BTreeMap<&str, Vec<&ExportedSpan>> {
+    let mut traces: BTreeMap<&str, Vec<&ExportedSpan>> = BTreeMap::new();
+    for s in spans {
+        traces.entry(s.trace_id.as_str()).or_default().push(s);
+    }
+    traces
+}
+
+/// Asserts each trace is one instance: one root, the 4 rank spans under it, of one job.
+fn assert_one_instance_each(traces: &BTreeMap<&str, Vec<&ExportedSpan>>, spans: &[ExportedSpan]) {
+    for (id, t) in traces {
+        let roots: Vec<&&ExportedSpan> = t.iter().filter(|s| s.parent_span_id.is_empty()).collect();
+        let names: Vec<(&str, &str)> = t
+            .iter()
+            .map(|s| (s.name.as_str(), ncclscope_tests::attr(s, "nccl.rank")))
+            .collect();
+        assert_eq!(
+            roots.len(),
+            1,
+            "trace {id}: {names:?}; (rank spans, roots) in all: {:?}",
+            count(spans)
+        );
+        let mut ranks: Vec<&str> = t
+            .iter()
+            .filter(|s| s.name.ends_with(" rank"))
+            .inspect(|s| assert_eq!(s.parent_span_id, roots[0].span_id, "trace {id}"))
+            .map(|s| ncclscope_tests::attr(s, "nccl.rank"))
+            .collect();
+        ranks.sort();
+        assert_eq!(ranks, ["0", "1", "2", "3"], "trace {id}: {names:?}");
+        let jobs: BTreeSet<&str> = t
+            .iter()
+            .map(|s| ncclscope_tests::attr(s, "job.id"))
+            .collect();
+        assert_eq!(jobs.len(), 1, "trace {id}: {jobs:?}");
+        assert!(
+            t.iter()
+                .filter(|s| s.name.ends_with(" rank"))
+                .all(|s| ncclscope_tests::attr(s, "nccl.nnodes") == "2"),
+            "trace {id}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_communicator_on_two_nodes_is_one_trace_per_instance_with_n_nodes_2() {
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let nodes = [
+        node(root.path(), 0, &collector.endpoint(), 0),
+        node(root.path(), 1, &collector.endpoint(), 0),
+    ];
+    let job = SimJob {
+        straggler: Some(3),
+        ..SimJob::new("multi-node", 4, 3)
+    };
+    let other = SimJob::new("multi-node-b", 4, 3);
+    let Seen {
+        spans,
+        texts,
+        instances,
+    } = run(&mut collector, &nodes, &[job, other]).await;
 
     // Each node's daemon saw its own two ranks only, and says the communicator spans 2 nodes.
     for (k, text) in texts.iter().enumerate() {
@@ -189,41 +277,113 @@ async fn one_communicator_on_two_nodes_is_one_trace_per_instance_with_n_nodes_2(
     // Every instance of each job: one trace, one root (rank 0's node sends it), the 4 rank spans under
     // it, ranks 0-1 from node 0's daemon and 2-3 from node 1's (each daemon serves only its own
     // ranks), all of the one job.
-    let mut traces: BTreeMap<&str, Vec<&ExportedSpan>> = BTreeMap::new();
-    for s in &spans {
-        traces.entry(s.trace_id.as_str()).or_default().push(s);
-    }
+    let traces = traces(&spans);
     assert_eq!(traces.len(), 2 * instances, "{} spans", spans.len());
-    for (id, t) in &traces {
-        let roots: Vec<&&ExportedSpan> = t.iter().filter(|s| s.parent_span_id.is_empty()).collect();
-        let names: Vec<(&str, &str)> = t
-            .iter()
-            .map(|s| (s.name.as_str(), ncclscope_tests::attr(s, "nccl.rank")))
-            .collect();
-        assert_eq!(
-            roots.len(),
-            1,
-            "trace {id}: {names:?}; (rank spans, roots) in all: {:?}",
-            count(&spans)
-        );
-        let mut ranks: Vec<&str> = t
-            .iter()
-            .filter(|s| s.name.ends_with(" rank"))
-            .inspect(|s| assert_eq!(s.parent_span_id, roots[0].span_id, "trace {id}"))
-            .map(|s| ncclscope_tests::attr(s, "nccl.rank"))
-            .collect();
-        ranks.sort();
-        assert_eq!(ranks, ["0", "1", "2", "3"], "trace {id}: {names:?}");
-        let jobs: BTreeSet<&str> = t
-            .iter()
-            .map(|s| ncclscope_tests::attr(s, "job.id"))
-            .collect();
-        assert_eq!(jobs.len(), 1, "trace {id}: {jobs:?}");
-        assert!(
-            t.iter()
-                .filter(|s| s.name.ends_with(" rank"))
-                .all(|s| ncclscope_tests::attr(s, "nccl.nnodes") == "2"),
-            "trace {id}"
-        );
+    assert_one_instance_each(&traces, &spans);
+}
+
+/// Per rank of `job`, the sum of `family`'s series in a node's `/metrics` text.
+fn per_rank(text: &str, family: &str, job: &str) -> BTreeMap<String, f64> {
+    let mut sums = BTreeMap::new();
+    let job = format!("job_id=\"{job}\"");
+    for l in text.lines() {
+        if !l.starts_with(&format!("{family}{{")) || !l.contains(&job) {
+            continue;
+        }
+        let rank = l
+            .split("rank=\"")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap();
+        let value: f64 = l.rsplit(' ').next().unwrap().parse().unwrap();
+        *sums.entry(rank.to_string()).or_default() += value;
     }
+    sums
+}
+
+/// Nodes' clocks differ (NTP or PTP keep them only so close): node 1's runs 7 ms ahead, its daemon's
+/// and its ranks' alike. Trace and span ids never depend on a clock, so every instance is still one
+/// trace of 4 rank spans under one root; node 1's spans start ~7 ms after node 0's of the same
+/// instance (the offset reaches the receiver); and the exec-time lateness, a duration on each rank's
+/// own clock, still names the one late rank of a job with a straggler and none of a job without.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_with_differing_clocks_still_join_and_name_no_rank_late() {
+    const OFFSET_NS: i64 = 7_000_000;
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let nodes = [
+        node(root.path(), 0, &collector.endpoint(), 0),
+        node(root.path(), 1, &collector.endpoint(), OFFSET_NS),
+    ];
+    let late = SimJob {
+        straggler: Some(3),
+        ..SimJob::new("clock-late", 4, 3)
+    };
+    let healthy = SimJob::new("clock-healthy", 4, 3);
+    let Seen {
+        spans,
+        texts,
+        instances,
+    } = run(&mut collector, &nodes, &[late, healthy]).await;
+
+    let traces = traces(&spans);
+    assert_eq!(traces.len(), 2 * instances, "{} spans", spans.len());
+    assert_one_instance_each(&traces, &spans);
+
+    // Per instance of the healthy job: node 1's ranks' mean start less node 0's; their median.
+    let mut shifts: Vec<i64> = traces
+        .values()
+        .filter(|t| ncclscope_tests::attr(t[0], "job.id") == "clock-healthy")
+        .map(|t| {
+            let start = |ranks: [&str; 2]| {
+                let s: Vec<i64> = t
+                    .iter()
+                    .filter(|s| s.name.ends_with(" rank"))
+                    .filter(|s| ranks.contains(&ncclscope_tests::attr(s, "nccl.rank")))
+                    .map(|s| s.start_time_unix_nano as i64)
+                    .collect();
+                assert_eq!(s.len(), 2);
+                (s[0] + s[1]) / 2
+            };
+            start(["2", "3"]) - start(["0", "1"])
+        })
+        .collect();
+    assert_eq!(shifts.len(), instances);
+    shifts.sort();
+    let median = shifts[shifts.len() / 2];
+    assert!(
+        (median - OFFSET_NS).abs() < 2_500_000,
+        "node 1's spans start {median} ns after node 0's, not ~{OFFSET_NS}"
+    );
+
+    // Lateness per rank (the communicator's longest mean exec time less the rank's own, us), as the
+    // shipped recording rules compute it across both nodes' series.
+    let lateness = |job: &str| -> BTreeMap<String, f64> {
+        let mut mean = BTreeMap::new();
+        for text in &texts {
+            let exec = per_rank(text, "ncclscope_rank_exec_time_microseconds_total", job);
+            let n = per_rank(text, "ncclscope_rank_collectives_total", job);
+            for (rank, e) in exec {
+                mean.insert(rank.clone(), e / n[&rank]);
+            }
+        }
+        assert_eq!(mean.len(), 4, "{job}: {mean:?}");
+        let most = mean.values().copied().fold(0.0, f64::max);
+        mean.into_iter().map(|(r, m)| (r, most - m)).collect()
+    };
+    let named = |job: &str| -> Vec<String> {
+        let l = lateness(job);
+        l.iter()
+            .filter(|(_, us)| **us > 1500.0)
+            .map(|(r, _)| r.clone())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(named("clock-late"), ["3"], "{:?}", lateness("clock-late"));
+    assert!(
+        named("clock-healthy").is_empty(),
+        "{:?}",
+        lateness("clock-healthy")
+    );
 }

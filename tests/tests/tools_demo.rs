@@ -2,6 +2,7 @@
 //! straggler, write a Perfetto trace holding every instance the ranks produced, and export spans to the
 //! OTLP endpoint it was given (a real OTLP/gRPC receiver here).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
@@ -100,7 +101,9 @@ async fn demo_names_the_injected_straggler_writes_the_trace_and_exports_otlp() {
 
 /// `demo --nodes 2` with a late node: two daemons, each with its own ranks of the one communicator;
 /// the demo names every rank of the late node, and only those, from exec time across nodes (the
-/// node-local "last to start" names a rank on every node), and writes one trace per node.
+/// node-local "last to start" names a rank on every node), and writes one trace per node. Node 1's
+/// clock runs 7 ms ahead of node 0's (its daemon's and its ranks'): the verdict does not change, and
+/// node 1's trace is on its own clock.
 #[test]
 fn demo_on_two_nodes_names_the_late_node() {
     let dir = tempfile::tempdir().unwrap();
@@ -108,6 +111,7 @@ fn demo_on_two_nodes_names_the_late_node() {
     let out = Command::new(ncclscope_bin())
         .args(["demo", "--nodes", "2", "--ranks", "4", "--seconds", "3"])
         .args(["--late-node", "1", "--plain", "--metrics-port", "0"])
+        .args(["--node-clock-offset-us", "7000"])
         .arg("--trace")
         .arg(&trace)
         .output()
@@ -120,7 +124,7 @@ fn demo_on_two_nodes_names_the_late_node() {
     );
     for node in [
         "node 0 (demo-node0): ranks 0, 1",
-        "node 1 (demo-node1): ranks 2, 3",
+        "node 1 (demo-node1): ranks 2, 3, clock +7000 us",
     ] {
         assert!(stdout.contains(node), "{stdout}");
     }
@@ -143,15 +147,31 @@ fn demo_on_two_nodes_names_the_late_node() {
         stdout.contains("instances: 480 produced by the ranks, 480 assembled by the daemons"),
         "{stdout}"
     );
-    for node in 0..2 {
-        let path = trace.with_extension(format!("node{node}.json"));
-        let doc: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        let slices = doc["traceEvents"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|e| e["cat"] == "collective")
-            .count();
-        assert_eq!(slices, 240, "{}", path.display());
-    }
+    // Each instance's mean start on each node: node 1's ranks start the injected 3 ms late, on a
+    // clock 7 ms ahead.
+    let starts: Vec<BTreeMap<(String, u64), f64>> = (0..2)
+        .map(|node| {
+            let path = trace.with_extension(format!("node{node}.json"));
+            let doc: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+            let slices: Vec<&Value> = (doc["traceEvents"].as_array().unwrap().iter())
+                .filter(|e| e["cat"] == "collective")
+                .collect();
+            assert_eq!(slices.len(), 240, "{}", path.display());
+            let mut starts = BTreeMap::new();
+            for e in slices {
+                let key = (e["name"].to_string(), e["args"]["seq"].as_u64().unwrap());
+                *starts.entry(key).or_default() += e["ts"].as_f64().unwrap() / 2.0;
+            }
+            starts
+        })
+        .collect();
+    let mut shifts: Vec<f64> = (starts[1].iter())
+        .map(|(key, start)| start - starts[0][key])
+        .collect();
+    shifts.sort_by(f64::total_cmp);
+    let median = shifts[shifts.len() / 2];
+    assert!(
+        (median - 10_000.0).abs() < 2500.0,
+        "node 1's collectives start {median} us after node 0's, not ~3000 + 7000"
+    );
 }

@@ -1527,7 +1527,13 @@ fn p2p_work_items_stay_out_of_the_collectives_beside_them() {
         .collect();
     assert_eq!(got, want);
     let c = &a.counters;
-    assert_eq!((c.dev_p2p, c.p2p_host_timed, c.p2p_captured_untimed), (6, 2, 2));
-    assert_eq!((c.dev_unattributed, c.dev_mismatch, c.incomplete), (0, 0, 0));
+    assert_eq!(
+        (c.dev_p2p, c.p2p_host_timed, c.p2p_captured_untimed),
+        (6, 2, 2)
+    );
+    assert_eq!(
+        (c.dev_unattributed, c.dev_mismatch, c.incomplete),
+        (0, 0, 0)
+    );
     assert_eq!(a.pending(), 0);
 }

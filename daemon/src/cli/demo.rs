@@ -55,6 +55,11 @@ pub struct Args {
     /// Kernel timing path: the device hook (RFC host, CPU-written rings) or stock NCCL's KernelCh events.
     #[arg(long, value_enum, default_value_t = TimingPath::Hook)]
     pub path: TimingPath,
+    /// Node K's clock runs K times this far ahead of node 0's (negative: behind), in microseconds, as
+    /// the NTP- or PTP-kept clocks of real nodes differ: its daemon's and its ranks' alike.
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i64).range(-3_600_000_000..=3_600_000_000))]
+    pub node_clock_offset_us: i64,
     /// Also export spans and metrics to this OTLP/gRPC endpoint (e.g. http://127.0.0.1:4317; default: none).
     #[arg(long)]
     pub otlp_endpoint: Option<String>,
@@ -216,6 +221,7 @@ impl Node {
                 resource_attributes,
                 ..defaults.otlp
             },
+            test_clock_offset_ns: i64::from(index) * args.node_clock_offset_us * 1000,
             ..Config::default()
         };
         Node { name, config }
@@ -324,8 +330,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .prometheus_addr
             .map(|a| format!(", /metrics on http://{a}/metrics"))
             .unwrap_or_default();
+        let clock = match node.config.test_clock_offset_ns / 1000 {
+            0 => String::new(),
+            us => format!(", clock {us:+} us"),
+        };
         println!(
-            "node {k} ({}): ranks {}, daemon on {} (query it: ncclscope top --api-socket {}){metrics}",
+            "node {k} ({}): ranks {}{clock}, daemon on {} (query it: ncclscope top --api-socket {}){metrics}",
             node.name,
             list(&ranks),
             node.config.socket.display(),
@@ -453,6 +463,10 @@ fn drive(run: &Run<'_>) -> anyhow::Result<Vec<(u32, ncclscope_proto::api::RankSt
             .env("NCCLSCOPE_SOCKET", &node.config.socket)
             .env("NCCLSCOPE_RING_MEMORY", "cpu") // simulation: no GPU; CPU rings, simulated GPU clock
             .env("NCCLSCOPE_JOB_ID", job)
+            .env(
+                ncclscope_proto::TEST_CLOCK_OFFSET,
+                node.config.test_clock_offset_ns.to_string(),
+            )
             .env_remove("NCCLSCOPE_DISABLE")
             .stdin(Stdio::null())
             .stdout(Stdio::piped());

@@ -10,7 +10,8 @@
 //!
 //! A job may span nodes: ranks are placed on `--nnodes` nodes in contiguous blocks, as a launcher
 //! places them, and NCCL's `init` gets the node count; each node's ranks register with that node's
-//! daemon (the caller's `NCCLSCOPE_SOCKET`). The faults: one late rank (`--straggler`) and one late
+//! daemon (the caller's `NCCLSCOPE_SOCKET`), on that node's clock (the caller's
+//! `NCCLSCOPE_TEST_CLOCK_OFFSET_NS`, read by the plugin). The faults: one late rank (`--straggler`) and one late
 //! node (`--late-node`: every rank on it late, as behind a bad host, NIC or PCIe switch), from
 //! `--late-from-s` on.
 
