@@ -56,10 +56,12 @@ impl<'a> SimJob<'a> {
     }
 
     /// The ranks' commands, each registering at its node's daemon (`sockets[node]`), starting their
-    /// collectives at one moment half a second from now. Callers add what else they need (a uid, a
-    /// GPU, another stdout) and spawn them.
+    /// collectives at one moment two seconds from now: every rank's process has started and
+    /// registered by then, as NCCL's collective init makes sure before a job's first collective (a
+    /// rank read only after the others' first collectives meets none of them: their roots are lost).
+    /// Callers add what else they need (a uid, a GPU, another stdout) and spawn them.
     pub fn commands(&self, sockets: &[&Path]) -> Vec<Command> {
-        let epoch = monotonic_ns() + 500_000_000;
+        let epoch = monotonic_ns() + 2_000_000_000;
         let nnodes = sockets.len() as u32;
         (0..self.nranks)
             .map(|rank| {
