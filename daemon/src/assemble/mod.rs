@@ -390,8 +390,7 @@ impl Assembler {
                 continue;
             }
             let prior = self.prior.get(&s.id).map_or(0, |p| p.1);
-            let mut op = Op::restored(s, now_ns, prior);
-            op.host_only = s.desc.is_p2p && self.dict.comms[&s.comm].device_hook;
+            let op = Op::restored(s, now_ns, prior);
             self.restored.insert(s.id, upto);
             // Position order: restored before anything is read, and saved in that order.
             self.by_pos.push_back((s.first_pos, s.id));
@@ -655,11 +654,6 @@ impl Assembler {
                     self.counters.dev_work += 1;
                     return;
                 }
-                if self.dict.is_p2p_work(func_id) {
-                    self.counters.dev_work += 1;
-                    self.counters.dev_p2p += 1;
-                    return;
-                }
                 if let Some(ambiguous) =
                     (self.replays).take_settled(pos, (comm, channel), work_counter)
                 {
@@ -727,10 +721,6 @@ impl Assembler {
             return;
         };
         if !info.device_hook {
-            return;
-        }
-        if desc.is_p2p {
-            self.counters.p2p_captured_untimed += 1;
             return;
         }
         if self.replays.captured(comm) >= MAX_TEMPLATE_OPS {
@@ -950,8 +940,7 @@ impl Assembler {
         {
             op.prior = flags;
         }
-        op.host_only = info.device_hook && op.desc.is_p2p;
-        let hook_lanes = if info.device_hook && !op.host_only {
+        let hook_lanes = if info.device_hook {
             op.desc.n_channels.min(MAX_CHANNELS)
         } else {
             0
@@ -1140,7 +1129,7 @@ impl Assembler {
         // Looked up once for all that follows.
         let info = self.dict.comms.get(&op.comm);
         let hook = info.is_some_and(|c| c.device_hook);
-        if hook && op.replay == 0 && !op.host_only {
+        if hook && op.replay == 0 {
             for ch in 0..op.desc.n_channels.min(MAX_CHANNELS) {
                 if let Some(lane) = self.waiting.get_mut(&(op.comm, ch)) {
                     lane.ops.retain(|&x| x != id);
@@ -1157,8 +1146,6 @@ impl Assembler {
         }
         if !op.complete() {
             self.counters.incomplete += 1;
-        } else if op.host_only {
-            self.counters.p2p_host_timed += 1;
         }
         let calibration = info
             .and_then(|c| self.dict.calibrations.get(&c.cuda_dev))
