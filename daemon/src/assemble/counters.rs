@@ -65,6 +65,16 @@ counters! {
     /// Device-hook work items of a communicator with captured operations that fit neither an eager
     /// operation nor the graph template's cursor: counted and dropped.
     dev_unattributed: Loss,
+    /// Device-hook work items of NCCL's point-to-point kernel: read, and never joined to a send or
+    /// receive (the device event does not say which round of a group's transfers an item is, see
+    /// docs/rfc-feedback.md), nor to a collective.
+    dev_p2p: Loss,
+    /// Sends and receives on the device-hook path: delivered with their host times only (see
+    /// `dev_p2p`).
+    p2p_host_timed: Flow,
+    /// Sends and receives captured into a CUDA graph on the device-hook path: their replays have
+    /// no host event and no attributable work item, so none is delivered.
+    p2p_captured_untimed: Loss,
     /// Device-hook instances whose work covers fewer channels than they announced: dropped.
     dev_mismatch: Loss,
     /// Device-hook work items at a replay boundary that an eager operation and the replay could

@@ -55,6 +55,9 @@ pub(super) struct Dict {
     /// Job, host and the strings defined so far; shared with the instances built from them.
     pub names: Arc<Names>,
     pub func_names: Map<u32, u16>,
+    /// The device functions whose name is NCCL's point-to-point kernel function (`SendRecv`), kept
+    /// with `func_names` (few: one per NCCL build in practice).
+    p2p_funcs: Vec<u32>,
     pub calibrations: Map<i32, Calibration>,
     /// (record position, device, its calibration before) of each change past the committed tail,
     /// oldest first: the saved state holds the calibrations as of the tail, so an instance read
@@ -90,6 +93,7 @@ impl Dict {
         Dict {
             names: Arc::new(names),
             func_names: Map::default(),
+            p2p_funcs: Vec::new(),
             calibrations: Map::default(),
             calibrations_since_tail: VecDeque::new(),
             comms: Map::default(),
@@ -140,6 +144,7 @@ impl Dict {
             names.set(StrId(id), text);
         }
         self.func_names = func_names.into_iter().collect();
+        self.index_p2p_funcs();
         self.calibrations = calibrations.into_iter().collect();
         self.comms = comms.into_iter().map(|c| (c.comm, c)).collect();
         self.first_end = (self.comms.values())
@@ -211,6 +216,7 @@ impl Dict {
             false
         } else if known || self.take_uid(c) {
             self.func_names.insert(func_id, name.0);
+            self.index_p2p_funcs();
             true
         } else {
             false
@@ -320,6 +326,23 @@ impl Dict {
             }
             _ => false,
         }
+    }
+
+    /// Whether device function `func_id` is NCCL's point-to-point kernel work. One such work item is
+    /// a round of a group's sends and receives (a send to one peer and a receive from another), on
+    /// channels NCCL derives from its p2p schedule and that no host event names
+    /// (docs/rfc-feedback.md): it never joins a collective's lane or a replay cursor.
+    #[inline]
+    pub fn is_p2p_work(&self, func_id: u32) -> bool {
+        !self.p2p_funcs.is_empty() && self.p2p_funcs.contains(&func_id)
+    }
+
+    fn index_p2p_funcs(&mut self) {
+        let names = &self.names;
+        self.p2p_funcs = (self.func_names.iter())
+            .filter(|&(_, &n)| names.get(StrId(n)).starts_with("SendRecv"))
+            .map(|(&id, _)| id)
+            .collect();
     }
 
     /// Whether `comm` is a live communicator on the device-hook path.

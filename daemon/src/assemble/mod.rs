@@ -390,7 +390,8 @@ impl Assembler {
                 continue;
             }
             let prior = self.prior.get(&s.id).map_or(0, |p| p.1);
-            let op = Op::restored(s, now_ns, prior);
+            let mut op = Op::restored(s, now_ns, prior);
+            op.host_only = s.desc.is_p2p && self.dict.comms[&s.comm].device_hook;
             self.restored.insert(s.id, upto);
             // Position order: restored before anything is read, and saved in that order.
             self.by_pos.push_back((s.first_pos, s.id));
@@ -654,6 +655,11 @@ impl Assembler {
                     self.counters.dev_work += 1;
                     return;
                 }
+                if self.dict.is_p2p_work(func_id) {
+                    self.counters.dev_work += 1;
+                    self.counters.dev_p2p += 1;
+                    return;
+                }
                 if let Some(ambiguous) =
                     (self.replays).take_settled(pos, (comm, channel), work_counter)
                 {
@@ -721,6 +727,10 @@ impl Assembler {
             return;
         };
         if !info.device_hook {
+            return;
+        }
+        if desc.is_p2p {
+            self.counters.p2p_captured_untimed += 1;
             return;
         }
         if self.replays.captured(comm) >= MAX_TEMPLATE_OPS {
@@ -940,7 +950,8 @@ impl Assembler {
         {
             op.prior = flags;
         }
-        let hook_lanes = if info.device_hook {
+        op.host_only = info.device_hook && op.desc.is_p2p;
+        let hook_lanes = if info.device_hook && !op.host_only {
             op.desc.n_channels.min(MAX_CHANNELS)
         } else {
             0
@@ -1129,7 +1140,7 @@ impl Assembler {
         // Looked up once for all that follows.
         let info = self.dict.comms.get(&op.comm);
         let hook = info.is_some_and(|c| c.device_hook);
-        if hook && op.replay == 0 {
+        if hook && op.replay == 0 && !op.host_only {
             for ch in 0..op.desc.n_channels.min(MAX_CHANNELS) {
                 if let Some(lane) = self.waiting.get_mut(&(op.comm, ch)) {
                     lane.ops.retain(|&x| x != id);
@@ -1146,6 +1157,8 @@ impl Assembler {
         }
         if !op.complete() {
             self.counters.incomplete += 1;
+        } else if op.host_only {
+            self.counters.p2p_host_timed += 1;
         }
         let calibration = info
             .and_then(|c| self.dict.calibrations.get(&c.cuda_dev))

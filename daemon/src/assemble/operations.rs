@@ -35,6 +35,9 @@ pub(super) struct Op {
     /// Parked (see `Assembler::park`): the commit point does not wait on it; the resume state
     /// carries it instead.
     pub parked: bool,
+    /// Completes with its host stop alone: no kernel work can be joined to it (a send or receive
+    /// on the device-hook path, see `Dict::is_p2p_work`).
+    pub host_only: bool,
 }
 
 impl Op {
@@ -64,6 +67,7 @@ impl Op {
             lost: 0,
             opened_ns: now_ns,
             parked: false,
+            host_only: false,
         }
     }
 
@@ -121,7 +125,7 @@ impl Op {
     pub fn complete(&self) -> bool {
         // A replay has no host stop: its work is all there is.
         (self.stop_ns.is_some() || self.replay > 0)
-            && self.seen.count_ones() >= self.desc.n_channels as u32
+            && (self.host_only || self.seen.count_ones() >= self.desc.n_channels as u32)
     }
 
     /// Whether the op has its stop and every channel's work, and (with kernel times) its device

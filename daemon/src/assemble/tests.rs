@@ -1442,3 +1442,98 @@ fn a_restart_while_items_are_held_delivers_nothing_twice_and_nothing_missing() {
     });
     restart_anywhere(&recs, from);
 }
+
+/// NCCL's p2p kernel runs a group's sends and receives as rounds on channels its p2p schedule
+/// picks (a round with the peer at `p2pnChannels / 2` on two ranks), none of which a host event
+/// names: its work items join no send, receive or collective (`dev_p2p`), the sends and receives
+/// are delivered with host times, captured ones counted; the collectives beside them, eager and
+/// replayed, keep their own items.
+#[test]
+fn p2p_work_items_stay_out_of_the_collectives_beside_them() {
+    let p2p = |id, func, captured| Record::P2pStart {
+        comm: 0,
+        id,
+        func: StrId(func),
+        datatype: StrId(2),
+        count: 1 << 16,
+        peer: 0,
+        n_channels: 2,
+        host_ns: 1000,
+        captured,
+    };
+    let stop = |id| Record::OpStop {
+        comm: 0,
+        id,
+        host_ns: 2000,
+    };
+    let mut recs = hook_prelude();
+    recs.extend([
+        s(12, "SendRecv"),
+        Record::FuncName {
+            func_id: 50,
+            name: StrId(12),
+        },
+        s(13, "Send"),
+        s(14, "Recv"),
+    ]);
+    // Eager: an all-reduce on channel 0, a send and a receive fused into one round on channels
+    // 32 and 33, another all-reduce on channels 0 and 1.
+    recs.extend([coll(1, 0, 1), stop(1), p2p(2, 13, false), stop(2)]);
+    recs.extend([p2p(3, 14, false), stop(3), coll(4, 1, 2), stop(4)]);
+    recs.extend([
+        dev(0, 42, 0, 100, 10),
+        dev(32, 50, 0, 200, 40),
+        dev(33, 50, 0, 200, 40),
+        dev(0, 42, 1, 300, 20),
+        dev(1, 42, 0, 300, 25),
+    ]);
+    // A graph of an all-reduce, a send, a receive and an all-reduce, replayed twice.
+    recs.extend([
+        captured(10, 2, 1, 1),
+        p2p(11, 13, true),
+        p2p(12, 14, true),
+        captured(13, 2, 1, 1),
+    ]);
+    for r in 0..2u64 {
+        let t = 1000 + 1000 * r;
+        recs.extend([
+            dev(0, 42, 2 + 2 * r, t, 11),
+            dev(32, 50, 1 + r, t + 100, 50),
+            dev(33, 50, 1 + r, t + 100, 50),
+            dev(0, 42, 3 + 2 * r, t + 200, 12),
+        ]);
+    }
+    let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 100);
+    let out = feed(&mut a, &recs);
+    let got: Vec<_> = (out.iter())
+        .map(|c| {
+            let name = a.names().get(c.coll.desc.func).to_string();
+            (name, c.coll.replay, c.coll.timing_source, c.coll.exec_ns)
+        })
+        .collect();
+    // The send and receive complete at their host stop, before the first all-reduce's item.
+    let want = [
+        ("Send", 0, "host", 1000),
+        ("Recv", 0, "host", 1000),
+        ("AllReduce", 0, "device_hook", 10),
+        ("AllReduce", 0, "device_hook", 25),
+        ("AllReduce", 1, "device_hook", 11),
+        ("AllReduce", 1, "device_hook", 12),
+        ("AllReduce", 2, "device_hook", 11),
+        ("AllReduce", 2, "device_hook", 12),
+    ];
+    let want: Vec<_> = (want.iter())
+        .map(|&(f, r, t, e)| (f.to_string(), r, t, e))
+        .collect();
+    assert_eq!(got, want);
+    let c = &a.counters;
+    assert_eq!(
+        (c.dev_p2p, c.p2p_host_timed, c.p2p_captured_untimed),
+        (6, 2, 2)
+    );
+    assert_eq!(
+        (c.dev_unattributed, c.dev_mismatch, c.incomplete),
+        (0, 0, 0)
+    );
+    assert_eq!(a.pending(), 0);
+}
