@@ -1230,7 +1230,8 @@ impl Engine {
             (asm.dev_work)
                 .saturating_sub(asm.dev_joined)
                 .saturating_sub(asm.dev_unattributed)
-                .saturating_sub(asm.dev_ambiguous),
+                .saturating_sub(asm.dev_ambiguous)
+                .saturating_sub(asm.dev_p2p),
         );
         lost.insert("rank_series_limit".into(), self.stats.rank_series_refused);
         // Every stage, exported from the start (not only once one happened).

@@ -110,7 +110,7 @@ mod tests {
         let losses: std::collections::BTreeMap<_, _> = a.losses().collect();
         assert_eq!(losses["dev_ambiguous"], u64::MAX);
         assert_eq!(losses["uid_limit"], 3);
-        assert_eq!(losses.len(), 17);
+        assert_eq!(losses.len(), 19);
         assert!(!losses.contains_key("records") && !losses.contains_key("dev_joined"));
     }
 }
