@@ -1248,7 +1248,7 @@ impl Engine {
             export_resent: ec.resent.load(Ordering::Relaxed),
             export_errors: ec.export_errors.load(Ordering::Relaxed),
             max_calibration_error_ns: max_cal,
-            dev_work: asm.dev_work,
+            dev_work: asm.dev_work.saturating_sub(asm.dev_p2p),
             dev_joined: asm.dev_joined,
             forced_commits: self.forced_commits,
             parked_ops: self.parked_ops,
@@ -2548,7 +2548,11 @@ mod tests {
         let node = h.lost["ring_full"];
         assert!((7..=7 + bound(t0) as u64).contains(&node), "{node}");
         assert_eq!(h.plugin_lost_by_uid[&(1001, "ring_full")], 7);
-        assert_eq!(h.plugin_lost_by_uid[&(1001, "queue_full")], 0, "every stage");
+        assert_eq!(
+            h.plugin_lost_by_uid[&(1001, "queue_full")],
+            0,
+            "every stage"
+        );
         // The hostile owner winds its counter back (wrapping add): nothing goes down.
         hostile.segment().count(Counter::RingFull, u64::MAX - 10);
         e.tick();

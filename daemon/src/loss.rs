@@ -231,10 +231,18 @@ mod tests {
             p.node(&p.by_uid(a), at(secs))[Counter::RingFull as usize]
         };
         let by_uid = p.by_uid(&attached);
-        assert_eq!(by_uid[&hostile][Counter::RingFull as usize], u64::MAX - 3, "its own figure exact");
+        assert_eq!(
+            by_uid[&hostile][Counter::RingFull as usize],
+            u64::MAX - 3,
+            "its own figure exact"
+        );
         let node = p.node(&by_uid, at(1));
         assert_eq!(node[Counter::RingFull as usize], 7 + UID_RATE_PER_SEC);
-        assert_eq!(node[Counter::ForwardPanic as usize], UID_RATE_PER_SEC, "not 10^6 at once");
+        assert_eq!(
+            node[Counter::ForwardPanic as usize],
+            UID_RATE_PER_SEC,
+            "not 10^6 at once"
+        );
         // The victim loses 5 more: the node-wide figure shows them, next to the hostile uid's bound.
         let before = ring_full(&p, &attached, 2);
         attached.insert(victim, counts(12, 0));
@@ -249,7 +257,10 @@ mod tests {
         let two_years = 2 * 365 * 86_400;
         let worst = 2048 * UID_RATE_PER_SEC * two_years;
         assert!(worst < 1 << 53, "{worst}");
-        assert_eq!(ring_full(&p, &attached, two_years), 12 + UID_RATE_PER_SEC * two_years);
+        assert_eq!(
+            ring_full(&p, &attached, two_years),
+            12 + UID_RATE_PER_SEC * two_years
+        );
     }
 
     /// Past [`MAX_DETACHED_UIDS`], the uid detached longest is forgotten: its series go, what it
@@ -269,6 +280,9 @@ mod tests {
         assert!(!by_uid.contains_key(&0), "the oldest is forgotten");
         let later = Instant::now() + std::time::Duration::from_secs(1);
         let node = p.node(&by_uid, later);
-        assert_eq!(node[Counter::QueueFull as usize], MAX_DETACHED_UIDS as u64 + 1);
+        assert_eq!(
+            node[Counter::QueueFull as usize],
+            MAX_DETACHED_UIDS as u64 + 1
+        );
     }
 }

@@ -93,6 +93,7 @@ pub struct Health {
     pub export_resent: u64,
     pub export_errors: u64,
     pub max_calibration_error_ns: u32,
+    /// Device-hook work items of collectives read, and joined (p2p items are `dev_p2p`).
     pub dev_work: u64,
     pub dev_joined: u64,
     /// Commits past open operations or unacknowledged spans because a ring was over half full.
@@ -361,7 +362,7 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
     out.push(gauge(
         "ncclscope_device_hook_join_ratio",
         "1",
-        "Fraction of device-hook work items joined to a host collective",
+        "Fraction of device-hook work items of collectives joined to their host collective (p2p work items: lost_total{stage=\"dev_p2p\"})",
         join_rate,
     ));
     out

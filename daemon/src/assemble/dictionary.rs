@@ -55,7 +55,7 @@ pub(super) struct Dict {
     /// Job, host and the strings defined so far; shared with the instances built from them.
     pub names: Arc<Names>,
     pub func_names: Map<u32, u16>,
-    /// The device functions whose name is NCCL's point-to-point kernel function (`SendRecv`), kept
+    /// The device functions whose name holds NCCL's point-to-point kernel function's (`SendRecv`), kept
     /// with `func_names` (few: one per NCCL build in practice).
     p2p_funcs: Vec<u32>,
     pub calibrations: Map<i32, Calibration>,
@@ -340,7 +340,7 @@ impl Dict {
     fn index_p2p_funcs(&mut self) {
         let names = &self.names;
         self.p2p_funcs = (self.func_names.iter())
-            .filter(|&(_, &n)| names.get(StrId(n)).starts_with("SendRecv"))
+            .filter(|&(_, &n)| names.get(StrId(n)).contains("SendRecv"))
             .map(|(&id, _)| id)
             .collect();
     }
