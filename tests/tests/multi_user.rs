@@ -784,7 +784,10 @@ fn a_forged_header_cannot_pin_the_node_wide_loss_figures() {
         ring_full >= LOST as f64 && ring_full <= LOST as f64 + bound,
         "node-wide ring_full {ring_full}: A's {LOST} and at most {bound} of B's"
     );
-    assert!(forward_panic <= bound, "node-wide forward_panic {forward_panic}");
+    assert!(
+        forward_panic <= bound,
+        "node-wide forward_panic {forward_panic}"
+    );
     assert_eq!(
         value(&format!(
             "ncclscope_plugin_lost_total{{uid=\"{B}\",stage=\"ring_full\"}}"
