@@ -318,6 +318,7 @@ fn export() -> f64 {
                 coll,
                 acked: Some(acked.clone()),
                 emit_no: seq + 1,
+                settles: None,
             })
             .await
             .unwrap();

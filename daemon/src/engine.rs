@@ -45,7 +45,7 @@ use crate::resend::Dropped;
 use crate::resume::{self, SegmentState};
 use crate::spool::{JobKey, Origin, Position};
 use crate::state_writer::{self, StateWriter};
-use crate::stats::Stats;
+use crate::stats::{RootWait, Stats};
 
 /// Which process's segment: the uid and pid the kernel reported for the process that handed it over
 /// (the pid as seen from the daemon's PID namespace), and the memory file's inode, which tells a
@@ -179,6 +179,8 @@ struct Attached {
     next_emit: u64,
     /// Completed operations queued for export and not yet acknowledged.
     unacked: Unacked,
+    /// Delivered operations whose collective's root span is not settled.
+    roots: RootHolds,
     /// Operations this daemon delivered whose records are not yet committed: id -> (pos, sinks).
     delivered: HashMap<u64, (u64, u8), foldhash::fast::RandomState>,
     last_commit: Instant,
@@ -263,13 +265,13 @@ impl Attached {
 struct Unacked {
     /// (emit number, first record, op id).
     queue: VecDeque<(u64, u64, u64)>,
-    first_pos: std::collections::BTreeMap<u64, u32>,
+    first_pos: Positions,
 }
 
 impl Unacked {
     fn push(&mut self, emit_no: u64, first_pos: u64, op_id: u64) {
         self.queue.push_back((emit_no, first_pos, op_id));
-        *self.first_pos.entry(first_pos).or_default() += 1;
+        self.first_pos.add(first_pos);
     }
 
     /// The op id of the oldest span if the exporter acknowledged it (`acked` and all before).
@@ -279,31 +281,88 @@ impl Unacked {
             return None;
         }
         self.queue.pop_front();
-        self.uncount(pos);
+        self.first_pos.remove(pos);
         Some(id)
     }
 
     fn oldest_pos(&self) -> Option<u64> {
-        self.first_pos.keys().next().copied()
+        self.first_pos.oldest()
     }
 
     /// Stops waiting on spans whose operations' records lie before `pos` (a forced commit).
     fn forget_before(&mut self, pos: u64) {
         self.queue.retain(|&(_, p, _)| p >= pos);
-        self.first_pos = self.first_pos.split_off(&pos);
+        self.first_pos.forget_before(pos);
     }
 
     fn is_empty(&self) -> bool {
         self.queue.is_empty()
     }
+}
 
-    fn uncount(&mut self, pos: u64) {
-        if let Some(n) = self.first_pos.get_mut(&pos) {
+/// Operations whose collective's root span is not settled yet ([`RootWait`]), in delivery order,
+/// with their first records counted: the tail waits on the oldest. One settled behind one that is
+/// not waits with it (a FIFO: the queue is bounded by what the ring holds before a forced commit).
+#[derive(Default)]
+struct RootHolds {
+    queue: VecDeque<(u64, RootWait)>,
+    first_pos: Positions,
+}
+
+impl RootHolds {
+    fn push(&mut self, first_pos: u64, wait: RootWait) {
+        self.queue.push_back((first_pos, wait));
+        self.first_pos.add(first_pos);
+    }
+
+    fn pop_settled(&mut self) {
+        while let Some((pos, wait)) = self.queue.front()
+            && wait.settled()
+        {
+            self.first_pos.remove(*pos);
+            self.queue.pop_front();
+        }
+    }
+
+    fn oldest_pos(&self) -> Option<u64> {
+        self.first_pos.oldest()
+    }
+
+    /// Stops waiting on roots whose operations' records lie before `pos` (a forced commit).
+    fn forget_before(&mut self, pos: u64) {
+        self.queue.retain(|&(p, _)| p >= pos);
+        self.first_pos.forget_before(pos);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+}
+
+/// First record positions a segment's tail waits on, each counted as often as it is waited on.
+#[derive(Default)]
+struct Positions(std::collections::BTreeMap<u64, u32>);
+
+impl Positions {
+    fn add(&mut self, pos: u64) {
+        *self.0.entry(pos).or_default() += 1;
+    }
+
+    fn remove(&mut self, pos: u64) {
+        if let Some(n) = self.0.get_mut(&pos) {
             *n -= 1;
             if *n == 0 {
-                self.first_pos.remove(&pos);
+                self.0.remove(&pos);
             }
         }
+    }
+
+    fn oldest(&self) -> Option<u64> {
+        self.0.keys().next().copied()
+    }
+
+    fn forget_before(&mut self, pos: u64) {
+        self.0 = self.0.split_off(&pos);
     }
 }
 
@@ -342,8 +401,9 @@ pub struct Engine {
     /// however often its plugin retries (the most recent `drain.max_segments`); attached once there
     /// is room again, or the other reader of their file is gone.
     refused: VecDeque<SegmentKey>,
-    /// Resume state files not yet claimed by a segment: removed once [`STATE_CLAIM_WINDOW`] passed.
-    unclaimed_states: Option<Vec<String>>,
+    /// Resume state files not yet claimed by a segment, with the (uid, communicator hash) of each
+    /// communicator they hold: removed once [`STATE_CLAIM_WINDOW`] passed.
+    unclaimed_states: Option<Vec<(String, Vec<(u32, u64)>)>>,
     /// systemd's file descriptor store, where attached segments are kept across a restart.
     fd_store: bool,
     watchdog: Option<(Duration, Instant)>,
@@ -353,6 +413,8 @@ pub struct Engine {
     /// by segment index (kept in place: moving an instance out costs more than reading it).
     completed: Vec<Completed>,
     completed_runs: Vec<(usize, std::ops::Range<usize>)>,
+    /// The root settlements of `completed`, in the order of `completed_runs`, while delivering.
+    root_waits: Vec<Option<RootWait>>,
     /// Host clock steps, sampled every tick (see `clock_step`).
     clock: StepDetector,
     last_sweep: Instant,
@@ -418,6 +480,7 @@ impl Engine {
             reads: Vec::new(),
             completed: Vec::new(),
             completed_runs: Vec::new(),
+            root_waits: Vec::new(),
             last_sweep: now,
             last_liveness: now,
             last_snapshot: now,
@@ -429,7 +492,19 @@ impl Engine {
     /// Drains until `stop` is set; then reads what is left (bounded by the shutdown timeout), commits
     /// and saves every segment's state. Operations still in flight stay uncommitted for the next daemon.
     pub fn run(mut self, registrations: std_mpsc::Receiver<Handover>, stop: Arc<AtomicBool>) {
-        self.unclaimed_states = Some(resume::list(&self.cfg.state_dir));
+        let dir = &self.cfg.state_dir;
+        let states = resume::list(dir).into_iter().map(|label| {
+            let uid = label.parse::<SegmentKey>().map(|k| k.uid);
+            let comms = match (uid, resume::load(dir, &label)) {
+                (Ok(uid), Ok(Some(st))) => {
+                    (st.dictionary.comms.iter()).map(|c| (uid, c.comm_hash)).collect()
+                }
+                _ => Vec::new(),
+            };
+            (label, comms)
+        });
+        self.unclaimed_states = Some(states.collect());
+        self.refresh_local_ranks();
         let min = Duration::from_millis(self.cfg.drain.min_interval_ms);
         let max = Duration::from_millis(self.cfg.drain.max_interval_ms);
         let mut interval = min;
@@ -605,7 +680,7 @@ impl Engine {
         tracing::info!(segment = %label, pid = key.pid, uid, job = %claims.job_id, tail = consumer.segment().tail(), head = consumer.segment().head(), restored = conn.is_none(), "segment attached");
         self.refused.retain(|k| *k != key);
         if let Some(states) = &mut self.unclaimed_states {
-            states.retain(|s| *s != label);
+            states.retain(|s| s.0 != label);
         }
         if self.fd_store {
             // Kept across a restart by systemd: the memory file, and the connection whose end tells
@@ -636,6 +711,7 @@ impl Engine {
             acked: Arc::new(AtomicU64::new(0)),
             next_emit: 1,
             unacked: Unacked::default(),
+            roots: RootHolds::default(),
             delivered: HashMap::default(),
             last_commit: Instant::now(),
             dirty: false,
@@ -674,18 +750,28 @@ impl Engine {
         if self.started.elapsed() >= STATE_CLAIM_WINDOW
             && let Some(states) = self.unclaimed_states.take()
         {
-            for stale in states {
+            for (stale, _) in states {
                 resume::remove(&self.cfg.state_dir, &stale);
             }
+            self.refresh_local_ranks();
         }
     }
 
+    /// The ranks of each (uid, communicator) on this node: those of attached segments, and after a
+    /// restart those of segments not handed over again yet (their plugins retry within seconds;
+    /// without them, a rank that came back first would meet no other and its collectives' roots
+    /// would wait for it in vain).
     fn refresh_local_ranks(&mut self) {
         let mut m: HashMap<(u32, u64), usize> = HashMap::new();
         for s in &self.segments {
             // Finalized communicators count too: their last collectives may still be awaited.
             for c in s.asm.all_comms() {
                 *m.entry((s.asm.names().uid, c.comm_hash)).or_default() += 1;
+            }
+        }
+        for (_, comms) in self.unclaimed_states.iter().flatten() {
+            for &comm in comms {
+                *m.entry(comm).or_default() += 1;
             }
         }
         self.stats.set_local_ranks(m);
@@ -833,6 +919,8 @@ impl Engine {
         }
         let mut completed = std::mem::take(&mut self.completed);
         let mut runs = std::mem::take(&mut self.completed_runs);
+        // Each instance's root settlement to wait on, in the order of `runs` (taken in the next pass).
+        let mut waits = std::mem::take(&mut self.root_waits);
         // Statistics first, for the live-export decision ("slow" is judged against the series before
         // the instance joins it), which the spool keeps so that a file export writes the same spans.
         // Nothing outside the engine reads the statistics before this pass ends (snapshots come after
@@ -840,25 +928,38 @@ impl Engine {
         for (i, range) in &runs {
             let names = self.segments[*i].asm.names();
             for c in &mut completed[range.clone()] {
-                if c.prior & done::RECORDED != 0 {
-                    continue;
-                }
                 let inst = InstanceRef {
                     inst: &c.coll,
                     names,
                 };
                 let otlp = &self.cfg.otlp;
-                let observed = self.stats.observe(inst, now, SLOW_MIN_SAMPLES, |p50, key| {
-                    let slow = otlp.slow_factor > 0.0
-                        && p50
-                            .is_some_and(|p50| inst.exec_ns as f64 > otlp.slow_factor * p50 as f64);
-                    live_spans(otlp, slow, inst.comm_hash, key)
-                });
+                let observed = if c.prior & done::RECORDED != 0 {
+                    // Re-read after a restart: counted by the daemon that recorded it (the
+                    // slow-outlier verdict is gone with its statistics); it meets its collective's
+                    // other ranks again, whose records waited for the root as its did.
+                    let key = crate::spans::instance_key(inst);
+                    let live = live_spans(otlp, false, inst.comm_hash, key);
+                    let mut o = self.stats.rejoin(inst, now, live);
+                    if c.prior & done::EXPORTED != 0 {
+                        o.live_spans = LiveSpans::None; // sent: only a root it carries now goes
+                    }
+                    o
+                } else {
+                    self.stats.observe(inst, now, SLOW_MIN_SAMPLES, |p50, key| {
+                        let slow = otlp.slow_factor > 0.0
+                            && p50.is_some_and(|p50| {
+                                inst.exec_ns as f64 > otlp.slow_factor * p50 as f64
+                            });
+                        live_spans(otlp, slow, inst.comm_hash, key)
+                    })
+                };
                 c.coll.live_spans = observed.live_spans;
                 c.coll.trace_root = observed.trace_root;
                 c.coll.local_lateness_ns = observed.local_lateness_ns;
+                waits.push(observed.root_wait);
             }
         }
+        let mut waits_in_order = waits.drain(..);
         // The last state the spool writer must write this batch after (see `Attached::on_disk`).
         let mut after = 0;
         if let Some(spool) = &self.spool {
@@ -903,20 +1004,26 @@ impl Engine {
                     }
                     self.collectives += 1;
                     flags |= done::RECORDED;
-                } else if c.prior & done::EXPORTED == 0 {
-                    // Re-read after a restart: the slow-outlier verdict is gone with the old statistics.
-                    let inst = InstanceRef {
-                        inst: &c.coll,
-                        names,
-                    };
-                    let key = crate::spans::instance_key(inst);
-                    c.coll.live_spans = live_spans(&self.cfg.otlp, false, inst.comm_hash, key);
                 }
                 if c.coll.live_spans == LiveSpans::None && c.coll.trace_root.is_none() {
                     flags |= done::EXPORTED;
                 }
+                // The root this instance waits on, and the one it carries (settled once its export
+                // ends); without an exporter there is nothing to wait for.
+                let wait = waits_in_order.next().flatten();
+                let carried = wait.clone().filter(|_| c.coll.trace_root.is_some());
+                if let Some(w) = wait
+                    && !w.settled()
+                {
+                    match &self.out.spans {
+                        // Records a forced commit already freed cannot be read again.
+                        Some(_) if c.first_pos >= seg.tail => seg.roots.push(c.first_pos, w),
+                        Some(_) => {}
+                        None => w.settle(),
+                    }
+                }
                 let to_spool = fresh && self.spool.is_some();
-                if flags & done::EXPORTED == 0 {
+                if flags & done::EXPORTED == 0 || c.coll.trace_root.is_some() {
                     match &self.out.spans {
                         Some(tx) => {
                             let emit_no = seg.next_emit;
@@ -932,6 +1039,7 @@ impl Engine {
                                 coll,
                                 acked: Some(seg.acked.clone()),
                                 emit_no,
+                                settles: carried,
                             }) {
                                 Ok(()) => {
                                     seg.next_emit += 1;
@@ -943,8 +1051,12 @@ impl Engine {
                                 Err(e) => {
                                     self.daemon_lost.add(Loss::ExportQueueFull, 1);
                                     flags |= done::EXPORTED;
+                                    let item = e.into_inner();
+                                    if let Some(root) = item.settles {
+                                        root.settle();
+                                    }
                                     if let Some(d) = &self.out.dropped {
-                                        let c = e.into_inner().coll;
+                                        let c = item.coll;
                                         let v = c.view();
                                         let key = crate::resend::key(v);
                                         d.remember(
@@ -989,8 +1101,10 @@ impl Engine {
             }
         }
         completed.clear();
+        drop(waits_in_order);
         self.completed = completed;
         self.completed_runs = runs;
+        self.root_waits = waits;
         let Some(spool) = &mut self.spool else {
             return;
         };
@@ -1082,6 +1196,7 @@ impl Engine {
 
     fn collect_acks(&mut self) {
         for seg in &mut self.segments {
+            seg.roots.pop_settled();
             let acked = seg.acked.load(Ordering::Acquire);
             while let Some(id) = seg.unacked.pop_acked(acked) {
                 if let Some(e) = seg.delivered.get_mut(&id) {
@@ -1137,6 +1252,7 @@ impl Engine {
                 && s.consumer.pending() == 0
                 && s.asm.pending() == 0
                 && s.unacked.is_empty()
+                && s.roots.is_empty()
                 && s.spooling.is_empty();
             if drained {
                 let mut seg = self.segments.remove(i);
@@ -1474,6 +1590,9 @@ fn commit(
     if let Some(p) = seg.unacked.oldest_pos() {
         target = target.min(p);
     }
+    if let Some(p) = seg.roots.oldest_pos() {
+        target = target.min(p);
+    }
     // Not past an operation whose instance the spool has not made durable yet.
     if let Some(p) = seg.spooling.iter().map(|s| s.first_pos).min() {
         target = target.min(p);
@@ -1507,6 +1626,7 @@ fn commit(
     }
     if forcing {
         seg.unacked.forget_before(target);
+        seg.roots.forget_before(target);
         *forced += 1;
     }
     seg.delivered.retain(|_, (pos, _)| *pos >= target);

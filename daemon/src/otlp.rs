@@ -26,15 +26,18 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 use crate::config::Otlp;
 use crate::resend::{self, Dropped};
 use crate::spans;
+use crate::stats::RootWait;
 
 /// One instance to export. `acked` is its segment's acknowledgement cursor: after the attempt ends
 /// (accepted, or given up and counted) it is raised to `emit_no`. Items of one segment are queued in
 /// `emit_no` order and handled in queue order, so the cursor only moves forward. An instance re-sent
-/// from the spool has none: no segment waits on it.
+/// from the spool has none: no segment waits on it. `settles`: the root span's settlement, when the
+/// instance carries its collective's root (the other ranks' records wait on it), settled then too.
 pub struct SpanItem {
     pub coll: Shared,
     pub acked: Option<Arc<AtomicU64>>,
     pub emit_no: u64,
+    pub settles: Option<RootWait>,
 }
 
 /// Export outcomes, shared with the engine's health snapshot.
@@ -274,6 +277,7 @@ struct InFlight {
 /// What a batch keeps of each item once its instance went to the send task.
 struct Sent {
     acked: Option<(Arc<AtomicU64>, u64)>,
+    settles: Option<RootWait>,
     /// The instance's job and [`resend::key`], when dropped instances are remembered.
     dropped: Option<(Arc<Names>, u64)>,
 }
@@ -327,6 +331,7 @@ pub async fn run(
                         .map(|i| {
                             let sent = Sent {
                                 acked: i.acked.map(|a| (a, i.emit_no)),
+                                settles: i.settles,
                                 dropped: dropped.is_some().then(|| (i.coll.names.clone(), resend::key(i.coll.view()))),
                             };
                             (i.coll, sent)
@@ -379,6 +384,9 @@ fn acknowledge(
         counters.spans_dropped.fetch_add(spans, Ordering::Relaxed);
     }
     for item in items {
+        if let Some(root) = item.settles {
+            root.settle();
+        }
         if let Some((acked, emit_no)) = item.acked {
             acked.fetch_max(emit_no, Ordering::Release);
         }
@@ -535,6 +543,7 @@ mod tests {
                 coll,
                 acked: Some(Arc::new(AtomicU64::new(0))),
                 emit_no: 1,
+                settles: None,
             };
             tx.send(item).await.unwrap();
         }

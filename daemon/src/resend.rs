@@ -224,6 +224,7 @@ async fn resend_job(
             coll: inst,
             acked: None,
             emit_no: 0,
+            settles: None,
         };
         match tx.try_send(item) {
             Ok(()) => {

@@ -8,6 +8,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use ncclscope_proto::api::{CollStats, RankStats};
 
@@ -201,7 +202,7 @@ struct Arrival {
 }
 
 /// What [`Stats::observe`] decided for an instance.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Observed {
     pub live_spans: LiveSpans,
     /// (start, end) of the collective's root span, when this instance carries it: the last of the
@@ -210,6 +211,32 @@ pub struct Observed {
     pub trace_root: Option<(u64, u64)>,
     /// The rank's node-local lateness (see [`RankSeries::local_lateness_ns`]), for a sent span.
     pub local_lateness_ns: Option<u64>,
+    /// Whether the root span of the collective the instance met its node's other ranks in is
+    /// settled: the instance's records must stay uncommitted until it is (see [`RootWait`]).
+    pub root_wait: Option<RootWait>,
+}
+
+/// Whether a collective's root span is settled: sent and acknowledged by the receiver (or given up
+/// and counted), or known not to come from this node. The root depends on every local rank's
+/// instance, so each of them keeps its records uncommitted until then: a daemon killed before
+/// reads them all again and meets them again (the root at least once; [`Stats::rejoin`]).
+#[derive(Clone, Debug, Default)]
+pub struct RootWait(Arc<AtomicBool>);
+
+impl RootWait {
+    pub fn settle(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    pub fn settled(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+impl PartialEq for RootWait {
+    fn eq(&self, other: &RootWait) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 /// The local ranks' arrivals for one collective.
@@ -218,6 +245,10 @@ struct Rendezvous {
     opened_ns: u64,
     /// A rank started it near a host clock step: its skew would be the step's (not evaluated).
     near_step: bool,
+    /// An instance re-read after a restart met it: the daemon that recorded that instance may have
+    /// counted the skew already (not evaluated).
+    rejoined: bool,
+    root: RootWait,
 }
 
 /// One communicator's collectives of one type awaiting their local ranks, by seq: slot `k` is seq
@@ -265,8 +296,9 @@ pub struct Stats {
     late: Late,
 }
 
-/// [`Stats`]'s late collectives: (uid, communicator, type, replay, seq) -> (arrivals, when kept).
-type Late = Map<(u32, u64, u64, u32, u64), (Vec<Arrival>, u64)>;
+/// [`Stats`]'s late collectives: (uid, communicator, type, replay, seq) -> (arrivals, when kept,
+/// its root's settlement).
+type Late = Map<(u32, u64, u64, u32, u64), (Vec<Arrival>, u64, RootWait)>;
 
 impl Stats {
     pub fn new(window_ns: u64, skew_window_ns: u64, max_series: usize) -> Stats {
@@ -373,6 +405,7 @@ impl Stats {
                     live_spans: live,
                     trace_root: None,
                     local_lateness_ns: None,
+                    root_wait: None,
                 };
             }
             job.ranks += 1;
@@ -409,6 +442,29 @@ impl Stats {
         r.rolling_exec_ns.record(exec_ns, now_ns, window);
         let local_lateness_ns =
             (r.local_lateness_ns).filter(|_| live != LiveSpans::None && !c.desc.is_p2p);
+        Observed {
+            local_lateness_ns,
+            ..self.meet(c, type_key, now_ns, live, false)
+        }
+    }
+
+    /// An instance re-read after a restart, which the daemon that recorded it counted: it only meets
+    /// its collective's other local ranks again (whose records waited for the root as its did), so
+    /// that the last of them carries the root again. `live`: what the live export sends of it.
+    pub fn rejoin(&mut self, c: InstanceRef, now_ns: u64, live: LiveSpans) -> Observed {
+        self.meet(c, spans::type_key(c.func()), now_ns, live, true)
+    }
+
+    /// `c` meets the node's other ranks of its collective: the root span it carries, if any, and
+    /// the root's settlement it waits on.
+    fn meet(
+        &mut self,
+        c: InstanceRef,
+        type_key: u64,
+        now_ns: u64,
+        live: LiveSpans,
+        rejoined: bool,
+    ) -> Observed {
         // Skew needs at least two of the collective's ranks on this node.
         let local = self
             .local_ranks
@@ -416,16 +472,22 @@ impl Stats {
             .copied()
             .unwrap_or(0);
         let sent = live != LiveSpans::None;
-        // Without kernel times a rank meets no other (nor its root: it has none).
-        let trace_root = match (c.desc.is_p2p || c.timing_source == "host", local >= 2) {
-            (true, _) => None,
-            (false, true) => self.arrive(c, type_key, local, now_ns, sent),
-            (false, false) => (c.rank == 0 && sent).then_some((c.start_unix_ns, c.end_unix_ns)),
+        // Without kernel times a rank meets no other (nor its root: it has none). Alone on its node,
+        // rank 0 carries its own root in its own export, which its records wait on anyway.
+        let (trace_root, root_wait) = match (c.desc.is_p2p || c.timing_source == "host", local >= 2)
+        {
+            (true, _) => (None, None),
+            (false, true) => self.arrive(c, type_key, local, now_ns, sent, rejoined),
+            (false, false) => (
+                (c.rank == 0 && sent).then_some((c.start_unix_ns, c.end_unix_ns)),
+                None,
+            ),
         };
         Observed {
             live_spans: live,
             trace_root,
-            local_lateness_ns,
+            local_lateness_ns: None,
+            root_wait,
         }
     }
 
@@ -499,7 +561,8 @@ impl Stats {
     }
 
     /// `c` (of the collective type `type_key`) joins the node's ranks of its collective; the root
-    /// span's times when it completes them (see [`Observed::trace_root`]).
+    /// span's times when it completes them (see [`Observed::trace_root`]), and the root's
+    /// settlement, settled here where no root comes of it.
     fn arrive(
         &mut self,
         c: InstanceRef,
@@ -507,7 +570,8 @@ impl Stats {
         expected: usize,
         now_ns: u64,
         sent: bool,
-    ) -> Option<(u64, u64)> {
+        rejoined: bool,
+    ) -> (Option<(u64, u64)>, Option<RootWait>) {
         let arrival = Arrival {
             rank: c.rank,
             start: c.start_unix_ns,
@@ -517,13 +581,13 @@ impl Stats {
         let key = (c.uid(), c.comm_hash, type_key, c.replay);
         if !self.late.is_empty() {
             let late_key = (key.0, key.1, key.2, key.3, c.desc.seq);
-            if let Some((arrivals, _)) = self.late.get_mut(&late_key) {
+            if let Some((arrivals, _, wait)) = self.late.get_mut(&late_key) {
                 arrivals.push(arrival);
                 if arrivals.len() < expected {
-                    return None;
+                    return (None, Some(wait.clone()));
                 }
-                let (arrivals, _) = self.late.remove(&late_key).expect("found above");
-                return root_span(&arrivals);
+                let (arrivals, _, wait) = self.late.remove(&late_key).expect("found above");
+                return settled_unless_root(root_span(&arrivals), wait);
             }
         }
         let ranks = &mut self.ranks;
@@ -547,7 +611,7 @@ impl Stats {
         });
         // Another job with the same communicator hash (a 64-bit random id): not comparable.
         if *w.job != *c.job_id() {
-            return None;
+            return (None, None);
         }
         let (window_ns, mut evaluated) = (self.window_ns, 0);
         let before = w.slots.len();
@@ -557,7 +621,7 @@ impl Stats {
         if c.desc.seq < w.base {
             let back = (w.base - c.desc.seq) as usize;
             if back > MAX_BACK || back + before > MAX_WINDOW {
-                return None;
+                return (None, None);
             }
             for _ in 0..back {
                 w.slots.push_front(None);
@@ -572,8 +636,8 @@ impl Stats {
         if ahead >= room {
             let leave = ahead + 1 - room;
             for (i, rv) in w.slots.drain(..leave.min(w.slots.len())).enumerate() {
-                let Some(rv) = rv else { continue };
-                keep_late(late, key, w.base + i as u64, &rv, now_ns);
+                let Some(mut rv) = rv else { continue };
+                keep_late(late, key, w.base + i as u64, &mut rv, now_ns);
                 evaluated +=
                     evaluate(ranks, c.uid(), &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
             }
@@ -587,7 +651,10 @@ impl Stats {
             arrivals: Vec::with_capacity(expected),
             opened_ns: now_ns,
             near_step: false,
+            rejoined: false,
+            root: RootWait::default(),
         });
+        rv.rejoined |= rejoined;
         if !rv.near_step
             && (self.steps.iter()).any(|(lo, hi)| (lo..=hi).contains(&&c.start_unix_ns))
         {
@@ -595,11 +662,12 @@ impl Stats {
             self.skew_clock_step += 1;
         }
         rv.arrivals.push(arrival);
+        let mut wait = Some(rv.root.clone());
         // With every local rank in, evaluate now; otherwise the skew window decides.
         let mut root = None;
         if rv.arrivals.len() >= expected {
             let rv = w.slots[k].take().expect("filled above");
-            root = root_span(&rv.arrivals);
+            (root, wait) = settled_unless_root(root_span(&rv.arrivals), rv.root.clone());
             evaluated +=
                 evaluate(ranks, c.uid(), &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
             while matches!(w.slots.front(), Some(None)) {
@@ -609,7 +677,7 @@ impl Stats {
         }
         self.slots = self.slots + w.slots.len() - before;
         self.skew_evaluated += evaluated;
-        root
+        (root, wait)
     }
 
     /// The host clock stepped by `delta_ns` at `at_ns` (on the new clock): collectives that any rank
@@ -632,8 +700,13 @@ impl Stats {
     /// out), and forgets windows with nothing awaited.
     pub fn expire(&mut self, now_ns: u64) {
         let (skew_window, window_ns) = (self.skew_window_ns, self.window_ns);
-        self.late
-            .retain(|_, (_, at)| now_ns.saturating_sub(*at) < LATE_NS);
+        self.late.retain(|_, (_, at, wait)| {
+            let keep = now_ns.saturating_sub(*at) < LATE_NS;
+            if !keep {
+                wait.settle(); // its last rank never came: no root
+            }
+            keep
+        });
         for (&key, w) in &mut self.windows {
             let (uid, comm_hash, _, _) = key;
             let before = w.slots.len();
@@ -643,8 +716,8 @@ impl Stats {
                     Some(Some(rv)) if now_ns.saturating_sub(rv.opened_ns) >= skew_window => {}
                     _ => break,
                 }
-                if let Some(Some(rv)) = w.slots.pop_front() {
-                    keep_late(&mut self.late, key, w.base, &rv, now_ns);
+                if let Some(Some(mut rv)) = w.slots.pop_front() {
+                    keep_late(&mut self.late, key, w.base, &mut rv, now_ns);
                     self.skew_evaluated += evaluate(
                         &mut self.ranks,
                         uid,
@@ -753,14 +826,33 @@ impl Stats {
 
 /// Keeps the arrivals of collective `seq` of window `key`, evaluated before every local rank
 /// arrived, for its root span: only where a root can come of it (a sent rank span), within
-/// [`MAX_LATE`].
-fn keep_late(late: &mut Late, key: (u32, u64, u64, u32), seq: u64, rv: &Rendezvous, now_ns: u64) {
+/// [`MAX_LATE`]; otherwise no root comes of it.
+fn keep_late(
+    late: &mut Late,
+    key: (u32, u64, u64, u32),
+    seq: u64,
+    rv: &mut Rendezvous,
+    now_ns: u64,
+) {
     if late.len() < MAX_LATE && rv.arrivals.iter().any(|a| a.sent) {
         late.insert(
             (key.0, key.1, key.2, key.3, seq),
-            (rv.arrivals.clone(), now_ns),
+            (rv.arrivals.clone(), now_ns, rv.root.clone()),
         );
+    } else {
+        rv.root.settle();
     }
+}
+
+/// The root a completed collective carries, with its settlement, settled now if there is none.
+fn settled_unless_root(
+    root: Option<(u64, u64)>,
+    wait: RootWait,
+) -> (Option<(u64, u64)>, Option<RootWait>) {
+    if root.is_none() {
+        wait.settle();
+    }
+    (root, Some(wait))
 }
 
 /// The root span of a collective whose node ranks all arrived: from the earliest start to the latest
@@ -783,7 +875,7 @@ fn evaluate(
     now_ns: u64,
     window_ns: u64,
 ) -> bool {
-    if rv.arrivals.len() < 2 || rv.near_step {
+    if rv.arrivals.len() < 2 || rv.near_step || rv.rejoined {
         return false;
     }
     let min_start = rv.arrivals.iter().map(|a| a.start).min().unwrap_or(0);
