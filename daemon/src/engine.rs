@@ -218,6 +218,10 @@ struct Spooling {
     ops: Vec<OpDone>,
 }
 
+/// A resume state file not yet claimed by a segment, and the (uid, communicator hash) of each
+/// communicator it holds (the ranks expected back, see `Engine::refresh_local_ranks`).
+type Unclaimed = (String, Vec<(u32, u64)>);
+
 /// An operation delivered: (op id, position of its first record, sinks: see [`done`]).
 type OpDone = (u64, u64, u8);
 
@@ -401,9 +405,8 @@ pub struct Engine {
     /// however often its plugin retries (the most recent `drain.max_segments`); attached once there
     /// is room again, or the other reader of their file is gone.
     refused: VecDeque<SegmentKey>,
-    /// Resume state files not yet claimed by a segment, with the (uid, communicator hash) of each
-    /// communicator they hold: removed once [`STATE_CLAIM_WINDOW`] passed.
-    unclaimed_states: Option<Vec<(String, Vec<(u32, u64)>)>>,
+    /// Resume state files not yet claimed by a segment: removed once [`STATE_CLAIM_WINDOW`] passed.
+    unclaimed_states: Option<Vec<Unclaimed>>,
     /// systemd's file descriptor store, where attached segments are kept across a restart.
     fd_store: bool,
     watchdog: Option<(Duration, Instant)>,
@@ -496,9 +499,9 @@ impl Engine {
         let states = resume::list(dir).into_iter().map(|label| {
             let uid = label.parse::<SegmentKey>().map(|k| k.uid);
             let comms = match (uid, resume::load(dir, &label)) {
-                (Ok(uid), Ok(Some(st))) => {
-                    (st.dictionary.comms.iter()).map(|c| (uid, c.comm_hash)).collect()
-                }
+                (Ok(uid), Ok(Some(st))) => (st.dictionary.comms.iter())
+                    .map(|c| (uid, c.comm_hash))
+                    .collect(),
                 _ => Vec::new(),
             };
             (label, comms)

@@ -248,6 +248,8 @@ struct Rendezvous {
     /// An instance re-read after a restart met it: the daemon that recorded that instance may have
     /// counted the skew already (not evaluated).
     rejoined: bool,
+    /// An instance not re-read met it.
+    fresh: bool,
     root: RootWait,
 }
 
@@ -652,9 +654,11 @@ impl Stats {
             opened_ns: now_ns,
             near_step: false,
             rejoined: false,
+            fresh: false,
             root: RootWait::default(),
         });
         rv.rejoined |= rejoined;
+        rv.fresh |= !rejoined;
         if !rv.near_step
             && (self.steps.iter()).any(|(lo, hi)| (lo..=hi).contains(&&c.start_unix_ns))
         {
@@ -826,7 +830,9 @@ impl Stats {
 
 /// Keeps the arrivals of collective `seq` of window `key`, evaluated before every local rank
 /// arrived, for its root span: only where a root can come of it (a sent rank span), within
-/// [`MAX_LATE`]; otherwise no root comes of it.
+/// [`MAX_LATE`]; otherwise no root comes of it. Only instances re-read after a restart: most
+/// likely the others' records were committed once the root was acknowledged (each segment commits
+/// on its own), so their records stop waiting now; a late rank still carries the root.
 fn keep_late(
     late: &mut Late,
     key: (u32, u64, u64, u32),
@@ -834,11 +840,14 @@ fn keep_late(
     rv: &mut Rendezvous,
     now_ns: u64,
 ) {
+    if !rv.fresh {
+        rv.root.settle();
+    }
     if late.len() < MAX_LATE && rv.arrivals.iter().any(|a| a.sent) {
-        late.insert(
-            (key.0, key.1, key.2, key.3, seq),
-            (rv.arrivals.clone(), now_ns, rv.root.clone()),
-        );
+        let kept = (rv.arrivals.clone(), now_ns, rv.root.clone());
+        if let Some((_, _, replaced)) = late.insert((key.0, key.1, key.2, key.3, seq), kept) {
+            replaced.settle();
+        }
     } else {
         rv.root.settle();
     }
@@ -1011,6 +1020,57 @@ mod tests {
         let mut p2p = coll(0, 5, 100, 500);
         p2p.inst.desc.is_p2p = true;
         assert_eq!(s.observe(p2p.view(), 0, 1, sent).trace_root, None);
+    }
+
+    /// Issue 37: the root depends on every local rank's instance, so each waits on its settlement
+    /// (the engine keeps their records until then); one that completes without a root, or whose
+    /// last rank never comes, is settled here. Instances re-read after a restart meet again and
+    /// carry the root again, without counting their skew twice.
+    #[test]
+    fn every_local_rank_waits_on_its_roots_settlement_and_re_read_ranks_meet_again() {
+        let mut s = Stats::new(60_000_000_000, 1_000_000_000, 100);
+        s.set_local_ranks(HashMap::from([((0, 9), 2)]));
+        let sent = |_: Option<u64>, _: u64| LiveSpans::Rank;
+        let first = s.observe(coll(1, 1, 100, 500).view(), 0, 1, sent);
+        let last = s.observe(coll(0, 1, 120, 900).view(), 0, 1, sent);
+        let wait = first.root_wait.clone().expect("waits on its root");
+        assert_eq!(
+            last.root_wait.as_ref(),
+            Some(&wait),
+            "one settlement per collective"
+        );
+        assert!(
+            last.trace_root.is_some() && !wait.settled(),
+            "settled once the root is sent"
+        );
+        // Rank 0's span not sent: no root, settled at once.
+        s.observe(coll(1, 2, 100, 500).view(), 0, 1, sent);
+        let o = s.observe(coll(0, 2, 100, 500).view(), 0, 1, no_spans);
+        assert!(o.trace_root.is_none() && o.root_wait.unwrap().settled());
+        // A rank that never comes: kept for a late rank, then settled without a root.
+        let alone = s
+            .observe(coll(0, 3, 100, 500).view(), 0, 1, sent)
+            .root_wait
+            .unwrap();
+        s.expire(2_000_000_000);
+        assert!(!alone.settled(), "a late rank may still carry it");
+        s.expire(2_000_000_000 + LATE_NS);
+        assert!(alone.settled());
+        // After a restart both instances of seq 1 are read again: they meet, the last carries the
+        // root again, and the skew is not counted a second time.
+        let evaluated = s.skew_evaluated;
+        s.rejoin(coll(0, 1, 120, 900).view(), 0, LiveSpans::Rank);
+        let o = s.rejoin(coll(1, 1, 100, 500).view(), 0, LiveSpans::Rank);
+        assert_eq!(o.trace_root, last.trace_root);
+        assert_eq!(s.skew_evaluated, evaluated);
+        // A re-read instance whose other rank was committed (its root acknowledged before the
+        // kill) waits no longer than the skew window.
+        let reread = s
+            .rejoin(coll(1, 4, 100, 500).view(), 0, LiveSpans::Rank)
+            .root_wait
+            .unwrap();
+        s.expire(2_000_000_000);
+        assert!(reread.settled());
     }
 
     #[test]

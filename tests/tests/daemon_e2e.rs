@@ -840,7 +840,10 @@ fn roots_and_ranks(spans: &[ExportedSpan]) -> Traces<'_> {
         if s.parent_span_id.is_empty() {
             e.0.insert(s.span_id.as_str());
         } else {
-            e.1.insert((attr(s, "nccl.rank").parse().unwrap(), s.parent_span_id.as_str()));
+            e.1.insert((
+                attr(s, "nccl.rank").parse().unwrap(),
+                s.parent_span_id.as_str(),
+            ));
         }
     }
     by_trace
@@ -859,16 +862,29 @@ async fn every_root_span_arrives_across_repeated_sigkills() {
     const KILLS: usize = 6;
     let mut collector = FakeCollectorServer::start().await.unwrap();
     let mut h = Harness::new(&collector.endpoint());
+    // The receiver holds 64 spans: drained by a task of its own, so that restarting daemons (which
+    // blocks this thread) never leaves it full and the daemons' exports waiting.
+    let received = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let drain = {
+        let received = received.clone();
+        tokio::spawn(async move {
+            loop {
+                let got = collector.exported_spans(1, Duration::from_millis(50)).await;
+                received.lock().unwrap().extend(got);
+            }
+        })
+    };
+    let rank_spans_in =
+        |r: &std::sync::Mutex<Vec<ExportedSpan>>| rank_spans(&r.lock().unwrap()).len();
     h.start_daemon();
     // About 6 s of collectives (more on a loaded machine); the kills come within the first 4.
     h.start_ranks(NRANKS, NCOLLS, 1500);
-    let mut spans = Vec::new();
-    collect(&mut collector, &mut spans, Duration::from_secs(60), |s| {
-        !rank_spans(s).is_empty()
-    })
-    .await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while rank_spans_in(&received) == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     for _ in 0..KILLS {
-        collect(&mut collector, &mut spans, Duration::from_millis(400), |_| false).await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
         let mut killed = h.signal_daemon(rustix::process::Signal::KILL);
         killed.wait().unwrap();
         h.start_daemon();
@@ -879,22 +895,22 @@ async fn every_root_span_arrives_across_repeated_sigkills() {
         (h.ranks.iter_mut()).all(|r| r.try_wait().unwrap().is_none()),
         "a rank ended before the last kill: the run is too short for this machine"
     );
-    // The collector is drained meanwhile (it holds 64 spans; a full one times exports out).
-    while (h.ranks.iter_mut()).any(|r| r.try_wait().unwrap().is_none()) {
-        collect(&mut collector, &mut spans, Duration::from_millis(100), |_| false).await;
-    }
     h.wait_ranks();
     let expected = (NRANKS as u64 * NCOLLS + NCOLLS) as usize;
     let complete = |spans: &[ExportedSpan]| {
         spans.len() >= expected && {
             let t = roots_and_ranks(spans);
             t.len() == NCOLLS as usize
-                && t.values().all(|(roots, ranks)| {
-                    roots.len() == 1 && ranks.len() == NRANKS as usize
-                })
+                && t.values()
+                    .all(|(roots, ranks)| roots.len() == 1 && ranks.len() == NRANKS as usize)
         }
     };
-    collect(&mut collector, &mut spans, Duration::from_secs(180), complete).await;
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while !complete(&received.lock().unwrap()) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    drain.abort();
+    let spans = std::mem::take(&mut *received.lock().unwrap());
     let traces = roots_and_ranks(&spans);
     let health: Vec<String> = (h.metrics().lines())
         .filter(|l| {
@@ -910,7 +926,10 @@ async fn every_root_span_arrives_across_repeated_sigkills() {
         NCOLLS as usize,
         "one trace per collective ({rank_spans_seen} rank spans seen); {health:?}"
     );
-    let rootless = traces.values().filter(|(roots, _)| roots.is_empty()).count();
+    let rootless = traces
+        .values()
+        .filter(|(roots, _)| roots.is_empty())
+        .count();
     assert_eq!(rootless, 0, "traces without their root span, of {NCOLLS}");
     for (trace, (roots, ranks)) in &traces {
         assert_eq!(roots.len(), 1, "{trace}: one root id");
@@ -919,7 +938,11 @@ async fn every_root_span_arrives_across_repeated_sigkills() {
             .filter(|(_, parent)| parent == root)
             .map(|(rank, _)| *rank)
             .collect();
-        assert_eq!(under.len(), NRANKS as usize, "{trace}: every rank's span under the root");
+        assert_eq!(
+            under.len(),
+            NRANKS as usize,
+            "{trace}: every rank's span under the root"
+        );
     }
     eprintln!(
         "{KILLS} SIGKILLs: {} spans received for {NCOLLS} collectives x {NRANKS} ranks, every root there",
