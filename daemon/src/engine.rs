@@ -944,7 +944,12 @@ impl Engine {
                     let live = live_spans(otlp, false, inst.comm_hash, key);
                     let mut o = self.stats.rejoin(inst, now, live);
                     if c.prior & done::EXPORTED != 0 {
-                        o.live_spans = LiveSpans::None; // sent: only a root it carries now goes
+                        // Sent: only a root it carries for the node's ranks goes now (one it
+                        // carried alone went with its own span).
+                        o.live_spans = LiveSpans::None;
+                        if o.root_wait.is_none() {
+                            o.trace_root = None;
+                        }
                     }
                     o
                 } else {
