@@ -868,6 +868,7 @@ impl Engine {
             self.refresh_local_ranks();
         }
         self.deliver(now);
+        self.send_roots_due();
         // After delivery: what a segment held before it proved corrupt is still delivered.
         for i in broken.into_iter().rev() {
             let seg = self.segments.remove(i);
@@ -1145,6 +1146,30 @@ impl Engine {
             for run in &batch {
                 for (_, inst) in &run.items {
                     self.hub.publish(inst, &run.names);
+                }
+            }
+        }
+    }
+
+    /// Sends the root spans of collectives whose skew window closed before every local rank came
+    /// ([`Stats::take_roots_due`]); their ranks' records wait until the export ends. A root the
+    /// export queue refuses is counted there (`export_queue_full`) and waited on no longer.
+    fn send_roots_due(&mut self) {
+        for (coll, wait) in self.stats.take_roots_due() {
+            let Some(tx) = &self.out.spans else {
+                wait.settle();
+                continue;
+            };
+            let item = SpanItem {
+                coll,
+                acked: None,
+                emit_no: 0,
+                settles: Some(wait),
+            };
+            if let Err(e) = tx.try_send(item) {
+                self.daemon_lost.add(Loss::ExportQueueFull, 1);
+                if let Some(w) = e.into_inner().settles {
+                    w.settle();
                 }
             }
         }

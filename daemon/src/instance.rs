@@ -138,6 +138,37 @@ pub struct Instance {
     pub local_lateness_ns: Option<u64>,
 }
 
+impl Instance {
+    /// A copy without its channels' work (all a root span needs), with `trace_root` as its only
+    /// span.
+    pub fn root_only(&self, trace_root: Option<(u64, u64)>) -> Instance {
+        Instance {
+            pid: self.pid,
+            comm_hash: self.comm_hash,
+            comm_name: self.comm_name,
+            rank: self.rank,
+            nranks: self.nranks,
+            nnodes: self.nnodes,
+            desc: self.desc,
+            bytes: self.bytes,
+            enqueue_unix_ns: self.enqueue_unix_ns,
+            start_unix_ns: self.start_unix_ns,
+            end_unix_ns: self.end_unix_ns,
+            exec_ns: self.exec_ns,
+            timing_source: self.timing_source,
+            algbw_gbs: self.algbw_gbs,
+            busbw_gbs: self.busbw_gbs,
+            calibration_error_ns: self.calibration_error_ns,
+            channels: Vec::new(),
+            replay: self.replay,
+            live_spans: LiveSpans::None,
+            gpu: self.gpu,
+            trace_root,
+            local_lateness_ns: None,
+        }
+    }
+}
+
 /// The values `timing_source` takes.
 pub const TIMING_SOURCES: [&str; 3] = ["kernel_gpu", "device_hook", "host"];
 
@@ -145,7 +176,7 @@ pub const TIMING_SOURCES: [&str; 3] = ["kernel_gpu", "device_hook", "host"];
 #[derive(Clone, Copy, Debug)]
 pub struct InstanceRef<'a> {
     pub inst: &'a Instance,
-    pub names: &'a Names,
+    pub names: &'a Arc<Names>,
 }
 
 impl std::ops::Deref for InstanceRef<'_> {

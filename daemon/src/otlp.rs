@@ -32,7 +32,9 @@ use crate::stats::RootWait;
 /// (accepted, or given up and counted) it is raised to `emit_no`. Items of one segment are queued in
 /// `emit_no` order and handled in queue order, so the cursor only moves forward. An instance re-sent
 /// from the spool has none: no segment waits on it. `settles`: the root span's settlement, when the
-/// instance carries its collective's root (the other ranks' records wait on it), settled then too.
+/// instance carries its collective's root (the other ranks' records wait on it), settled then too;
+/// an item with only that (a root sent when its skew window closed) is live all the same: its spans
+/// count as dropped if given up.
 pub struct SpanItem {
     pub coll: Shared,
     pub acked: Option<Arc<AtomicU64>>,
@@ -325,7 +327,7 @@ pub async fn run(
                     if in_flight.len() >= MAX_IN_FLIGHT {
                         finish(in_flight.pop_front().expect("non-empty"), &counters, dropped.as_deref()).await;
                     }
-                    let live: Vec<bool> = batch.iter().map(|i| i.acked.is_some()).collect();
+                    let live: Vec<bool> = batch.iter().map(|i| i.acked.is_some() || i.settles.is_some()).collect();
                     let (colls, items): (Vec<Shared>, Vec<Sent>) = batch
                         .into_iter()
                         .map(|i| {

@@ -14,7 +14,7 @@ use ncclscope_proto::api::{CollStats, RankStats};
 
 use crate::bandwidth;
 use crate::histogram::{BUSBW_GBS, Distribution, EXEC_US, Exemplar, Rolling, SKEW_US, Sample};
-use crate::instance::InstanceRef;
+use crate::instance::{InstanceRef, Shared};
 use crate::spans;
 use ncclscope_proto::api::LiveSpans;
 
@@ -35,8 +35,9 @@ const MAX_STEPS: usize = 8;
 /// How far before its first collective a window opens back for a late first arrival.
 const MAX_BACK: usize = 64;
 /// Collectives whose rendezvous the skew window closed while a local rank was still missing, kept
-/// at most this many and this long for their root span (a graph replay's instances may wait on
-/// held work items for seconds).
+/// at most this many and this long: rank 0 coming late carries the root over the ranks that came (a
+/// graph replay's instances may wait on held work items for seconds), and a rank coming after the
+/// root went finds that it did.
 const MAX_LATE: usize = 16_384;
 const LATE_NS: u64 = 30_000_000_000;
 /// Samples between recomputations of a series' cached p50.
@@ -206,8 +207,9 @@ struct Arrival {
 pub struct Observed {
     pub live_spans: LiveSpans,
     /// (start, end) of the collective's root span, when this instance carries it: the last of the
-    /// node's ranks to complete the collective carries it, on the node of rank 0 and only if rank
-    /// 0's span is sent; it covers the rank spans this node sends (earliest start to latest end).
+    /// node's ranks to complete the collective carries it (or rank 0 coming after the skew window
+    /// closed), on the node of rank 0 and only if rank 0's span is sent; it covers the rank spans
+    /// this node sends (earliest start to latest end).
     pub trace_root: Option<(u64, u64)>,
     /// The rank's node-local lateness (see [`RankSeries::local_lateness_ns`]), for a sent span.
     pub local_lateness_ns: Option<u64>,
@@ -217,9 +219,13 @@ pub struct Observed {
 }
 
 /// Whether a collective's root span is settled: sent and acknowledged by the receiver (or given up
-/// and counted), or known not to come from this node. The root depends on every local rank's
-/// instance, so each of them keeps its records uncommitted until then: a daemon killed before
-/// reads them all again and meets them again (the root at least once; [`Stats::rejoin`]).
+/// and counted as `export_dropped`), or known not to come from this node. The root depends on every
+/// local rank's instance that met it, so each of them keeps its records uncommitted until then: a
+/// daemon killed before reads them all again and meets them again (the root at least once;
+/// [`Stats::rejoin`]). Every one settles within the skew window and the export's retries: a
+/// collective whose local ranks did not all come in time sends its root with those that did
+/// ([`Stats::take_roots_due`]), or, without rank 0, settles (rank 0's instance carries the root
+/// alone when it comes).
 #[derive(Clone, Debug, Default)]
 pub struct RootWait(Arc<AtomicBool>);
 
@@ -248,9 +254,10 @@ struct Rendezvous {
     /// An instance re-read after a restart met it: the daemon that recorded that instance may have
     /// counted the skew already (not evaluated).
     rejoined: bool,
-    /// An instance not re-read met it.
-    fresh: bool,
     root: RootWait,
+    /// Rank 0's instance, without its channels, once it came with its span sent and others were
+    /// still awaited: what sends the root if the skew window closes first.
+    rank0: Option<Shared>,
 }
 
 /// One communicator's collectives of one type awaiting their local ranks, by seq: slot `k` is seq
@@ -294,13 +301,16 @@ pub struct Stats {
     /// Slots of every window.
     slots: usize,
     /// The arrivals of collectives evaluated before every local rank arrived, by (uid,
-    /// communicator, type, replay, seq), with when: the last rank to arrive still carries the root.
+    /// communicator, type, replay, seq), with when, and whether their root went.
     late: Late,
+    /// Root spans of collectives the skew window closed before every local rank came, each with
+    /// the settlement its ranks' records wait on: for the engine to send.
+    roots_due: Vec<(Shared, RootWait)>,
 }
 
 /// [`Stats`]'s late collectives: (uid, communicator, type, replay, seq) -> (arrivals, when kept,
-/// its root's settlement).
-type Late = Map<(u32, u64, u64, u32, u64), (Vec<Arrival>, u64, RootWait)>;
+/// whether the root was sent).
+type Late = Map<(u32, u64, u64, u32, u64), (Vec<Arrival>, u64, bool)>;
 
 impl Stats {
     pub fn new(window_ns: u64, skew_window_ns: u64, max_series: usize) -> Stats {
@@ -312,6 +322,7 @@ impl Stats {
             ranks: Map::default(),
             windows: Map::default(),
             late: Map::default(),
+            roots_due: Vec::new(),
             local_ranks: Map::default(),
             none: "".into(),
             folded: 0,
@@ -583,13 +594,22 @@ impl Stats {
         let key = (c.uid(), c.comm_hash, type_key, c.replay);
         if !self.late.is_empty() {
             let late_key = (key.0, key.1, key.2, key.3, c.desc.seq);
-            if let Some((arrivals, _, wait)) = self.late.get_mut(&late_key) {
+            if let Some((arrivals, _, root_sent)) = self.late.get_mut(&late_key) {
                 arrivals.push(arrival);
-                if arrivals.len() < expected {
-                    return (None, Some(wait.clone()));
+                // The last local rank carries the root over them all (again, with the same ids,
+                // if it went when the skew window closed: at least once); rank 0 coming late
+                // carries it over the ranks that came. Each in its own export, which its records
+                // wait on: the others' records wait no longer.
+                let all = arrivals.len() >= expected;
+                if !all && (c.rank != 0 || !sent || *root_sent) {
+                    return (None, None);
                 }
-                let (arrivals, _, wait) = self.late.remove(&late_key).expect("found above");
-                return settled_unless_root(root_span(&arrivals), wait);
+                let root = root_span(arrivals);
+                *root_sent |= root.is_some();
+                if all {
+                    self.late.remove(&late_key);
+                }
+                return (root, None);
             }
         }
         let ranks = &mut self.ranks;
@@ -639,7 +659,8 @@ impl Stats {
             let leave = ahead + 1 - room;
             for (i, rv) in w.slots.drain(..leave.min(w.slots.len())).enumerate() {
                 let Some(mut rv) = rv else { continue };
-                keep_late(late, key, w.base + i as u64, &mut rv, now_ns);
+                let due = &mut self.roots_due;
+                keep_late(late, due, key, w.base + i as u64, &mut rv, now_ns);
                 evaluated +=
                     evaluate(ranks, c.uid(), &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
             }
@@ -654,11 +675,10 @@ impl Stats {
             opened_ns: now_ns,
             near_step: false,
             rejoined: false,
-            fresh: false,
             root: RootWait::default(),
+            rank0: None,
         });
         rv.rejoined |= rejoined;
-        rv.fresh |= !rejoined;
         if !rv.near_step
             && (self.steps.iter()).any(|(lo, hi)| (lo..=hi).contains(&&c.start_unix_ns))
         {
@@ -678,6 +698,11 @@ impl Stats {
                 w.slots.pop_front();
                 w.base += 1;
             }
+        } else if c.rank == 0 && sent {
+            rv.rank0 = Some(Shared {
+                inst: c.inst.root_only(None),
+                names: c.names.clone(),
+            });
         }
         self.slots = self.slots + w.slots.len() - before;
         self.skew_evaluated += evaluated;
@@ -704,13 +729,8 @@ impl Stats {
     /// out), and forgets windows with nothing awaited.
     pub fn expire(&mut self, now_ns: u64) {
         let (skew_window, window_ns) = (self.skew_window_ns, self.window_ns);
-        self.late.retain(|_, (_, at, wait)| {
-            let keep = now_ns.saturating_sub(*at) < LATE_NS;
-            if !keep {
-                wait.settle(); // its last rank never came: no root
-            }
-            keep
-        });
+        self.late
+            .retain(|_, (_, at, _)| now_ns.saturating_sub(*at) < LATE_NS);
         for (&key, w) in &mut self.windows {
             let (uid, comm_hash, _, _) = key;
             let before = w.slots.len();
@@ -721,7 +741,8 @@ impl Stats {
                     _ => break,
                 }
                 if let Some(Some(mut rv)) = w.slots.pop_front() {
-                    keep_late(&mut self.late, key, w.base, &mut rv, now_ns);
+                    let (late, due) = (&mut self.late, &mut self.roots_due);
+                    keep_late(late, due, key, w.base, &mut rv, now_ns);
                     self.skew_evaluated += evaluate(
                         &mut self.ranks,
                         uid,
@@ -737,6 +758,13 @@ impl Stats {
             self.slots -= before - w.slots.len();
         }
         self.windows.retain(|_, w| !w.slots.is_empty());
+    }
+
+    /// The root spans of collectives whose skew window closed before every local rank came (see
+    /// [`keep_late`]): each an instance of rank 0 carrying only its root, and the settlement its
+    /// ranks' records wait on (settle it once the export ends, or at once where it is not sent).
+    pub fn take_roots_due(&mut self) -> Vec<(Shared, RootWait)> {
+        std::mem::take(&mut self.roots_due)
     }
 
     /// Forgets series, ranks and jobs without an instance for `idle_ns` (finished jobs), so the
@@ -828,28 +856,33 @@ impl Stats {
     }
 }
 
-/// Keeps the arrivals of collective `seq` of window `key`, evaluated before every local rank
-/// arrived, for its root span: only where a root can come of it (a sent rank span), within
-/// [`MAX_LATE`]; otherwise no root comes of it. Only instances re-read after a restart: most
-/// likely the others' records were committed once the root was acknowledged (each segment commits
-/// on its own), so their records stop waiting now; a late rank still carries the root.
+/// Collective `seq` of window `key`, evaluated before every local rank arrived: its root is sent
+/// now with the ranks that came if rank 0's span is one of them ([`Stats::take_roots_due`]), and
+/// its ranks' records wait on that; without rank 0 they wait no longer (rank 0 coming late carries
+/// the root itself). Its arrivals are kept, at most [`MAX_LATE`] of them and [`LATE_NS`], for a
+/// late rank (a graph replay's held work) to find: the last carries the root over them all.
 fn keep_late(
     late: &mut Late,
+    roots_due: &mut Vec<(Shared, RootWait)>,
     key: (u32, u64, u64, u32),
     seq: u64,
     rv: &mut Rendezvous,
     now_ns: u64,
 ) {
-    if !rv.fresh {
-        rv.root.settle();
-    }
-    if late.len() < MAX_LATE && rv.arrivals.iter().any(|a| a.sent) {
-        let kept = (rv.arrivals.clone(), now_ns, rv.root.clone());
-        if let Some((_, _, replaced)) = late.insert((key.0, key.1, key.2, key.3, seq), kept) {
-            replaced.settle();
+    let late_key = (key.0, key.1, key.2, key.3, seq);
+    let root_sent = match rv.rank0.take() {
+        Some(mut root) => {
+            root.inst.trace_root = root_span(&rv.arrivals);
+            roots_due.push((root, rv.root.clone()));
+            true
         }
-    } else {
-        rv.root.settle();
+        None => {
+            rv.root.settle();
+            false
+        }
+    };
+    if late.len() < MAX_LATE && rv.arrivals.iter().any(|a| a.sent) {
+        late.insert(late_key, (rv.arrivals.clone(), now_ns, root_sent));
     }
 }
 
@@ -1023,9 +1056,10 @@ mod tests {
     }
 
     /// Issue 37: the root depends on every local rank's instance, so each waits on its settlement
-    /// (the engine keeps their records until then); one that completes without a root, or whose
-    /// last rank never comes, is settled here. Instances re-read after a restart meet again and
-    /// carry the root again, without counting their skew twice.
+    /// (the engine keeps their records until then); one that completes without a root is settled
+    /// here, and one whose skew window closes first sends its root with the ranks that came or,
+    /// without rank 0, waits no longer. Instances re-read after a restart meet again and carry the
+    /// root again, without counting their skew twice.
     #[test]
     fn every_local_rank_waits_on_its_roots_settlement_and_re_read_ranks_meet_again() {
         let mut s = Stats::new(60_000_000_000, 1_000_000_000, 100);
@@ -1047,15 +1081,42 @@ mod tests {
         s.observe(coll(1, 2, 100, 500).view(), 0, 1, sent);
         let o = s.observe(coll(0, 2, 100, 500).view(), 0, 1, no_spans);
         assert!(o.trace_root.is_none() && o.root_wait.unwrap().settled());
-        // A rank that never comes: kept for a late rank, then settled without a root.
+        // Rank 1 never comes in time: rank 0's root is sent when the skew window closes, over the
+        // rank that came, and its records wait for that export; rank 1 coming later carries it
+        // again over both (the same ids).
         let alone = s
             .observe(coll(0, 3, 100, 500).view(), 0, 1, sent)
             .root_wait
             .unwrap();
+        assert!(s.take_roots_due().is_empty());
         s.expire(2_000_000_000);
-        assert!(!alone.settled(), "a late rank may still carry it");
-        s.expire(2_000_000_000 + LATE_NS);
-        assert!(alone.settled());
+        let due = s.take_roots_due();
+        assert_eq!(due.len(), 1);
+        let (root, due_wait) = &due[0];
+        assert_eq!(root.inst.trace_root, Some((100, 600)));
+        assert_eq!((root.inst.rank, root.inst.desc.seq), (0, 3));
+        assert_eq!(root.inst.live_spans, LiveSpans::None, "only the root");
+        assert!(root.inst.channels.is_empty());
+        assert!(
+            *due_wait == alone && !alone.settled(),
+            "settled by its export"
+        );
+        let o = s.observe(coll(1, 3, 100, 5_000).view(), 0, 1, sent);
+        assert_eq!(
+            (o.trace_root, o.root_wait),
+            (Some((100, 5_100)), None),
+            "the root again, over both"
+        );
+        // Rank 0 never comes in time: rank 1's records wait no longer, and rank 0 coming late
+        // carries the root over both, in its own export.
+        let early = s
+            .observe(coll(1, 5, 100, 500).view(), 0, 1, sent)
+            .root_wait
+            .unwrap();
+        s.expire(4_000_000_000);
+        assert!(early.settled() && s.take_roots_due().is_empty());
+        let o = s.observe(coll(0, 5, 150, 5_000).view(), 0, 1, sent);
+        assert_eq!((o.trace_root, o.root_wait), (Some((100, 5_150)), None));
         // After a restart both instances of seq 1 are read again: they meet, the last carries the
         // root again, and the skew is not counted a second time.
         let evaluated = s.skew_evaluated;
@@ -1069,8 +1130,34 @@ mod tests {
             .rejoin(coll(1, 4, 100, 500).view(), 0, LiveSpans::Rank)
             .root_wait
             .unwrap();
-        s.expire(2_000_000_000);
+        s.expire(6_000_000_000);
         assert!(reread.settled());
+    }
+
+    /// Issue 37: a rank whose segment the daemon reads before another local rank's communicator is
+    /// known meets no other; the other's instance of that collective, read next, awaited it in vain
+    /// and the root never came (a node's first collectives, in the fake-ranks test 9 of 30). Its
+    /// root is now sent when the skew window closes, over the ranks that came.
+    #[test]
+    fn a_rank_read_before_the_others_communicator_was_known_still_gets_its_root() {
+        let mut s = Stats::new(60_000_000_000, 1_000_000_000, 100);
+        let sent = |_: Option<u64>, _: u64| LiveSpans::Rank;
+        s.set_local_ranks(HashMap::from([((0, 9), 1)]));
+        let o = s.observe(coll(1, 0, 100, 500).view(), 0, 1, sent);
+        assert_eq!(
+            (o.trace_root, o.root_wait),
+            (None, None),
+            "alone, not rank 0"
+        );
+        s.set_local_ranks(HashMap::from([((0, 9), 2)]));
+        let o = s.observe(coll(0, 0, 120, 900).view(), 0, 1, sent);
+        assert_eq!(o.trace_root, None, "awaits rank 1");
+        let wait = o.root_wait.unwrap();
+        s.expire(1_000_000_000);
+        let due = s.take_roots_due();
+        assert_eq!(due.len(), 1, "the root is sent");
+        assert_eq!(due[0].0.inst.trace_root, Some((120, 1_020)));
+        assert!(due[0].1 == wait);
     }
 
     #[test]
