@@ -37,7 +37,7 @@ use crate::config::Config;
 use crate::group_commit::{BACKLOG_PAUSE, SpoolWriter};
 use crate::hub::{Durable, Hub, SpoolRun};
 use crate::instance::{InstanceRef, Shared};
-use crate::loss::{Loss, Losses, PluginCounts, PluginLosses};
+use crate::loss::{Loss, Losses, PluginCounts, PluginLosses, Refusals};
 use crate::metrics::{self, Health};
 use crate::otlp::{ExportCounters, SpanItem};
 use crate::prometheus;
@@ -95,8 +95,12 @@ pub struct Attach {
 /// What the registration socket hands the engine.
 pub enum Handover {
     Attach(Attach),
-    /// A segment refused before it was mapped, counted under this stage.
-    Refused(Loss),
+    /// A segment (or registration connection) of `uid` refused before it was mapped, counted
+    /// under `stage`.
+    Refused {
+        uid: u32,
+        stage: Loss,
+    },
 }
 
 /// Where the engine sends what it produces besides the spool and the hub.
@@ -388,6 +392,8 @@ pub struct Engine {
     /// Assembler counters of segments already reaped.
     reaped_asm: AssembleCounters,
     daemon_lost: Losses,
+    /// Registrations refused, per uid (see [`Refusals`]).
+    refusals: Refusals,
     /// Commits past open operations or unacknowledged spans because the ring was over half full.
     forced_commits: u64,
     /// Operations parked (see `Assembler::park`).
@@ -469,6 +475,7 @@ impl Engine {
             plugin: PluginLosses::default(),
             reaped_asm: AssembleCounters::default(),
             daemon_lost: Losses::default(),
+            refusals: Refusals::default(),
             forced_commits: 0,
             parked_ops: 0,
             tick_ns: 0,
@@ -552,7 +559,7 @@ impl Engine {
                     tracing::warn!(segment = %a.key, error = %e, "restored segment not attached");
                 }
             }
-            Handover::Refused(stage) => self.daemon_lost.add(stage, 1),
+            Handover::Refused { uid, stage } => self.refusals.add(uid, stage),
         }
     }
 
@@ -564,7 +571,7 @@ impl Engine {
                 tracing::warn!(segment = %key, reason = %why, held_back, "segment refused; attached if handed over again once it may be");
             }
             remember(&mut self.refused, key, self.cfg.drain.max_segments);
-            self.daemon_lost.add(stage, 1);
+            self.refusals.add(key.uid, stage);
         }
     }
 
@@ -1383,9 +1390,11 @@ impl Engine {
                 .saturating_sub(asm.dev_p2p),
         );
         lost.insert("rank_series_limit".into(), self.stats.rank_series_refused);
-        // Every stage, exported from the start (not only once one happened).
-        for (stage, n) in self.daemon_lost.iter() {
-            lost.insert(stage.into(), n);
+        // Every stage, exported from the start (not only once one happened); each uid's refusals
+        // within its bound.
+        let refused = self.refusals.node(Instant::now());
+        for ((stage, n), (_, r)) in self.daemon_lost.iter().zip(refused.iter()) {
+            lost.insert(stage.into(), n.saturating_add(r));
         }
         Health {
             segments: self.segments.len() as u64,
@@ -1404,6 +1413,7 @@ impl Engine {
             clock_steps: self.clock.steps,
             skew_clock_step: self.stats.skew_clock_step,
             plugin_lost_by_uid,
+            refused_by_uid: self.refusals.by_uid(),
         }
     }
 

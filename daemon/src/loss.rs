@@ -182,9 +182,86 @@ impl PluginLosses {
 
 /// What a uid's `counts`, here `since`, contribute to the node-wide totals at `now`.
 fn taken_in(counts: &PluginCounts, since: Instant, now: Instant) -> PluginCounts {
-    let elapsed = now.saturating_duration_since(since).as_nanos();
-    let bound = (elapsed * UID_RATE_PER_SEC as u128 / 1_000_000_000).min(u64::MAX as u128) as u64;
+    let bound = rate_bound(since, now, UID_RATE_PER_SEC);
     counts.map(|v| v.min(bound))
+}
+
+/// `per_sec` times the time from `since` to `now`: how much of one uid's count a node-wide figure
+/// takes in by then.
+fn rate_bound(since: Instant, now: Instant, per_sec: u64) -> u64 {
+    let elapsed = now.saturating_duration_since(since).as_nanos();
+    (elapsed * per_sec as u128 / 1_000_000_000).min(u64::MAX as u128) as u64
+}
+
+/// How many of one uid's refused registrations a node-wide stage takes in per second since its
+/// first: any local user can open registration connections and send junk as fast as the daemon
+/// answers (568,000 `segment_invalid` in 15 s), which buried another user's refused segment in the
+/// node-wide figure. Its own series (`ncclscope_refused_total{uid,stage}`) is exact; a plugin
+/// retrying a refused segment every 2 s, even a job's worth of them, stays within the bound.
+pub const UID_REFUSALS_PER_SEC: u64 = 64;
+
+/// Uids whose refusals are kept: past it, the one refused longest ago is forgotten (what the
+/// node-wide figures took in from it stays there).
+pub const MAX_REFUSED_UIDS: usize = 1024;
+
+/// Registrations refused (segments and connections), per uid, and what the node-wide figures take
+/// in of them (see [`UID_REFUSALS_PER_SEC`]).
+#[derive(Default)]
+pub struct Refusals {
+    uids: HashMap<u32, UidRefusals>,
+    /// Taken in from uids forgotten.
+    forgotten: Losses,
+}
+
+struct UidRefusals {
+    counts: Losses,
+    /// Its first refusal (since it was last forgotten), and its latest.
+    since: Instant,
+    last: Instant,
+}
+
+impl Refusals {
+    pub fn add(&mut self, uid: u32, stage: Loss) {
+        let now = Instant::now();
+        if !self.uids.contains_key(&uid)
+            && self.uids.len() >= MAX_REFUSED_UIDS
+            && let Some((&old, _)) = self.uids.iter().min_by_key(|(_, u)| u.last)
+        {
+            let gone = self.uids.remove(&old).expect("listed above");
+            let bound = rate_bound(gone.since, now, UID_REFUSALS_PER_SEC).max(1);
+            for &s in Loss::ALL {
+                self.forgotten.add(s, gone.counts.get(s).min(bound));
+            }
+        }
+        let u = self.uids.entry(uid).or_insert_with(|| UidRefusals {
+            counts: Losses::default(),
+            since: now,
+            last: now,
+        });
+        u.counts.add(stage, 1);
+        u.last = now;
+    }
+
+    /// Each kept uid's non-zero stages, exact.
+    pub fn by_uid(&self) -> std::collections::BTreeMap<(u32, &'static str), u64> {
+        let counts = self.uids.iter().flat_map(|(&uid, u)| {
+            (u.counts.iter()).filter_map(move |(stage, n)| (n > 0).then_some(((uid, stage), n)))
+        });
+        counts.collect()
+    }
+
+    /// The node-wide figure of each stage at `now`: every uid's within its bound, plus what
+    /// forgotten uids contributed. A first refusal shows at once (the bound starts at one).
+    pub fn node(&self, now: Instant) -> Losses {
+        let mut node = self.forgotten.clone();
+        for u in self.uids.values() {
+            let bound = rate_bound(u.since, now, UID_REFUSALS_PER_SEC).max(1);
+            for &s in Loss::ALL {
+                node.add(s, u.counts.get(s).min(bound));
+            }
+        }
+        node
+    }
 }
 
 #[cfg(test)]
@@ -284,5 +361,51 @@ mod tests {
             node[Counter::QueueFull as usize],
             MAX_DETACHED_UIDS as u64 + 1
         );
+    }
+
+    /// Issue 37: junk registrations raised the node-wide `segment_invalid` by 568 k in 15 s. Each
+    /// uid's refusals are exact in its own series; the node-wide figure takes in each uid's at most
+    /// [`UID_REFUSALS_PER_SEC`] since its first, and another uid's refusal shows there at once.
+    #[test]
+    fn one_uids_refusals_enter_the_node_wide_figure_only_within_its_bound() {
+        let (hostile, victim) = (1002, 1001);
+        let mut r = Refusals::default();
+        let t0 = Instant::now();
+        for _ in 0..100_000 {
+            r.add(hostile, Loss::SegmentInvalid);
+        }
+        r.add(victim, Loss::SegmentInvalid);
+        r.add(victim, Loss::SegmentForeign);
+        let by_uid = r.by_uid();
+        assert_eq!(by_uid[&(hostile, "segment_invalid")], 100_000, "exact");
+        assert_eq!(by_uid[&(victim, "segment_invalid")], 1);
+        assert_eq!(by_uid[&(victim, "segment_foreign")], 1);
+        assert_eq!(by_uid.len(), 3, "non-zero stages only");
+        let later = t0 + std::time::Duration::from_secs(2);
+        let bound = rate_bound(t0, later, UID_REFUSALS_PER_SEC);
+        let node = r.node(later);
+        assert!(node.get(Loss::SegmentInvalid) <= bound + 1, "not 100,000");
+        assert!(node.get(Loss::SegmentInvalid) >= 2 * UID_REFUSALS_PER_SEC);
+        assert_eq!(node.get(Loss::SegmentForeign), 1, "the victim's, at once");
+        let much_later = t0 + std::time::Duration::from_secs(3600);
+        assert_eq!(r.node(much_later).get(Loss::SegmentInvalid), 100_001);
+    }
+
+    /// Past [`MAX_REFUSED_UIDS`], the uid refused longest ago is forgotten; what the node-wide
+    /// figure took in from it stays.
+    #[test]
+    fn refusals_keep_a_bounded_set_of_uids() {
+        let mut r = Refusals::default();
+        for uid in 0..=MAX_REFUSED_UIDS as u32 {
+            r.add(uid, Loss::SegmentUnsealed);
+            if uid == 0 {
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+        }
+        let by_uid = r.by_uid();
+        assert_eq!(by_uid.len(), MAX_REFUSED_UIDS);
+        assert!(!by_uid.contains_key(&(0, "segment_unsealed")), "the oldest");
+        let node = r.node(Instant::now());
+        assert_eq!(node.get(Loss::SegmentUnsealed), MAX_REFUSED_UIDS as u64 + 1);
     }
 }

@@ -108,6 +108,9 @@ pub struct Health {
     /// Plugin counters per (uid, stage): whose processes reported the loss (every stage of a uid
     /// with a segment attached, a detached uid's non-zero ones).
     pub plugin_lost_by_uid: BTreeMap<(u32, &'static str), u64>,
+    /// Registrations refused per (uid, stage), exact (non-zero ones of the uids kept: see
+    /// [`crate::loss::Refusals`]).
+    pub refused_by_uid: BTreeMap<(u32, &'static str), u64>,
 }
 
 fn comm_label(hash: u64) -> String {
@@ -300,6 +303,20 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
         );
     }
     out.push(by_uid);
+    let mut refused = Family::new(
+        "ncclscope_refused_total",
+        "{registration}",
+        "Registrations (segments, connections) of one uid refused, per stage, exactly (the node-wide \
+         ncclscope_lost_total takes each uid's in only up to a rate since its first)",
+        Kind::Counter,
+    );
+    for (&(uid, stage), v) in &health.refused_by_uid {
+        refused.push(
+            vec![("uid", uid.to_string()), ("stage", stage.to_string())],
+            *v as f64,
+        );
+    }
+    out.push(refused);
     out.push(counter(
         "ncclscope_spans_exported_total",
         "{span}",

@@ -95,7 +95,7 @@ fn refuse(stream: &UnixStream, uid: u32, full: Full, engine: &std_mpsc::Sender<H
         tracing::warn!(uid, reason = %reason, held_back, "registration connection refused");
     }
     let _ = stream.try_write(format!("ERR {reason}\n").as_bytes());
-    let _ = engine.send(Handover::Refused(stage));
+    let _ = engine.send(Handover::Refused { uid, stage });
 }
 
 /// Why a handed-over segment was refused: the loss stage it is counted under, and the reply.
@@ -178,7 +178,8 @@ async fn register(
             if let Some(held_back) = crate::ratelimit::lines().allow(cred.uid()) {
                 tracing::warn!(pid, uid = cred.uid(), reason = %reason, held_back, "segment refused");
             }
-            let _ = engine.send(Handover::Refused(stage));
+            let uid = cred.uid();
+            let _ = engine.send(Handover::Refused { uid, stage });
             return Err(reason);
         }
     };
@@ -323,7 +324,7 @@ mod tests {
         refused_as(OTHER, 1).await.unwrap();
         let refused = rx
             .try_iter()
-            .filter(|h| matches!(h, Handover::Refused(_)))
+            .filter(|h| matches!(h, Handover::Refused { .. }))
             .count();
         assert_eq!(refused, FLOOD + 1, "every refusal counted");
         let text = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
@@ -347,7 +348,7 @@ mod tests {
             let mut refused = Vec::new();
             for h in rx {
                 match h {
-                    Handover::Refused(stage) => refused.push(stage),
+                    Handover::Refused { stage, .. } => refused.push(stage),
                     Handover::Attach(a) => {
                         a.reply.unwrap().send(Ok(())).unwrap();
                         return (a.key, refused);

@@ -953,17 +953,84 @@ fn one_user_holding_its_most_registration_connections_costs_another_users_job_no
         let sample = format!("ncclscope_lost_total{{stage=\"{stage}\"}} 0");
         assert!(text.lines().any(|l| l == sample), "{sample}\n{text}");
     }
-    let refused: f64 = (text.lines())
-        .find_map(|l| l.strip_prefix("ncclscope_lost_total{stage=\"uid_connection_quota\"} "))
-        .and_then(|v| v.parse().ok())
-        .unwrap();
+    let refused = sample(
+        &text,
+        &format!("ncclscope_refused_total{{uid=\"{A}\",stage=\"uid_connection_quota\"}}"),
+    );
     assert!(
         refused >= 200.0,
-        "A's connections past its most are counted: {refused}"
+        "A's connections past its most are counted, in A's series: {refused}"
     );
     let spool = ncclscope::spool::SpoolReader::open_dir(node.path("spool")).unwrap();
     assert_eq!(spool.read_job(&(B, JOB.into())).count() as u64, NCOLLS);
     eprintln!(
         "connections: A held {MAX_CONNECTIONS_PER_UID}, {refused} refused; B's {NCOLLS} collectives spooled, 0 spool_failed, 0 state_write_failed"
+    );
+}
+
+/// A sample's value in a metrics text.
+fn sample(text: &str, sample: &str) -> f64 {
+    let v = (text.lines()).find_map(|l| l.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok());
+    v.unwrap_or_else(|| panic!("{sample} missing\n{text}"))
+}
+
+/// Issue 37: any user's junk registrations raised the node-wide `segment_invalid` by 568 k in 15 s,
+/// burying another user's refused segment, and nothing said whose they were. A sends JUNK
+/// malformed registrations through the real socket, B hands over a segment another uid created:
+/// each is counted exactly in its uid's `ncclscope_refused_total`, the node-wide figure takes in A's
+/// only up to its rate since its first, and B's refusal shows there in full.
+#[test]
+fn one_users_junk_registrations_are_its_own_and_cannot_bury_anothers_refusal() {
+    use std::io::BufRead;
+    use std::os::unix::net::UnixStream;
+    const JUNK: u64 = 5_000;
+    let mut node = Node::start("", "");
+    let socket = node.path("reg.sock");
+    let started = Instant::now();
+    let hostile = std::thread::spawn(move || {
+        rustix::thread::set_thread_uid(rustix::process::Uid::from_raw(A)).unwrap();
+        for _ in 0..JUNK {
+            let mut s = UnixStream::connect(&socket).unwrap();
+            s.write_all(b"junk\n").unwrap();
+            let mut reply = String::new();
+            std::io::BufReader::new(&s).read_line(&mut reply).unwrap();
+            assert!(reply.starts_with("ERR expected `REGISTER`"), "{reply}");
+        }
+    });
+    hostile.join().unwrap();
+    let c = node.spawn(0, "foreign", &B.to_string());
+    assert_eq!(
+        node.reply(c),
+        format!("ERR the segment was created by uid 0, the peer is uid {B}")
+    );
+    node.wait_all();
+    node.wait_metric(
+        &format!("ncclscope_refused_total{{uid=\"{B}\",stage=\"segment_foreign\"}}"),
+        1.0,
+    );
+    let text = node.wait_metric(
+        &format!("ncclscope_refused_total{{uid=\"{A}\",stage=\"segment_invalid\"}}"),
+        JUNK as f64,
+    );
+    let bound =
+        started.elapsed().as_secs_f64() * ncclscope::loss::UID_REFUSALS_PER_SEC as f64 + 1.0;
+    let invalid = sample(&text, "ncclscope_lost_total{stage=\"segment_invalid\"}");
+    assert!(
+        invalid <= bound && invalid < JUNK as f64,
+        "node-wide segment_invalid {invalid}: A's {JUNK} taken in at most {bound:.0}"
+    );
+    assert_eq!(
+        sample(&text, "ncclscope_lost_total{stage=\"segment_foreign\"}"),
+        1.0,
+        "B's, in full"
+    );
+    assert!(
+        !text.contains(&format!(
+            "ncclscope_refused_total{{uid=\"{B}\",stage=\"segment_invalid\"}}"
+        )),
+        "A's junk is not B's"
+    );
+    eprintln!(
+        "junk: A's {JUNK} refused exactly in its series, node-wide segment_invalid {invalid} (bound {bound:.0}); B's segment_foreign 1"
     );
 }
