@@ -281,8 +281,9 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
     let mut lost = Family::new(
         "ncclscope_lost_total",
         "{event}",
-        "Events lost (or declined) per stage: the daemon's own, and plugin counters (each uid's taken \
-         in only up to a rate since it attached; ncclscope_plugin_lost_total has it exact)",
+        "Events lost (or declined) per stage: the daemon's own, and plugin counters and refused \
+         registrations (each uid's taken in only up to a rate; ncclscope_plugin_lost_total and \
+         ncclscope_refused_total have them exact)",
         Kind::Counter,
     );
     for (stage, v) in &health.lost {
