@@ -22,8 +22,8 @@ use ncclscope_proto::api::LiveSpans;
 pub const OVERFLOW_BUCKET: &str = "other";
 /// Collectives of one communicator awaited at once for the skew computation.
 const MAX_WINDOW: usize = 65_536;
-/// Collectives awaited at once over all communicators (a slot is 32 bytes): a window grows past its
-/// share only while the others leave room.
+/// Collectives awaited at once over all communicators (a slot is at most 64 bytes, plus its
+/// arrivals): a window grows past its share only while the others leave room.
 const MAX_SLOTS: usize = 1 << 20;
 /// Collectives that start this long before a host clock step ([`Stats::clock_stepped`]) or this
 /// long after it, on the clock before or after it, are left out of the skew: the processes
@@ -257,7 +257,7 @@ struct Rendezvous {
     root: RootWait,
     /// Rank 0's instance, without its channels, once it came with its span sent and others were
     /// still awaited: what sends the root if the skew window closes first.
-    rank0: Option<Shared>,
+    rank0: Option<Box<Shared>>,
 }
 
 /// One communicator's collectives of one type awaiting their local ranks, by seq: slot `k` is seq
@@ -598,8 +598,8 @@ impl Stats {
                 arrivals.push(arrival);
                 // The last local rank carries the root over them all (again, with the same ids,
                 // if it went when the skew window closed: at least once); rank 0 coming late
-                // carries it over the ranks that came. Each in its own export, which its records
-                // wait on: the others' records wait no longer.
+                // carries it over the ranks that came. Only the carrier's records wait on it: the
+                // others' wait no longer.
                 let all = arrivals.len() >= expected;
                 if !all && (c.rank != 0 || !sent || *root_sent) {
                     return (None, None);
@@ -609,7 +609,7 @@ impl Stats {
                 if all {
                     self.late.remove(&late_key);
                 }
-                return (root, None);
+                return settled_unless_root(root, RootWait::default());
             }
         }
         let ranks = &mut self.ranks;
@@ -699,10 +699,10 @@ impl Stats {
                 w.base += 1;
             }
         } else if c.rank == 0 && sent {
-            rv.rank0 = Some(Shared {
+            rv.rank0 = Some(Box::new(Shared {
                 inst: c.inst.root_only(None),
                 names: c.names.clone(),
-            });
+            }));
         }
         self.slots = self.slots + w.slots.len() - before;
         self.skew_evaluated += evaluated;
@@ -873,7 +873,7 @@ fn keep_late(
     let root_sent = match rv.rank0.take() {
         Some(mut root) => {
             root.inst.trace_root = root_span(&rv.arrivals);
-            roots_due.push((root, rv.root.clone()));
+            roots_due.push((*root, rv.root.clone()));
             true
         }
         None => {
@@ -1103,9 +1103,14 @@ mod tests {
         );
         let o = s.observe(coll(1, 3, 100, 5_000).view(), 0, 1, sent);
         assert_eq!(
-            (o.trace_root, o.root_wait),
-            (Some((100, 5_100)), None),
+            o.trace_root,
+            Some((100, 5_100)),
             "the root again, over both"
+        );
+        let carried = o.root_wait.unwrap();
+        assert!(
+            carried != alone && !carried.settled(),
+            "its own export settles it"
         );
         // Rank 0 never comes in time: rank 1's records wait no longer, and rank 0 coming late
         // carries the root over both, in its own export.
@@ -1116,7 +1121,8 @@ mod tests {
         s.expire(4_000_000_000);
         assert!(early.settled() && s.take_roots_due().is_empty());
         let o = s.observe(coll(0, 5, 150, 5_000).view(), 0, 1, sent);
-        assert_eq!((o.trace_root, o.root_wait), (Some((100, 5_150)), None));
+        assert_eq!(o.trace_root, Some((100, 5_150)));
+        assert!(o.root_wait.is_some_and(|w| w != early && !w.settled()));
         // After a restart both instances of seq 1 are read again: they meet, the last carries the
         // root again, and the skew is not counted a second time.
         let evaluated = s.skew_evaluated;
@@ -1140,6 +1146,7 @@ mod tests {
     /// root is now sent when the skew window closes, over the ranks that came.
     #[test]
     fn a_rank_read_before_the_others_communicator_was_known_still_gets_its_root() {
+        assert!(size_of::<Option<Rendezvous>>() <= 64, "see MAX_SLOTS");
         let mut s = Stats::new(60_000_000_000, 1_000_000_000, 100);
         let sent = |_: Option<u64>, _: u64| LiveSpans::Rank;
         s.set_local_ranks(HashMap::from([((0, 9), 1)]));
