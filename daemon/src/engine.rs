@@ -183,7 +183,7 @@ struct Attached {
     next_emit: u64,
     /// Completed operations queued for export and not yet acknowledged.
     unacked: Unacked,
-    /// Delivered operations whose collective's root span is not settled.
+    /// Delivered operations whose collective's root span is not settled (not graph replays').
     roots: RootHolds,
     /// Operations this daemon delivered whose records are not yet committed: id -> (pos, sinks).
     delivered: HashMap<u64, (u64, u8), foldhash::fast::RandomState>,
