@@ -532,6 +532,7 @@ mod tests {
                 rank: 1,
                 ..Default::default()
             }],
+            p2p: vec![],
             health: None,
         });
         let batch: Vec<_> = (0..1000)

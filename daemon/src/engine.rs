@@ -1337,6 +1337,7 @@ impl Engine {
         self.hub.set_stats(StatsResponse {
             colls: self.stats.coll_stats(),
             ranks: self.stats.rank_stats(&lost_by_rank),
+            p2p: self.stats.p2p_stats(),
             health: Some(ApiHealth {
                 segments: health.segments,
                 records_in: health.records_in,

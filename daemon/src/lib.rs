@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod notify;
 pub mod otlp;
 pub mod otlp_json;
+pub mod peers;
 pub mod per_uid;
 pub mod perfetto;
 pub mod perfetto_proto;

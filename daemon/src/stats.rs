@@ -9,11 +9,12 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use ncclscope_proto::api::{CollStats, RankStats};
+use ncclscope_proto::api::{CollStats, P2pStats, RankStats};
 
 use crate::bandwidth;
 use crate::histogram::{BUSBW_GBS, Distribution, EXEC_US, Exemplar, Rolling, SKEW_US, Sample};
 use crate::instance::InstanceRef;
+use crate::peers::{Direction, Peers, Transfer};
 use crate::spans;
 use ncclscope_proto::api::LiveSpans;
 
@@ -189,6 +190,8 @@ pub struct RankSeries {
     /// Earliest and latest end time of this rank's collectives (a job's span, over its ranks).
     first_end_ns: u64,
     last_end_ns: u64,
+    /// Its sends and receives per peer.
+    pub peers: Peers,
 }
 
 #[derive(Clone, Copy)]
@@ -397,6 +400,7 @@ impl Stats {
                 last_ns: now_ns,
                 first_end_ns: c.end_unix_ns,
                 last_end_ns: c.end_unix_ns,
+                peers: Peers::default(),
             };
             (key, series)
         });
@@ -407,6 +411,16 @@ impl Stats {
         r.first_end_ns = r.first_end_ns.min(c.end_unix_ns);
         r.last_end_ns = r.last_end_ns.max(c.end_unix_ns);
         r.rolling_exec_ns.record(exec_ns, now_ns, window);
+        if let Some(direction) = Direction::of(c.func()).filter(|_| c.desc.is_p2p) {
+            let transfer = Transfer {
+                direction,
+                peer: c.desc.peer,
+                bytes: c.bytes,
+                exec_ns: c.exec_ns,
+                device_timed: c.timing_source != "host",
+            };
+            r.peers.record(transfer, now_ns, window);
+        }
         let local_lateness_ns =
             (r.local_lateness_ns).filter(|_| live != LiveSpans::None && !c.desc.is_p2p);
         // Skew needs at least two of the collective's ranks on this node.
@@ -748,6 +762,16 @@ impl Stats {
             (a.uid, &a.job_id, a.comm_hash, a.rank).cmp(&(b.uid, &b.job_id, b.comm_hash, b.rank))
         });
         out
+    }
+
+    /// The stats API's per-peer view of sends and receives, ranks in order.
+    pub fn p2p_stats(&self) -> Vec<P2pStats> {
+        let mut ranks: Vec<_> = self.ranks.iter().collect();
+        ranks.sort_by(|a, b| a.0.cmp(b.0));
+        ranks
+            .into_iter()
+            .flat_map(|(k, r)| r.peers.rows(k.uid, &k.job, k.comm_hash, k.rank))
+            .collect()
     }
 }
 
