@@ -5,7 +5,8 @@
 //! disabled if an administrator disabled them; a reinstall after removal enables them again), whose
 //! installed units pass
 //! `systemd-analyze verify` and keep their hardening; the daemon in it links no test code; purging
-//! it leaves nothing behind.
+//! it leaves nothing behind. The unit's address filter lets the collector and the Prometheus the
+//! configuration names through once `ncclscope systemd-dropin` wrote its drop-in.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -390,4 +391,79 @@ fn where_neither_systemd_nor_adduser_exists_it_installs_and_enables_nothing() {
     assert!(!root.path("/etc/passwd").exists());
     root.dpkg_with_path(&["--purge".as_ref(), "ncclscope".as_ref()], &path);
     assert!(!root.path("/usr/bin/ncclscope").exists());
+}
+
+/// Issue 39: the unit allows localhost only (`IPAddressDeny=any`), which blocked the documented
+/// remote scrape and a collector on another host until an operator edited the unit. Configured in
+/// ncclscope.toml, `ncclscope systemd-dropin` writes the drop-in that lets them through: systemd
+/// reads it (verify is clean, `security` sees the non-localhost allow list) and nothing else of the
+/// unit's hardening changes.
+#[test]
+fn the_dropin_lets_the_configured_collector_and_scrapers_through_the_unit() {
+    let root = Root::new();
+    let units = root.path("/etc/systemd/system");
+    for unit in ["ncclscope.service", "ncclscope.socket"] {
+        let from = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy")
+            .join(unit);
+        std::fs::copy(from, units.join(unit)).unwrap();
+    }
+    // The unit's ExecStart (deploy/'s copy names /usr/local/bin): this build's binary.
+    let bin = root.path("/usr/local/bin/ncclscope");
+    std::fs::create_dir_all(bin.parent().unwrap()).unwrap();
+    let built = ncclscope_tests::daemon_binary();
+    std::fs::hard_link(&built, &bin)
+        .or_else(|_| std::fs::copy(&built, &bin).map(drop))
+        .unwrap();
+    let ip_line = |root: &Root| {
+        let out = root.analyze(&["security", "--offline=true", "ncclscope.service"]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        (text.lines())
+            .find(|l| l.contains("IPAddressDeny="))
+            .unwrap_or_else(|| panic!("{text}"))
+            .to_string()
+    };
+    assert!(ip_line(&root).contains("only localhost entries"));
+
+    let config = root.path("/etc/ncclscope/ncclscope.toml");
+    std::fs::create_dir_all(config.parent().unwrap()).unwrap();
+    std::fs::write(
+        &config,
+        "[otlp]\nendpoint = \"http://10.20.30.40:4317\"\n\
+         [prometheus]\nlisten = \"0.0.0.0:9464\"\nremote_scrapers = \"10.1.0.0/16\"\n",
+    )
+    .unwrap();
+    let dropin = root.path("/etc/systemd/system/ncclscope.service.d/network.conf");
+    run(Command::new(&built)
+        .arg("systemd-dropin")
+        .arg("--config")
+        .arg(&config)
+        .arg("--output")
+        .arg(&dropin));
+    let text = std::fs::read_to_string(&dropin).unwrap();
+    let allowed: Vec<&str> = (text.lines())
+        .filter_map(|l| l.strip_prefix("IPAddressAllow="))
+        .collect();
+    assert_eq!(allowed, ["10.20.30.40", "10.1.0.0/16"], "{text}");
+    let verify = root.analyze(&["verify", "ncclscope.socket", "ncclscope.service"]);
+    assert!(
+        verify.status.success() && verify.stdout.is_empty() && verify.stderr.is_empty(),
+        "systemd-analyze verify with the drop-in: {verify:?}"
+    );
+    assert!(
+        ip_line(&root).contains("non-localhost entries"),
+        "{}",
+        ip_line(&root)
+    );
+    let security = root.analyze(&[
+        "security",
+        "--offline=true",
+        "--threshold=13",
+        "ncclscope.service",
+    ]);
+    assert!(
+        security.status.success(),
+        "{}",
+        String::from_utf8_lossy(&security.stdout)
+    );
 }
