@@ -1314,5 +1314,36 @@ mod tests {
         let text = include_str!("../../deploy/ncclscope.toml");
         let c = load(text, &[], Overrides::default()).unwrap();
         c.validate().unwrap();
+        assert_eq!(c, Config::default(), "the example shows the defaults");
+    }
+
+    /// Issue 39: the shipped file set every `[otlp]` key, empty, so it overrode the OTEL_* variables
+    /// below it: the DaemonSet's OTEL_RESOURCE_ATTRIBUTES (the node's name) and a pod's
+    /// OTEL_EXPORTER_OTLP_ENDPOINT were ignored. The example leaves those keys to the variables.
+    #[test]
+    fn the_shipped_example_leaves_the_otel_variables_their_keys() {
+        let text = include_str!("../../deploy/ncclscope.toml");
+        let env: Vec<(String, &str)> = otel_variables()
+            .into_iter()
+            .map(|(var, key)| {
+                let value = match key {
+                    "endpoint" => "https://collector:4317",
+                    "headers" => "X-Scope-OrgID=t",
+                    "compression" => "gzip",
+                    "request_timeout_ms" => "7000",
+                    "ca_file" | "cert_file" | "key_file" => "",
+                    _ => "host.name=node-7",
+                };
+                (var, value)
+            })
+            .collect();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        let c = load(text, &env, Overrides::default()).unwrap();
+        assert_eq!(c.otlp.endpoint, "https://collector:4317");
+        assert_eq!(c.otlp.headers, "X-Scope-OrgID=t");
+        assert_eq!(c.otlp.compression, "gzip");
+        assert_eq!(c.otlp.request_timeout_ms, 7000);
+        assert_eq!(c.otlp.service_name, "host.name=node-7");
+        assert_eq!(c.otlp.resource_attributes, "host.name=node-7");
     }
 }

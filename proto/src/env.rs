@@ -5,7 +5,7 @@
 /// Every prefix of this crate's variables.
 pub const PREFIX: &str = "NCCLSCOPE_";
 
-/// The variables the plugin reads (README, "Plugin").
+/// The variables the plugin reads (docs/operator-guide.md, "The plugin").
 pub const PLUGIN: &[&str] = &[
     "NCCLSCOPE_DISABLE",
     "NCCLSCOPE_EVENT_MASK",

@@ -97,6 +97,23 @@ fn the_package_holds_exactly_the_daemon_the_plugin_the_units_and_the_config() {
         ),
         ("/usr/share/ncclscope/enroot/ncclscope.fstab", "-rw-r--r--"),
         ("/usr/share/doc/ncclscope/README.md", "-rw-r--r--"),
+        (
+            "/usr/share/doc/ncclscope/docs/operator-guide.md",
+            "-rw-r--r--",
+        ),
+        (
+            "/usr/share/doc/ncclscope/docs/troubleshooting.md",
+            "-rw-r--r--",
+        ),
+        (
+            "/usr/share/doc/ncclscope/docs/configuration.md",
+            "-rw-r--r--",
+        ),
+        ("/usr/share/doc/ncclscope/docs/metrics.md", "-rw-r--r--"),
+        (
+            "/usr/share/doc/ncclscope/docs/how-it-works.md",
+            "-rw-r--r--",
+        ),
         ("/usr/share/doc/ncclscope/copyright", "-rw-r--r--"),
     ]
     .into_iter()
@@ -243,7 +260,7 @@ fn installed_by_dpkg_it_creates_its_user_enables_its_units_and_they_verify() {
         verify.status.success() && verify.stdout.is_empty() && verify.stderr.is_empty(),
         "systemd-analyze verify of the installed units: {verify:?}"
     );
-    // The exposure the README states (1.2 on systemd 252) for the installed unit, not only the copy in deploy/.
+    // The exposure docs/operator-guide.md states (1.2 on systemd 252) for the installed unit, not only the copy in deploy/.
     let security = root.analyze(&[
         "security",
         "--offline=true",
@@ -307,7 +324,7 @@ fn installed_by_dpkg_it_creates_its_user_enables_its_units_and_they_verify() {
         multiarch()
     ));
 
-    // The plugin carries the device hook (compiled by nvcc with its register cap; README, Device hook).
+    // The plugin carries the device hook (compiled by nvcc with its register cap; docs/how-it-works.md, "Device hook").
     let so = std::fs::read(&plugin_so).unwrap();
     assert!(
         so.windows(16).any(|w| w == b"-maxrregcount 32"),
@@ -402,6 +419,7 @@ fn where_neither_systemd_nor_adduser_exists_it_installs_and_enables_nothing() {
 fn the_dropin_lets_the_configured_collector_and_scrapers_through_the_unit() {
     let root = Root::new();
     let units = root.path("/etc/systemd/system");
+    std::fs::create_dir_all(&units).unwrap();
     for unit in ["ncclscope.service", "ncclscope.socket"] {
         let from = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../deploy")
