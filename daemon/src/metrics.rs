@@ -68,7 +68,16 @@ const SERIES_LABELS: &[&str] = &[
     "algo_proto",
     "message_size",
 ];
-const RANK_LABELS: &[&str] = &["uid", "job_id", "comm", "rank", "gpu", "UUID"];
+const RANK_LABELS: &[&str] = &[
+    "uid",
+    "job_id",
+    "comm",
+    "rank",
+    "gpu",
+    "UUID",
+    "namespace",
+    "pod",
+];
 
 const fn job(
     name: &'static str,
@@ -138,7 +147,17 @@ pub const RANK_STRAGGLER: Def = job(
     "ncclscope_rank_straggler_total",
     "{collective}",
     Kind::Counter,
-    &["uid", "job_id", "comm", "rank", "gpu", "UUID", "when"],
+    &[
+        "uid",
+        "job_id",
+        "comm",
+        "rank",
+        "gpu",
+        "UUID",
+        "namespace",
+        "pod",
+        "when",
+    ],
     "Node-local: collectives in which this rank was the last of this node's ranks to start \
      (when=start) or to end (when=end); every node of a multi-node communicator has one, so \
      it is not the job's straggler (see ncclscope:rank_lateness_microseconds:1m)",
@@ -350,6 +369,14 @@ pub const LABELS: &[(&str, &str)] = &[
         "the rank's GPU UUID (`GPU-...`, DCGM exporter's name and the join key with its metrics); absent where the driver was not asked",
     ),
     (
+        "namespace",
+        "the rank's Kubernetes namespace (`NCCLSCOPE_K8S_NAMESPACE` in its pod, from the downward API; deploy/k8s/pod-snippet.yaml); absent elsewhere",
+    ),
+    (
+        "pod",
+        "the rank's Kubernetes pod (`NCCLSCOPE_K8S_POD_NAME`, likewise): with `namespace`, joins kube-state-metrics' and DCGM exporter's pod labels; absent elsewhere",
+    ),
+    (
         "when",
         "`start`: last of the node's ranks to start; `end`: last to end",
     ),
@@ -483,6 +510,13 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
         if let Some(g) = r.gpu {
             labels.push(("gpu", g.ordinal.to_string()));
             labels.push(("UUID", g.uuid_text()));
+        }
+        // kube-state-metrics' and DCGM exporter's names for the rank's pod.
+        if !r.pod.namespace.is_empty() {
+            labels.push(("namespace", r.pod.namespace.clone()));
+        }
+        if !r.pod.name.is_empty() {
+            labels.push(("pod", r.pod.name.clone()));
         }
         skew.points
             .push((labels.clone(), Value::Histogram(r.skew_us.clone())));
@@ -1353,6 +1387,8 @@ mod tests {
                 timing_source: "kernel_gpu".into(),
                 gpu: Some(rank),
                 gpu_uuid: format!("GPU-{rank:08}-0000-0000-0000-000000000000"),
+                k8s_pod: format!("train-{rank}"),
+                k8s_namespace: "ml".into(),
                 ..Default::default()
             });
             stats.observe(c.view(), 0, 1, |_, _| LiveSpans::Rank);
@@ -1374,6 +1410,17 @@ mod tests {
                 }
             }
         }
+        // The rank's pod, where its process said it runs in one: joins kube-state-metrics'.
+        let ranks = &built[FAMILIES
+            .iter()
+            .position(|d| d.name == RANK_COLLECTIVES.name)
+            .unwrap()];
+        let rank1 = &ranks.points[1].0;
+        assert!(rank1.contains(&("pod", "train-1".to_string())), "{rank1:?}");
+        assert!(
+            rank1.contains(&("namespace", "ml".to_string())),
+            "{rank1:?}"
+        );
         for l in FAMILIES.iter().flat_map(|d| d.labels) {
             assert!(
                 LABELS.iter().any(|(n, _)| n == l),

@@ -4,7 +4,10 @@
 //! the DaemonSet's environment answers; the job pod snippet reaching the same host socket directory and
 //! the plugin the init container installs; the kustomize base listing every manifest; the Service
 //! and the ServiceMonitor finding the daemons' metrics port; the cluster overlay (deploy/k8s-cluster)
-//! giving the daemon the node's collector and per-job series, still a valid DaemonSet.
+//! giving the daemon the node's collector and per-job series, still a valid DaemonSet; the pod
+//! snippet's pod and namespace reaching the ranks' metrics and spans.
+
+mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -497,4 +500,109 @@ fn the_cluster_overlay_sends_to_the_nodes_collector_and_serves_job_series() {
         "{}",
         config.otlp.resource_attributes
     );
+}
+
+/// Issue 39: a rank's metrics could not be joined to the pod that ran it. With the pod snippet's
+/// variables (the downward API's values substituted), ranks of the real plugin label their per-rank
+/// series with `pod` and `namespace` and their spans with `k8s.pod.name` and `k8s.namespace.name`.
+#[test]
+fn the_pod_snippets_pod_and_namespace_label_the_ranks_metrics_and_spans() {
+    let job = docs("pod-snippet.yaml").remove(0);
+    let trainer = &job["spec"]["template"]["spec"]["containers"][0];
+    let pod = "nccl-training-example-0-x7k2p";
+    let vars: Vec<(String, String)> = expand_env(
+        trainer["env"].as_array().unwrap(),
+        &[
+            ("metadata.name", pod),
+            ("metadata.namespace", "ml-team"),
+            (
+                "metadata.labels['batch.kubernetes.io/job-name']",
+                "nccl-training-example",
+            ),
+        ],
+    )
+    .into_iter()
+    .filter(|(k, _)| k.starts_with("NCCLSCOPE_"))
+    .collect();
+    assert!(
+        vars.iter()
+            .any(|(k, v)| k == "NCCLSCOPE_K8S_POD_NAME" && v == pod),
+        "{vars:?}"
+    );
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut collector = rt
+        .block_on(fake_opentelemetry_collector::FakeCollectorServer::start())
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(
+        d.join("ncclscope.toml"),
+        "[prometheus]\njob_series = true\n[otlp]\nbatch_timeout_ms = 50\n",
+    )
+    .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut daemon =
+        ncclscope_tests::daemon_args(&mut Command::new(ncclscope_tests::daemon_binary()), d)
+            .args(["--otlp-endpoint", &collector.endpoint()])
+            .args(["--prometheus-listen", &format!("127.0.0.1:{port}")])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(d.join("daemon.log")).unwrap())
+            .spawn()
+            .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::os::unix::net::UnixStream::connect(d.join("api.sock")).is_err() {
+        assert!(Instant::now() < deadline, "daemon did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ranks: Vec<_> = common::sim_ranks(&d.join("reg.sock"), "k8s-pod", 2, 1, 0)
+        .iter_mut()
+        .map(|c| c.envs(vars.iter().map(|(k, v)| (k, v))).spawn().unwrap())
+        .collect();
+    let produced: u64 = common::produced(ranks).iter().sum();
+    assert!(produced > 0);
+
+    let scrape = || -> String {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(
+            s,
+            "GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut r = String::new();
+        s.read_to_string(&mut r).unwrap();
+        r
+    };
+    let want = format!("namespace=\"ml-team\",pod=\"{pod}\"");
+    let labelled = |text: &str| {
+        (text.lines())
+            .filter(|l| l.starts_with("ncclscope_rank_collectives_total{") && l.contains(&want))
+            .count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut text = scrape();
+    while labelled(&text) < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        text = scrape();
+    }
+    assert_eq!(
+        labelled(&text),
+        2,
+        "both ranks' series name their pod: {text}"
+    );
+
+    let spans = rt.block_on(collector.exported_spans(1, Duration::from_secs(10)));
+    let rank_spans: Vec<_> = spans.iter().filter(|s| s.name.ends_with(" rank")).collect();
+    assert!(!rank_spans.is_empty());
+    for s in rank_spans {
+        assert_eq!(ncclscope_tests::attr(s, "k8s.pod.name"), pod);
+        assert_eq!(ncclscope_tests::attr(s, "k8s.namespace.name"), "ml-team");
+    }
+    let _ = daemon.kill();
+    let _ = daemon.wait();
 }
