@@ -49,14 +49,13 @@ fn struct_docs(source: &str) -> Vec<StructDoc> {
             }
         } else if inside && line.starts_with('}') {
             inside = false;
-        } else if inside {
-            if let Some((name, ty)) = t.strip_prefix("pub ").and_then(|f| f.split_once(": ")) {
-                if !skip {
-                    let s = out.last_mut().expect("inside a struct");
-                    let ty = ty.trim_end_matches(',').to_string();
-                    s.fields.push((name.to_string(), ty, doc.join(" ")));
-                }
-            }
+        } else if inside
+            && !skip
+            && let Some((name, ty)) = t.strip_prefix("pub ").and_then(|f| f.split_once(": "))
+        {
+            let s = out.last_mut().expect("inside a struct");
+            let ty = ty.trim_end_matches(',').to_string();
+            s.fields.push((name.to_string(), ty, doc.join(" ")));
         }
         doc.clear();
         skip = false;
