@@ -903,8 +903,8 @@ pub fn key_default(key: &str) -> (String, String) {
 /// `ncclscope daemon --help`'s list of every configuration key: its variable and default.
 pub fn help() -> String {
     let mut out = format!(
-        "Configuration: the file ({DEFAULT_CONFIG_PATH} unless --config; every key is in \
-         deploy/ncclscope.toml), then these variables, then the flags above. An NCCLSCOPE_* variable \
+        "Configuration: the file ({DEFAULT_CONFIG_PATH} unless --config; every key with its meaning: \
+         `ncclscope reference config`), then these variables, then the flags above. An NCCLSCOPE_* variable \
          that is none of these, nor one the plugin or the tools read, is an error.\n\n"
     );
     for (var, default) in default_variables() {

@@ -19,9 +19,10 @@ pub struct Args {
     /// The daemon's configuration file (the one the unit's ExecStart names).
     #[arg(long, value_name = "FILE", default_value = DEFAULT_CONFIG_PATH)]
     pub config: PathBuf,
-    /// Write the drop-in to FILE (its directory created) instead of printing it; then
-    /// `systemctl daemon-reload && systemctl restart ncclscope`.
-    #[arg(short, long, value_name = "FILE", num_args = 0..=1, default_missing_value = DROPIN_PATH)]
+    #[arg(short, long, value_name = "FILE", num_args = 0..=1, default_missing_value = DROPIN_PATH,
+          help = format!("Write the drop-in to FILE ({DROPIN_PATH} if none is given; its directory \
+                          created) instead of printing it; then `systemctl daemon-reload && \
+                          systemctl restart ncclscope`"))]
     pub output: Option<PathBuf>,
 }
 
