@@ -292,7 +292,15 @@ fn installed_by_dpkg_it_creates_its_user_enables_its_units_and_they_verify() {
     // The packaged daemon: the operator commands, no demo, no fake NCCL host linked.
     let bin = root.path("/usr/bin/ncclscope");
     let help = run(Command::new(&bin).arg("--help"));
-    for cmd in ["daemon", "top", "stats", "export", "cluster"] {
+    for cmd in [
+        "daemon",
+        "top",
+        "stats",
+        "export",
+        "cluster",
+        "reference",
+        "systemd-dropin",
+    ] {
         assert!(help.contains(&format!("\n  {cmd} ")), "{help}");
     }
     let demo = Command::new(&bin).arg("demo").output().unwrap();
