@@ -31,8 +31,8 @@ use hyper_util::rt::TokioIo;
 use ncclscope_proto::api::query_client::QueryClient;
 use ncclscope_proto::api::query_server::{Query, QueryServer};
 use ncclscope_proto::api::{
-    Collective, ExportRequest, ListJobsRequest, ListJobsResponse, StatsRequest, StatsResponse,
-    WatchRequest,
+    Collective, ExportRequest, ListJobsRequest, ListJobsResponse, ResourceAttribute,
+    ResourceRequest, ResourceResponse, StatsRequest, StatsResponse, WatchRequest,
 };
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
@@ -115,15 +115,23 @@ pub struct QueryService {
     hub: Arc<Hub>,
     spool: Option<SpoolReader>,
     streams: Arc<PerUid>,
+    /// The live export's resource ([`crate::otlp::resource_attributes`]).
+    resource: Arc<[(String, String)]>,
 }
 
 impl QueryService {
-    /// `spool: None` (a daemon run without a spool) makes Export answer `unavailable`.
-    pub fn new(hub: Arc<Hub>, spool: Option<SpoolReader>) -> QueryService {
+    /// `spool: None` (a daemon run without a spool) makes Export answer `unavailable`; `resource`
+    /// is what GetResource answers.
+    pub fn new(
+        hub: Arc<Hub>,
+        spool: Option<SpoolReader>,
+        resource: Vec<(String, String)>,
+    ) -> QueryService {
         QueryService {
             hub,
             spool,
             streams: Arc::default(),
+            resource: resource.into(),
         }
     }
 
@@ -308,6 +316,21 @@ impl Query for QueryService {
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
+
+    async fn get_resource(
+        &self,
+        req: Request<ResourceRequest>,
+    ) -> Result<Response<ResourceResponse>, Status> {
+        // Any local user: it names the node, as every span the collector receives does.
+        caller(&req)?;
+        let attributes = (self.resource.iter())
+            .map(|(key, value)| ResourceAttribute {
+                key: key.clone(),
+                value: value.clone(),
+            })
+            .collect();
+        Ok(Response::new(ResourceResponse { attributes }))
+    }
 }
 
 /// Binds the API socket, mode 0666: every local user may query it, for their own jobs.
@@ -490,7 +513,7 @@ mod tests {
         let spool = Spool::open(dir.path().join("spool"), SpoolLimits::default()).unwrap();
         let listener = bind(&socket).unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let service = QueryService::new(hub.clone(), Some(spool.reader()));
+        let service = QueryService::new(hub.clone(), Some(spool.reader()), Vec::new());
         let task = tokio::spawn(serve(listener, service, timeouts, async {
             let _ = stopped.await;
         }));

@@ -550,6 +550,7 @@ impl Engine {
             return Err(why);
         }
         let claims = segment.claims();
+        let pod = segment.pod();
         let job: JobKey = (uid, claims.job_id.clone());
         self.uid_budgets.retain(|_, b| Arc::strong_count(b) > 1);
         let budget = (self.uid_budgets.entry(uid))
@@ -563,7 +564,8 @@ impl Engine {
             self.cfg.aggregate.max_pending_ops,
         )
         .with_limits(self.cfg.limits.clone())
-        .with_uid_budget(budget);
+        .with_uid_budget(budget)
+        .with_pod(pod);
         let mut state_saved = false;
         let mut spool_mark = None;
         let mut saved_parked = (Vec::new(), 0);

@@ -24,6 +24,7 @@ pub mod perfetto;
 pub mod perfetto_proto;
 pub mod prometheus;
 pub mod ratelimit;
+pub mod reference;
 pub mod register;
 pub mod resend;
 pub mod resume;

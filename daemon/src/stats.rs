@@ -172,6 +172,9 @@ fn job_entry<'a>(
 pub struct RankSeries {
     /// The rank's GPU as its latest instance gave it: labels that join DCGM exporter's series.
     pub gpu: Option<ncclscope_proto::Gpu>,
+    /// The rank's Kubernetes pod as its latest instance gave it: labels that join
+    /// kube-state-metrics' (and DCGM exporter's pod labels).
+    pub pod: ncclscope_proto::segment::Pod,
     pub collectives: u64,
     /// Sum of those instances' exec times (us): with `collectives`, the rank's mean exec time, which
     /// compares across nodes (a duration on the rank's own GPU clock): a late rank waits least.
@@ -389,6 +392,7 @@ impl Stats {
             };
             let series = RankSeries {
                 gpu: None,
+                pod: Default::default(),
                 collectives: 0,
                 exec_us_sum: 0.0,
                 skew_us: Distribution::new(SKEW_US),
@@ -405,6 +409,9 @@ impl Stats {
             (key, series)
         });
         r.gpu = c.gpu;
+        if r.pod != *c.pod() {
+            r.pod = c.pod().clone();
+        }
         r.collectives += 1;
         r.exec_us_sum += c.exec_ns as f64 / 1000.0;
         r.last_ns = now_ns;

@@ -36,6 +36,11 @@ pub struct Config {
     pub socket: PathBuf,
     /// The first of [`JOB_ID_SOURCES`] that is set, else "unknown".
     pub job_id: String,
+    /// `NCCLSCOPE_K8S_POD_NAME` and `NCCLSCOPE_K8S_NAMESPACE` (the downward API's `metadata.name`
+    /// and `metadata.namespace`; "" elsewhere): the rank's pod, for labels that join
+    /// kube-state-metrics' and DCGM exporter's.
+    pub k8s_pod: String,
+    pub k8s_namespace: String,
     /// `NCCLSCOPE_SEGMENT_RECORDS`: ring capacity of the segment, a power of two.
     pub segment_records: u64,
     /// `NCCLSCOPE_TEST_PANIC=forward:N` (tests only): the forwarding thread panics once it has
@@ -129,6 +134,8 @@ impl Config {
             mask_explicit,
             socket,
             job_id,
+            k8s_pod: var("NCCLSCOPE_K8S_POD_NAME").unwrap_or_default(),
+            k8s_namespace: var("NCCLSCOPE_K8S_NAMESPACE").unwrap_or_default(),
             segment_records,
             test_panic_forward,
             warnings,
@@ -215,6 +222,21 @@ mod tests {
         ];
         assert_eq!(config(&k8s).job_id, "train", "a pod's name is not a job id");
         assert_eq!(config(&k8s[1..]).job_id, "unknown");
+        // The pod, for labels, only from the variables of ours the pod snippet sets.
+        assert_eq!(config(&k8s).k8s_pod, "");
+        let pod = config(&[
+            ("NCCLSCOPE_K8S_JOB_NAME", "train"),
+            ("NCCLSCOPE_K8S_POD_NAME", "train-0-x7"),
+            ("NCCLSCOPE_K8S_NAMESPACE", "ml-team"),
+        ]);
+        assert_eq!(
+            (
+                pod.job_id.as_str(),
+                pod.k8s_pod.as_str(),
+                pod.k8s_namespace.as_str()
+            ),
+            ("train", "train-0-x7", "ml-team")
+        );
         let elastic = [
             ("TORCHELASTIC_RUN_ID", "run-1"),
             ("NCCLSCOPE_K8S_JOB_NAME", "t"),

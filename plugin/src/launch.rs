@@ -5,7 +5,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicI32, Ordering};
 
 use ncclscope_proto::Producer;
-use ncclscope_proto::segment::{Claims, Segment};
+use ncclscope_proto::segment::{Claims, Pod, Segment};
 
 use crate::abi::Logger;
 use crate::clock;
@@ -99,6 +99,10 @@ fn launch(abi: u32, logfn: Option<Logger>) -> Option<&'static Plugin> {
             return None;
         }
     };
+    segment.set_pod(&Pod {
+        name: config.k8s_pod.clone(),
+        namespace: config.k8s_namespace.clone(),
+    });
     host::log(
         false,
         &format!(

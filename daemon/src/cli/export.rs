@@ -8,9 +8,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
-use ncclscope_proto::api::{Collective, ExportRequest, ListJobsRequest};
+use ncclscope_proto::api::{Collective, ExportRequest, ListJobsRequest, ResourceRequest};
+use opentelemetry_proto::tonic::resource::v1::Resource;
 
 use crate::api;
+use crate::config::{Config, Overrides};
 use crate::otlp_json::OtlpJsonWriter;
 use crate::perfetto::PerfettoWriter;
 use crate::perfetto_proto::PerfettoProtoWriter;
@@ -172,7 +174,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             merge_into(trace, &colls, &args.output)?
         }
         None => {
-            let mut file = TraceFile::create(&args.output, args.format)?;
+            let resource = match (args.format, &args.spool) {
+                (Format::OtlpJson, Some(_)) => Some(local_resource()?),
+                (Format::OtlpJson, None) => Some(
+                    tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()?
+                        .block_on(api_resource(&args.api_socket))?,
+                ),
+                _ => None,
+            };
+            let mut file = TraceFile::create(&args.output, args.format, resource)?;
             let read = read(&mut |c| file.write(&c));
             file.finish_if(read)?
         }
@@ -199,7 +211,12 @@ enum Writer {
 }
 
 impl TraceFile {
-    fn create(path: &Path, format: Format) -> anyhow::Result<TraceFile> {
+    /// `resource`: the OTLP/JSON file's (the live export's), for that format only.
+    fn create(
+        path: &Path,
+        format: Format,
+        resource: Option<Resource>,
+    ) -> anyhow::Result<TraceFile> {
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(".partial");
         let tmp = PathBuf::from(tmp);
@@ -209,7 +226,10 @@ impl TraceFile {
         let writer = match format {
             Format::Perfetto => Writer::Perfetto(PerfettoProtoWriter::new(file)),
             Format::PerfettoJson => Writer::PerfettoJson(PerfettoWriter::new(file)?),
-            Format::OtlpJson => Writer::Otlp(OtlpJsonWriter::new(file)),
+            Format::OtlpJson => Writer::Otlp(OtlpJsonWriter::new(
+                file,
+                resource.expect("the OTLP/JSON format comes with its resource"),
+            )),
         };
         Ok(TraceFile {
             writer,
@@ -273,12 +293,35 @@ pub async fn export_via_api(
     output: &Path,
     format: Format,
 ) -> anyhow::Result<u64> {
-    let mut file = TraceFile::create(output, format)?;
+    let resource = match format {
+        Format::OtlpJson => Some(api_resource(socket).await?),
+        _ => None,
+    };
+    let mut file = TraceFile::create(output, format, resource)?;
     let read = read_api(socket, job, uid, &Filter::default(), &mut |c| {
         file.write(&c)
     })
     .await;
     file.finish_if(read)
+}
+
+/// The resource the daemon's live OTLP export sends (its GetResource call).
+async fn api_resource(socket: &Path) -> anyhow::Result<Resource> {
+    let mut client = api::connect(socket).await?;
+    let reply = (client.get_resource(ResourceRequest {}).await)
+        .map_err(|s| anyhow::anyhow!("{}", s.message()))
+        .context("asking the daemon for its OTLP resource")?
+        .into_inner();
+    let pairs = reply.attributes.into_iter().map(|a| (a.key, a.value));
+    Ok(crate::otlp::resource_from(pairs))
+}
+
+/// Without a daemon (`--spool`): the resource a daemon on this machine with its configuration
+/// (/etc/ncclscope/ncclscope.toml and this environment) sends.
+fn local_resource() -> anyhow::Result<Resource> {
+    let config = Config::load(None, std::env::vars(), &Overrides::default())
+        .context("reading the daemon's configuration for the OTLP/JSON file's resource")?;
+    Ok(crate::otlp::resource(&config.otlp, &crate::run::hostname()))
 }
 
 /// Hands each instance of `job` that `filter` keeps to `each`, read through the daemon's Export call.
