@@ -563,7 +563,8 @@ impl Engine {
             self.cfg.aggregate.max_pending_ops,
         )
         .with_limits(self.cfg.limits.clone())
-        .with_uid_budget(budget);
+        .with_uid_budget(budget)
+        .with_slurm_job(claims.slurm_job_id.clone());
         let mut state_saved = false;
         let mut spool_mark = None;
         let mut saved_parked = (Vec::new(), 0);
@@ -1669,6 +1670,7 @@ mod tests {
         let claims = Claims {
             hostname: "h".into(),
             job_id: "j".into(),
+            slurm_job_id: String::new(),
         };
         Producer::new(Segment::create(&claims, capacity).unwrap())
     }

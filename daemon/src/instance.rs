@@ -27,6 +27,8 @@ pub struct Names {
     pub uid: u32,
     pub job_id: String,
     pub host: String,
+    /// The Slurm job the process claims to run in ("" outside Slurm).
+    pub slurm_job_id: String,
     chunks: Vec<Option<Arc<Chunk>>>,
 }
 
@@ -40,6 +42,7 @@ impl Names {
             uid,
             job_id,
             host,
+            slurm_job_id: String::new(),
             chunks: Vec::new(),
         }
     }
@@ -192,6 +195,7 @@ impl<'a> InstanceRef<'a> {
     pub fn to_message(&self) -> Collective {
         Collective {
             job_id: self.job_id().into(),
+            slurm_job_id: self.names.slurm_job_id.clone(),
             host: self.host().into(),
             pid: self.pid,
             comm_hash: self.comm_hash,
@@ -251,6 +255,7 @@ impl Shared {
 impl From<&Collective> for Shared {
     fn from(c: &Collective) -> Shared {
         let mut names = Names::new(c.uid, c.job_id.clone(), c.host.clone());
+        names.slurm_job_id = c.slurm_job_id.clone();
         let [comm_name, func, datatype, algo, proto] = [1, 2, 3, 4, 5].map(StrId);
         for (id, text) in [
             (comm_name, &c.comm_name),
@@ -358,6 +363,7 @@ mod tests {
             trace_root_start_unix_ns: 12,
             trace_root_end_unix_ns: 18,
             local_lateness_ns: Some(19),
+            slurm_job_id: "4711".into(),
         };
         let s = Shared::from(&m);
         let i = s.view();

@@ -36,6 +36,9 @@ pub struct Config {
     pub socket: PathBuf,
     /// The first of [`JOB_ID_SOURCES`] that is set, else "unknown".
     pub job_id: String,
+    /// `SLURM_JOB_ID` ("" outside Slurm), recorded beside the job id: the Slurm Epilog exports a
+    /// job's trace by it even where the tasks chose their own `NCCLSCOPE_JOB_ID`.
+    pub slurm_job_id: String,
     /// `NCCLSCOPE_SEGMENT_RECORDS`: ring capacity of the segment, a power of two.
     pub segment_records: u64,
     /// `NCCLSCOPE_TEST_PANIC=forward:N` (tests only): the forwarding thread panics once it has
@@ -129,6 +132,7 @@ impl Config {
             mask_explicit,
             socket,
             job_id,
+            slurm_job_id: var("SLURM_JOB_ID").unwrap_or_default(),
             segment_records,
             test_panic_forward,
             warnings,
@@ -220,9 +224,11 @@ mod tests {
             ("NCCLSCOPE_K8S_JOB_NAME", "t"),
         ];
         assert_eq!(config(&elastic).job_id, "run-1");
+        let own = config(&[("NCCLSCOPE_JOB_ID", "mine"), ("SLURM_JOB_ID", "42")]);
         assert_eq!(
-            config(&[("NCCLSCOPE_JOB_ID", "mine"), ("SLURM_JOB_ID", "42")]).job_id,
-            "mine"
+            (own.job_id.as_str(), own.slurm_job_id.as_str()),
+            ("mine", "42"),
+            "a task's own job id, and the Slurm job beside it"
         );
         let panic = config(&[("NCCLSCOPE_TEST_PANIC", "forward:300")]);
         assert_eq!(panic.test_panic_forward, Some(300));

@@ -57,6 +57,9 @@ const W_JOB_ID: usize = 24;
 const TEXT_WORDS: usize = 8;
 const W_COUNTERS: usize = 32;
 const N_COUNTERS: usize = 16;
+/// The batch scheduler's job (SLURM_JOB_ID) the process ran in: text, after the counters. Older
+/// writers left these words zero ("absent"), so the layout's version and hash stay as they were.
+const W_SLURM_JOB_ID: usize = 48;
 const W_HEAD: usize = 64;
 const W_TAIL: usize = 80;
 const W_RECORDS: usize = 96;
@@ -171,12 +174,16 @@ impl Counter {
     }
 }
 const _: () = assert!(Counter::ALL.len() <= N_COUNTERS);
+const _: () = assert!(W_COUNTERS + N_COUNTERS <= W_SLURM_JOB_ID && W_SLURM_JOB_ID + TEXT_WORDS <= W_HEAD);
 
 /// What a process says about itself in its segment's header: trusted only as that process's claim.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Claims {
     pub hostname: String,
     pub job_id: String,
+    /// SLURM_JOB_ID where the process ran under Slurm ("" otherwise): the Slurm Epilog finds a
+    /// job's instances by it whatever ncclscope job id the tasks chose.
+    pub slurm_job_id: String,
 }
 
 /// Why a segment could not be created or opened.
@@ -281,6 +288,7 @@ impl Segment {
         w[W_CREATED_NS].store(crate::now_ns(), Ordering::Relaxed);
         put_text(w, W_HOSTNAME, &claims.hostname);
         put_text(w, W_JOB_ID, &claims.job_id);
+        put_text(w, W_SLURM_JOB_ID, &claims.slurm_job_id);
         // Publish: a reader that sees the magic sees every field above.
         w[W_MAGIC].store(MAGIC, Ordering::Release);
         let mut seg = seg;
@@ -389,6 +397,7 @@ impl Segment {
         Claims {
             hostname: get_text(w, W_HOSTNAME),
             job_id: get_text(w, W_JOB_ID),
+            slurm_job_id: get_text(w, W_SLURM_JOB_ID),
         }
     }
 
@@ -618,6 +627,7 @@ mod tests {
         Claims {
             hostname: "node-7".into(),
             job_id: "job-123".into(),
+            slurm_job_id: "4711".into(),
         }
     }
 

@@ -307,7 +307,8 @@ fn per_rank(text: &str, family: &str, job: &str) -> BTreeMap<String, f64> {
 /// and its ranks' alike. Trace and span ids never depend on a clock, so every instance is still one
 /// trace of 4 rank spans under one root; node 1's spans start ~7 ms after node 0's of the same
 /// instance (the offset reaches the receiver); and the exec-time lateness, a duration on each rank's
-/// own clock, still names the one late rank of a job with a straggler and none of a job without.
+/// own clock, still names the one late rank of a job with a straggler and none of a job without; and
+/// `export` over both daemons makes one trace of each job with node 1's clock estimated and corrected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nodes_with_differing_clocks_still_join_and_name_no_rank_late() {
     const OFFSET_NS: i64 = 7_000_000;
@@ -386,4 +387,51 @@ async fn nodes_with_differing_clocks_still_join_and_name_no_rank_late() {
         "{:?}",
         lateness("clock-healthy")
     );
+
+    // Issue 38: one trace of each job across both nodes' daemons, node 1's clock estimated from the
+    // collectives (the ranks of an instance end together) and shifted onto node 0's, the estimate
+    // and its error written into the trace. The straggler's job too: a late rank starts late but
+    // ends with the others.
+    for job in ["clock-healthy", "clock-late"] {
+        let combined = root.path().join(format!("{job}.json"));
+        let out = Command::new(ncclscope_tests::daemon_binary())
+            .args(["export", "--job", job, "--format", "perfetto-json", "-o"])
+            .arg(&combined)
+            .arg("--api-socket")
+            .arg(nodes[0].dir.join("api.sock"))
+            .arg("--api-socket")
+            .arg(nodes[1].dir.join("api.sock"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        assert!(err.contains("clock +7000.") || err.contains("clock +6999."), "{err}");
+        let doc: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&combined).unwrap()).unwrap();
+        let clocks = doc["metadata"]["ncclscope_node_clocks"].as_array().unwrap();
+        assert_eq!(clocks.len(), 2, "{clocks:?}");
+        let (offset, error) = (
+            clocks[1]["offset_ns"].as_i64().unwrap(),
+            clocks[1]["error_ns"].as_i64().unwrap(),
+        );
+        assert!(
+            (offset - OFFSET_NS).abs() <= error.max(1_000) && error < 100_000,
+            "{job}: node 1 estimated {offset} ns ± {error} ns ahead, not {OFFSET_NS}"
+        );
+        assert_eq!(clocks[1]["instances"].as_u64(), Some(instances as u64));
+        // Every instance's 4 rank slices, from both nodes, end together on the one clock.
+        let mut ends: BTreeMap<(String, u64), Vec<f64>> = BTreeMap::new();
+        for e in doc["traceEvents"].as_array().unwrap() {
+            if e["cat"] == "collective" {
+                let key = (e["name"].as_str().unwrap().to_string(), e["args"]["seq"].as_u64().unwrap());
+                ends.entry(key).or_default().push(e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap());
+            }
+        }
+        assert_eq!(ends.len(), instances);
+        for (key, e) in &ends {
+            assert_eq!(e.len(), 4, "{key:?}");
+            let spread = e.iter().copied().fold(f64::MIN, f64::max) - e.iter().copied().fold(f64::MAX, f64::min);
+            assert!(spread * 1000.0 <= (2 * error.max(1_000)) as f64, "{job} {key:?}: ends {e:?}");
+        }
+    }
 }
