@@ -112,9 +112,37 @@ fn runs(k: &Kernel, c: &Collective) -> bool {
     }
 }
 
+/// Whose trace it is: the profiled process's pid (Kineto's CPU events) and its rank
+/// (`distributedInfo.rank`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Owner {
+    pub pid: Option<u32>,
+    pub rank: Option<u32>,
+}
+
+impl Owner {
+    pub fn of(torch: &Value) -> Owner {
+        let mut pids: std::collections::HashMap<u64, usize> = Default::default();
+        for e in (torch.get("traceEvents").and_then(Value::as_array)).into_iter().flatten() {
+            if e.get("cat").and_then(Value::as_str) == Some("cpu_op")
+                && let Some(pid) = e.get("pid").and_then(Value::as_u64)
+            {
+                *pids.entry(pid).or_default() += 1;
+            }
+        }
+        Owner {
+            pid: (pids.into_iter().max_by_key(|&(_, n)| n)).and_then(|(p, _)| u32::try_from(p).ok()),
+            rank: (torch.pointer("/distributedInfo/rank").and_then(Value::as_u64))
+                .and_then(|r| u32::try_from(r).ok()),
+        }
+    }
+}
+
 /// Pairs each process's kernel-timed slices with the trace's NCCL kernels and measures the offset;
-/// the process that paired most (None: no kernels, or nothing paired).
-pub fn check(kernels: &[Kernel], colls: &[Collective]) -> Option<Alignment> {
+/// the trace's own process (its pid, else its rank), else the one that paired most with the least
+/// shift (None: no kernels, or nothing paired). Every rank of a node may pair at some shift (a late
+/// rank's slices 70 us late): only the trace's own is the one its kernels ran.
+pub fn check(kernels: &[Kernel], colls: &[Collective], owner: Owner) -> Option<Alignment> {
     let (first, last) = (kernels.first()?.start, kernels.iter().map(|k| k.end).max()?);
     let mut processes: Vec<(&str, u32)> = colls.iter().map(|c| (c.host.as_str(), c.pid)).collect();
     processes.sort();
@@ -131,12 +159,20 @@ pub fn check(kernels: &[Kernel], colls: &[Collective]) -> Option<Alignment> {
                 .collect();
             let a = check_process(kernels, &slices)?;
             let c = slices[0].2;
-            Some(Alignment {
-                process: format!("rank {} ({} pid {})", c.rank, c.host, c.pid),
-                ..a
-            })
+            let own = (owner.pid == Some(c.pid), owner.rank == Some(c.rank));
+            Some((
+                own,
+                Alignment {
+                    process: format!("rank {} ({} pid {})", c.rank, c.host, c.pid),
+                    ..a
+                },
+            ))
         })
-        .max_by_key(|a| (a.paired, a.inside_after))
+        .max_by_key(|(own, a)| {
+            let fit = (a.paired, a.inside_after, std::cmp::Reverse(a.offset_ns.unsigned_abs()));
+            (*own, fit)
+        })
+        .map(|(_, a)| a)
 }
 
 fn check_process(kernels: &[Kernel], slices: &[(i64, i64, &Collective)]) -> Option<Alignment> {
@@ -272,7 +308,7 @@ mod tests {
                 coll(7, i as u64, s as u64, (s + 27_500) as u64)
             })
             .collect();
-        let a = check(&kernels, &colls).unwrap();
+        let a = check(&kernels, &colls, Owner::default()).unwrap();
         assert_eq!((a.paired, a.inside_before, a.inside_after), (20, 0, 20));
         // Shifts of 8.9..11.4 us put all inside: the middle leaves equal margins.
         assert_eq!(a.offset_ns, 10_150);
@@ -292,10 +328,18 @@ mod tests {
             func: "AllGather".into(),
             ..coll(2, i, 5, 6)
         }));
-        let a = check(&kernels, &colls).unwrap();
+        // A late rank of the same node: its slices pair too, 3 us late.
+        colls.extend((0..5).map(|i| Collective {
+            rank: 2,
+            ..coll(3, i, (t0 + i as i64 * 50_000 + 3_500) as u64, (t0 + i as i64 * 50_000 + 11_000) as u64)
+        }));
+        let a = check(&kernels, &colls, Owner::default()).unwrap();
         assert_eq!((a.paired, a.inside_before, a.offset_ns), (5, 5, 0));
         assert!(a.process.contains("pid 1"), "{}", a.process);
-        assert_eq!(check(&[], &colls), None);
+        // The trace's own process wins, whatever its fit.
+        let late = check(&kernels, &colls, Owner { pid: None, rank: Some(2) }).unwrap();
+        assert!(late.process.contains("pid 3") && late.offset_ns < 0, "{late:?}");
+        assert_eq!(check(&[], &colls, Owner::default()), None);
     }
 
     #[test]
@@ -306,6 +350,11 @@ mod tests {
             {"ph": "X", "cat": "cpu_op", "name": "nccl:all_reduce", "ts": 1.0, "dur": 1.0},
             {"ph": "X", "cat": "kernel", "name": "ncclKernel_AllReduce_RING_LL_Sum_float", "ts": 0.5, "dur": 1.0},
         ]});
+        assert_eq!(Owner::of(&trace), Owner { pid: None, rank: None });
+        let owned = json!({"distributedInfo": {"rank": 3}, "traceEvents": [
+            {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 812, "ts": 1.0},
+            {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "ts": 1.0}]});
+        assert_eq!(Owner::of(&owned), Owner { pid: Some(812), rank: Some(3) });
         let k = nccl_kernels(&trace);
         assert_eq!(k.len(), 2);
         assert_eq!((k[0].start, k[0].end), (1_000_000_500, 1_000_001_500));

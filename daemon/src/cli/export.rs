@@ -672,7 +672,7 @@ fn alignment(
         return Ok((0, serde_json::json!({"checked": false, "why": "--align off"})));
     }
     let kernels = crate::align::nccl_kernels(torch);
-    let found = crate::align::check(&kernels, colls);
+    let found = crate::align::check(&kernels, colls, crate::align::Owner::of(torch));
     let why = match &found {
         _ if kernels.is_empty() => Some(
             "the trace holds no NCCL kernel (profile with ProfilerActivity.CUDA)".to_string(),
