@@ -3,8 +3,10 @@
 //! than a collective's skew. The collectives themselves say by how much: the ranks of one instance
 //! finish within microseconds of each other (its last data arrives at every rank together), so
 //! where two nodes ran ranks of the same instances, the difference of their end times is the
-//! difference of their clocks plus noise. Its median over the instances is the estimate; the
-//! spread around it (the central 80%) plus the ranks' calibration error bounds is its error.
+//! difference of their clocks plus noise. Its median over the instances is the estimate. Its error:
+//! the spread of the differences around it (the central 80%), plus how far the ranks of one node
+//! disagree on an instance's end (half of it, median: what the assumption of one end time is off
+//! by), plus the ranks' calibration error bounds.
 
 use std::collections::HashMap;
 
@@ -76,18 +78,18 @@ impl NodeClock {
         })
     }
 
-    pub fn describe(&self, reference: &[String]) -> String {
-        let hosts = self.hosts.join(",");
+    /// One line about node `index` (of the export's sources, from 0).
+    pub fn describe(&self, index: usize) -> String {
+        let node = format!("node {index} ({})", self.hosts.join(","));
         match self.against {
             None => format!(
-                "node {hosts}: shares fewer than {MIN_SHARED} collective instances with the others; its clock is left as it was"
+                "{node}: shares fewer than {MIN_SHARED} collective instances with the others; its clock is left as it was"
             ),
-            Some(_) if self.instances == 0 => format!("node {hosts}: the reference clock"),
-            Some(_) => format!(
-                "node {hosts}: clock {:+.3} us ± {:.3} us against {} (from {} instances' end times); shifted onto it",
+            Some(_) if self.instances == 0 => format!("{node}: the reference clock"),
+            Some(a) => format!(
+                "{node}: clock {:+.3} us ± {:.3} us against node 0's (from {} instances' end times shared with node {a}); shifted onto it",
                 self.offset_ns as f64 / 1000.0,
                 self.error_ns as f64 / 1000.0,
-                reference.join(","),
                 self.instances
             ),
         }
@@ -98,23 +100,24 @@ impl NodeClock {
 fn pair(a: &NodeEnds, b: &NodeEnds) -> Option<(i64, u64, usize)> {
     let mid = |(lo, hi, _): (u64, u64, u32)| lo as i128 + (hi as i128 - lo as i128) / 2;
     let mut diffs = Vec::new();
-    let mut cal = Vec::new();
+    // Per shared instance: its ranks' disagreement within each node (half) and calibration errors.
+    let mut within = Vec::new();
     for (key, &ea) in &a.ends {
         if let Some(&eb) = b.ends.get(key) {
             diffs.push((mid(eb) - mid(ea)) as i64);
-            cal.push(u64::from(ea.2) + u64::from(eb.2));
+            within.push((ea.1 - ea.0) / 2 + (eb.1 - eb.0) / 2 + u64::from(ea.2) + u64::from(eb.2));
         }
     }
     if diffs.len() < MIN_SHARED {
         return None;
     }
     diffs.sort_unstable();
-    cal.sort_unstable();
+    within.sort_unstable();
     let n = diffs.len();
     let median = diffs[n / 2];
     let (p10, p90) = (diffs[n / 10], diffs[n - 1 - n / 10]);
     let spread = (median - p10).max(p90 - median) as u64;
-    Some((median, spread + cal[n / 2], n))
+    Some((median, spread + within[n / 2], n))
 }
 
 /// Each node's clock against the first node's, or through a chain of nodes that share instances
@@ -199,8 +202,9 @@ mod tests {
         assert_eq!(c.against, Some(1));
         assert!(c.error_ns > b.error_ns, "errors add along the chain: {c:?}");
         assert_eq!(clocks[3].against, None);
-        assert!(clocks[3].describe(&[]).contains("left as it was"));
-        assert!(clocks[1].describe(&["a".into()]).contains("+7000."), "{}", clocks[1].describe(&["a".into()]));
+        assert!(clocks[3].describe(3).contains("left as it was"));
+        let line = clocks[1].describe(1);
+        assert!(line.starts_with("node 1 (b): clock +7000."), "{line}");
     }
 
     #[test]

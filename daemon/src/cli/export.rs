@@ -361,8 +361,8 @@ fn combine(
     }
     let clocks = node_clocks::estimate(&ends);
     let mut file = TraceFile::create(output, format)?;
-    for clock in &clocks {
-        let line = clock.describe(&clocks[0].hosts);
+    for (i, clock) in clocks.iter().enumerate() {
+        let line = clock.describe(i);
         eprintln!("{line}");
         file.note(line);
     }
