@@ -3,7 +3,8 @@
 //! than a collective's skew. The collectives themselves say by how much: the ranks of one instance
 //! finish within microseconds of each other (its last data arrives at every rank together), so
 //! where two nodes ran ranks of the same instances, the difference of their end times is the
-//! difference of their clocks plus noise. Its median over the instances is the estimate. Its error:
+//! difference of their clocks plus noise. A rank's end is where most of its channels end (their
+//! median): a channel whose block ran late (not resident with the others) ends after the data. Its median over the instances is the estimate. Its error:
 //! the spread of the differences around it (the central 80%), plus how far the ranks of one node
 //! disagree on an instance's end (half of it, median: what the assumption of one end time is off
 //! by), plus the ranks' calibration error bounds.
@@ -43,17 +44,24 @@ impl NodeEnds {
         {
             return;
         }
+        let end = rank_end(c);
         let key = (c.uid, c.comm_hash, c.func.clone(), c.seq, c.replay);
-        let e = self
-            .ends
-            .entry(key)
-            .or_insert((c.end_unix_ns, c.end_unix_ns, 0));
-        *e = (
-            e.0.min(c.end_unix_ns),
-            e.1.max(c.end_unix_ns),
-            e.2.max(c.calibration_error_ns),
-        );
+        let e = self.ends.entry(key).or_insert((end, end, 0));
+        *e = (e.0.min(end), e.1.max(end), e.2.max(c.calibration_error_ns));
     }
+}
+
+/// Where most of `c`'s channels end (the instance's end without channels).
+fn rank_end(c: &Collective) -> u64 {
+    let mut ends: Vec<u64> = (c.channels.iter())
+        .map(|ch| ch.end_unix_ns)
+        .filter(|&e| e != 0)
+        .collect();
+    if ends.is_empty() {
+        return c.end_unix_ns;
+    }
+    ends.sort_unstable();
+    ends[(ends.len() - 1) / 2]
 }
 
 /// A node's clock against the reference node's: its times less `offset_ns` are on the reference's
@@ -205,6 +213,17 @@ mod tests {
         assert!(clocks[3].describe(3).contains("left as it was"));
         let line = clocks[1].describe(1);
         assert!(line.starts_with("node 1 (b): clock +7000."), "{line}");
+    }
+
+    #[test]
+    fn a_ranks_end_is_where_most_of_its_channels_end() {
+        let ch = |end| ncclscope_proto::api::ChannelWork { end_unix_ns: end, ..Default::default() };
+        let c = Collective {
+            channels: vec![ch(9_000), ch(10_000), ch(10_000), ch(18_000)],
+            ..end("a", 0, 0, 18_000)
+        };
+        assert_eq!(rank_end(&c), 10_000);
+        assert_eq!(rank_end(&end("a", 0, 0, 18_000)), 18_000);
     }
 
     #[test]

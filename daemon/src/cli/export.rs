@@ -391,6 +391,28 @@ fn combine(
     Ok((file.finish_if(result)?, coverage))
 }
 
+/// One trace of `job` over several nodes' daemons (`demo --nodes N`), as [`combine`] writes it.
+pub fn export_nodes_via_api(
+    sockets: &[PathBuf],
+    job: &str,
+    output: &Path,
+    format: Format,
+) -> anyhow::Result<u64> {
+    let sources: Vec<Source> = sockets.iter().cloned().map(Source::Api).collect();
+    let which = Which::Job(job.to_string());
+    let read = |source: &Source, each: &mut dyn FnMut(Collective) -> anyhow::Result<()>| {
+        let filter = Filter::default();
+        match source {
+            Source::Spool(dir) => read_spool(dir, &which, None, &filter, each),
+            Source::Api(socket) => tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?
+                .block_on(read_api(socket, &which, None, &filter, each)),
+        }
+    };
+    Ok(combine(&sources, &read, output, format)?.0)
+}
+
 /// Writes the file under a temporary name and renames it into place, so a reader never sees half a trace.
 struct TraceFile {
     writer: Writer,
