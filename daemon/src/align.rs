@@ -123,7 +123,10 @@ pub struct Owner {
 impl Owner {
     pub fn of(torch: &Value) -> Owner {
         let mut pids: std::collections::HashMap<u64, usize> = Default::default();
-        for e in (torch.get("traceEvents").and_then(Value::as_array)).into_iter().flatten() {
+        for e in (torch.get("traceEvents").and_then(Value::as_array))
+            .into_iter()
+            .flatten()
+        {
             if e.get("cat").and_then(Value::as_str) == Some("cpu_op")
                 && let Some(pid) = e.get("pid").and_then(Value::as_u64)
             {
@@ -131,9 +134,12 @@ impl Owner {
             }
         }
         Owner {
-            pid: (pids.into_iter().max_by_key(|&(_, n)| n)).and_then(|(p, _)| u32::try_from(p).ok()),
-            rank: (torch.pointer("/distributedInfo/rank").and_then(Value::as_u64))
-                .and_then(|r| u32::try_from(r).ok()),
+            pid: (pids.into_iter().max_by_key(|&(_, n)| n))
+                .and_then(|(p, _)| u32::try_from(p).ok()),
+            rank: (torch
+                .pointer("/distributedInfo/rank")
+                .and_then(Value::as_u64))
+            .and_then(|r| u32::try_from(r).ok()),
         }
     }
 }
@@ -154,8 +160,16 @@ pub fn check(kernels: &[Kernel], colls: &[Collective], owner: Owner) -> Option<A
                 .iter()
                 .filter(|c| c.host == host && c.pid == pid)
                 .filter(|c| c.start_unix_ns != 0 && c.timing_source != "host")
-                .map(|c| (c.start_unix_ns as i64, c.end_unix_ns.max(c.start_unix_ns) as i64, c))
-                .filter(|&(s, e, _)| e + MAX_CORRECTION_NS >= first && s - MAX_CORRECTION_NS <= last)
+                .map(|c| {
+                    (
+                        c.start_unix_ns as i64,
+                        c.end_unix_ns.max(c.start_unix_ns) as i64,
+                        c,
+                    )
+                })
+                .filter(|&(s, e, _)| {
+                    e + MAX_CORRECTION_NS >= first && s - MAX_CORRECTION_NS <= last
+                })
                 .collect();
             let a = check_process(kernels, &slices)?;
             let c = slices[0].2;
@@ -169,7 +183,11 @@ pub fn check(kernels: &[Kernel], colls: &[Collective], owner: Owner) -> Option<A
             ))
         })
         .max_by_key(|(own, a)| {
-            let fit = (a.paired, a.inside_after, std::cmp::Reverse(a.offset_ns.unsigned_abs()));
+            let fit = (
+                a.paired,
+                a.inside_after,
+                std::cmp::Reverse(a.offset_ns.unsigned_abs()),
+            );
             (*own, fit)
         })
         .map(|(_, a)| a)
@@ -219,7 +237,10 @@ fn check_process(kernels: &[Kernel], slices: &[(i64, i64, &Collective)]) -> Opti
         }
     }
     let intervals: Vec<(i64, i64)> = by_kernel.values().map(|&(_, lo, hi)| (lo, hi)).collect();
-    let inside_before = intervals.iter().filter(|&&(lo, hi)| lo <= 0 && 0 <= hi).count();
+    let inside_before = intervals
+        .iter()
+        .filter(|&&(lo, hi)| lo <= 0 && 0 <= hi)
+        .count();
     let (offset_ns, inside_after) = best_shift(&intervals);
     Some(Alignment {
         process: String::new(),
@@ -319,9 +340,18 @@ mod tests {
     #[test]
     fn slices_already_inside_are_left_where_they_are_and_other_processes_do_not_pair() {
         let t0 = 1_000_000_000i64;
-        let kernels: Vec<Kernel> = (0..5).map(|i| kernel(t0 + i * 50_000, t0 + i * 50_000 + 9_000)).collect();
+        let kernels: Vec<Kernel> = (0..5)
+            .map(|i| kernel(t0 + i * 50_000, t0 + i * 50_000 + 9_000))
+            .collect();
         let mut colls: Vec<Collective> = (0..5)
-            .map(|i| coll(1, i, (t0 + i as i64 * 50_000 + 500) as u64, (t0 + i as i64 * 50_000 + 8_000) as u64))
+            .map(|i| {
+                coll(
+                    1,
+                    i,
+                    (t0 + i as i64 * 50_000 + 500) as u64,
+                    (t0 + i as i64 * 50_000 + 8_000) as u64,
+                )
+            })
             .collect();
         // Another process, far from every kernel and of a collective the trace never ran.
         colls.extend((0..5).map(|i| Collective {
@@ -331,14 +361,30 @@ mod tests {
         // A late rank of the same node: its slices pair too, 3 us late.
         colls.extend((0..5).map(|i| Collective {
             rank: 2,
-            ..coll(3, i, (t0 + i as i64 * 50_000 + 3_500) as u64, (t0 + i as i64 * 50_000 + 11_000) as u64)
+            ..coll(
+                3,
+                i,
+                (t0 + i as i64 * 50_000 + 3_500) as u64,
+                (t0 + i as i64 * 50_000 + 11_000) as u64,
+            )
         }));
         let a = check(&kernels, &colls, Owner::default()).unwrap();
         assert_eq!((a.paired, a.inside_before, a.offset_ns), (5, 5, 0));
         assert!(a.process.contains("pid 1"), "{}", a.process);
         // The trace's own process wins, whatever its fit.
-        let late = check(&kernels, &colls, Owner { pid: None, rank: Some(2) }).unwrap();
-        assert!(late.process.contains("pid 3") && late.offset_ns < 0, "{late:?}");
+        let late = check(
+            &kernels,
+            &colls,
+            Owner {
+                pid: None,
+                rank: Some(2),
+            },
+        )
+        .unwrap();
+        assert!(
+            late.process.contains("pid 3") && late.offset_ns < 0,
+            "{late:?}"
+        );
         assert_eq!(check(&[], &colls, Owner::default()), None);
     }
 
@@ -350,11 +396,23 @@ mod tests {
             {"ph": "X", "cat": "cpu_op", "name": "nccl:all_reduce", "ts": 1.0, "dur": 1.0},
             {"ph": "X", "cat": "kernel", "name": "ncclKernel_AllReduce_RING_LL_Sum_float", "ts": 0.5, "dur": 1.0},
         ]});
-        assert_eq!(Owner::of(&trace), Owner { pid: None, rank: None });
+        assert_eq!(
+            Owner::of(&trace),
+            Owner {
+                pid: None,
+                rank: None
+            }
+        );
         let owned = json!({"distributedInfo": {"rank": 3}, "traceEvents": [
             {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 812, "ts": 1.0},
             {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "ts": 1.0}]});
-        assert_eq!(Owner::of(&owned), Owner { pid: Some(812), rank: Some(3) });
+        assert_eq!(
+            Owner::of(&owned),
+            Owner {
+                pid: Some(812),
+                rank: Some(3)
+            }
+        );
         let k = nccl_kernels(&trace);
         assert_eq!(k.len(), 2);
         assert_eq!((k[0].start, k[0].end), (1_000_000_500, 1_000_001_500));

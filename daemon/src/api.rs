@@ -282,14 +282,14 @@ impl Query for QueryService {
         };
         let jobs = if slurm_job_id.is_empty() {
             vec![spool.find(&job_id, scope).map_err(|e| {
-            let yours: Vec<String> = spool
-                .jobs()
-                .into_iter()
-                .filter(|(uid, _)| visible(scope, *uid))
-                .map(|(uid, j)| format!("{j} (uid {uid})"))
-                .collect();
-            Status::not_found(format!("{e}; spooled jobs you may export: {yours:?}"))
-        })?]
+                let yours: Vec<String> = spool
+                    .jobs()
+                    .into_iter()
+                    .filter(|(uid, _)| visible(scope, *uid))
+                    .map(|(uid, j)| format!("{j} (uid {uid})"))
+                    .collect();
+                Status::not_found(format!("{e}; spooled jobs you may export: {yours:?}"))
+            })?]
         } else {
             let jobs = spool.in_slurm_job(scope, &slurm_job_id);
             if jobs.is_empty() {

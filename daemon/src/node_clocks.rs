@@ -187,7 +187,11 @@ mod tests {
     #[test]
     fn a_nodes_offset_is_the_median_difference_of_its_instances_end_times() {
         let t0 = 1_796_000_000_000_000_000u64;
-        let (mut a, mut b, mut c) = (NodeEnds::default(), NodeEnds::default(), NodeEnds::default());
+        let (mut a, mut b, mut c) = (
+            NodeEnds::default(),
+            NodeEnds::default(),
+            NodeEnds::default(),
+        );
         for seq in 0..50u64 {
             let t = t0 + seq * 100_000;
             // Ends within a microsecond of each other; node b's clock 7 ms ahead, one outlier.
@@ -196,8 +200,14 @@ mod tests {
             let noise = if seq == 7 { 900_000 } else { seq % 5 * 150 };
             b.add(&end("b", 2, seq, t + 7_000_000 + noise));
             // Node c shares instances with b only (another communicator's seq space with a).
-            b.add(&Collective { comm_hash: 10, ..end("b", 0, seq, t + 7_000_000) });
-            c.add(&Collective { comm_hash: 10, ..end("c", 1, seq, t - 2_000_000 + 100) });
+            b.add(&Collective {
+                comm_hash: 10,
+                ..end("b", 0, seq, t + 7_000_000)
+            });
+            c.add(&Collective {
+                comm_hash: 10,
+                ..end("c", 1, seq, t - 2_000_000 + 100)
+            });
         }
         let clocks = estimate(&[a, b, c, NodeEnds::default()]);
         assert_eq!(clocks[0].against, Some(0));
@@ -217,7 +227,10 @@ mod tests {
 
     #[test]
     fn a_ranks_end_is_where_most_of_its_channels_end() {
-        let ch = |end| ncclscope_proto::api::ChannelWork { end_unix_ns: end, ..Default::default() };
+        let ch = |end| ncclscope_proto::api::ChannelWork {
+            end_unix_ns: end,
+            ..Default::default()
+        };
         let c = Collective {
             channels: vec![ch(9_000), ch(10_000), ch(10_000), ch(18_000)],
             ..end("a", 0, 0, 18_000)
@@ -229,9 +242,18 @@ mod tests {
     #[test]
     fn sends_host_timed_and_uncalibrated_work_do_not_count() {
         let mut n = NodeEnds::default();
-        n.add(&Collective { is_p2p: true, ..end("a", 0, 1, 5_000) });
-        n.add(&Collective { timing_source: "host".into(), ..end("a", 0, 2, 5_000) });
-        n.add(&Collective { calibration_error_ns: u32::MAX, ..end("a", 0, 3, 5_000) });
+        n.add(&Collective {
+            is_p2p: true,
+            ..end("a", 0, 1, 5_000)
+        });
+        n.add(&Collective {
+            timing_source: "host".into(),
+            ..end("a", 0, 2, 5_000)
+        });
+        n.add(&Collective {
+            calibration_error_ns: u32::MAX,
+            ..end("a", 0, 3, 5_000)
+        });
         assert!(n.ends.is_empty());
         assert_eq!(n.hosts, ["a"]);
     }

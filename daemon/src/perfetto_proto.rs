@@ -125,7 +125,10 @@ impl<W: Write> PerfettoProtoWriter<W> {
 
     pub fn write(&mut self, c: &Collective) -> io::Result<()> {
         let (start, end) = extent(c);
-        self.span = Some(self.span.map_or((start, end), |(s, e)| (s.min(start), e.max(end))));
+        self.span = Some(
+            self.span
+                .map_or((start, end), |(s, e)| (s.min(start), e.max(end))),
+        );
         let key = (c.host.clone(), c.pid);
         if !self.processes.contains_key(&key) {
             self.start_process(c, start)?;

@@ -401,10 +401,16 @@ impl Spool {
         ids: impl IntoIterator<Item = &'a str>,
     ) -> io::Result<()> {
         for id in ids {
-            if lock(&self.index).slurm.get(job).is_some_and(|s| s.contains(id)) {
+            if lock(&self.index)
+                .slurm
+                .get(job)
+                .is_some_and(|s| s.contains(id))
+            {
                 continue;
             }
-            let path = self.job_dir(job).join(format!("{SLURM_MARKER}{}", escape_job(id)));
+            let path = self
+                .job_dir(job)
+                .join(format!("{SLURM_MARKER}{}", escape_job(id)));
             OpenOptions::new()
                 .create(true)
                 .truncate(false)
@@ -1098,11 +1104,21 @@ mod tests {
         };
         let in_slurm = |job: &str, seq: u64, slurm: &str| {
             let (o, c) = rec(job, 0, seq);
-            (o, Collective { slurm_job_id: slurm.into(), ..c })
+            (
+                o,
+                Collective {
+                    slurm_job_id: slurm.into(),
+                    ..c
+                },
+            )
         };
         let mut spool = Spool::open(dir.path(), limits.clone()).unwrap();
-        spool.append(&[in_slurm("mine", 0, "42"), in_slurm("other", 0, "43")]).unwrap();
-        spool.append(&[in_slurm("mine", 1, "42"), rec("plain", 0, 0)]).unwrap();
+        spool
+            .append(&[in_slurm("mine", 0, "42"), in_slurm("other", 0, "43")])
+            .unwrap();
+        spool
+            .append(&[in_slurm("mine", 1, "42"), rec("plain", 0, 0)])
+            .unwrap();
         let r = spool.reader();
         assert_eq!(r.in_slurm_job(Some(0), "42"), [key("mine")]);
         assert_eq!(r.in_slurm_job(Some(1), "42"), []);
@@ -1111,7 +1127,10 @@ mod tests {
         for seq in 2..60 {
             spool.append(&[in_slurm("mine", seq, "42")]).unwrap();
         }
-        let d = spool.reader().dropped(&key("mine")).expect("old files of it deleted");
+        let d = spool
+            .reader()
+            .dropped(&key("mine"))
+            .expect("old files of it deleted");
         assert!(d.files > 0 && d.bytes > 0 && d.until_unix_ns > 0, "{d:?}");
         drop(spool);
         let spool = Spool::open(dir.path(), limits).unwrap();
@@ -1121,7 +1140,12 @@ mod tests {
         // "other" and "plain" were deleted whole: nothing of them is left, markers included.
         assert_eq!(r.in_slurm_job(None, "43"), []);
         assert!(!dir.path().join("0/other").exists());
-        assert_eq!(SpoolReader::open_dir(dir.path()).unwrap().in_slurm_job(None, "42"), [key("mine")]);
+        assert_eq!(
+            SpoolReader::open_dir(dir.path())
+                .unwrap()
+                .in_slurm_job(None, "42"),
+            [key("mine")]
+        );
     }
 
     #[test]

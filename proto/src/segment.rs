@@ -174,7 +174,8 @@ impl Counter {
     }
 }
 const _: () = assert!(Counter::ALL.len() <= N_COUNTERS);
-const _: () = assert!(W_COUNTERS + N_COUNTERS <= W_SLURM_JOB_ID && W_SLURM_JOB_ID + TEXT_WORDS <= W_HEAD);
+const _: () =
+    assert!(W_COUNTERS + N_COUNTERS <= W_SLURM_JOB_ID && W_SLURM_JOB_ID + TEXT_WORDS <= W_HEAD);
 
 /// What a process says about itself in its segment's header: trusted only as that process's claim.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -405,7 +405,10 @@ async fn nodes_with_differing_clocks_still_join_and_name_no_rank_late() {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{err}");
-        assert!(err.contains("node 1 (") && err.contains("shifted onto it"), "{err}");
+        assert!(
+            err.contains("node 1 (") && err.contains("shifted onto it"),
+            "{err}"
+        );
         let doc: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&combined).unwrap()).unwrap();
         let clocks = doc["metadata"]["ncclscope_node_clocks"].as_array().unwrap();
@@ -426,8 +429,13 @@ async fn nodes_with_differing_clocks_still_join_and_name_no_rank_late() {
         let mut ends: BTreeMap<(String, u64), Vec<f64>> = BTreeMap::new();
         for e in doc["traceEvents"].as_array().unwrap() {
             if e["cat"] == "collective" {
-                let key = (e["name"].as_str().unwrap().to_string(), e["args"]["seq"].as_u64().unwrap());
-                ends.entry(key).or_default().push(e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap());
+                let key = (
+                    e["name"].as_str().unwrap().to_string(),
+                    e["args"]["seq"].as_u64().unwrap(),
+                );
+                ends.entry(key)
+                    .or_default()
+                    .push(e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap());
             }
         }
         assert_eq!(ends.len(), instances);

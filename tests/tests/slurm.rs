@@ -200,8 +200,9 @@ fn the_task_prolog_names_the_plugin_and_job_and_the_epilog_exports_the_jobs_trac
     assert!(out.status.success(), "{out:?}");
     assert_eq!(log.lines().count(), 1, "{log}");
     assert!(
-        log.contains(&format!("coverage: {produced} collective instances of 2 ranks"))
-            && log.contains("the spool had deleted none of it"),
+        log.contains(&format!(
+            "coverage: {produced} collective instances of 2 ranks"
+        )) && log.contains("the spool had deleted none of it"),
         "{log}"
     );
     let host =
@@ -273,7 +274,10 @@ fn the_epilog_exports_a_job_whose_tasks_chose_their_own_job_id() {
 
     let out = d.epilog(&conf, SLURM_JOB);
     let log = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() && log.contains(&format!("coverage: {produced} collective instances")), "{log}");
+    assert!(
+        out.status.success() && log.contains(&format!("coverage: {produced} collective instances")),
+        "{log}"
+    );
     let host =
         String::from_utf8(Command::new("hostname").arg("-s").output().unwrap().stdout).unwrap();
     let trace = traces

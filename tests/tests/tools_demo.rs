@@ -180,7 +180,10 @@ fn demo_on_two_nodes_names_the_late_node() {
     // end times and taken out, so node 1's ranks start only the injected 3 ms late.
     let doc: Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
     let clock = &doc["metadata"]["ncclscope_node_clocks"][1];
-    let (offset, error) = (clock["offset_ns"].as_i64().unwrap(), clock["error_ns"].as_i64().unwrap());
+    let (offset, error) = (
+        clock["offset_ns"].as_i64().unwrap(),
+        clock["error_ns"].as_i64().unwrap(),
+    );
     assert!(
         (offset - 7_000_000).abs() <= error.max(1_000) && error < 7_000_000,
         "node 1's clock estimated {offset} ns ± {error} ns ahead, not 7 ms"

@@ -211,9 +211,11 @@ fn trace_with_kernels(ahead_ns: i64) -> Value {
         let c = coll(0, seq);
         let start = c.start_unix_ns as i64 - 1_500 + ahead_ns - BASE as i64;
         let end = c.end_unix_ns as i64 + 1_000 + ahead_ns - BASE as i64;
-        events.push(json!({"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
+        events.push(
+            json!({"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
             "pid": 0, "tid": 7, "ts": start as f64 / 1000.0, "dur": (end - start) as f64 / 1000.0,
-            "args": {"device": 0, "stream": 7, "correlation": 10 + seq}}));
+            "args": {"device": 0, "stream": 7, "correlation": 10 + seq}}),
+        );
     }
     t
 }
@@ -252,16 +254,32 @@ fn a_merge_measures_its_offset_against_the_traces_nccl_kernels_and_puts_each_col
     let doc: Value = serde_json::from_slice(&std::fs::read(&merged).unwrap()).unwrap();
     let record = &doc["ncclscope_alignment"];
     assert_eq!(record["applied_offset_ns"], 10_150, "{record}");
-    assert_eq!((record["paired"].as_u64(), record["inside_before"].as_u64(), record["inside_after"].as_u64()),
-        (Some(4), Some(0), Some(4)));
+    assert_eq!(
+        (
+            record["paired"].as_u64(),
+            record["inside_before"].as_u64(),
+            record["inside_after"].as_u64()
+        ),
+        (Some(4), Some(0), Some(4))
+    );
     let events = doc["traceEvents"].as_array().unwrap();
     let kernels: Vec<(f64, f64)> = (events.iter())
         .filter(|e| e["cat"] == "kernel")
-        .map(|e| (e["ts"].as_f64().unwrap(), e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap()))
+        .map(|e| {
+            (
+                e["ts"].as_f64().unwrap(),
+                e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap(),
+            )
+        })
         .collect();
     let rank0: Vec<(f64, f64)> = (events.iter())
         .filter(|e| e["cat"] == "collective" && e["args"]["rank"] == 0)
-        .map(|e| (e["ts"].as_f64().unwrap(), e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap()))
+        .map(|e| {
+            (
+                e["ts"].as_f64().unwrap(),
+                e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap(),
+            )
+        })
         .collect();
     assert_eq!(rank0.len(), SEQS as usize);
     for (s, e) in &rank0 {
@@ -308,23 +326,36 @@ fn a_merge_refuses_past_its_bounds_and_writes_nothing() {
     };
     let out = run(10_400, "check");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("past the 1 us"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("past the 1 us"),
+        "{err}"
+    );
     assert!(!merged.exists());
     let out = run(600, "check");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     std::fs::remove_file(&merged).unwrap();
     // Another run's trace (an hour later): nothing pairs; `correct` merges as exported and says so,
     // `check` refuses.
     let hour = 3_600_000_000_000;
     let out = run(hour, "correct");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() && err.contains("alignment not checked: none of"), "{err}");
+    assert!(
+        out.status.success() && err.contains("alignment not checked: none of"),
+        "{err}"
+    );
     let doc: Value = serde_json::from_slice(&std::fs::read(&merged).unwrap()).unwrap();
     assert_eq!(doc["ncclscope_alignment"]["checked"], false);
     std::fs::remove_file(&merged).unwrap();
     let out = run(hour, "check");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("cannot check"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("cannot check"),
+        "{err}"
+    );
     assert!(!merged.exists());
     let out = run(10_400, "off");
     assert!(out.status.success());

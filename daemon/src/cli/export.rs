@@ -183,15 +183,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     // Every instance of `source` that the filter keeps, to `each`; what the spool had deleted of
     // the jobs read.
-    let read = |source: &Source, each: &mut dyn FnMut(Collective) -> anyhow::Result<()>| {
-        match source {
+    let read =
+        |source: &Source, each: &mut dyn FnMut(Collective) -> anyhow::Result<()>| match source {
             Source::Spool(dir) => read_spool(dir, &which, args.uid, &filter, each),
             Source::Api(socket) => tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?
                 .block_on(read_api(socket, &which, args.uid, &filter, each)),
-        }
-    };
+        };
     let (n, coverage) = match (&args.merge, sources.as_slice()) {
         (Some(trace), [source]) => {
             let mut colls = Vec::new();
@@ -204,7 +203,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let n = merge_into(trace, colls, &args.output, args.align, &coverage.line())?;
             (n, coverage)
         }
-        (Some(_), _) => anyhow::bail!("--merge adds one node's collectives to its ranks' trace: name one source"),
+        (Some(_), _) => anyhow::bail!(
+            "--merge adds one node's collectives to its ranks' trace: name one source"
+        ),
         (None, [source]) => {
             let mut file = TraceFile::create(&args.output, args.format)?;
             let mut coverage = Coverage::default();
@@ -220,7 +221,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         (None, _) => combine(&sources, &read, &args.output, args.format)?,
     };
-    eprintln!("wrote {n} collective instances of {which} to {}", args.output.display());
+    eprintln!(
+        "wrote {n} collective instances of {which} to {}",
+        args.output.display()
+    );
     eprintln!("{}", coverage.line());
     Ok(())
 }
@@ -256,7 +260,11 @@ struct Coverage {
 impl Coverage {
     fn add(&mut self, c: &Collective) {
         let (start, end) = crate::perfetto::extent(c);
-        self.first = if self.instances == 0 { start } else { self.first.min(start) };
+        self.first = if self.instances == 0 {
+            start
+        } else {
+            self.first.min(start)
+        };
         self.last = self.last.max(end);
         self.instances += 1;
         self.ranks.insert(c.rank);
@@ -691,14 +699,17 @@ fn alignment(
 ) -> anyhow::Result<(i64, serde_json::Value)> {
     use crate::align::{MAX_CORRECTION_NS, MIN_PAIRS, TOLERANCE_NS};
     if align == Align::Off {
-        return Ok((0, serde_json::json!({"checked": false, "why": "--align off"})));
+        return Ok((
+            0,
+            serde_json::json!({"checked": false, "why": "--align off"}),
+        ));
     }
     let kernels = crate::align::nccl_kernels(torch);
     let found = crate::align::check(&kernels, colls, crate::align::Owner::of(torch));
     let why = match &found {
-        _ if kernels.is_empty() => Some(
-            "the trace holds no NCCL kernel (profile with ProfilerActivity.CUDA)".to_string(),
-        ),
+        _ if kernels.is_empty() => {
+            Some("the trace holds no NCCL kernel (profile with ProfilerActivity.CUDA)".to_string())
+        }
         None => Some(format!(
             "none of the export's collectives pairs with the trace's {} NCCL kernels (another run,              or narrow the export with --rank/--since/--until)",
             kernels.len()
