@@ -62,7 +62,8 @@ impl Daemon {
             &conf,
             format!(
                 "NCCLSCOPE_SLURM_PLUGIN={}\nNCCLSCOPE_SLURM_EXPORT_DIR={}\n\
-                 NCCLSCOPE_SLURM_EXPORT_FORMAT=perfetto-json\nNCCLSCOPE_SLURM_SETTLE_SECONDS=0\n",
+                 NCCLSCOPE_SLURM_EXPORT_FORMAT=perfetto-json\nNCCLSCOPE_SLURM_SETTLE_SECONDS=0\n\
+                 NCCLSCOPE_SLURM_EXPORT_SPOOL=yes\n",
                 ncclscope_fakenccl::plugin_path().unwrap().display(),
                 export_dir.display()
             ),
@@ -233,9 +234,35 @@ fn the_task_prolog_names_the_plugin_and_job_and_the_epilog_exports_the_jobs_trac
         notes.contains(&format!("coverage: {produced} collective instances")),
         "the trace states its coverage: {notes}"
     );
+    // And the node's instances as a spool, the user's, from which the job's trace across its nodes
+    // is made (here one node).
+    let spool = traces.join(JOB).join(format!("{}.spool", host.trim()));
+    let meta = std::fs::metadata(&spool).unwrap();
+    assert_eq!((meta.uid(), meta.is_dir()), (UID, true));
+    let again = d.path("again.json");
+    let out = Command::new(ncclscope_tests::daemon_binary())
+        .args([
+            "export",
+            "--slurm-job",
+            JOB,
+            "--format",
+            "perfetto-json",
+            "--spool",
+        ])
+        .arg(&spool)
+        .arg("-o")
+        .arg(&again)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&again).unwrap()).unwrap();
+    let from_spool = (doc["traceEvents"].as_array().unwrap().iter())
+        .filter(|e| e["cat"] == "collective")
+        .count();
+    assert_eq!(from_spool as u64, produced);
     assert_eq!(
         std::fs::read_dir(traces.join(JOB)).unwrap().count(),
-        1,
+        2,
         "no temporary file left"
     );
 

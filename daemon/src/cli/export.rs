@@ -15,7 +15,7 @@ use crate::node_clocks::{self, NodeClock, NodeEnds};
 use crate::otlp_json::OtlpJsonWriter;
 use crate::perfetto::PerfettoWriter;
 use crate::perfetto_proto::PerfettoProtoWriter;
-use crate::spool::{Dropped, SpoolReader};
+use crate::spool::{Dropped, Origin, Spool, SpoolLimits, SpoolReader};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
@@ -26,6 +26,9 @@ pub enum Format {
     PerfettoJson,
     /// OTLP/JSON lines (the OpenTelemetry Collector's otlpjsonfile format): the spans the live export sends.
     OtlpJson,
+    /// A spool directory holding exactly the exported instances (lossless): what `--spool` reads,
+    /// e.g. one per node, to combine into one trace across the nodes.
+    Spool,
 }
 
 #[derive(clap::Args)]
@@ -355,7 +358,7 @@ fn combine(
     format: Format,
 ) -> anyhow::Result<(u64, Coverage)> {
     anyhow::ensure!(
-        format != Format::OtlpJson,
+        matches!(format, Format::Perfetto | Format::PerfettoJson),
         "one trace across nodes is a Perfetto trace (--format perfetto or perfetto-json)"
     );
     let mut ends = Vec::new();
@@ -432,13 +435,34 @@ enum Writer {
     Perfetto(PerfettoProtoWriter<BufWriter<File>>),
     PerfettoJson(PerfettoWriter<BufWriter<File>>),
     Otlp(OtlpJsonWriter<BufWriter<File>>),
+    /// The spool and the instances not yet appended to it.
+    Spool(Spool, Vec<(Origin, Collective)>, u64),
 }
+
+/// Instances a spool export appends (and syncs) at once.
+const SPOOL_BATCH: usize = 4096;
 
 impl TraceFile {
     fn create(path: &Path, format: Format) -> anyhow::Result<TraceFile> {
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(".partial");
         let tmp = PathBuf::from(tmp);
+        if format == Format::Spool {
+            // Bounded by what is exported, not by the daemon's limits.
+            let limits = SpoolLimits {
+                max_bytes: u64::MAX,
+                max_bytes_per_uid: u64::MAX,
+                max_age: std::time::Duration::MAX,
+                ..SpoolLimits::default()
+            };
+            let spool = Spool::open(&tmp, limits)
+                .with_context(|| format!("creating the spool {}", tmp.display()))?;
+            return Ok(TraceFile {
+                writer: Writer::Spool(spool, Vec::new(), 0),
+                tmp,
+                path: path.to_path_buf(),
+            });
+        }
         let file = BufWriter::new(
             File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
         );
@@ -446,6 +470,7 @@ impl TraceFile {
             Format::Perfetto => Writer::Perfetto(PerfettoProtoWriter::new(file)),
             Format::PerfettoJson => Writer::PerfettoJson(PerfettoWriter::new(file)?),
             Format::OtlpJson => Writer::Otlp(OtlpJsonWriter::new(file)),
+            Format::Spool => unreachable!("made above"),
         };
         Ok(TraceFile {
             writer,
@@ -459,6 +484,15 @@ impl TraceFile {
             Writer::Perfetto(w) => w.write(c),
             Writer::PerfettoJson(w) => w.write(c),
             Writer::Otlp(w) => w.write(c),
+            Writer::Spool(spool, batch, n) => {
+                batch.push((Origin::default(), c.clone()));
+                *n += 1;
+                if batch.len() >= SPOOL_BATCH {
+                    spool.append(batch).map(|()| batch.clear())
+                } else {
+                    Ok(())
+                }
+            }
         };
         r.with_context(|| format!("writing {}", self.tmp.display()))
     }
@@ -469,7 +503,8 @@ impl TraceFile {
         match &mut self.writer {
             Writer::Perfetto(w) => w.note(text),
             Writer::PerfettoJson(w) => w.add_note(text),
-            Writer::Otlp(_) => {}
+            // The spool holds the instances; an export of it states its coverage anew.
+            Writer::Otlp(_) | Writer::Spool(..) => {}
         }
     }
 
@@ -485,6 +520,15 @@ impl TraceFile {
             Writer::Perfetto(w) => (w.collectives(), w.finish()?),
             Writer::PerfettoJson(w) => (w.collectives(), w.finish()?),
             Writer::Otlp(w) => (w.collectives(), w.finish()?),
+            Writer::Spool(mut spool, batch, n) => {
+                spool
+                    .append(&batch)
+                    .with_context(|| format!("writing {}", self.tmp.display()))?;
+                drop(spool);
+                std::fs::rename(&self.tmp, &self.path)
+                    .with_context(|| format!("renaming to {}", self.path.display()))?;
+                return Ok(n);
+            }
         };
         file.into_inner().map_err(|e| e.into_error())?.sync_all()?;
         std::fs::rename(&self.tmp, &self.path)
@@ -497,7 +541,11 @@ impl TraceFile {
         match read {
             Ok(()) => self.finish(),
             Err(e) => {
-                let _ = std::fs::remove_file(&self.tmp);
+                match self.writer {
+                    Writer::Spool(..) => std::fs::remove_dir_all(&self.tmp),
+                    _ => std::fs::remove_file(&self.tmp),
+                }
+                .ok();
                 Err(e)
             }
         }
