@@ -548,8 +548,9 @@ impl Spool {
         }
         let dropped = lock(&self.index).dropped.get(job).copied();
         if let (Some(d), Some(parent)) = (dropped, entry.path.parent()) {
+            // Informational: a failure to record it must not fail the append that evicted.
             let text = format!("{} {} {}\n", d.files, d.bytes, d.until_unix_ns);
-            write_small(&parent.join(DROPPED), &text)?;
+            let _ = write_small(&parent.join(DROPPED), &text);
         } else if let Some(parent) = entry.path.parent() {
             // The job's last file: its markers go with it.
             for f in fs::read_dir(parent)?.flatten() {
