@@ -166,7 +166,7 @@ def compare(results, dump):
         print("RESULT plugin_calibrations=0 (segment-dump saw none)")
         return 1
     print(f"RESULT plugin_calibrations={len(cals)}")
-    worst_at, worst_stale, outside = 0, 0, 0
+    worst_at, worst_stale, worst_drifted, outside = 0, 0, 0, 0
     for k, (dev, off, err, drift, host) in enumerate(cals):
         lo, hi = at(batches, host)
         # The plugin's offset is realtime - globaltimer too (host = gpu + offset_ns).
@@ -177,6 +177,12 @@ def compare(results, dump):
         later = [b for b in batches if host <= b["t"] <= nxt]
         stale = max((max(b["lower"] - off, off - b["upper"], 0) for b in later), default=0)
         worst_stale = max(worst_stale, stale)
+        # The same with the plugin's drift (this calibration against the previous) applied from it
+        # on: what the daemon would map if it used drift_ppb.
+        if k > 0 and drift != 0:
+            at_t = lambda t: off + drift * (t - host) / 1e9
+            drifted = max((max(b["lower"] - at_t(b["t"]), at_t(b["t"]) - b["upper"], 0) for b in later), default=0)
+            worst_drifted = max(worst_drifted, drifted)
         print(
             f"  calibration {k}: dev {dev} offset {off} error {err} drift {drift} ppb at {host}: "
             f"ground truth [{lo:.0f}, {hi:.0f}], outside it by {miss:.0f} ns; "
@@ -184,6 +190,7 @@ def compare(results, dump):
         )
     print(f"RESULT plugin_vs_ground_truth_at_calibration_max_ns={worst_at:.0f} (outside the reported error: {outside})")
     print(f"RESULT plugin_offset_stale_until_next_calibration_max_ns={worst_stale:.0f}")
+    print(f"RESULT plugin_offset_with_its_drift_applied_until_next_max_ns={worst_drifted:.0f} (calibrations 1..)")
     return 0
 
 
