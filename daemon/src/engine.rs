@@ -565,7 +565,8 @@ impl Engine {
         )
         .with_limits(self.cfg.limits.clone())
         .with_uid_budget(budget)
-        .with_pod(pod);
+        .with_pod(pod)
+        .with_slurm_job(claims.slurm_job_id.clone());
         let mut state_saved = false;
         let mut spool_mark = None;
         let mut saved_parked = (Vec::new(), 0);
@@ -1671,6 +1672,7 @@ mod tests {
         let claims = Claims {
             hostname: "h".into(),
             job_id: "j".into(),
+            slurm_job_id: String::new(),
         };
         Producer::new(Segment::create(&claims, capacity).unwrap())
     }

@@ -30,6 +30,8 @@ pub struct Names {
     pub host: String,
     /// The Kubernetes pod the process claims ("" outside Kubernetes).
     pub pod: Pod,
+    /// The Slurm job the process claims to run in ("" outside Slurm).
+    pub slurm_job_id: String,
     chunks: Vec<Option<Arc<Chunk>>>,
 }
 
@@ -44,6 +46,7 @@ impl Names {
             job_id,
             host,
             pod: Pod::default(),
+            slurm_job_id: String::new(),
             chunks: Vec::new(),
         }
     }
@@ -200,6 +203,7 @@ impl<'a> InstanceRef<'a> {
     pub fn to_message(&self) -> Collective {
         Collective {
             job_id: self.job_id().into(),
+            slurm_job_id: self.names.slurm_job_id.clone(),
             host: self.host().into(),
             pid: self.pid,
             comm_hash: self.comm_hash,
@@ -265,6 +269,7 @@ impl From<&Collective> for Shared {
             name: c.k8s_pod.clone(),
             namespace: c.k8s_namespace.clone(),
         };
+        names.slurm_job_id = c.slurm_job_id.clone();
         let [comm_name, func, datatype, algo, proto] = [1, 2, 3, 4, 5].map(StrId);
         for (id, text) in [
             (comm_name, &c.comm_name),
@@ -374,6 +379,7 @@ mod tests {
             local_lateness_ns: Some(19),
             k8s_pod: "train-0-abcde".into(),
             k8s_namespace: "ml-team".into(),
+            slurm_job_id: "4711".into(),
         };
         let s = Shared::from(&m);
         let i = s.view();

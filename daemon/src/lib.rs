@@ -1,6 +1,7 @@
 //! The ncclscope daemon and operator tools.
 
 pub mod activation;
+pub mod align;
 pub mod api;
 pub mod assemble;
 pub mod bandwidth;
@@ -15,6 +16,7 @@ pub mod instance;
 pub mod logging;
 pub mod loss;
 pub mod metrics;
+pub mod node_clocks;
 pub mod notify;
 pub mod otlp;
 pub mod otlp_json;

@@ -245,6 +245,7 @@ mod tests {
         Claims {
             hostname: "h".into(),
             job_id: "j".into(),
+            slurm_job_id: String::new(),
         }
     }
 

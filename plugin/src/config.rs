@@ -41,6 +41,9 @@ pub struct Config {
     /// kube-state-metrics' and DCGM exporter's.
     pub k8s_pod: String,
     pub k8s_namespace: String,
+    /// `SLURM_JOB_ID` ("" outside Slurm), recorded beside the job id: the Slurm Epilog exports a
+    /// job's trace by it even where the tasks chose their own `NCCLSCOPE_JOB_ID`.
+    pub slurm_job_id: String,
     /// `NCCLSCOPE_SEGMENT_RECORDS`: ring capacity of the segment, a power of two.
     pub segment_records: u64,
     /// `NCCLSCOPE_TEST_PANIC=forward:N` (tests only): the forwarding thread panics once it has
@@ -136,6 +139,7 @@ impl Config {
             job_id,
             k8s_pod: var("NCCLSCOPE_K8S_POD_NAME").unwrap_or_default(),
             k8s_namespace: var("NCCLSCOPE_K8S_NAMESPACE").unwrap_or_default(),
+            slurm_job_id: var("SLURM_JOB_ID").unwrap_or_default(),
             segment_records,
             test_panic_forward,
             warnings,
@@ -242,9 +246,11 @@ mod tests {
             ("NCCLSCOPE_K8S_JOB_NAME", "t"),
         ];
         assert_eq!(config(&elastic).job_id, "run-1");
+        let own = config(&[("NCCLSCOPE_JOB_ID", "mine"), ("SLURM_JOB_ID", "42")]);
         assert_eq!(
-            config(&[("NCCLSCOPE_JOB_ID", "mine"), ("SLURM_JOB_ID", "42")]).job_id,
-            "mine"
+            (own.job_id.as_str(), own.slurm_job_id.as_str()),
+            ("mine", "42"),
+            "a task's own job id, and the Slurm job beside it"
         );
         let panic = config(&[("NCCLSCOPE_TEST_PANIC", "forward:300")]);
         assert_eq!(panic.test_panic_forward, Some(300));

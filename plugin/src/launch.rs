@@ -88,6 +88,7 @@ fn launch(abi: u32, logfn: Option<Logger>) -> Option<&'static Plugin> {
     let claims = Claims {
         hostname,
         job_id: config.job_id.clone(),
+        slurm_job_id: config.slurm_job_id.clone(),
     };
     let segment = match Segment::create(&claims, config.segment_records) {
         Ok(s) => s,

@@ -62,6 +62,9 @@ const N_COUNTERS: usize = 16;
 /// Older writers left them zero ("absent"), so the layout's version and hash stay as they were.
 const W_K8S_NAMESPACE: usize = 56;
 const W_K8S_POD: usize = 72;
+/// The batch scheduler's job (SLURM_JOB_ID) the process ran in: text, after the counters. Older
+/// writers left these words zero ("absent"), so the layout's version and hash stay as they were.
+const W_SLURM_JOB_ID: usize = 48;
 const W_HEAD: usize = 64;
 const W_TAIL: usize = 80;
 const W_RECORDS: usize = 96;
@@ -177,7 +180,8 @@ impl Counter {
 }
 const _: () = assert!(Counter::ALL.len() <= N_COUNTERS);
 const _: () = assert!(
-    W_COUNTERS + N_COUNTERS <= W_K8S_NAMESPACE
+    W_COUNTERS + N_COUNTERS <= W_SLURM_JOB_ID
+        && W_SLURM_JOB_ID + TEXT_WORDS <= W_K8S_NAMESPACE
         && W_K8S_NAMESPACE + TEXT_WORDS <= W_HEAD
         && W_HEAD + TEXT_WORDS <= W_K8S_POD
         && W_K8S_POD + TEXT_WORDS <= W_TAIL
@@ -188,6 +192,9 @@ const _: () = assert!(
 pub struct Claims {
     pub hostname: String,
     pub job_id: String,
+    /// SLURM_JOB_ID where the process ran under Slurm ("" otherwise): the Slurm Epilog finds a
+    /// job's instances by it whatever ncclscope job id the tasks chose.
+    pub slurm_job_id: String,
 }
 
 /// The Kubernetes pod a process says it runs in (the plugin's `NCCLSCOPE_K8S_POD_NAME` and
@@ -302,6 +309,7 @@ impl Segment {
         w[W_CREATED_NS].store(crate::now_ns(), Ordering::Relaxed);
         put_text(w, W_HOSTNAME, &claims.hostname);
         put_text(w, W_JOB_ID, &claims.job_id);
+        put_text(w, W_SLURM_JOB_ID, &claims.slurm_job_id);
         // Publish: a reader that sees the magic sees every field above.
         w[W_MAGIC].store(MAGIC, Ordering::Release);
         let mut seg = seg;
@@ -410,6 +418,7 @@ impl Segment {
         Claims {
             hostname: get_text(w, W_HOSTNAME),
             job_id: get_text(w, W_JOB_ID),
+            slurm_job_id: get_text(w, W_SLURM_JOB_ID),
         }
     }
 
@@ -655,6 +664,7 @@ mod tests {
         Claims {
             hostname: "node-7".into(),
             job_id: "job-123".into(),
+            slurm_job_id: "4711".into(),
         }
     }
 

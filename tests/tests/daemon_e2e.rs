@@ -100,6 +100,7 @@ fn daemon_rank_child() {
     let claims = Claims {
         hostname: "testhost".into(),
         job_id: JOB.into(),
+        slurm_job_id: String::new(),
     };
     let mut p = Producer::new(Segment::create(&claims, 1 << 14).unwrap());
     let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
@@ -154,6 +155,7 @@ fn recorded_burst_child() {
     let claims = Claims {
         hostname: "testhost".into(),
         job_id: consumer.segment().claims().job_id,
+        slurm_job_id: String::new(),
     };
     let mut p = Producer::new(Segment::create(&claims, capacity).unwrap());
     let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
@@ -201,6 +203,7 @@ fn lossy_rank_child() {
     let claims = Claims {
         hostname: "testhost".into(),
         job_id: JOB.into(),
+        slurm_job_id: String::new(),
     };
     let mut p = Producer::new(Segment::create(&claims, capacity).unwrap());
     let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
@@ -1108,6 +1111,7 @@ fn daemon_fault_child() {
     let claims = Claims {
         hostname: "testhost".into(),
         job_id: format!("{mode}-job"),
+        slurm_job_id: String::new(),
     };
     let mut p = Producer::new(Segment::create(&claims, 1 << 16).unwrap());
     let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));

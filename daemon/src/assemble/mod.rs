@@ -206,6 +206,12 @@ impl Assembler {
         self
     }
 
+    /// The Slurm job the process claims to run in (its segment's header), carried on its instances.
+    pub fn with_slurm_job(mut self, id: String) -> Assembler {
+        Arc::make_mut(&mut self.dict.names).slurm_job_id = id;
+        self
+    }
+
     /// Resumes from a persisted dictionary and the operations a previous daemon delivered.
     pub fn restore(
         &mut self,

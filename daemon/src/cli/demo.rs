@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use crate::cli::export::{Format, export_via_api};
+use crate::cli::export::{Format, export_nodes_via_api, export_via_api};
 use crate::cli::sim_rank::{self, TimingPath};
 use crate::cli::stats::{fetch, render, stragglers};
 use crate::cli::top::{ViewOptions, show};
@@ -569,6 +569,15 @@ fn drive(run: &Run<'_>) -> anyhow::Result<Vec<(u32, ncclscope_proto::api::RankSt
         println!(
             "Perfetto trace ({n} collective instances): {}  (open it in https://ui.perfetto.dev)",
             path.display()
+        );
+    }
+    if nodes.len() > 1 {
+        // And one across the nodes, each node's clock estimated from the collectives.
+        let sockets: Vec<_> = nodes.iter().map(|n| n.config.api_socket.clone()).collect();
+        let n = export_nodes_via_api(&sockets, job, trace, Format::PerfettoJson)?;
+        println!(
+            "Perfetto trace across the nodes ({n} collective instances, node clocks aligned): {}",
+            trace.display()
         );
     }
     Ok(ranks)
