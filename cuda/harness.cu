@@ -6,7 +6,7 @@
 // Compiled as relocatable code and device-linked on its own, so the hook is a cross-module call.
 #include "ncclscope.h"
 
-enum { BY_POINTER = 0, BY_VALUE = 1, INLINE_STORE = 2 };
+enum { BY_POINTER = 0, BY_VALUE = 1, INLINE_STORE = 2, BY_POINTER_32 = 3 };
 
 template <int Mode>
 __device__ __forceinline__ void harness_event(void* fn, void* ctx, uint64_t wc, uint32_t funcId, uint32_t channel,
@@ -15,6 +15,14 @@ __device__ __forceinline__ void harness_event(void* fn, void* ctx, uint64_t wc, 
     if (fn == nullptr) return;  // baseline: no hook
     ncclProfilerDevEvent_t ev = {ncclscope_globaltimer(), wc, funcId, (uint8_t)channel, (uint8_t)phase, 0};
     ((ncclscopeHookFn)fn)(&ev, ctx);
+  } else if (Mode == BY_POINTER_32) {
+    // The RFC event with a p2p work's peers appended (32 bytes), for ncclscope_ref_event32.
+    struct {
+      ncclProfilerDevEvent_t ev;
+      int32_t sendRank, recvRank;
+    } e = {{ncclscope_globaltimer(), wc, funcId, (uint8_t)channel, (uint8_t)phase, 0}, (int32_t)channel,
+           (int32_t)channel + 1};
+    ((ncclscopeHookFn)fn)(&e.ev, ctx);
   } else if (Mode == BY_VALUE) {
     ((ncclscopeHookByValFn)fn)(ncclscope_globaltimer(), wc, funcId, channel | phase << 8, ctx);
   } else {
@@ -66,6 +74,10 @@ extern "C" __global__ void ncclscope_harness(void* hook, void* devCtx, uint64_t*
 extern "C" __global__ void ncclscope_harness_byval(void* hook, void* devCtx, uint64_t* workCounters, uint32_t nBatches,
                                                    uint32_t nWorks, uint32_t funcId, uint32_t spinNs) {
   harness<BY_VALUE>(hook, devCtx, workCounters, nBatches, nWorks, funcId, spinNs);
+}
+extern "C" __global__ void ncclscope_harness_event32(void* hook, void* devCtx, uint64_t* workCounters, uint32_t nBatches,
+                                                     uint32_t nWorks, uint32_t funcId, uint32_t spinNs) {
+  harness<BY_POINTER_32>(hook, devCtx, workCounters, nBatches, nWorks, funcId, spinNs);
 }
 extern "C" __global__ void ncclscope_harness_inline(void* unused, void* ring, uint64_t* workCounters, uint32_t nBatches,
                                                     uint32_t nWorks, uint32_t funcId, uint32_t spinNs) {

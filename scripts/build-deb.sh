@@ -56,6 +56,9 @@ sed "s|/usr/lib/x86_64-linux-gnu/|/usr/lib/$multiarch/|g" deploy/slurm/enroot-nc
     > "$stage/usr/share/ncclscope/enroot/ncclscope.fstab"
 chmod 0644 "$stage/usr/share/ncclscope/enroot/ncclscope.fstab"
 install -D -m 0644 README.md "$stage/usr/share/doc/ncclscope/README.md"
+# The operator's pages the README links to, at the same relative paths.
+install -D -m 0644 -t "$stage/usr/share/doc/ncclscope/docs" docs/operator-guide.md \
+    docs/troubleshooting.md docs/configuration.md docs/metrics.md docs/how-it-works.md
 printf 'ncclscope\nLicense: %s\n' "$(sed -n 's/^license = "\(.*\)"$/\1/p' Cargo.toml | head -1)" \
     > "$stage/usr/share/doc/ncclscope/copyright"
 

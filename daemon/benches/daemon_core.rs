@@ -79,6 +79,7 @@ fn bench_segment(engine: &mut Engine, pid: u32, capacity: u64) -> (Producer, std
     let claims = Claims {
         hostname: "bench".into(),
         job_id: "bench".into(),
+        slurm_job_id: String::new(),
     };
     let p = Producer::new(Segment::create(&claims, capacity).unwrap());
     let (ours, theirs) = rustix::net::socketpair(
@@ -362,6 +363,7 @@ fn rank_child(spec: &str) {
     let claims = Claims {
         hostname: "bench".into(),
         job_id: "bench".into(),
+        slurm_job_id: String::new(),
     };
     let mut p = Producer::new(Segment::create(&claims, 1 << 16).unwrap());
     let _registered = ncclscope_fakenccl::process::Registrant::start(
@@ -626,6 +628,7 @@ fn real(ranks: u64, spool: bool, late_kernels: bool) -> (Rate, Rate) {
             let claims = Claims {
                 hostname: "bench".into(),
                 job_id: "bench".into(),
+                slurm_job_id: String::new(),
             };
             let mut p = Producer::new(Segment::create(&claims, capacity).unwrap());
             prelude(&mut p, 0xbe7c, rank as u32, ranks as u32, rank as i32);

@@ -31,8 +31,8 @@ use hyper_util::rt::TokioIo;
 use ncclscope_proto::api::query_client::QueryClient;
 use ncclscope_proto::api::query_server::{Query, QueryServer};
 use ncclscope_proto::api::{
-    Collective, ExportRequest, ListJobsRequest, ListJobsResponse, StatsRequest, StatsResponse,
-    WatchRequest,
+    Collective, ExportRequest, ListJobsRequest, ListJobsResponse, ResourceAttribute,
+    ResourceRequest, ResourceResponse, StatsRequest, StatsResponse, WatchRequest,
 };
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
@@ -45,7 +45,7 @@ use tonic::{Request, Response, Status};
 
 use crate::hub::Hub;
 use crate::per_uid::{Held, PerUid};
-use crate::spool::SpoolReader;
+use crate::spool::{JobKey, SpoolReader};
 
 /// Where the daemon serves the API and the tools look for it (`--api-socket`, `NCCLSCOPE_API_SOCKET`).
 pub use ncclscope_proto::DEFAULT_API_SOCKET;
@@ -115,15 +115,23 @@ pub struct QueryService {
     hub: Arc<Hub>,
     spool: Option<SpoolReader>,
     streams: Arc<PerUid>,
+    /// The live export's resource ([`crate::otlp::resource_attributes`]).
+    resource: Arc<[(String, String)]>,
 }
 
 impl QueryService {
-    /// `spool: None` (a daemon run without a spool) makes Export answer `unavailable`.
-    pub fn new(hub: Arc<Hub>, spool: Option<SpoolReader>) -> QueryService {
+    /// `spool: None` (a daemon run without a spool) makes Export answer `unavailable`; `resource`
+    /// is what GetResource answers.
+    pub fn new(
+        hub: Arc<Hub>,
+        spool: Option<SpoolReader>,
+        resource: Vec<(String, String)>,
+    ) -> QueryService {
         QueryService {
             hub,
             spool,
             streams: Arc::default(),
+            resource: resource.into(),
         }
     }
 
@@ -199,6 +207,15 @@ impl Query for QueryService {
                     });
                 }
             }
+            // What the spool knows of each: its Slurm jobs, what its bounds deleted.
+            for j in &mut jobs.jobs {
+                let key = (j.uid, j.job_id.clone());
+                j.slurm_job_ids = spool.slurm_jobs(&key);
+                let d = spool.dropped(&key).unwrap_or_default();
+                j.spool_dropped_files = d.files;
+                j.spool_dropped_bytes = d.bytes;
+                j.spool_dropped_until_unix_ns = d.until_unix_ns;
+            }
         }
         Ok(Response::new(jobs))
     }
@@ -261,52 +278,101 @@ impl Query for QueryService {
     ) -> Result<Response<CollectiveStream>, Status> {
         let scope = scope(&req, req.get_ref().uid)?;
         let slot = self.stream_slot(&req)?;
-        let job_id = req.into_inner().job_id;
+        let ExportRequest {
+            job_id,
+            slurm_job_id,
+            ..
+        } = req.into_inner();
         let Some(spool) = self.spool.clone() else {
             return Err(Status::unavailable(
                 "this daemon runs without a spool: nothing to export",
             ));
         };
-        let job = spool.find(&job_id, scope).map_err(|e| {
-            let yours: Vec<String> = spool
-                .jobs()
-                .into_iter()
-                .filter(|(uid, _)| visible(scope, *uid))
-                .map(|(uid, j)| format!("{j} (uid {uid})"))
-                .collect();
-            Status::not_found(format!("{e}; spooled jobs you may export: {yours:?}"))
-        })?;
+        let jobs = if slurm_job_id.is_empty() {
+            vec![spool.find(&job_id, scope).map_err(|e| {
+                let yours: Vec<String> = spool
+                    .jobs()
+                    .into_iter()
+                    .filter(|(uid, _)| visible(scope, *uid))
+                    .map(|(uid, j)| format!("{j} (uid {uid})"))
+                    .collect();
+                Status::not_found(format!("{e}; spooled jobs you may export: {yours:?}"))
+            })?]
+        } else {
+            let jobs = spool.in_slurm_job(scope, &slurm_job_id);
+            if jobs.is_empty() {
+                return Err(Status::not_found(format!(
+                    "no spooled instances of Slurm job {slurm_job_id:?}"
+                )));
+            }
+            jobs
+        };
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tokio::spawn(async move {
             let _slot = slot;
-            let mut records = spool.read_job(&job);
-            loop {
-                // Read off the async threads, a chunk at a time: no thread waits on the client.
-                let read = tokio::task::spawn_blocking(move || {
-                    let chunk: Vec<_> = records.by_ref().take(EXPORT_CHUNK).collect();
-                    (records, chunk)
-                });
-                let Ok((rest, chunk)) = read.await else {
+            for job in jobs {
+                if !send_job(&spool, job, &slurm_job_id, &tx).await {
                     return;
-                };
-                if chunk.is_empty() {
-                    return;
-                }
-                records = rest;
-                for item in chunk {
-                    let item = item.map_err(|e| {
-                        Status::data_loss(format!("spool of job {:?} (uid {}): {e}", job.1, job.0))
-                    });
-                    let failed = item.is_err();
-                    // Gone, or reading nothing for STALLED_CLIENT: the stream ends, its slot is free.
-                    let sent = tokio::time::timeout(STALLED_CLIENT, tx.send(item)).await;
-                    if !matches!(sent, Ok(Ok(()))) || failed {
-                        return;
-                    }
                 }
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn get_resource(
+        &self,
+        req: Request<ResourceRequest>,
+    ) -> Result<Response<ResourceResponse>, Status> {
+        // Any local user: it names the node, as every span the collector receives does.
+        caller(&req)?;
+        let attributes = (self.resource.iter())
+            .map(|(key, value)| ResourceAttribute {
+                key: key.clone(),
+                value: value.clone(),
+            })
+            .collect();
+        Ok(Response::new(ResourceResponse { attributes }))
+    }
+}
+
+/// Streams `job`'s spooled instances (of Slurm job `slurm_job_id` only, unless it is empty) to
+/// `tx`; false once the stream has ended (the client left or stalled, or the spool failed).
+async fn send_job(
+    spool: &SpoolReader,
+    job: JobKey,
+    slurm_job_id: &str,
+    tx: &mpsc::Sender<Result<Collective, Status>>,
+) -> bool {
+    let mut records = spool.read_job(&job);
+    loop {
+        // Read off the async threads, a chunk at a time: no thread waits on the client.
+        let read = tokio::task::spawn_blocking(move || {
+            let chunk: Vec<_> = records.by_ref().take(EXPORT_CHUNK).collect();
+            (records, chunk)
+        });
+        let Ok((rest, chunk)) = read.await else {
+            return false;
+        };
+        if chunk.is_empty() {
+            return true;
+        }
+        records = rest;
+        for item in chunk {
+            if (item.as_ref())
+                .is_ok_and(|c| !slurm_job_id.is_empty() && c.slurm_job_id != slurm_job_id)
+            {
+                continue;
+            }
+            let item = item.map_err(|e| {
+                Status::data_loss(format!("spool of job {:?} (uid {}): {e}", job.1, job.0))
+            });
+            let failed = item.is_err();
+            // Gone, or reading nothing for STALLED_CLIENT: the stream ends, its slot is free.
+            let sent = tokio::time::timeout(STALLED_CLIENT, tx.send(item)).await;
+            if !matches!(sent, Ok(Ok(()))) || failed {
+                return false;
+            }
+        }
     }
 }
 
@@ -490,7 +556,7 @@ mod tests {
         let spool = Spool::open(dir.path().join("spool"), SpoolLimits::default()).unwrap();
         let listener = bind(&socket).unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let service = QueryService::new(hub.clone(), Some(spool.reader()));
+        let service = QueryService::new(hub.clone(), Some(spool.reader()), Vec::new());
         let task = tokio::spawn(serve(listener, service, timeouts, async {
             let _ = stopped.await;
         }));
@@ -532,6 +598,7 @@ mod tests {
                 rank: 1,
                 ..Default::default()
             }],
+            p2p: vec![],
             health: None,
         });
         let batch: Vec<_> = (0..1000)
@@ -569,6 +636,7 @@ mod tests {
             .export(ExportRequest {
                 job_id: "x".into(),
                 uid: None,
+                ..Default::default()
             })
             .await
             .unwrap()
@@ -583,6 +651,7 @@ mod tests {
             .export(ExportRequest {
                 job_id: "nope".into(),
                 uid: None,
+                ..Default::default()
             })
             .await
             .unwrap_err();
@@ -791,6 +860,7 @@ mod tests {
         let export = || ExportRequest {
             job_id: "big".into(),
             uid: None,
+            ..Default::default()
         };
         let mut open = Vec::new();
         for _ in 0..MAX_STREAMS_PER_UID {
@@ -802,6 +872,7 @@ mod tests {
             .export(ExportRequest {
                 job_id: "big".into(),
                 uid: Some(STREAMER),
+                ..Default::default()
             })
             .await
             .unwrap()

@@ -89,10 +89,12 @@ impl Default for Limits {
 pub struct SpoolConfig {
     /// Directory; empty disables the spool (and `export` from it).
     pub dir: PathBuf,
+    /// Bytes the spool may hold in all; past it the oldest file of the uid holding the most goes.
     pub max_bytes: u64,
     /// Bytes one uid's jobs may hold; past it that uid's oldest files go first. Past `max_bytes` the
     /// oldest file of the uid holding the most goes, so no user's jobs can push out another's share.
     pub max_bytes_per_uid: u64,
+    /// Files older than this many hours are deleted.
     pub max_age_hours: u64,
 }
 
@@ -111,7 +113,9 @@ impl Default for SpoolConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Drain {
+    /// The ticker's shortest interval, while segments have records waiting.
     pub min_interval_ms: u64,
+    /// The ticker's longest interval, when every segment is idle.
     pub max_interval_ms: u64,
     /// Records read from one segment per tick, so one busy process cannot starve the others.
     pub batch_records: usize,
@@ -123,6 +127,8 @@ pub struct Drain {
     pub max_segments_per_uid: usize,
 }
 
+/// Collective instances: when an operation is given up, how the node's ranks are awaited for the
+/// skew, and the statistics' series.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Aggregate {
@@ -138,6 +144,7 @@ pub struct Aggregate {
     pub rolling_window_s: u64,
 }
 
+/// OTLP/gRPC export of spans and metrics to a collector (or Tempo, or any OTLP receiver).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Otlp {
@@ -152,10 +159,14 @@ pub struct Otlp {
     pub channel_spans: bool,
     /// Spans waiting for export; beyond it new spans are dropped and counted.
     pub queue_spans: usize,
+    /// Spans per export request.
     pub batch_spans: usize,
+    /// A batch not full is sent after this long.
     pub batch_timeout_ms: u64,
     /// Attempts per batch (with exponential backoff) before the batch is dropped and counted.
     pub max_attempts: u32,
+    /// Bounds connecting, the TLS handshake and each request (sent as `grpc-timeout`); a connection
+    /// that answers no HTTP/2 PING within it while requests are open is closed.
     pub request_timeout_ms: u64,
     /// Period of the OTLP metrics export, in milliseconds.
     pub metrics_interval_ms: u64,
@@ -167,8 +178,9 @@ pub struct Otlp {
     /// PEM file of the CA(s) that sign the receiver's certificate (https only); empty: the system's
     /// trust store.
     pub ca_file: PathBuf,
-    /// PEM client certificate and its key, for a receiver that asks for one (mutual TLS).
+    /// PEM client certificate, for a receiver that asks for one (mutual TLS); with `key_file`.
     pub cert_file: PathBuf,
+    /// PEM private key of `cert_file`.
     pub key_file: PathBuf,
     /// `service.name` of the exported resource; empty: `service.name` from `resource_attributes`,
     /// else `ncclscope`.
@@ -228,11 +240,19 @@ impl Otlp {
     }
 }
 
+/// The Prometheus endpoint (`/metrics`, and `/healthz` for probes).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Prometheus {
-    /// Address of the Prometheus text endpoint (`/metrics`); empty disables it.
+    /// Address of the Prometheus endpoint (`/metrics`, `/healthz`); empty disables it. Localhost by
+    /// default: `0.0.0.0:9464` for a Prometheus on another host (with `remote_scrapers` under
+    /// systemd).
     pub listen: String,
+    /// Addresses or networks (`10.0.0.5`, `10.1.0.0/16`, comma-separated) of Prometheus servers on
+    /// other hosts that scrape `listen`. The packaged unit lets only localhost through its address
+    /// filter (`IPAddressDeny=any`); `ncclscope systemd-dropin` writes the drop-in that lets these,
+    /// and `otlp.endpoint`'s host, through.
+    pub remote_scrapers: String,
     /// Also serve per-job series (job id, uid, communicator, rank). Off by default: every local user
     /// can read a localhost port, so it would show every user's jobs to every user. Per-job metrics
     /// always go to the OTLP collector, and each user sees their own through the API.
@@ -247,6 +267,29 @@ pub struct Prometheus {
 }
 
 impl Prometheus {
+    /// `remote_scrapers` as a list, each an address or a network (`ADDR/PREFIX`), as systemd's
+    /// `IPAddressAllow=` takes them.
+    pub fn remote_scrapers(&self) -> Result<Vec<String>, String> {
+        let mut out = Vec::new();
+        for entry in self
+            .remote_scrapers
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+        {
+            let (addr, prefix) = entry.split_once('/').unwrap_or((entry, ""));
+            let ip: std::net::IpAddr = addr
+                .parse()
+                .map_err(|_| format!("{entry:?} is not an IP address or ADDR/PREFIX network"))?;
+            let bits = if ip.is_ipv4() { 32 } else { 128 };
+            if !prefix.is_empty() && !prefix.parse::<u8>().is_ok_and(|p| p <= bits) {
+                return Err(format!("{entry:?}: the prefix length must be 0 to {bits}"));
+            }
+            out.push(entry.to_string());
+        }
+        Ok(out)
+    }
+
     pub fn exposition(&self) -> crate::metrics::Exposition {
         crate::metrics::Exposition {
             job_series: self.job_series,
@@ -326,6 +369,7 @@ impl Default for Prometheus {
     fn default() -> Self {
         Prometheus {
             listen: "127.0.0.1:9464".into(),
+            remote_scrapers: String::new(),
             job_series: false,
             classic_buckets_per_doubling: 1,
             rank_classic_buckets: false,
@@ -609,6 +653,19 @@ impl Config {
                 format!("{:?} is not an address:port", self.prometheus.listen),
             ));
         }
+        let scrapers = (self.prometheus.remote_scrapers())
+            .map_err(|e| err("prometheus.remote_scrapers", e))?;
+        let loopback =
+            (self.prometheus.listen.parse::<SocketAddr>()).map_or(true, |a| a.ip().is_loopback());
+        if !scrapers.is_empty() && loopback {
+            return Err(err(
+                "prometheus.remote_scrapers",
+                format!(
+                    "is set, but prometheus.listen {:?} is not reachable from another host (e.g. 0.0.0.0:9464)",
+                    self.prometheus.listen
+                ),
+            ));
+        }
         if self.socket.as_os_str().is_empty() {
             return Err(err("socket", "must not be empty"));
         }
@@ -657,6 +714,17 @@ const OTEL_RESOURCE: [(&str, &str); 2] = [
     ("OTEL_SERVICE_NAME", "service_name"),
     ("OTEL_RESOURCE_ATTRIBUTES", "resource_attributes"),
 ];
+
+/// Every OpenTelemetry variable read and the `[otlp]` key it sets (the configuration reference).
+pub fn otel_variables() -> Vec<(String, &'static str)> {
+    let exporter = OTEL_EXPORTER
+        .iter()
+        .map(|(setting, key)| (format!("OTEL_EXPORTER_OTLP_{setting}"), *key));
+    let resource = OTEL_RESOURCE
+        .iter()
+        .map(|(var, key)| (var.to_string(), *key));
+    exporter.chain(resource).collect()
+}
 
 /// The `[otlp]` table the OTEL_* variables in `env` make (see [`OTEL_EXPORTER`]).
 fn otel_env(env: &[(String, String)]) -> Result<toml::Table, ConfigError> {
@@ -835,8 +903,8 @@ pub fn key_default(key: &str) -> (String, String) {
 /// `ncclscope daemon --help`'s list of every configuration key: its variable and default.
 pub fn help() -> String {
     let mut out = format!(
-        "Configuration: the file ({DEFAULT_CONFIG_PATH} unless --config; every key is in \
-         deploy/ncclscope.toml), then these variables, then the flags above. An NCCLSCOPE_* variable \
+        "Configuration: the file ({DEFAULT_CONFIG_PATH} unless --config; every key with its meaning: \
+         `ncclscope reference config`), then these variables, then the flags above. An NCCLSCOPE_* variable \
          that is none of these, nor one the plugin or the tools read, is an error.\n\n"
     );
     for (var, default) in default_variables() {
@@ -1207,9 +1275,75 @@ mod tests {
     }
 
     #[test]
+    fn remote_scrapers_are_addresses_or_networks_on_a_reachable_listen() {
+        let reachable = "[prometheus]\nlisten = \"0.0.0.0:9464\"\n";
+        let c = load(
+            &format!("{reachable}remote_scrapers = \"10.0.0.5, 10.1.0.0/16,fd00::/8\"\n"),
+            &[],
+            Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            c.prometheus.remote_scrapers().unwrap(),
+            ["10.0.0.5", "10.1.0.0/16", "fd00::/8"]
+        );
+        for (value, says) in [
+            ("prometheus.example", "is not an IP address"),
+            ("10.0.0.0/33", "prefix length must be 0 to 32"),
+        ] {
+            let e = load(
+                &format!("{reachable}remote_scrapers = \"{value}\"\n"),
+                &[],
+                Overrides::default(),
+            )
+            .unwrap_err();
+            assert_eq!(e.origin, "prometheus.remote_scrapers");
+            assert!(e.message.contains(says), "{e}");
+        }
+        let e = load(
+            "[prometheus]\nremote_scrapers = \"10.0.0.5\"\n",
+            &[],
+            Overrides::default(),
+        )
+        .unwrap_err();
+        assert!(e.message.contains("not reachable from another host"), "{e}");
+    }
+
+    #[test]
     fn the_shipped_example_is_valid() {
         let text = include_str!("../../deploy/ncclscope.toml");
         let c = load(text, &[], Overrides::default()).unwrap();
         c.validate().unwrap();
+        assert_eq!(c, Config::default(), "the example shows the defaults");
+    }
+
+    /// Issue 39: the shipped file set every `[otlp]` key, empty, so it overrode the OTEL_* variables
+    /// below it: the DaemonSet's OTEL_RESOURCE_ATTRIBUTES (the node's name) and a pod's
+    /// OTEL_EXPORTER_OTLP_ENDPOINT were ignored. The example leaves those keys to the variables.
+    #[test]
+    fn the_shipped_example_leaves_the_otel_variables_their_keys() {
+        let text = include_str!("../../deploy/ncclscope.toml");
+        let env: Vec<(String, &str)> = otel_variables()
+            .into_iter()
+            .map(|(var, key)| {
+                let value = match key {
+                    "endpoint" => "https://collector:4317",
+                    "headers" => "X-Scope-OrgID=t",
+                    "compression" => "gzip",
+                    "request_timeout_ms" => "7000",
+                    "ca_file" | "cert_file" | "key_file" => "",
+                    _ => "host.name=node-7",
+                };
+                (var, value)
+            })
+            .collect();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        let c = load(text, &env, Overrides::default()).unwrap();
+        assert_eq!(c.otlp.endpoint, "https://collector:4317");
+        assert_eq!(c.otlp.headers, "X-Scope-OrgID=t");
+        assert_eq!(c.otlp.compression, "gzip");
+        assert_eq!(c.otlp.request_timeout_ms, 7000);
+        assert_eq!(c.otlp.service_name, "host.name=node-7");
+        assert_eq!(c.otlp.resource_attributes, "host.name=node-7");
     }
 }

@@ -638,6 +638,7 @@ impl Engine {
             return Err(why);
         }
         let claims = segment.claims();
+        let pod = segment.pod();
         let job: JobKey = (uid, claims.job_id.clone());
         self.uid_budgets.retain(|_, b| Arc::strong_count(b) > 1);
         let budget = (self.uid_budgets.entry(uid))
@@ -651,7 +652,9 @@ impl Engine {
             self.cfg.aggregate.max_pending_ops,
         )
         .with_limits(self.cfg.limits.clone())
-        .with_uid_budget(budget);
+        .with_uid_budget(budget)
+        .with_pod(pod)
+        .with_slurm_job(claims.slurm_job_id.clone());
         let mut state_saved = false;
         let mut spool_mark = None;
         let mut saved_parked = (Vec::new(), 0);
@@ -1515,6 +1518,7 @@ impl Engine {
         self.hub.set_stats(StatsResponse {
             colls: self.stats.coll_stats(),
             ranks: self.stats.rank_stats(&lost_by_rank),
+            p2p: self.stats.p2p_stats(),
             health: Some(ApiHealth {
                 segments: health.segments,
                 records_in: health.records_in,
@@ -1850,6 +1854,7 @@ mod tests {
         let claims = Claims {
             hostname: "h".into(),
             job_id: "j".into(),
+            slurm_job_id: String::new(),
         };
         Producer::new(Segment::create(&claims, capacity).unwrap())
     }

@@ -10,6 +10,7 @@
 use std::sync::Arc;
 
 use ncclscope_proto::api::{ChannelWork, Collective, LiveSpans};
+use ncclscope_proto::segment::Pod;
 use ncclscope_proto::{Gpu, StrId};
 use serde::{Deserialize, Serialize};
 
@@ -27,6 +28,10 @@ pub struct Names {
     pub uid: u32,
     pub job_id: String,
     pub host: String,
+    /// The Kubernetes pod the process claims ("" outside Kubernetes).
+    pub pod: Pod,
+    /// The Slurm job the process claims to run in ("" outside Slurm).
+    pub slurm_job_id: String,
     chunks: Vec<Option<Arc<Chunk>>>,
 }
 
@@ -40,6 +45,8 @@ impl Names {
             uid,
             job_id,
             host,
+            pod: Pod::default(),
+            slurm_job_id: String::new(),
             chunks: Vec::new(),
         }
     }
@@ -200,6 +207,10 @@ impl<'a> InstanceRef<'a> {
         &self.names.host
     }
 
+    pub fn pod(&self) -> &'a Pod {
+        &self.names.pod
+    }
+
     pub fn comm_name(&self) -> &'a str {
         self.names.get(self.inst.comm_name)
     }
@@ -223,6 +234,7 @@ impl<'a> InstanceRef<'a> {
     pub fn to_message(&self) -> Collective {
         Collective {
             job_id: self.job_id().into(),
+            slurm_job_id: self.names.slurm_job_id.clone(),
             host: self.host().into(),
             pid: self.pid,
             comm_hash: self.comm_hash,
@@ -258,6 +270,8 @@ impl<'a> InstanceRef<'a> {
             trace_root_start_unix_ns: self.trace_root.map_or(0, |r| r.0),
             trace_root_end_unix_ns: self.trace_root.map_or(0, |r| r.1),
             local_lateness_ns: self.local_lateness_ns,
+            k8s_pod: self.names.pod.name.clone(),
+            k8s_namespace: self.names.pod.namespace.clone(),
         }
     }
 }
@@ -282,6 +296,11 @@ impl Shared {
 impl From<&Collective> for Shared {
     fn from(c: &Collective) -> Shared {
         let mut names = Names::new(c.uid, c.job_id.clone(), c.host.clone());
+        names.pod = Pod {
+            name: c.k8s_pod.clone(),
+            namespace: c.k8s_namespace.clone(),
+        };
+        names.slurm_job_id = c.slurm_job_id.clone();
         let [comm_name, func, datatype, algo, proto] = [1, 2, 3, 4, 5].map(StrId);
         for (id, text) in [
             (comm_name, &c.comm_name),
@@ -389,6 +408,9 @@ mod tests {
             trace_root_start_unix_ns: 12,
             trace_root_end_unix_ns: 18,
             local_lateness_ns: Some(19),
+            k8s_pod: "train-0-abcde".into(),
+            k8s_namespace: "ml-team".into(),
+            slurm_job_id: "4711".into(),
         };
         let s = Shared::from(&m);
         let i = s.view();

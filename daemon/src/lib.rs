@@ -1,6 +1,7 @@
 //! The ncclscope daemon and operator tools.
 
 pub mod activation;
+pub mod align;
 pub mod api;
 pub mod assemble;
 pub mod bandwidth;
@@ -15,14 +16,17 @@ pub mod instance;
 pub mod logging;
 pub mod loss;
 pub mod metrics;
+pub mod node_clocks;
 pub mod notify;
 pub mod otlp;
 pub mod otlp_json;
+pub mod peers;
 pub mod per_uid;
 pub mod perfetto;
 pub mod perfetto_proto;
 pub mod prometheus;
 pub mod ratelimit;
+pub mod reference;
 pub mod register;
 pub mod resend;
 pub mod resume;

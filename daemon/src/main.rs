@@ -34,6 +34,11 @@ enum Cmd {
     Export(cli::export::Args),
     /// A job's late ranks and nodes across the cluster, from Prometheus (Thanos, Mimir).
     Cluster(cli::cluster::Args),
+    /// The configuration or metrics reference (Markdown), from the code.
+    Reference(cli::reference::Args),
+    /// The systemd drop-in that lets the configured collector and scrapers through the unit's
+    /// address filter.
+    SystemdDropin(cli::systemd_dropin::Args),
     /// One simulated rank (used by `demo`).
     #[cfg(feature = "demo")]
     #[command(hide = true)]
@@ -50,6 +55,8 @@ fn main() -> ExitCode {
         Cmd::Stats(a) => cli::stats::run(a),
         Cmd::Export(a) => cli::export::run(a),
         Cmd::Cluster(a) => cli::cluster::run(a),
+        Cmd::Reference(a) => cli::reference::run(a),
+        Cmd::SystemdDropin(a) => cli::systemd_dropin::run(a),
         #[cfg(feature = "demo")]
         Cmd::SimRank(a) => cli::sim_rank::run(a),
     };

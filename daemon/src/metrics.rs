@@ -36,42 +36,393 @@ pub enum Value {
     Histogram(Distribution),
 }
 
-#[derive(Clone, Debug)]
-pub struct Family {
+/// A metric family as declared once: the served families take their name, unit, help and kind from
+/// here, and so does the metrics reference (docs/metrics.md, `ncclscope reference metrics`), which a
+/// test keeps equal to this table.
+#[derive(Debug)]
+pub struct Def {
     pub name: &'static str,
     /// UCUM, as OpenTelemetry metrics carry units (`us`, `GBy/s`, `{collective}` for a count).
     pub unit: &'static str,
     pub help: &'static str,
     pub kind: Kind,
+    /// Every label its points may carry (each one's meaning in [`LABELS`]).
+    pub labels: &'static [&'static str],
     /// Its points describe users' jobs (labelled job_id and uid), not the daemon.
     pub per_job: bool,
     /// One point per (job, communicator, rank): the node's largest label sets (see
     /// [`Exposition::rank_buckets`]).
     pub per_rank: bool,
+}
+
+/// The labels of a statistics series: NCCL Inspector's, with the job's uid and communicator.
+const SERIES_LABELS: &[&str] = &[
+    "uid",
+    "job_id",
+    "comm",
+    "collective",
+    "size_bucket",
+    "n_nodes",
+    "nranks",
+    "comm_name",
+    "algo_proto",
+    "message_size",
+];
+const RANK_LABELS: &[&str] = &[
+    "uid",
+    "job_id",
+    "comm",
+    "rank",
+    "gpu",
+    "UUID",
+    "namespace",
+    "pod",
+];
+
+const fn job(
+    name: &'static str,
+    unit: &'static str,
+    kind: Kind,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> Def {
+    Def {
+        name,
+        unit,
+        help,
+        kind,
+        labels,
+        per_job: true,
+        per_rank: false,
+    }
+}
+
+const fn health(
+    name: &'static str,
+    unit: &'static str,
+    kind: Kind,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> Def {
+    Def {
+        name,
+        unit,
+        help,
+        kind,
+        labels,
+        per_job: false,
+        per_rank: false,
+    }
+}
+
+pub const EXEC_TIME: Def = job(
+    "ncclscope_collective_exec_time_microseconds",
+    "us",
+    Kind::Histogram,
+    SERIES_LABELS,
+    "Execution time per collective instance (max over channels of the kernel work time)",
+);
+pub const BUS_BANDWIDTH: Def = job(
+    "ncclscope_collective_bus_bandwidth_gbs",
+    "GBy/s",
+    Kind::Histogram,
+    SERIES_LABELS,
+    "Bus bandwidth per collective instance as NCCL Inspector defines it, GB/s",
+);
+// Skew and last-to-start compare the ranks of one node only: in a communicator over several
+// nodes every node has its own latest rank, and a node whose ranks are all late has none.
+pub const RANK_SKEW: Def = Def {
+    per_rank: true,
+    ..job(
+        "ncclscope_rank_skew_microseconds",
+        "us",
+        Kind::Histogram,
+        RANK_LABELS,
+        "Node-local: how much later this rank's kernels started than the earliest of this node's \
+         ranks of the same collective (not the job's: across nodes see \
+         ncclscope:rank_lateness_microseconds:1m)",
+    )
+};
+pub const RANK_STRAGGLER: Def = job(
+    "ncclscope_rank_straggler_total",
+    "{collective}",
+    Kind::Counter,
+    &[
+        "uid",
+        "job_id",
+        "comm",
+        "rank",
+        "gpu",
+        "UUID",
+        "namespace",
+        "pod",
+        "when",
+    ],
+    "Node-local: collectives in which this rank was the last of this node's ranks to start \
+     (when=start) or to end (when=end); every node of a multi-node communicator has one, so \
+     it is not the job's straggler (see ncclscope:rank_lateness_microseconds:1m)",
+);
+pub const RANK_COLLECTIVES: Def = job(
+    "ncclscope_rank_collectives_total",
+    "{collective}",
+    Kind::Counter,
+    RANK_LABELS,
+    "Collective instances per rank",
+);
+pub const RANK_EXEC_TIME: Def = job(
+    "ncclscope_rank_exec_time_microseconds_total",
+    "us",
+    Kind::Counter,
+    RANK_LABELS,
+    "Sum of the exec times of the rank's instances (those of ncclscope_rank_collectives_total): \
+     over that count, the rank's mean exec time, comparable across nodes (a duration on the \
+     rank's own GPU); a late rank waits least, so has the shortest of its communicator",
+);
+pub const BUILD_INFO: Def = health(
+    "ncclscope_build_info",
+    "",
+    Kind::Gauge,
+    &["version", "host_name"],
+    "The daemon's version and its node's host.name, always 1: joins a scrape's instance to the \
+     node",
+);
+pub const SEGMENTS: Def = health(
+    "ncclscope_segments",
+    "{segment}",
+    Kind::Gauge,
+    &[],
+    "Segments (NCCL processes) attached",
+);
+pub const RECORDS: Def = health(
+    "ncclscope_records_total",
+    "{record}",
+    Kind::Counter,
+    &[],
+    "Records read from segments",
+);
+pub const DECODE_ERRORS: Def = health(
+    "ncclscope_decode_errors_total",
+    "{record}",
+    Kind::Counter,
+    &[],
+    "Records that did not decode",
+);
+pub const COLLECTIVES: Def = health(
+    "ncclscope_collectives_total",
+    "{collective}",
+    Kind::Counter,
+    &[],
+    "Collective and p2p instances completed",
+);
+pub const LOST: Def = health(
+    "ncclscope_lost_total",
+    "{event}",
+    Kind::Counter,
+    &["stage"],
+    "Events lost (or declined) per stage: the daemon's own, and plugin counters and refused \
+     registrations (each uid's taken in only up to a rate; ncclscope_plugin_lost_total and \
+     ncclscope_refused_total have them exact)",
+);
+pub const PLUGIN_LOST: Def = health(
+    "ncclscope_plugin_lost_total",
+    "{event}",
+    Kind::Counter,
+    &["uid", "stage"],
+    "Events the plugins of one uid's processes reported lost, per stage (every stage while the uid \
+     has a segment attached, then non-zero ones)",
+);
+pub const REFUSED: Def = health(
+    "ncclscope_refused_total",
+    "{registration}",
+    Kind::Counter,
+    &["uid", "stage"],
+    "Registrations (segments, connections) of one uid refused, per stage, exactly (the node-wide \
+     ncclscope_lost_total takes each uid's in only up to a rate since its first)",
+);
+pub const SPANS_EXPORTED: Def = health(
+    "ncclscope_spans_exported_total",
+    "{span}",
+    Kind::Counter,
+    &[],
+    "Spans accepted by the OTLP receiver",
+);
+pub const EXPORT_RESENT: Def = health(
+    "ncclscope_export_resent_total",
+    "{instance}",
+    Kind::Counter,
+    &[],
+    "Instances whose spans were dropped (queue full, or given up) and queued again from the spool \
+     once the OTLP receiver answered (ncclscope_lost_total{stage=\"export_not_resent\"}: those that \
+     could not be)",
+);
+pub const FORCED_COMMITS: Def = health(
+    "ncclscope_forced_commits_total",
+    "{commit}",
+    Kind::Counter,
+    &[],
+    "Segment tails committed past open operations or unacknowledged spans because the ring was \
+     over half full: nothing is lost, but a daemon restarted then would not read those again",
+);
+pub const PARKED_OPERATIONS: Def = health(
+    "ncclscope_parked_operations_total",
+    "{operation}",
+    Kind::Counter,
+    &[],
+    "Operations in flight the segment tail was committed past with their state saved for a \
+     restart (after a record lost in their segment, or while they stayed open), so that an \
+     operation that can no longer complete holds no ring space",
+);
+pub const CLOCK_STEPS: Def = health(
+    "ncclscope_clock_steps_total",
+    "{step}",
+    Kind::Counter,
+    &[],
+    "Steps of the host clock (CLOCK_REALTIME against CLOCK_BOOTTIME, over 50 ms)",
+);
+pub const SKEW_CLOCK_STEP: Def = health(
+    "ncclscope_skew_clock_step_total",
+    "{collective}",
+    Kind::Counter,
+    &[],
+    "Collectives left out of the skew and straggler counts because a rank started them near a \
+     host clock step",
+);
+pub const EXPORT_ERRORS: Def = health(
+    "ncclscope_export_errors_total",
+    "{error}",
+    Kind::Counter,
+    &[],
+    "Failed OTLP export attempts",
+);
+pub const CALIBRATION_ERROR: Def = health(
+    "ncclscope_calibration_error_max_nanoseconds",
+    "ns",
+    Kind::Gauge,
+    &[],
+    "Largest GPU-to-host clock calibration error bound among attached processes",
+);
+pub const DEVICE_HOOK_JOIN_RATIO: Def = health(
+    "ncclscope_device_hook_join_ratio",
+    "1",
+    Kind::Gauge,
+    &[],
+    "Fraction of device-hook work items of collectives joined to their host collective (p2p work items: lost_total{stage=\"dev_p2p\"})",
+);
+
+/// Every family [`families`] builds, in the order it builds them.
+pub const FAMILIES: &[&Def] = &[
+    &EXEC_TIME,
+    &BUS_BANDWIDTH,
+    &RANK_SKEW,
+    &RANK_STRAGGLER,
+    &RANK_COLLECTIVES,
+    &RANK_EXEC_TIME,
+    &BUILD_INFO,
+    &SEGMENTS,
+    &RECORDS,
+    &DECODE_ERRORS,
+    &COLLECTIVES,
+    &LOST,
+    &PLUGIN_LOST,
+    &REFUSED,
+    &SPANS_EXPORTED,
+    &EXPORT_RESENT,
+    &FORCED_COMMITS,
+    &PARKED_OPERATIONS,
+    &CLOCK_STEPS,
+    &SKEW_CLOCK_STEP,
+    &EXPORT_ERRORS,
+    &CALIBRATION_ERROR,
+    &DEVICE_HOOK_JOIN_RATIO,
+];
+
+/// What each label means, for the reference; every label of [`FAMILIES`] is here.
+pub const LABELS: &[(&str, &str)] = &[
+    (
+        "uid",
+        "the uid of the processes that ran the job (a job is (uid, job_id))",
+    ),
+    (
+        "job_id",
+        "the job id the plugin wrote: `NCCLSCOPE_JOB_ID`, else `SLURM_JOB_ID`, `TORCHELASTIC_RUN_ID`, `NCCLSCOPE_K8S_JOB_NAME`, else `unknown`",
+    ),
+    ("comm", "the communicator's hash, 16 hex digits"),
+    (
+        "collective",
+        "NCCL's collective (`AllReduce`, `AllGather`, ...; `Send`/`Recv` for p2p)",
+    ),
+    (
+        "size_bucket",
+        "the power-of-two bucket of NCCL Inspector's algBW bytes (rank count times larger for AllGather and ReduceScatter); `other` past `aggregate.max_series`",
+    ),
+    ("n_nodes", "the communicator's node count (NCCL's)"),
+    ("nranks", "the communicator's rank count"),
+    (
+        "comm_name",
+        "NCCL's name for the communicator, empty without one",
+    ),
+    (
+        "algo_proto",
+        "NCCL's algorithm and protocol, `RING_LL`; `unknown` for a missing part",
+    ),
+    (
+        "message_size",
+        "NCCL Inspector's message-size range (count x datatype size, in whole units of the largest binary unit below it: `8-9MB`, `1-2KB`)",
+    ),
+    ("rank", "the rank in the communicator"),
+    (
+        "gpu",
+        "the rank's CUDA device ordinal in its process (DCGM exporter's name; its NVML index only where the process sees every GPU in PCI order); absent where the driver was not asked",
+    ),
+    (
+        "UUID",
+        "the rank's GPU UUID (`GPU-...`, DCGM exporter's name and the join key with its metrics); absent where the driver was not asked",
+    ),
+    (
+        "namespace",
+        "the rank's Kubernetes namespace (`NCCLSCOPE_K8S_NAMESPACE` in its pod, from the downward API; deploy/k8s/pod-snippet.yaml); absent elsewhere",
+    ),
+    (
+        "pod",
+        "the rank's Kubernetes pod (`NCCLSCOPE_K8S_POD_NAME`, likewise): with `namespace`, joins kube-state-metrics' and DCGM exporter's pod labels; absent elsewhere",
+    ),
+    (
+        "when",
+        "`start`: last of the node's ranks to start; `end`: last to end",
+    ),
+    ("version", "the daemon's version"),
+    (
+        "host_name",
+        "the node's `host.name`, the OTLP resource's (`otlp.resource_attributes` may set it)",
+    ),
+    (
+        "stage",
+        "where events were lost or declined: a plugin counter (`ring_full`, `queue_full`, `dev_lost`, ...) or the daemon's own (`incomplete`, `export_dropped`, `spool_failed`, ...)",
+    ),
+];
+
+#[derive(Clone, Debug)]
+pub struct Family {
+    pub name: &'static str,
+    pub unit: &'static str,
+    pub help: &'static str,
+    pub kind: Kind,
+    pub per_job: bool,
+    pub per_rank: bool,
     pub points: Vec<(Vec<(&'static str, String)>, Value)>,
 }
 
 impl Family {
-    fn new(name: &'static str, unit: &'static str, help: &'static str, kind: Kind) -> Family {
+    fn of(def: &'static Def) -> Family {
         Family {
-            name,
-            unit,
-            help,
-            kind,
-            per_job: false,
-            per_rank: false,
+            name: def.name,
+            unit: def.unit,
+            help: def.help,
+            kind: def.kind,
+            per_job: def.per_job,
+            per_rank: def.per_rank,
             points: Vec::new(),
         }
-    }
-
-    fn per_job(mut self) -> Family {
-        self.per_job = true;
-        self
-    }
-
-    fn per_rank(mut self) -> Family {
-        self.per_rank = true;
-        self
     }
 
     fn push(&mut self, labels: Vec<(&'static str, String)>, v: f64) {
@@ -126,20 +477,8 @@ fn algo_proto(algo: &str, proto: &str) -> String {
 /// Builds every metric family from the statistics and the health counters; `host_name` is the
 /// node's `host.name` (the OTLP resource's), on `ncclscope_build_info`.
 pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> {
-    let mut exec = Family::new(
-        "ncclscope_collective_exec_time_microseconds",
-        "us",
-        "Execution time per collective instance (max over channels of the kernel work time)",
-        Kind::Histogram,
-    )
-    .per_job();
-    let mut busbw = Family::new(
-        "ncclscope_collective_bus_bandwidth_gbs",
-        "GBy/s",
-        "Bus bandwidth per collective instance as NCCL Inspector defines it, GB/s",
-        Kind::Histogram,
-    )
-    .per_job();
+    let mut exec = Family::of(&EXEC_TIME);
+    let mut busbw = Family::of(&BUS_BANDWIDTH);
     let mut keys: Vec<_> = stats.series.iter().collect();
     keys.sort_by(|a, b| a.0.cmp(b.0));
     for (k, s) in keys {
@@ -166,41 +505,10 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
     }
     // Skew and last-to-start compare the ranks of one node only: in a communicator over several
     // nodes every node has its own latest rank, and a node whose ranks are all late has none.
-    let mut skew = Family::new(
-        "ncclscope_rank_skew_microseconds",
-        "us",
-        "Node-local: how much later this rank's kernels started than the earliest of this node's \
-         ranks of the same collective (not the job's: across nodes see \
-         ncclscope:rank_lateness_microseconds:1m)",
-        Kind::Histogram,
-    )
-    .per_job()
-    .per_rank();
-    let mut straggler = Family::new(
-        "ncclscope_rank_straggler_total",
-        "{collective}",
-        "Node-local: collectives in which this rank was the last of this node's ranks to start \
-         (when=start) or to end (when=end); every node of a multi-node communicator has one, so \
-         it is not the job's straggler (see ncclscope:rank_lateness_microseconds:1m)",
-        Kind::Counter,
-    )
-    .per_job();
-    let mut per_rank = Family::new(
-        "ncclscope_rank_collectives_total",
-        "{collective}",
-        "Collective instances per rank",
-        Kind::Counter,
-    )
-    .per_job();
-    let mut rank_exec = Family::new(
-        "ncclscope_rank_exec_time_microseconds_total",
-        "us",
-        "Sum of the exec times of the rank's instances (those of ncclscope_rank_collectives_total): \
-         over that count, the rank's mean exec time, comparable across nodes (a duration on the \
-         rank's own GPU); a late rank waits least, so has the shortest of its communicator",
-        Kind::Counter,
-    )
-    .per_job();
+    let mut skew = Family::of(&RANK_SKEW);
+    let mut straggler = Family::of(&RANK_STRAGGLER);
+    let mut per_rank = Family::of(&RANK_COLLECTIVES);
+    let mut rank_exec = Family::of(&RANK_EXEC_TIME);
     let mut ranks: Vec<_> = stats.ranks.iter().collect();
     ranks.sort_by(|a, b| a.0.cmp(b.0));
     for (k, r) in ranks {
@@ -216,6 +524,13 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
             labels.push(("gpu", g.ordinal.to_string()));
             labels.push(("UUID", g.uuid_text()));
         }
+        // kube-state-metrics' and DCGM exporter's names for the rank's pod.
+        if !r.pod.namespace.is_empty() {
+            labels.push(("namespace", r.pod.namespace.clone()));
+        }
+        if !r.pod.name.is_empty() {
+            labels.push(("pod", r.pod.name.clone()));
+        }
         skew.points
             .push((labels.clone(), Value::Histogram(r.skew_us.clone())));
         let with = |when: &str| {
@@ -229,13 +544,7 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
         per_rank.push(labels, r.collectives as f64);
     }
     let mut out = vec![exec, busbw, skew, straggler, per_rank, rank_exec];
-    let mut build = Family::new(
-        "ncclscope_build_info",
-        "",
-        "The daemon's version and its node's host.name, always 1: joins a scrape's instance to the \
-         node",
-        Kind::Gauge,
-    );
+    let mut build = Family::of(&BUILD_INFO);
     build.push(
         vec![
             ("version", env!("CARGO_PKG_VERSION").to_string()),
@@ -244,59 +553,21 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
         1.0,
     );
     out.push(build);
-    let counter = |name, unit, help, v: u64| {
-        let mut f = Family::new(name, unit, help, Kind::Counter);
-        f.push(Vec::new(), v as f64);
-        f
-    };
-    let gauge = |name, unit, help, v: f64| {
-        let mut f = Family::new(name, unit, help, Kind::Gauge);
+    let single = |def: &'static Def, v: f64| {
+        let mut f = Family::of(def);
         f.push(Vec::new(), v);
         f
     };
-    out.push(gauge(
-        "ncclscope_segments",
-        "{segment}",
-        "Segments (NCCL processes) attached",
-        health.segments as f64,
-    ));
-    out.push(counter(
-        "ncclscope_records_total",
-        "{record}",
-        "Records read from segments",
-        health.records_in,
-    ));
-    out.push(counter(
-        "ncclscope_decode_errors_total",
-        "{record}",
-        "Records that did not decode",
-        health.decode_errors,
-    ));
-    out.push(counter(
-        "ncclscope_collectives_total",
-        "{collective}",
-        "Collective and p2p instances completed",
-        health.collectives,
-    ));
-    let mut lost = Family::new(
-        "ncclscope_lost_total",
-        "{event}",
-        "Events lost (or declined) per stage: the daemon's own, and plugin counters and refused \
-         registrations (each uid's taken in only up to a rate; ncclscope_plugin_lost_total and \
-         ncclscope_refused_total have them exact)",
-        Kind::Counter,
-    );
+    out.push(single(&SEGMENTS, health.segments as f64));
+    out.push(single(&RECORDS, health.records_in as f64));
+    out.push(single(&DECODE_ERRORS, health.decode_errors as f64));
+    out.push(single(&COLLECTIVES, health.collectives as f64));
+    let mut lost = Family::of(&LOST);
     for (stage, v) in &health.lost {
         lost.push(vec![("stage", stage.clone())], *v as f64);
     }
     out.push(lost);
-    let mut by_uid = Family::new(
-        "ncclscope_plugin_lost_total",
-        "{event}",
-        "Events the plugins of one uid's processes reported lost, per stage (every stage while the uid \
-         has a segment attached, then non-zero ones)",
-        Kind::Counter,
-    );
+    let mut by_uid = Family::of(&PLUGIN_LOST);
     for (&(uid, stage), v) in &health.plugin_lost_by_uid {
         by_uid.push(
             vec![("uid", uid.to_string()), ("stage", stage.to_string())],
@@ -304,13 +575,7 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
         );
     }
     out.push(by_uid);
-    let mut refused = Family::new(
-        "ncclscope_refused_total",
-        "{registration}",
-        "Registrations (segments, connections) of one uid refused, per stage, exactly (the node-wide \
-         ncclscope_lost_total takes each uid's in only up to a rate since its first)",
-        Kind::Counter,
-    );
+    let mut refused = Family::of(&REFUSED);
     for (&(uid, stage), v) in &health.refused_by_uid {
         refused.push(
             vec![("uid", uid.to_string()), ("stage", stage.to_string())],
@@ -318,58 +583,15 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
         );
     }
     out.push(refused);
-    out.push(counter(
-        "ncclscope_spans_exported_total",
-        "{span}",
-        "Spans accepted by the OTLP receiver",
-        health.spans_exported,
-    ));
-    out.push(counter(
-        "ncclscope_export_resent_total",
-        "{instance}",
-        "Instances whose spans were dropped (queue full, or given up) and queued again from the spool \
-         once the OTLP receiver answered (ncclscope_lost_total{stage=\"export_not_resent\"}: those that \
-         could not be)",
-        health.export_resent,
-    ));
-    out.push(counter(
-        "ncclscope_forced_commits_total",
-        "{commit}",
-        "Segment tails committed past open operations or unacknowledged spans because the ring was \
-         over half full: nothing is lost, but a daemon restarted then would not read those again",
-        health.forced_commits,
-    ));
-    out.push(counter(
-        "ncclscope_parked_operations_total",
-        "{operation}",
-        "Operations in flight the segment tail was committed past with their state saved for a \
-         restart (after a record lost in their segment, or while they stayed open), so that an \
-         operation that can no longer complete holds no ring space",
-        health.parked_ops,
-    ));
-    out.push(counter(
-        "ncclscope_clock_steps_total",
-        "{step}",
-        "Steps of the host clock (CLOCK_REALTIME against CLOCK_BOOTTIME, over 50 ms)",
-        health.clock_steps,
-    ));
-    out.push(counter(
-        "ncclscope_skew_clock_step_total",
-        "{collective}",
-        "Collectives left out of the skew and straggler counts because a rank started them near a \
-         host clock step",
-        health.skew_clock_step,
-    ));
-    out.push(counter(
-        "ncclscope_export_errors_total",
-        "{error}",
-        "Failed OTLP export attempts",
-        health.export_errors,
-    ));
-    out.push(gauge(
-        "ncclscope_calibration_error_max_nanoseconds",
-        "ns",
-        "Largest GPU-to-host clock calibration error bound among attached processes",
+    out.push(single(&SPANS_EXPORTED, health.spans_exported as f64));
+    out.push(single(&EXPORT_RESENT, health.export_resent as f64));
+    out.push(single(&FORCED_COMMITS, health.forced_commits as f64));
+    out.push(single(&PARKED_OPERATIONS, health.parked_ops as f64));
+    out.push(single(&CLOCK_STEPS, health.clock_steps as f64));
+    out.push(single(&SKEW_CLOCK_STEP, health.skew_clock_step as f64));
+    out.push(single(&EXPORT_ERRORS, health.export_errors as f64));
+    out.push(single(
+        &CALIBRATION_ERROR,
         health.max_calibration_error_ns as f64,
     ));
     let join_rate = if health.dev_work == 0 {
@@ -377,12 +599,7 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
     } else {
         health.dev_joined as f64 / health.dev_work as f64
     };
-    out.push(gauge(
-        "ncclscope_device_hook_join_ratio",
-        "1",
-        "Fraction of device-hook work items of collectives joined to their host collective (p2p work items: lost_total{stage=\"dev_p2p\"})",
-        join_rate,
-    ));
+    out.push(single(&DEVICE_HOOK_JOIN_RATIO, join_rate));
     out
 }
 
@@ -667,12 +884,12 @@ fn attributes(labels: &[(&'static str, String)]) -> Vec<KeyValue> {
 /// `unit`) and no `_total`. A collector writing them to Prometheus adds the unit's suffix and
 /// `_total` back, which gives the names served on `/metrics`, except for the bus bandwidth, whose
 /// `GBy/s` it spells `gigabytes_per_second`.
-fn otel_name(f: &Family) -> String {
-    let mut name = f.name;
-    if f.kind == Kind::Counter {
+pub fn otel_name(name: &str, kind: Kind, unit: &str) -> String {
+    let mut name = name;
+    if kind == Kind::Counter {
         name = name.strip_suffix("_total").unwrap_or(name);
     }
-    let suffix = match f.unit {
+    let suffix = match unit {
         "us" => "_microseconds",
         "ns" => "_nanoseconds",
         "GBy/s" => "_gbs",
@@ -760,7 +977,7 @@ pub fn to_otlp(families: &[Family], start_ns: u64, now_ns: u64) -> Vec<Metric> {
                 }),
             };
             Metric {
-                name: otel_name(f),
+                name: otel_name(f.name, f.kind, f.unit),
                 description: f.help.to_string(),
                 unit: f.unit.to_string(),
                 data: Some(data),
@@ -1005,7 +1222,8 @@ mod tests {
                         last as u64
                     })
                     .collect();
-                let otel = otel_name(fams.iter().find(|f| f.name == family).unwrap());
+                let f = fams.iter().find(|f| f.name == family).unwrap();
+                let otel = otel_name(f.name, f.kind, f.unit);
                 let otlp = otlp.iter().find(|m| m.name == otel).unwrap();
                 let Some(metric::Data::ExponentialHistogram(e)) = &otlp.data else {
                     panic!("{family} is not exponential in OTLP")
@@ -1154,7 +1372,7 @@ mod tests {
                 "{} has a unit",
                 f.name
             );
-            let mut prom = otel_name(f).replace('.', "_");
+            let mut prom = otel_name(f.name, f.kind, f.unit).replace('.', "_");
             prom.push_str(match f.unit {
                 "us" => "_microseconds",
                 "ns" => "_nanoseconds",
@@ -1167,6 +1385,75 @@ mod tests {
             }
             let expected = f.name.replace("_gbs", "_gigabytes_per_second");
             assert_eq!(prom, expected, "unit {}", f.unit);
+        }
+    }
+
+    /// The declared table is what is served: every family built, in [`FAMILIES`]' order, its points
+    /// labelled only with its declared labels, each label's meaning known (the reference renders
+    /// from these, so a family or label added without them fails here).
+    #[test]
+    fn every_served_family_and_label_is_declared_once() {
+        let mut stats = Stats::new(1_000_000_000, 1000, 10);
+        for rank in 0..2 {
+            let c = Shared::from(&ncclscope_proto::api::Collective {
+                uid: 7,
+                job_id: "j".into(),
+                comm_hash: 1,
+                func: "AllReduce".into(),
+                seq: 1,
+                rank,
+                nranks: 2,
+                exec_ns: 1_000 + u64::from(rank),
+                end_unix_ns: 1_700_000_000_000_000_000,
+                timing_source: "kernel_gpu".into(),
+                gpu: Some(rank),
+                gpu_uuid: format!("GPU-{rank:08}-0000-0000-0000-000000000000"),
+                k8s_pod: format!("train-{rank}"),
+                k8s_namespace: "ml".into(),
+                ..Default::default()
+            });
+            stats.observe(c.view(), 0, 1, |_, _| LiveSpans::Rank);
+        }
+        let health = Health {
+            lost: [("ring_full".to_string(), 1)].into_iter().collect(),
+            plugin_lost_by_uid: [((7, "ring_full"), 1)].into_iter().collect(),
+            refused_by_uid: [((7, "segment_invalid"), 1)].into_iter().collect(),
+            ..Health::default()
+        };
+        let built = families(&stats, &health, "h");
+        let names: Vec<&str> = built.iter().map(|f| f.name).collect();
+        let declared: Vec<&str> = FAMILIES.iter().map(|d| d.name).collect();
+        assert_eq!(names, declared);
+        for (f, def) in built.iter().zip(FAMILIES) {
+            assert!(!f.points.is_empty(), "{}: no point to check", f.name);
+            for (labels, _) in &f.points {
+                for (l, _) in labels {
+                    assert!(def.labels.contains(l), "{}: label {l} undeclared", f.name);
+                }
+            }
+        }
+        // The rank's pod, where its process said it runs in one: joins kube-state-metrics'.
+        let ranks = &built[FAMILIES
+            .iter()
+            .position(|d| d.name == RANK_COLLECTIVES.name)
+            .unwrap()];
+        let rank1 = &ranks.points[1].0;
+        assert!(rank1.contains(&("pod", "train-1".to_string())), "{rank1:?}");
+        assert!(
+            rank1.contains(&("namespace", "ml".to_string())),
+            "{rank1:?}"
+        );
+        for l in FAMILIES.iter().flat_map(|d| d.labels) {
+            assert!(
+                LABELS.iter().any(|(n, _)| n == l),
+                "label {l} has no meaning in LABELS"
+            );
+        }
+        for (n, _) in LABELS {
+            assert!(
+                FAMILIES.iter().any(|d| d.labels.contains(n)),
+                "LABELS has {n}, which no family carries"
+            );
         }
     }
 }

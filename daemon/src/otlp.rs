@@ -72,6 +72,20 @@ fn kv(key: &str, v: &str) -> KeyValue {
 /// series), then `otlp.resource_attributes`, which may replace any of them but `service.name`.
 /// One daemon serves many processes: process.pid is a span attribute, not a resource attribute.
 pub fn resource(cfg: &Otlp, host: &str) -> Resource {
+    resource_from(resource_attributes(cfg, host))
+}
+
+/// A resource of string attributes.
+pub fn resource_from(attributes: impl IntoIterator<Item = (String, String)>) -> Resource {
+    Resource {
+        attributes: (attributes.into_iter()).map(|(k, v)| kv(&k, &v)).collect(),
+        ..Default::default()
+    }
+}
+
+/// [`resource`]'s attributes as (key, value), in its order: what the query API hands `export
+/// --format otlp-json`, so the file names the node as the live export does.
+pub fn resource_attributes(cfg: &Otlp, host: &str) -> Vec<(String, String)> {
     let given = key_values(&cfg.resource_attributes).unwrap_or_default();
     let name = (!cfg.service_name.is_empty())
         .then_some(cfg.service_name.as_str())
@@ -82,22 +96,22 @@ pub fn resource(cfg: &Otlp, host: &str) -> Resource {
                 .map(|(_, v)| v.as_str())
         })
         .unwrap_or("ncclscope");
-    let mut attributes = vec![
-        kv("service.name", name),
-        kv("service.version", env!("CARGO_PKG_VERSION")),
-        kv("host.name", host),
-        kv("service.instance.id", &instance_id(host)),
-    ];
-    for (k, v) in given.iter().filter(|(k, _)| k != "service.name") {
-        match attributes.iter_mut().find(|a| a.key == *k) {
-            Some(a) => *a = kv(k, v),
-            None => attributes.push(kv(k, v)),
+    let mut attributes: Vec<(String, String)> = [
+        ("service.name", name),
+        ("service.version", env!("CARGO_PKG_VERSION")),
+        ("host.name", host),
+        ("service.instance.id", &instance_id(host)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    for (k, v) in given.into_iter().filter(|(k, _)| k != "service.name") {
+        match attributes.iter_mut().find(|a| a.0 == k) {
+            Some(a) => a.1 = v,
+            None => attributes.push((k, v)),
         }
     }
-    Resource {
-        attributes,
-        ..Default::default()
-    }
+    attributes
 }
 
 /// The node's `host.name` as [`resource`] gives it: `otlp.resource_attributes`' if set, else `host`.
@@ -210,7 +224,7 @@ impl Envelope {
     }
 }
 
-fn scope() -> InstrumentationScope {
+pub fn scope() -> InstrumentationScope {
     InstrumentationScope {
         name: "ncclscope".into(),
         version: env!("CARGO_PKG_VERSION").into(),

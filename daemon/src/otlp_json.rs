@@ -7,12 +7,10 @@
 //! when the daemon recorded each instance), with the same trace and span ids.
 //! The JSON mapping (hex ids, 64-bit integers as strings) is opentelemetry-proto's.
 
-use std::collections::BTreeMap;
 use std::io::{self, Write};
 
 use ncclscope_proto::api::Collective;
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-use opentelemetry_proto::tonic::common::v1::{AnyValue, InstrumentationScope, KeyValue, any_value};
 use opentelemetry_proto::tonic::resource::v1::Resource;
 use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span};
 
@@ -24,18 +22,19 @@ const SPANS_PER_LINE: usize = 2048;
 
 pub struct OtlpJsonWriter<W: Write> {
     out: W,
-    /// Pending spans per host (the resource, as in the daemon's live export).
-    pending: BTreeMap<String, Vec<Span>>,
-    pending_spans: usize,
+    /// The live export's resource (the daemon's answer to GetResource), so the file names the node
+    /// as the spans the collector received do.
+    resource: Resource,
+    pending: Vec<Span>,
     collectives: u64,
 }
 
 impl<W: Write> OtlpJsonWriter<W> {
-    pub fn new(out: W) -> Self {
+    pub fn new(out: W, resource: Resource) -> Self {
         OtlpJsonWriter {
             out,
-            pending: BTreeMap::new(),
-            pending_spans: 0,
+            resource,
+            pending: Vec::new(),
             collectives: 0,
         }
     }
@@ -45,12 +44,9 @@ impl<W: Write> OtlpJsonWriter<W> {
     }
 
     pub fn write(&mut self, c: &Collective) -> io::Result<()> {
-        let spans = self.pending.entry(c.host.clone()).or_default();
-        let before = spans.len();
-        live_spans_of(Shared::from(c).view(), spans);
-        self.pending_spans += spans.len() - before;
+        live_spans_of(Shared::from(c).view(), &mut self.pending);
         self.collectives += 1;
-        if self.pending_spans >= SPANS_PER_LINE {
+        if self.pending.len() >= SPANS_PER_LINE {
             self.flush_line()
         } else {
             Ok(())
@@ -67,38 +63,19 @@ impl<W: Write> OtlpJsonWriter<W> {
         if self.pending.is_empty() {
             return Ok(());
         }
-        let resource_spans = std::mem::take(&mut self.pending)
-            .into_iter()
-            .map(|(host, spans)| ResourceSpans {
-                resource: Some(Resource {
-                    attributes: vec![kv("service.name", "ncclscope"), kv("host.name", &host)],
-                    ..Default::default()
-                }),
+        let request = ExportTraceServiceRequest {
+            resource_spans: vec![ResourceSpans {
+                resource: Some(self.resource.clone()),
                 scope_spans: vec![ScopeSpans {
-                    scope: Some(InstrumentationScope {
-                        name: "ncclscope".into(),
-                        version: env!("CARGO_PKG_VERSION").into(),
-                        ..Default::default()
-                    }),
-                    spans,
+                    scope: Some(crate::otlp::scope()),
+                    spans: std::mem::take(&mut self.pending),
                     ..Default::default()
                 }],
                 ..Default::default()
-            })
-            .collect();
-        self.pending_spans = 0;
-        serde_json::to_writer(&mut self.out, &ExportTraceServiceRequest { resource_spans })?;
+            }],
+        };
+        serde_json::to_writer(&mut self.out, &request)?;
         self.out.write_all(b"\n")
-    }
-}
-
-fn kv(key: &str, v: &str) -> KeyValue {
-    KeyValue {
-        key: key.into(),
-        value: Some(AnyValue {
-            value: Some(any_value::Value::StringValue(v.into())),
-        }),
-        ..Default::default()
     }
 }
 
@@ -148,7 +125,8 @@ mod tests {
 
     #[test]
     fn lines_are_export_requests_with_the_daemons_ids_and_only_the_live_spans() {
-        let mut w = OtlpJsonWriter::new(Vec::new());
+        let resource = crate::otlp::resource(&crate::config::Otlp::default(), "node1");
+        let mut w = OtlpJsonWriter::new(Vec::new(), resource);
         for seq in 0..1200 {
             for rank in 0..2 {
                 w.write(&coll(rank, seq)).unwrap();
@@ -194,9 +172,7 @@ mod tests {
         // The same parse the OTLP/JSON readers do: back into the protobuf types.
         let req: ExportTraceServiceRequest =
             serde_json::from_str(out.lines().next().unwrap()).unwrap();
-        assert_eq!(
-            req.resource_spans[0].resource.as_ref().unwrap().attributes[1].key,
-            "host.name"
-        );
+        let resource = req.resource_spans[0].resource.as_ref().unwrap();
+        assert_eq!(resource.attributes[2].key, "host.name");
     }
 }

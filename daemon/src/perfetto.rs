@@ -34,6 +34,8 @@ pub struct PerfettoWriter<W: Write> {
     named_tracks: std::collections::HashSet<(u64, u64)>,
     first_event: bool,
     slices: u64,
+    /// Written into the trace's `metadata` beside the count of collectives.
+    metadata: serde_json::Map<String, Value>,
 }
 
 impl<W: Write> PerfettoWriter<W> {
@@ -53,7 +55,21 @@ impl<W: Write> PerfettoWriter<W> {
             named_tracks: Default::default(),
             first_event: true,
             slices: 0,
+            metadata: Default::default(),
         })
+    }
+
+    /// Adds a statement about the trace to its metadata's `ncclscope_notes`.
+    pub fn add_note(&mut self, text: String) {
+        let notes = self.metadata.entry("ncclscope_notes").or_insert(json!([]));
+        if let Value::Array(a) = notes {
+            a.push(Value::String(text));
+        }
+    }
+
+    /// Sets `key` of the trace's metadata (what the trace says of itself: coverage, node clocks).
+    pub fn set_metadata(&mut self, key: &str, value: Value) {
+        self.metadata.insert(key.to_string(), value);
     }
 
     /// Collective slices written so far.
@@ -164,7 +180,8 @@ impl<W: Write> PerfettoWriter<W> {
     /// Closes the JSON document and returns the writer (flushed).
     pub fn finish(mut self) -> io::Result<W> {
         self.out.write_all(b"\n],\"metadata\":")?;
-        let meta = json!({"ncclscope_collectives": self.slices});
+        let mut meta = std::mem::take(&mut self.metadata);
+        meta.insert("ncclscope_collectives".into(), self.slices.into());
         serde_json::to_writer(&mut self.out, &meta)?;
         self.out.write_all(b"}\n")?;
         self.out.flush()?;
@@ -254,6 +271,24 @@ fn micros(ns: u64, origin: u64) -> String {
         None => ("-", origin - ns),
     };
     format!("{sign}{}.{:03}", d / 1000, d % 1000)
+}
+
+/// Moves every time of `c` by `by_ns` (onto another clock: a PyTorch trace's, another node's).
+pub fn shift(c: &mut Collective, by_ns: i64) {
+    let at = |t: &mut u64| {
+        if *t != 0 {
+            *t = t.saturating_add_signed(by_ns);
+        }
+    };
+    at(&mut c.enqueue_unix_ns);
+    at(&mut c.start_unix_ns);
+    at(&mut c.end_unix_ns);
+    at(&mut c.trace_root_start_unix_ns);
+    at(&mut c.trace_root_end_unix_ns);
+    for ch in &mut c.channels {
+        at(&mut ch.start_unix_ns);
+        at(&mut ch.end_unix_ns);
+    }
 }
 
 /// A collective instance: (communicator, collective, seq, replay).

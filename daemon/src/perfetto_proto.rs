@@ -84,6 +84,9 @@ pub struct PerfettoProtoWriter<W: Write> {
     next_uuid: u64,
     slices: u64,
     buf: Vec<u8>,
+    /// What the trace says of itself ([`PerfettoProtoWriter::note`]), and the times it covers.
+    notes: Vec<String>,
+    span: Option<(u64, u64)>,
 }
 
 /// One begin or end of a slice, before they are put in time order.
@@ -104,7 +107,15 @@ impl<W: Write> PerfettoProtoWriter<W> {
             next_uuid: 1,
             slices: 0,
             buf: Vec::new(),
+            notes: Vec::new(),
+            span: None,
         }
+    }
+
+    /// A statement about the trace (its coverage, a node's clock), written at the end as a slice
+    /// across the whole trace on a track of its own, named with the statement.
+    pub fn note(&mut self, text: String) {
+        self.notes.push(text);
     }
 
     /// Collective slices written so far.
@@ -114,6 +125,10 @@ impl<W: Write> PerfettoProtoWriter<W> {
 
     pub fn write(&mut self, c: &Collective) -> io::Result<()> {
         let (start, end) = extent(c);
+        self.span = Some(
+            self.span
+                .map_or((start, end), |(s, e)| (s.min(start), e.max(end))),
+        );
         let key = (c.host.clone(), c.pid);
         if !self.processes.contains_key(&key) {
             self.start_process(c, start)?;
@@ -193,8 +208,54 @@ impl<W: Write> PerfettoProtoWriter<W> {
     }
 
     pub fn finish(mut self) -> io::Result<W> {
+        self.write_notes()?;
         self.out.flush()?;
         Ok(self.out)
+    }
+
+    /// The notes, on a sequence of their own (after every rank's), each a track with one slice.
+    fn write_notes(&mut self) -> io::Result<()> {
+        if self.notes.is_empty() {
+            return Ok(());
+        }
+        let seq = self.processes.len() as u32 + 1;
+        let (first, last) = self.span.unwrap_or((0, 0));
+        let notes = std::mem::take(&mut self.notes);
+        for (i, text) in notes.into_iter().enumerate() {
+            let (uuid, iid) = (self.uuid(), i as u64 + 1);
+            self.packet(&TracePacket {
+                trusted_packet_sequence_id: Some(seq),
+                sequence_flags: (i == 0).then_some(STATE_CLEARED),
+                interned_data: Some(InternedData {
+                    event_names: vec![EventName {
+                        iid: Some(iid),
+                        name: Some(text),
+                    }],
+                    ..Default::default()
+                }),
+                track_descriptor: Some(TrackDescriptor {
+                    uuid: Some(uuid),
+                    name: Some("ncclscope".into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })?;
+            for (ts, kind) in [(first, Type::SliceBegin), (last, Type::SliceEnd)] {
+                self.packet(&TracePacket {
+                    timestamp: Some(ts),
+                    timestamp_clock_id: Some(REALTIME),
+                    trusted_packet_sequence_id: Some(seq),
+                    track_event: Some(TrackEvent {
+                        r#type: Some(kind as i32),
+                        track_uuid: Some(uuid),
+                        name_iid: (kind == Type::SliceBegin).then_some(iid),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                })?;
+            }
+        }
+        Ok(())
     }
 
     /// A rank's sequence: its incremental clock (at `t`, related to CLOCK_REALTIME), the attribute

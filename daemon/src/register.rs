@@ -246,6 +246,7 @@ mod tests {
         Claims {
             hostname: "h".into(),
             job_id: "j".into(),
+            slurm_job_id: String::new(),
         }
     }
 

@@ -111,8 +111,9 @@ fn restore(label: &str, fds: Vec<std::os::fd::OwnedFd>) -> anyhow::Result<Attach
     })
 }
 
-/// From uname, not /proc/sys: the hardened unit shows the daemon only process entries of /proc.
-fn hostname() -> String {
+/// The machine's host name (the resource's `host.name` unless configured). From uname, not
+/// /proc/sys: the hardened unit shows the daemon only process entries of /proc.
+pub fn hostname() -> String {
     rustix::system::uname()
         .nodename()
         .to_string_lossy()
@@ -171,6 +172,7 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
         .as_ref()
         .and_then(|l| l.local_addr().ok());
     let host = hostname();
+    let resource = otlp::resource_attributes(&cfg.otlp, &host);
     let export_counters = Arc::new(ExportCounters::default());
     let (prom_tx, prom_rx) = watch::channel(Arc::default());
     let mut outputs = Outputs {
@@ -233,7 +235,7 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
         listeners.push(tokio::spawn(prometheus::serve(l, prom_rx, how)));
     }
     let (api_shutdown, api_stop) = oneshot::channel::<()>();
-    let service = api::QueryService::new(hub, reader);
+    let service = api::QueryService::new(hub, reader, resource);
     let api = tokio::spawn(api::serve(
         api_listener,
         service,

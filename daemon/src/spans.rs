@@ -277,6 +277,14 @@ fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
         attributes.push(i("nccl.gpu", g.ordinal as i64));
         attributes.push(s("nccl.gpu_uuid", &g.uuid_text()));
     }
+    // OpenTelemetry's Kubernetes attributes, on the span: one daemon serves every pod of its node.
+    let pod = c.pod();
+    if !pod.name.is_empty() {
+        attributes.push(s("k8s.pod.name", &pod.name));
+    }
+    if !pod.namespace.is_empty() {
+        attributes.push(s("k8s.namespace.name", &pod.namespace));
+    }
     if let Some(ns) = c.local_lateness_ns {
         attributes.push(i("ncclscope.local_lateness_ns", ns as i64));
     }
@@ -495,6 +503,44 @@ mod tests {
             ..m
         });
         assert!(!without.iter().any(|kv| kv.key.starts_with("nccl.gpu")));
+    }
+
+    /// Issue 39: a rank span names the pod and namespace its process claimed (OpenTelemetry's
+    /// `k8s.pod.name`, `k8s.namespace.name`), so a trace joins the pod that ran the rank; none outside
+    /// Kubernetes.
+    #[test]
+    fn a_rank_span_carries_its_pod_when_known() {
+        let m = ncclscope_proto::api::Collective {
+            func: "AllReduce".into(),
+            rank: 1,
+            nranks: 2,
+            k8s_pod: "train-1-x7k2p".into(),
+            k8s_namespace: "ml-team".into(),
+            ..Default::default()
+        };
+        let attrs = |m: &ncclscope_proto::api::Collective| {
+            let mut out = Vec::new();
+            spans_of(Shared::from(m).view(), false, &mut out);
+            let span = out.pop().unwrap();
+            (span.attributes.into_iter())
+                .filter(|kv| kv.key.starts_with("k8s."))
+                .map(|kv| (kv.key, kv.value.and_then(|v| v.value)))
+                .collect::<Vec<_>>()
+        };
+        let text = |v: &str| Some(any_value::Value::StringValue(v.into()));
+        assert_eq!(
+            attrs(&m),
+            [
+                ("k8s.pod.name".to_string(), text("train-1-x7k2p")),
+                ("k8s.namespace.name".to_string(), text("ml-team"))
+            ]
+        );
+        let outside = ncclscope_proto::api::Collective {
+            k8s_pod: String::new(),
+            k8s_namespace: String::new(),
+            ..m
+        };
+        assert!(attrs(&outside).is_empty());
     }
 
     /// Issue 35: the rank's node-local lateness, for TraceQL (`span.ncclscope.local_lateness_ns >

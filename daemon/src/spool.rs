@@ -15,6 +15,11 @@
 //! past a uid's share that uid's oldest, past the total the oldest of the uid holding the most, so one
 //! user's jobs never push out another user's share.
 //!
+//! Beside a job's files: an empty `slurm-<id>` for every Slurm job its processes ran in (so the
+//! Slurm Epilog finds the job whatever job id its tasks chose), and `dropped`, what the bounds
+//! deleted of the job so far (`files bytes until_unix_ns`: its instances appended before that time
+//! may be gone), so that an export can say what it covers.
+//!
 //! The origin makes the spool exactly-once across a daemon crash: a restarted daemon reads the origins
 //! appended since a segment's saved [`Position`] ([`Spool::recorded_since`]) and does not record those
 //! operations again.
@@ -137,7 +142,24 @@ struct FileEntry {
 struct Index {
     jobs: BTreeMap<JobKey, Vec<FileEntry>>,
     stats: SpoolStats,
+    /// The Slurm jobs each job's processes ran in (its `slurm-<id>` markers).
+    slurm: BTreeMap<JobKey, std::collections::BTreeSet<String>>,
+    /// What the bounds deleted of each job still spooled (its `dropped` file).
+    dropped: BTreeMap<JobKey, Dropped>,
 }
+
+/// What the spool's bounds deleted of a job: whole files, the last written at `until_unix_ns`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Dropped {
+    pub files: u64,
+    pub bytes: u64,
+    pub until_unix_ns: u64,
+}
+
+/// The name of a job's marker for Slurm job `id`.
+const SLURM_MARKER: &str = "slurm-";
+/// The name of a job's record of what was deleted of it.
+const DROPPED: &str = "dropped";
 
 /// The writer side, owned by the daemon's aggregation task.
 pub struct Spool {
@@ -281,7 +303,11 @@ impl Spool {
     /// file is cut back to its last acknowledged length, so the spool stays readable.
     pub fn append(&mut self, batch: &[(Origin, Collective)]) -> io::Result<()> {
         let mut by_job: BTreeMap<(u32, &str), Vec<u8>> = BTreeMap::new();
+        let mut slurm: BTreeMap<(u32, &str), std::collections::BTreeSet<&str>> = BTreeMap::new();
         for (origin, c) in batch {
+            if !c.slurm_job_id.is_empty() {
+                (slurm.entry((c.uid, c.job_id.as_str())).or_default()).insert(&c.slurm_job_id);
+            }
             let buf = by_job.entry((c.uid, c.job_id.as_str())).or_default();
             let len = ORIGIN_LEN + c.encoded_len();
             buf.reserve(RECORD_HEADER + len);
@@ -296,7 +322,12 @@ impl Spool {
         }
         let mut result = Ok(());
         for ((uid, job), bytes) in by_job {
-            if let Err(e) = self.append_job(&(uid, job.to_string()), &bytes) {
+            let key = (uid, job.to_string());
+            let appended = self.append_job(&key, &bytes).and_then(|()| {
+                let ids = slurm.remove(&(uid, job)).unwrap_or_default();
+                self.mark_slurm_jobs(&key, ids)
+            });
+            if let Err(e) = appended {
                 result = Err(e);
             }
         }
@@ -356,6 +387,38 @@ impl Spool {
         last.len += bytes.len() as u64;
         last.modified = SystemTime::now();
         index.stats.bytes += bytes.len() as u64;
+        Ok(())
+    }
+
+    fn job_dir(&self, job: &JobKey) -> PathBuf {
+        self.dir.join(job.0.to_string()).join(escape_job(&job.1))
+    }
+
+    /// Marks `job` as run in each Slurm job of `ids` it was not marked with yet.
+    fn mark_slurm_jobs<'a>(
+        &mut self,
+        job: &JobKey,
+        ids: impl IntoIterator<Item = &'a str>,
+    ) -> io::Result<()> {
+        for id in ids {
+            if lock(&self.index)
+                .slurm
+                .get(job)
+                .is_some_and(|s| s.contains(id))
+            {
+                continue;
+            }
+            let path = self
+                .job_dir(job)
+                .join(format!("{SLURM_MARKER}{}", escape_job(id)));
+            OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .mode(FILE_MODE)
+                .open(&path)?;
+            (lock(&self.index).slurm.entry(job.clone()).or_default()).insert(id.to_string());
+        }
         Ok(())
     }
 
@@ -462,8 +525,16 @@ impl Spool {
                 // It was the job's newest file, the one appends go to.
                 self.open.remove(job);
             }
-            if files.is_empty() {
+            let gone = files.is_empty();
+            if gone {
                 index.jobs.remove(job);
+                index.slurm.remove(job);
+                index.dropped.remove(job);
+            } else {
+                let d = index.dropped.entry(job.clone()).or_default();
+                d.files += 1;
+                d.bytes += entry.len;
+                d.until_unix_ns = d.until_unix_ns.max(unix_ns(entry.modified));
             }
             index.stats.bytes -= entry.len;
             index.stats.files -= 1;
@@ -474,6 +545,21 @@ impl Spool {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
+        }
+        let dropped = lock(&self.index).dropped.get(job).copied();
+        if let (Some(d), Some(parent)) = (dropped, entry.path.parent()) {
+            // Informational: a failure to record it must not fail the append that evicted.
+            let text = format!("{} {} {}\n", d.files, d.bytes, d.until_unix_ns);
+            let _ = write_small(&parent.join(DROPPED), &text);
+        } else if let Some(parent) = entry.path.parent() {
+            // The job's last file: its markers go with it.
+            for f in fs::read_dir(parent)?.flatten() {
+                let name = f.file_name();
+                let name = name.to_string_lossy();
+                if name.starts_with(SLURM_MARKER) || name == DROPPED {
+                    let _ = fs::remove_file(f.path());
+                }
+            }
         }
         if let Some(parent) = entry.path.parent() {
             // Only succeeds once the job's (then the uid's) directory is empty.
@@ -525,6 +611,26 @@ impl SpoolReader {
             (Some(u), _) => Err(format!("no spooled job {job_id:?} of uid {u}")),
             (None, []) => Err(format!("no spooled job {job_id:?}")),
         }
+    }
+
+    /// The Slurm jobs `job`'s processes ran in.
+    pub fn slurm_jobs(&self, job: &JobKey) -> Vec<String> {
+        (lock(&self.index).slurm.get(job)).map_or_else(Vec::new, |s| s.iter().cloned().collect())
+    }
+
+    /// The spooled jobs of `uid` (any uid if None) whose processes ran in Slurm job `id`.
+    pub fn in_slurm_job(&self, uid: Option<u32>, id: &str) -> Vec<JobKey> {
+        let index = lock(&self.index);
+        (index.slurm.iter())
+            .filter(|(job, ids)| uid.is_none_or(|u| u == job.0) && ids.contains(id))
+            .filter(|(job, _)| index.jobs.contains_key(job))
+            .map(|(job, _)| job.clone())
+            .collect()
+    }
+
+    /// What the spool's bounds deleted of `job` (None: nothing).
+    pub fn dropped(&self, job: &JobKey) -> Option<Dropped> {
+        lock(&self.index).dropped.get(job).copied()
     }
 
     /// Bytes the spool holds for `job` (for a progress bar).
@@ -700,9 +806,21 @@ fn scan_uid(dir: &Path, uid: u32, index: &mut Index) -> io::Result<()> {
             continue;
         };
         let mut files = Vec::new();
+        let mut slurm = std::collections::BTreeSet::new();
+        let mut dropped = None;
         for f in fs::read_dir(job_dir.path())? {
             let f = f?;
             let path = f.path();
+            let name = f.file_name();
+            let name = name.to_string_lossy();
+            if let Some(id) = name.strip_prefix(SLURM_MARKER).and_then(unescape_job) {
+                slurm.insert(id);
+                continue;
+            }
+            if name == DROPPED {
+                dropped = parse_dropped(&fs::read_to_string(&path).unwrap_or_default());
+                continue;
+            }
             let Some(seq) = path
                 .file_name()
                 .and_then(|n| n.to_str())
@@ -725,9 +843,43 @@ fn scan_uid(dir: &Path, uid: u32, index: &mut Index) -> io::Result<()> {
         files.sort_by_key(|f| f.seq);
         index.stats.files += files.len() as u64;
         index.stats.bytes += files.iter().map(|f| f.len).sum::<u64>();
+        if !slurm.is_empty() {
+            index.slurm.insert((uid, job.clone()), slurm);
+        }
+        if let Some(d) = dropped {
+            index.dropped.insert((uid, job.clone()), d);
+        }
         index.jobs.insert((uid, job), files);
     }
     Ok(())
+}
+
+/// `files bytes until_unix_ns`, as [`Spool::evict`] writes it.
+fn parse_dropped(text: &str) -> Option<Dropped> {
+    let mut n = text.split_whitespace().map(str::parse::<u64>);
+    Some(Dropped {
+        files: n.next()?.ok()?,
+        bytes: n.next()?.ok()?,
+        until_unix_ns: n.next()?.ok()?,
+    })
+}
+
+/// Replaces a small file (under a temporary name, renamed into place).
+fn write_small(path: &Path, text: &str) -> io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut f = OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(FILE_MODE)
+        .open(&tmp)?;
+    f.write_all(text.as_bytes())?;
+    fs::rename(&tmp, path)
+}
+
+fn unix_ns(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// A job id as a directory name: any byte outside `[A-Za-z0-9._-]` (and a leading '.') as `%XX`.
@@ -933,9 +1085,68 @@ mod tests {
         // Bytes on disk agree with the accounting.
         let on_disk: u64 = walk(dir.path())
             .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == EXT))
             .map(|p| fs::metadata(p).unwrap().len())
             .sum();
         assert_eq!(on_disk, stats.bytes);
+    }
+
+    /// Issue 38: the Slurm Epilog finds a job by the Slurm job its processes ran in, and says what
+    /// the bounds had deleted of it; both survive a restart and go with the job's last file.
+    #[test]
+    fn a_job_remembers_its_slurm_jobs_and_what_the_bounds_deleted_of_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = (RECORD_HEADER + ORIGIN_LEN + coll("j", 0, 0).encoded_len()) as u64 + 8;
+        let limits = SpoolLimits {
+            max_bytes: 20 * one,
+            max_bytes_per_uid: 20 * one,
+            max_age: Duration::from_secs(3600),
+            file_bytes: 4 * one,
+        };
+        let in_slurm = |job: &str, seq: u64, slurm: &str| {
+            let (o, c) = rec(job, 0, seq);
+            (
+                o,
+                Collective {
+                    slurm_job_id: slurm.into(),
+                    ..c
+                },
+            )
+        };
+        let mut spool = Spool::open(dir.path(), limits.clone()).unwrap();
+        spool
+            .append(&[in_slurm("mine", 0, "42"), in_slurm("other", 0, "43")])
+            .unwrap();
+        spool
+            .append(&[in_slurm("mine", 1, "42"), rec("plain", 0, 0)])
+            .unwrap();
+        let r = spool.reader();
+        assert_eq!(r.in_slurm_job(Some(0), "42"), [key("mine")]);
+        assert_eq!(r.in_slurm_job(Some(1), "42"), []);
+        assert_eq!(r.slurm_jobs(&key("other")), ["43"]);
+        assert_eq!(r.dropped(&key("mine")), None);
+        for seq in 2..60 {
+            spool.append(&[in_slurm("mine", seq, "42")]).unwrap();
+        }
+        let d = spool
+            .reader()
+            .dropped(&key("mine"))
+            .expect("old files of it deleted");
+        assert!(d.files > 0 && d.bytes > 0 && d.until_unix_ns > 0, "{d:?}");
+        drop(spool);
+        let spool = Spool::open(dir.path(), limits).unwrap();
+        let r = spool.reader();
+        assert_eq!(r.in_slurm_job(None, "42"), [key("mine")]);
+        assert_eq!(r.dropped(&key("mine")), Some(d));
+        // "other" and "plain" were deleted whole: nothing of them is left, markers included.
+        assert_eq!(r.in_slurm_job(None, "43"), []);
+        assert!(!dir.path().join("0/other").exists());
+        assert_eq!(
+            SpoolReader::open_dir(dir.path())
+                .unwrap()
+                .in_slurm_job(None, "42"),
+            [key("mine")]
+        );
     }
 
     #[test]

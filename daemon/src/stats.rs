@@ -10,11 +10,12 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use ncclscope_proto::api::{CollStats, RankStats};
+use ncclscope_proto::api::{CollStats, P2pStats, RankStats};
 
 use crate::bandwidth;
 use crate::histogram::{BUSBW_GBS, Distribution, EXEC_US, Exemplar, Rolling, SKEW_US, Sample};
 use crate::instance::{InstanceRef, Shared};
+use crate::peers::{Direction, Peers, Transfer};
 use crate::spans;
 use ncclscope_proto::api::LiveSpans;
 
@@ -173,6 +174,9 @@ fn job_entry<'a>(
 pub struct RankSeries {
     /// The rank's GPU as its latest instance gave it: labels that join DCGM exporter's series.
     pub gpu: Option<ncclscope_proto::Gpu>,
+    /// The rank's Kubernetes pod as its latest instance gave it: labels that join
+    /// kube-state-metrics' (and DCGM exporter's pod labels).
+    pub pod: ncclscope_proto::segment::Pod,
     pub collectives: u64,
     /// Sum of those instances' exec times (us): with `collectives`, the rank's mean exec time, which
     /// compares across nodes (a duration on the rank's own GPU clock): a late rank waits least.
@@ -191,6 +195,8 @@ pub struct RankSeries {
     /// Earliest and latest end time of this rank's collectives (a job's span, over its ranks).
     first_end_ns: u64,
     last_end_ns: u64,
+    /// Its sends and receives per peer.
+    pub peers: Peers,
 }
 
 #[derive(Clone, Copy)]
@@ -432,6 +438,7 @@ impl Stats {
             };
             let series = RankSeries {
                 gpu: None,
+                pod: Default::default(),
                 collectives: 0,
                 exec_us_sum: 0.0,
                 skew_us: Distribution::new(SKEW_US),
@@ -443,16 +450,30 @@ impl Stats {
                 last_ns: now_ns,
                 first_end_ns: c.end_unix_ns,
                 last_end_ns: c.end_unix_ns,
+                peers: Peers::default(),
             };
             (key, series)
         });
         r.gpu = c.gpu;
+        if r.pod != *c.pod() {
+            r.pod = c.pod().clone();
+        }
         r.collectives += 1;
         r.exec_us_sum += c.exec_ns as f64 / 1000.0;
         r.last_ns = now_ns;
         r.first_end_ns = r.first_end_ns.min(c.end_unix_ns);
         r.last_end_ns = r.last_end_ns.max(c.end_unix_ns);
         r.rolling_exec_ns.record(exec_ns, now_ns, window);
+        if let Some(direction) = Direction::of(c.func()).filter(|_| c.desc.is_p2p) {
+            let transfer = Transfer {
+                direction,
+                peer: c.desc.peer,
+                bytes: c.bytes,
+                exec_ns: c.exec_ns,
+                device_timed: c.timing_source != "host",
+            };
+            r.peers.record(transfer, now_ns, window);
+        }
         let local_lateness_ns =
             (r.local_lateness_ns).filter(|_| live != LiveSpans::None && !c.desc.is_p2p);
         Observed {
@@ -853,6 +874,16 @@ impl Stats {
             (a.uid, &a.job_id, a.comm_hash, a.rank).cmp(&(b.uid, &b.job_id, b.comm_hash, b.rank))
         });
         out
+    }
+
+    /// The stats API's per-peer view of sends and receives, ranks in order.
+    pub fn p2p_stats(&self) -> Vec<P2pStats> {
+        let mut ranks: Vec<_> = self.ranks.iter().collect();
+        ranks.sort_by(|a, b| a.0.cmp(b.0));
+        ranks
+            .into_iter()
+            .flat_map(|(k, r)| r.peers.rows(k.uid, &k.job, k.comm_hash, k.rank))
+            .collect()
     }
 }
 

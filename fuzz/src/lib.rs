@@ -222,6 +222,7 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             let claims = Claims {
                 hostname: "node".into(),
                 job_id: "job".into(),
+                slurm_job_id: String::new(),
             };
             let mut p =
                 ncclscope_proto::Producer::new(Segment::create(&claims, 16).expect("segment"));

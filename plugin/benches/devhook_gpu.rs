@@ -42,6 +42,7 @@ struct Gpu {
     harness: cu::CUfunction,
     byval: cu::CUfunction,
     inline: cu::CUfunction,
+    event32: cu::CUfunction,
     refs: cu::CUmodule,
 }
 
@@ -117,6 +118,7 @@ fn init_gpu() -> Gpu {
         harness: function(m, c"ncclscope_harness"),
         byval: function(m, c"ncclscope_harness_byval"),
         inline: function(m, c"ncclscope_harness_inline"),
+        event32: function(m, c"ncclscope_harness_event32"),
         refs: load_module(HOOKS),
     };
     let mut regs = 0;
@@ -467,6 +469,15 @@ fn bench(gpu: &Gpu) {
             wc_dev,
         ),
         ("nccl_inline", gpu.inline, 0, inline_dev, wc_other),
+        // The RFC event grown to 32 bytes (docs/rfc-feedback.md), into 64-byte slots in device memory:
+        // 64 rings of 2^12 slots, the low bits of the address holding the shift as in our devCtx.
+        (
+            "event32_device",
+            gpu.event32,
+            pointer(refs, c"ncclscope_ref_event32_ptr"),
+            dev_zeroed(64 << 12 << 6) | 12,
+            wc_other,
+        ),
     ];
     const CHANNELS: u32 = 32;
     const BATCHES: u32 = 10_000; // 20,000 items per channel
@@ -518,6 +529,10 @@ fn bench(gpu: &Gpu) {
     println!(
         "hook_cost_ratio_device: {:.3}",
         cost["ours_device"] / cost["loadonly"]
+    );
+    println!(
+        "event32_cost_ratio_device: {:.3}",
+        cost["event32_device"] / cost["ours_device"]
     );
     println!("bench_events_drained_meanwhile: {}", reader.check.works * 2);
     println!("bench_bad_content: {}", reader.check.bad_content);

@@ -121,6 +121,7 @@ fn shm() -> f64 {
     let claims = Claims {
         hostname: "bench".into(),
         job_id: "bench".into(),
+        slurm_job_id: String::new(),
     };
     let seg = Segment::create(&claims, 1 << 16).expect("create segment");
     let path = format!("/proc/{}/fd/{}", std::process::id(), {

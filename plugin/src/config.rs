@@ -36,6 +36,14 @@ pub struct Config {
     pub socket: PathBuf,
     /// The first of [`JOB_ID_SOURCES`] that is set, else "unknown".
     pub job_id: String,
+    /// `NCCLSCOPE_K8S_POD_NAME` and `NCCLSCOPE_K8S_NAMESPACE` (the downward API's `metadata.name`
+    /// and `metadata.namespace`; "" elsewhere): the rank's pod, for labels that join
+    /// kube-state-metrics' and DCGM exporter's.
+    pub k8s_pod: String,
+    pub k8s_namespace: String,
+    /// `SLURM_JOB_ID` ("" outside Slurm), recorded beside the job id: the Slurm Epilog exports a
+    /// job's trace by it even where the tasks chose their own `NCCLSCOPE_JOB_ID`.
+    pub slurm_job_id: String,
     /// `NCCLSCOPE_SEGMENT_RECORDS`: ring capacity of the segment, a power of two.
     pub segment_records: u64,
     /// `NCCLSCOPE_TEST_PANIC=forward:N` (tests only): the forwarding thread panics once it has
@@ -129,6 +137,9 @@ impl Config {
             mask_explicit,
             socket,
             job_id,
+            k8s_pod: var("NCCLSCOPE_K8S_POD_NAME").unwrap_or_default(),
+            k8s_namespace: var("NCCLSCOPE_K8S_NAMESPACE").unwrap_or_default(),
+            slurm_job_id: var("SLURM_JOB_ID").unwrap_or_default(),
             segment_records,
             test_panic_forward,
             warnings,
@@ -215,14 +226,31 @@ mod tests {
         ];
         assert_eq!(config(&k8s).job_id, "train", "a pod's name is not a job id");
         assert_eq!(config(&k8s[1..]).job_id, "unknown");
+        // The pod, for labels, only from the variables of ours the pod snippet sets.
+        assert_eq!(config(&k8s).k8s_pod, "");
+        let pod = config(&[
+            ("NCCLSCOPE_K8S_JOB_NAME", "train"),
+            ("NCCLSCOPE_K8S_POD_NAME", "train-0-x7"),
+            ("NCCLSCOPE_K8S_NAMESPACE", "ml-team"),
+        ]);
+        assert_eq!(
+            (
+                pod.job_id.as_str(),
+                pod.k8s_pod.as_str(),
+                pod.k8s_namespace.as_str()
+            ),
+            ("train", "train-0-x7", "ml-team")
+        );
         let elastic = [
             ("TORCHELASTIC_RUN_ID", "run-1"),
             ("NCCLSCOPE_K8S_JOB_NAME", "t"),
         ];
         assert_eq!(config(&elastic).job_id, "run-1");
+        let own = config(&[("NCCLSCOPE_JOB_ID", "mine"), ("SLURM_JOB_ID", "42")]);
         assert_eq!(
-            config(&[("NCCLSCOPE_JOB_ID", "mine"), ("SLURM_JOB_ID", "42")]).job_id,
-            "mine"
+            (own.job_id.as_str(), own.slurm_job_id.as_str()),
+            ("mine", "42"),
+            "a task's own job id, and the Slurm job beside it"
         );
         let panic = config(&[("NCCLSCOPE_TEST_PANIC", "forward:300")]);
         assert_eq!(panic.test_panic_forward, Some(300));

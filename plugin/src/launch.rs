@@ -5,7 +5,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicI32, Ordering};
 
 use ncclscope_proto::Producer;
-use ncclscope_proto::segment::{Claims, Segment};
+use ncclscope_proto::segment::{Claims, Pod, Segment};
 
 use crate::abi::Logger;
 use crate::clock;
@@ -88,6 +88,7 @@ fn launch(abi: u32, logfn: Option<Logger>) -> Option<&'static Plugin> {
     let claims = Claims {
         hostname,
         job_id: config.job_id.clone(),
+        slurm_job_id: config.slurm_job_id.clone(),
     };
     let segment = match Segment::create(&claims, config.segment_records) {
         Ok(s) => s,
@@ -99,6 +100,10 @@ fn launch(abi: u32, logfn: Option<Logger>) -> Option<&'static Plugin> {
             return None;
         }
     };
+    segment.set_pod(&Pod {
+        name: config.k8s_pod.clone(),
+        namespace: config.k8s_namespace.clone(),
+    });
     host::log(
         false,
         &format!(

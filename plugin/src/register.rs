@@ -295,6 +295,7 @@ mod tests {
         let claims = Claims {
             hostname: "h".into(),
             job_id: "j".into(),
+            slurm_job_id: String::new(),
         };
         Segment::create(&claims, 8).unwrap()
     }

@@ -5,13 +5,15 @@
 /// Every prefix of this crate's variables.
 pub const PREFIX: &str = "NCCLSCOPE_";
 
-/// The variables the plugin reads (README, "Plugin").
+/// The variables the plugin reads (docs/operator-guide.md, "The plugin").
 pub const PLUGIN: &[&str] = &[
     "NCCLSCOPE_DISABLE",
     "NCCLSCOPE_EVENT_MASK",
     "NCCLSCOPE_SOCKET",
     "NCCLSCOPE_JOB_ID",
     "NCCLSCOPE_K8S_JOB_NAME",
+    "NCCLSCOPE_K8S_POD_NAME",
+    "NCCLSCOPE_K8S_NAMESPACE",
     "NCCLSCOPE_SEGMENT_RECORDS",
     "NCCLSCOPE_RING_MEMORY",
     "NCCLSCOPE_RING_SLOTS",

@@ -57,6 +57,14 @@ const W_JOB_ID: usize = 24;
 const TEXT_WORDS: usize = 8;
 const W_COUNTERS: usize = 32;
 const N_COUNTERS: usize = 16;
+/// The Kubernetes namespace and pod the process ran in (text; "" outside Kubernetes): the words
+/// after the counters, and the second cache line of the head's padding, which nothing else writes.
+/// Older writers left them zero ("absent"), so the layout's version and hash stay as they were.
+const W_K8S_NAMESPACE: usize = 56;
+const W_K8S_POD: usize = 72;
+/// The batch scheduler's job (SLURM_JOB_ID) the process ran in: text, after the counters. Older
+/// writers left these words zero ("absent"), so the layout's version and hash stay as they were.
+const W_SLURM_JOB_ID: usize = 48;
 const W_HEAD: usize = 64;
 const W_TAIL: usize = 80;
 const W_RECORDS: usize = 96;
@@ -171,12 +179,32 @@ impl Counter {
     }
 }
 const _: () = assert!(Counter::ALL.len() <= N_COUNTERS);
+const _: () = assert!(
+    W_COUNTERS + N_COUNTERS <= W_SLURM_JOB_ID
+        && W_SLURM_JOB_ID + TEXT_WORDS <= W_K8S_NAMESPACE
+        && W_K8S_NAMESPACE + TEXT_WORDS <= W_HEAD
+        && W_HEAD + TEXT_WORDS <= W_K8S_POD
+        && W_K8S_POD + TEXT_WORDS <= W_TAIL
+);
 
 /// What a process says about itself in its segment's header: trusted only as that process's claim.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Claims {
     pub hostname: String,
     pub job_id: String,
+    /// SLURM_JOB_ID where the process ran under Slurm ("" otherwise): the Slurm Epilog finds a
+    /// job's instances by it whatever ncclscope job id the tasks chose.
+    pub slurm_job_id: String,
+}
+
+/// The Kubernetes pod a process says it runs in (the plugin's `NCCLSCOPE_K8S_POD_NAME` and
+/// `NCCLSCOPE_K8S_NAMESPACE`, set from the downward API; both "" elsewhere): a claim like
+/// [`Claims`], at most 64 bytes each (a namespace is at most 63, and so is the host name Kubernetes
+/// makes of a pod's name).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pod {
+    pub name: String,
+    pub namespace: String,
 }
 
 /// Why a segment could not be created or opened.
@@ -281,6 +309,7 @@ impl Segment {
         w[W_CREATED_NS].store(crate::now_ns(), Ordering::Relaxed);
         put_text(w, W_HOSTNAME, &claims.hostname);
         put_text(w, W_JOB_ID, &claims.job_id);
+        put_text(w, W_SLURM_JOB_ID, &claims.slurm_job_id);
         // Publish: a reader that sees the magic sees every field above.
         w[W_MAGIC].store(MAGIC, Ordering::Release);
         let mut seg = seg;
@@ -389,6 +418,23 @@ impl Segment {
         Claims {
             hostname: get_text(w, W_HOSTNAME),
             job_id: get_text(w, W_JOB_ID),
+            slurm_job_id: get_text(w, W_SLURM_JOB_ID),
+        }
+    }
+
+    /// Writes the process's pod into the header: by its creator, before it hands the segment over.
+    pub fn set_pod(&self, pod: &Pod) {
+        let w = self.words();
+        put_text(w, W_K8S_POD, &pod.name);
+        put_text(w, W_K8S_NAMESPACE, &pod.namespace);
+    }
+
+    /// What the creator wrote about its pod (both "" from a writer that wrote none).
+    pub fn pod(&self) -> Pod {
+        let w = self.words();
+        Pod {
+            name: get_text(w, W_K8S_POD),
+            namespace: get_text(w, W_K8S_NAMESPACE),
         }
     }
 
@@ -618,6 +664,7 @@ mod tests {
         Claims {
             hostname: "node-7".into(),
             job_id: "job-123".into(),
+            slurm_job_id: "4711".into(),
         }
     }
 
@@ -673,8 +720,15 @@ mod tests {
             link.to_string_lossy().starts_with("/memfd:ncclscope"),
             "not in any directory: {link:?}"
         );
+        assert_eq!(seg.pod(), Pod::default(), "no pod written: absent");
+        let pod = Pod {
+            name: "train-0-abcde".into(),
+            namespace: "ml-team".into(),
+        };
+        seg.set_pod(&pod);
         let other = Segment::open(handed_over(&seg)).unwrap();
         assert_eq!(other.claims(), claims());
+        assert_eq!(other.pod(), pod);
         assert_eq!(other.capacity(), 8);
         assert_eq!(other.inode(), seg.inode());
         assert_eq!(other.file_uid(), rustix::process::getuid().as_raw());

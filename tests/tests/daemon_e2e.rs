@@ -100,6 +100,7 @@ fn daemon_rank_child() {
     let claims = Claims {
         hostname: "testhost".into(),
         job_id: JOB.into(),
+        slurm_job_id: String::new(),
     };
     let mut p = Producer::new(Segment::create(&claims, 1 << 14).unwrap());
     let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
@@ -154,6 +155,7 @@ fn recorded_burst_child() {
     let claims = Claims {
         hostname: "testhost".into(),
         job_id: consumer.segment().claims().job_id,
+        slurm_job_id: String::new(),
     };
     let mut p = Producer::new(Segment::create(&claims, capacity).unwrap());
     let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
@@ -201,6 +203,7 @@ fn lossy_rank_child() {
     let claims = Claims {
         hostname: "testhost".into(),
         job_id: JOB.into(),
+        slurm_job_id: String::new(),
     };
     let mut p = Producer::new(Segment::create(&claims, capacity).unwrap());
     let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
@@ -1151,6 +1154,51 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
         0,
         "segments reaped after their processes exited"
     );
+    // `stats` shows each rank's sends and receives per peer, as the ranks ran them.
+    let out = Command::new(ncclscope_tests::daemon_binary())
+        .args(["stats", "--json", "--job", "fake-job", "--api-socket"])
+        .arg(h.dir.path().join("api.sock"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut got = BTreeSet::new();
+    for p in stats["p2p"].as_array().unwrap() {
+        got.insert((
+            p["comm_hash"].as_str().unwrap().to_string(),
+            p["rank"].as_u64().unwrap(),
+            p["func"].as_str().unwrap().to_string(),
+            p["peer"].as_i64().unwrap(),
+            p["transfers"].as_u64().unwrap(),
+            p["device_timed"].as_u64().unwrap(),
+        ));
+    }
+    let mut want = BTreeSet::new();
+    for (kind, report) in &reports {
+        let comm = &report.comms[0];
+        for func in ["Send", "Recv"] {
+            let ops: Vec<_> = comm
+                .ops
+                .iter()
+                .filter(|o| o.started && o.func == func)
+                .collect();
+            // Host-timed on the hook path (see above), device-timed on the stock one.
+            let timed = if *kind == "rfc" { 0 } else { ops.len() as u64 };
+            want.insert((
+                format!("{:016x}", comm.comm_hash),
+                comm.rank as u64,
+                func.to_string(),
+                ops[0].root_or_peer as i64,
+                ops.len() as u64,
+                timed,
+            ));
+        }
+    }
+    assert_eq!(got, want, "{stats}");
 }
 
 /// Waits until the daemon has drained and removed every segment, then checks that it counted
@@ -1206,6 +1254,7 @@ fn daemon_fault_child() {
     let claims = Claims {
         hostname: "testhost".into(),
         job_id: format!("{mode}-job"),
+        slurm_job_id: String::new(),
     };
     let mut p = Producer::new(Segment::create(&claims, 1 << 16).unwrap());
     let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));

@@ -64,6 +64,7 @@ fn multi_user_child() {
     let claims = Claims {
         hostname: "testhost".into(),
         job_id: JOB.into(),
+        slurm_job_id: String::new(),
     };
     match f[0] {
         "unwritten" => return unwritten_child(socket, &claims, f[3].parse().unwrap(), f[4] == "1"),

@@ -163,6 +163,18 @@ async fn tls_receiver(pki: &Pki, receiver: Receiver) -> String {
     endpoint
 }
 
+/// A plain-text OTLP receiver on localhost; returns its http endpoint.
+async fn plain_receiver(receiver: Receiver) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://127.0.0.1:{}", listener.local_addr().unwrap().port());
+    let server = Server::builder()
+        .add_service(TraceServiceServer::new(receiver.clone()))
+        .add_service(MetricsServiceServer::new(receiver))
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+    tokio::spawn(server);
+    endpoint
+}
+
 /// A daemon process in `dir` (configuration `config`, OTLP endpoint `endpoint`, extra variables
 /// `env`); killed on drop.
 struct Daemon {
@@ -382,4 +394,78 @@ fn a_bad_header_or_ca_file_stops_the_daemon_with_one_line() {
         assert_eq!(stderr.lines().count(), 1, "{stderr}");
         assert!(stderr.starts_with(says), "{stderr}");
     }
+}
+
+/// Issue 39: the OTLP/JSON file named the machine (its host name, `service.name` only) where the live
+/// export sends the configured resource. Now the file's resource is exactly the one the receiver got:
+/// the configured `host.name`, `service.instance.id`, `service.version` and the configured attributes.
+#[test]
+fn the_otlp_json_file_carries_the_resource_the_receiver_got() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let receiver = Receiver::default();
+    let endpoint = rt.block_on(plain_receiver(receiver.clone()));
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let config = "[otlp]\nbatch_timeout_ms = 50\nservice_name = \"nccl-telemetry\"\n\
+                  resource_attributes = \"host.name=gpu-node-7,deployment.environment=test\"\n";
+    let daemon = Daemon::start(d, config, &endpoint, &[]);
+    let produced = daemon.run_ranks(2, 1);
+    let expected = produced.iter().sum::<u64>() + produced[0];
+    let span_count = |seen: &[Seen]| seen.iter().map(|s| s.spans.len() as u64).sum::<u64>();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while span_count(&receiver.seen()) < expected && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let seen = receiver.seen();
+    let live = &seen
+        .iter()
+        .find(|s| !s.metrics)
+        .expect("spans arrived")
+        .resource;
+
+    let file = d.join("trace.otlp.jsonl");
+    let out = Command::new(ncclscope_tests::daemon_binary())
+        .args([
+            "export",
+            "--job",
+            "otlp-tls",
+            "--format",
+            "otlp-json",
+            "--api-socket",
+        ])
+        .arg(d.join("api.sock"))
+        .arg("-o")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = std::fs::read_to_string(&file).unwrap();
+    let mut resources = Vec::new();
+    for line in text.lines() {
+        let line: Value = serde_json::from_str(line).unwrap();
+        for rs in line["resourceSpans"].as_array().unwrap() {
+            let attrs: Vec<(String, String)> = (rs["resource"]["attributes"].as_array().unwrap())
+                .iter()
+                .map(|a| {
+                    let v = a["value"]["stringValue"].as_str().unwrap();
+                    (a["key"].as_str().unwrap().to_string(), v.to_string())
+                })
+                .collect();
+            resources.push(attrs);
+        }
+    }
+    assert!(!resources.is_empty(), "{text}");
+    for r in &resources {
+        assert_eq!(r, live, "the file's resource against the receiver's");
+    }
+    let attr = |k: &str| {
+        live.iter()
+            .find(|(key, _)| key == k)
+            .map(|(_, v)| v.as_str())
+    };
+    assert_eq!(attr("service.name"), Some("nccl-telemetry"));
+    assert_eq!(attr("host.name"), Some("gpu-node-7"));
+    assert_eq!(attr("deployment.environment"), Some("test"));
+    assert_eq!(attr("service.version"), Some(env!("CARGO_PKG_VERSION")));
+    assert!(attr("service.instance.id").is_some_and(|v| !v.is_empty()));
 }

@@ -5,7 +5,8 @@
 //! disabled if an administrator disabled them; a reinstall after removal enables them again), whose
 //! installed units pass
 //! `systemd-analyze verify` and keep their hardening; the daemon in it links no test code; purging
-//! it leaves nothing behind.
+//! it leaves nothing behind. The unit's address filter lets the collector and the Prometheus the
+//! configuration names through once `ncclscope systemd-dropin` wrote its drop-in.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -96,6 +97,23 @@ fn the_package_holds_exactly_the_daemon_the_plugin_the_units_and_the_config() {
         ),
         ("/usr/share/ncclscope/enroot/ncclscope.fstab", "-rw-r--r--"),
         ("/usr/share/doc/ncclscope/README.md", "-rw-r--r--"),
+        (
+            "/usr/share/doc/ncclscope/docs/operator-guide.md",
+            "-rw-r--r--",
+        ),
+        (
+            "/usr/share/doc/ncclscope/docs/troubleshooting.md",
+            "-rw-r--r--",
+        ),
+        (
+            "/usr/share/doc/ncclscope/docs/configuration.md",
+            "-rw-r--r--",
+        ),
+        ("/usr/share/doc/ncclscope/docs/metrics.md", "-rw-r--r--"),
+        (
+            "/usr/share/doc/ncclscope/docs/how-it-works.md",
+            "-rw-r--r--",
+        ),
         ("/usr/share/doc/ncclscope/copyright", "-rw-r--r--"),
     ]
     .into_iter()
@@ -242,7 +260,7 @@ fn installed_by_dpkg_it_creates_its_user_enables_its_units_and_they_verify() {
         verify.status.success() && verify.stdout.is_empty() && verify.stderr.is_empty(),
         "systemd-analyze verify of the installed units: {verify:?}"
     );
-    // The exposure the README states (1.2 on systemd 252) for the installed unit, not only the copy in deploy/.
+    // The exposure docs/operator-guide.md states (1.2 on systemd 252) for the installed unit, not only the copy in deploy/.
     let security = root.analyze(&[
         "security",
         "--offline=true",
@@ -274,7 +292,15 @@ fn installed_by_dpkg_it_creates_its_user_enables_its_units_and_they_verify() {
     // The packaged daemon: the operator commands, no demo, no fake NCCL host linked.
     let bin = root.path("/usr/bin/ncclscope");
     let help = run(Command::new(&bin).arg("--help"));
-    for cmd in ["daemon", "top", "stats", "export", "cluster"] {
+    for cmd in [
+        "daemon",
+        "top",
+        "stats",
+        "export",
+        "cluster",
+        "reference",
+        "systemd-dropin",
+    ] {
         assert!(help.contains(&format!("\n  {cmd} ")), "{help}");
     }
     let demo = Command::new(&bin).arg("demo").output().unwrap();
@@ -306,7 +332,7 @@ fn installed_by_dpkg_it_creates_its_user_enables_its_units_and_they_verify() {
         multiarch()
     ));
 
-    // The plugin carries the device hook (compiled by nvcc with its register cap; README, Device hook).
+    // The plugin carries the device hook (compiled by nvcc with its register cap; docs/how-it-works.md, "Device hook").
     let so = std::fs::read(&plugin_so).unwrap();
     assert!(
         so.windows(16).any(|w| w == b"-maxrregcount 32"),
@@ -390,4 +416,80 @@ fn where_neither_systemd_nor_adduser_exists_it_installs_and_enables_nothing() {
     assert!(!root.path("/etc/passwd").exists());
     root.dpkg_with_path(&["--purge".as_ref(), "ncclscope".as_ref()], &path);
     assert!(!root.path("/usr/bin/ncclscope").exists());
+}
+
+/// Issue 39: the unit allows localhost only (`IPAddressDeny=any`), which blocked the documented
+/// remote scrape and a collector on another host until an operator edited the unit. Configured in
+/// ncclscope.toml, `ncclscope systemd-dropin` writes the drop-in that lets them through: systemd
+/// reads it (verify is clean, `security` sees the non-localhost allow list) and nothing else of the
+/// unit's hardening changes.
+#[test]
+fn the_dropin_lets_the_configured_collector_and_scrapers_through_the_unit() {
+    let root = Root::new();
+    let units = root.path("/etc/systemd/system");
+    std::fs::create_dir_all(&units).unwrap();
+    for unit in ["ncclscope.service", "ncclscope.socket"] {
+        let from = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy")
+            .join(unit);
+        std::fs::copy(from, units.join(unit)).unwrap();
+    }
+    // The unit's ExecStart (deploy/'s copy names /usr/local/bin): this build's binary.
+    let bin = root.path("/usr/local/bin/ncclscope");
+    std::fs::create_dir_all(bin.parent().unwrap()).unwrap();
+    let built = ncclscope_tests::daemon_binary();
+    std::fs::hard_link(&built, &bin)
+        .or_else(|_| std::fs::copy(&built, &bin).map(drop))
+        .unwrap();
+    let ip_line = |root: &Root| {
+        let out = root.analyze(&["security", "--offline=true", "ncclscope.service"]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        (text.lines())
+            .find(|l| l.contains("IPAddressDeny="))
+            .unwrap_or_else(|| panic!("{text}"))
+            .to_string()
+    };
+    assert!(ip_line(&root).contains("only localhost entries"));
+
+    let config = root.path("/etc/ncclscope/ncclscope.toml");
+    std::fs::create_dir_all(config.parent().unwrap()).unwrap();
+    std::fs::write(
+        &config,
+        "[otlp]\nendpoint = \"http://10.20.30.40:4317\"\n\
+         [prometheus]\nlisten = \"0.0.0.0:9464\"\nremote_scrapers = \"10.1.0.0/16\"\n",
+    )
+    .unwrap();
+    let dropin = root.path("/etc/systemd/system/ncclscope.service.d/network.conf");
+    run(Command::new(&built)
+        .arg("systemd-dropin")
+        .arg("--config")
+        .arg(&config)
+        .arg("--output")
+        .arg(&dropin));
+    let text = std::fs::read_to_string(&dropin).unwrap();
+    let allowed: Vec<&str> = (text.lines())
+        .filter_map(|l| l.strip_prefix("IPAddressAllow="))
+        .collect();
+    assert_eq!(allowed, ["10.20.30.40", "10.1.0.0/16"], "{text}");
+    let verify = root.analyze(&["verify", "ncclscope.socket", "ncclscope.service"]);
+    assert!(
+        verify.status.success() && verify.stdout.is_empty() && verify.stderr.is_empty(),
+        "systemd-analyze verify with the drop-in: {verify:?}"
+    );
+    assert!(
+        ip_line(&root).contains("non-localhost entries"),
+        "{}",
+        ip_line(&root)
+    );
+    let security = root.analyze(&[
+        "security",
+        "--offline=true",
+        "--threshold=13",
+        "ncclscope.service",
+    ]);
+    assert!(
+        security.status.success(),
+        "{}",
+        String::from_utf8_lossy(&security.stdout)
+    );
 }

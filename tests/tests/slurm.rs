@@ -2,7 +2,8 @@
 //! real simulated ranks: the TaskProlog, run as the job's user, names the plugin and the job id, and
 //! the ranks started with only what it exported land in that job; the Epilog, run as root, writes the
 //! node's trace of exactly those collectives into the configured directory, owned by the job's user,
-//! and exits 0 where there is nothing to export.
+//! found by the Slurm job id whatever job id the tasks chose, with its coverage stated in it and in
+//! its log line, and exits 0 leaving nothing behind where there is nothing to export.
 
 mod common;
 
@@ -61,7 +62,8 @@ impl Daemon {
             &conf,
             format!(
                 "NCCLSCOPE_SLURM_PLUGIN={}\nNCCLSCOPE_SLURM_EXPORT_DIR={}\n\
-                 NCCLSCOPE_SLURM_EXPORT_FORMAT=perfetto-json\nNCCLSCOPE_SLURM_SETTLE_SECONDS=0\n",
+                 NCCLSCOPE_SLURM_EXPORT_FORMAT=perfetto-json\nNCCLSCOPE_SLURM_SETTLE_SECONDS=0\n\
+                 NCCLSCOPE_SLURM_EXPORT_SPOOL=yes\n",
                 ncclscope_fakenccl::plugin_path().unwrap().display(),
                 export_dir.display()
             ),
@@ -120,9 +122,10 @@ fn task_prolog(conf: &Path, env: &[(&str, &str)]) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// Two simulated ranks as the job's user with nothing of the job's but what the TaskProlog exported;
-/// each loads the plugin that NCCL_PROFILER_PLUGIN names. Returns the instances they produced.
-fn run_job(d: &Daemon, exported: &BTreeMap<String, String>) -> u64 {
+/// Two simulated ranks as the job's user with nothing of the job's but what the TaskProlog exported
+/// and the Slurm job id slurmstepd gives every task; each loads the plugin that NCCL_PROFILER_PLUGIN
+/// names. Returns the instances they produced.
+fn run_job(d: &Daemon, exported: &BTreeMap<String, String>, slurm_job: &str) -> u64 {
     // The job's identity comes from the Slurm environment the TaskProlog exported, nothing else.
     let ranks: Vec<Child> = common::sim_ranks(&d.path("reg.sock"), "", 2, 2, 1)
         .iter_mut()
@@ -131,6 +134,7 @@ fn run_job(d: &Daemon, exported: &BTreeMap<String, String>) -> u64 {
                 .arg(&exported["NCCL_PROFILER_PLUGIN"])
                 .env_clear()
                 .envs(exported)
+                .env("SLURM_JOB_ID", slurm_job)
                 .env("NCCLSCOPE_SOCKET", d.path("reg.sock"))
                 .env("NCCLSCOPE_RING_MEMORY", "cpu")
                 .uid(UID)
@@ -142,12 +146,12 @@ fn run_job(d: &Daemon, exported: &BTreeMap<String, String>) -> u64 {
     common::produced(ranks).into_iter().sum()
 }
 
-/// Waits until the daemon has every instance of the job (root's view: `--uid`).
-fn wait_for(d: &Daemon, want: u64) {
+/// Waits until the daemon has every instance of `job` (root's view: `--uid`).
+fn wait_for(d: &Daemon, job: &str, want: u64) {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let out = Command::new(ncclscope_tests::daemon_binary())
-            .args(["stats", "--json", "--job", JOB, "--api-socket"])
+            .args(["stats", "--json", "--job", job, "--api-socket"])
             .arg(d.path("api.sock"))
             .output()
             .unwrap();
@@ -187,12 +191,21 @@ fn the_task_prolog_names_the_plugin_and_job_and_the_epilog_exports_the_jobs_trac
     );
     assert!(own.is_empty(), "{own:?}");
 
-    let produced = run_job(&d, &exported);
+    let produced = run_job(&d, &exported, JOB);
     assert!(produced > 0);
-    wait_for(&d, produced);
+    wait_for(&d, JOB, produced);
 
     let out = d.epilog(&conf, JOB);
-    assert!(out.status.success() && out.stderr.is_empty(), "{out:?}");
+    let log = String::from_utf8_lossy(&out.stderr);
+    // One log line, saying what the trace covers and that the spool had lost none of it.
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(log.lines().count(), 1, "{log}");
+    assert!(
+        log.contains(&format!(
+            "coverage: {produced} collective instances of 2 ranks"
+        )) && log.contains("the spool had deleted none of it"),
+        "{log}"
+    );
     let host =
         String::from_utf8(Command::new("hostname").arg("-s").output().unwrap().stdout).unwrap();
     let trace = traces
@@ -216,19 +229,91 @@ fn the_task_prolog_names_the_plugin_and_job_and_the_epilog_exports_the_jobs_trac
         .filter(|e| e["cat"] == "collective")
         .count();
     assert_eq!(slices as u64, produced, "every collective the ranks ran");
+    let notes = doc["metadata"]["ncclscope_notes"].to_string();
+    assert!(
+        notes.contains(&format!("coverage: {produced} collective instances")),
+        "the trace states its coverage: {notes}"
+    );
+    // And the node's instances as a spool, the user's, from which the job's trace across its nodes
+    // is made (here one node).
+    let spool = traces.join(JOB).join(format!("{}.spool", host.trim()));
+    let meta = std::fs::metadata(&spool).unwrap();
+    assert_eq!((meta.uid(), meta.is_dir()), (UID, true));
+    let again = d.path("again.json");
+    let out = Command::new(ncclscope_tests::daemon_binary())
+        .args([
+            "export",
+            "--slurm-job",
+            JOB,
+            "--format",
+            "perfetto-json",
+            "--spool",
+        ])
+        .arg(&spool)
+        .arg("-o")
+        .arg(&again)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&again).unwrap()).unwrap();
+    let from_spool = (doc["traceEvents"].as_array().unwrap().iter())
+        .filter(|e| e["cat"] == "collective")
+        .count();
+    assert_eq!(from_spool as u64, produced);
     assert_eq!(
         std::fs::read_dir(traces.join(JOB)).unwrap().count(),
-        1,
+        2,
         "no temporary file left"
     );
 
-    // A job that ran no NCCL here: nothing written, and the Epilog still succeeds (a failing one
-    // drains the node).
+    // A job that ran no NCCL here: nothing written, not even its directory, and the Epilog still
+    // succeeds (a failing one drains the node).
     let none = d.epilog(&conf, "4243");
     assert!(none.status.success(), "{none:?}");
     assert!(
-        String::from_utf8_lossy(&none.stderr).contains("no trace for job 4243"),
+        String::from_utf8_lossy(&none.stderr).contains("job 4243 ran no NCCL"),
         "{none:?}"
     );
-    assert_eq!(std::fs::read_dir(traces.join("4243")).unwrap().count(), 0);
+    assert!(!traces.join("4243").exists());
+    assert_eq!(
+        std::fs::read_dir(&traces).unwrap().count(),
+        1,
+        "nothing else left in the export directory"
+    );
+}
+
+/// Issue 38: tasks that set their own NCCLSCOPE_JOB_ID (the TaskProlog leaves it) used to get no
+/// trace, the Epilog exporting by SLURM_JOB_ID. The plugin records the Slurm job beside the job id,
+/// and the Epilog finds the job's instances by it.
+#[test]
+fn the_epilog_exports_a_job_whose_tasks_chose_their_own_job_id() {
+    const SLURM_JOB: &str = "4244";
+    let d = Daemon::start();
+    let traces = d.path("traces");
+    std::fs::create_dir(&traces).unwrap();
+    let conf = d.slurm_conf(&traces);
+    let mut exported = task_prolog(&conf, &[("NCCLSCOPE_JOB_ID", "my-run")]);
+    assert!(!exported.contains_key("NCCLSCOPE_JOB_ID"));
+    exported.insert("NCCLSCOPE_JOB_ID".into(), "my-run".into());
+    let produced = run_job(&d, &exported, SLURM_JOB);
+    assert!(produced > 0);
+    wait_for(&d, "my-run", produced);
+
+    let out = d.epilog(&conf, SLURM_JOB);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && log.contains(&format!("coverage: {produced} collective instances")),
+        "{log}"
+    );
+    let host =
+        String::from_utf8(Command::new("hostname").arg("-s").output().unwrap().stdout).unwrap();
+    let trace = traces
+        .join(SLURM_JOB)
+        .join(format!("{}.perfetto.json", host.trim()));
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let jobs: std::collections::BTreeSet<String> = (doc["traceEvents"].as_array().unwrap().iter())
+        .filter(|e| e["cat"] == "collective")
+        .map(|e| e["args"]["job_id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(jobs.into_iter().collect::<Vec<_>>(), ["my-run"]);
 }

@@ -200,3 +200,165 @@ fn a_file_that_is_no_pytorch_trace_is_a_clear_error_and_writes_nothing() {
         assert!(!merged.exists() && !dir.path().join("merged.json.partial").exists());
     }
 }
+
+/// Rank 0's trace with an NCCL kernel for each of its all-reduces as CUPTI times them: from 1.5 us
+/// before the rank's work starts to 1 us after it ends, on a clock `ahead_ns` ahead of ncclscope's.
+fn trace_with_kernels(ahead_ns: i64) -> Value {
+    let mut t = torch_trace();
+    let events = t["traceEvents"].as_array_mut().unwrap();
+    events.retain(|e| e["cat"] != "kernel");
+    for seq in 0..SEQS {
+        let c = coll(0, seq);
+        let start = c.start_unix_ns as i64 - 1_500 + ahead_ns - BASE as i64;
+        let end = c.end_unix_ns as i64 + 1_000 + ahead_ns - BASE as i64;
+        events.push(
+            json!({"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
+            "pid": 0, "tid": 7, "ts": start as f64 / 1000.0, "dur": (end - start) as f64 / 1000.0,
+            "args": {"device": 0, "stream": 7, "correlation": 10 + seq}}),
+        );
+    }
+    t
+}
+
+/// A spool holding the job, and a directory for the rest.
+fn spooled() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let spool_dir = dir.path().join("spool");
+    let mut spool = Spool::open(&spool_dir, SpoolLimits::default()).unwrap();
+    let colls: Vec<_> = (0..SEQS)
+        .flat_map(|seq| (0..RANKS).map(move |rank| (Default::default(), coll(rank, seq))))
+        .collect();
+    spool.append(&colls).unwrap();
+    (dir, spool_dir)
+}
+
+/// Issue 38: the merged slices sat ~10 us before the kernels PyTorch recorded for them. `--merge`
+/// now pairs its collectives with the trace's NCCL kernels, says the offset, and shifts them onto
+/// the trace's clock, so that every kernel contains its collective; the trace records what it did.
+#[test]
+fn a_merge_measures_its_offset_against_the_traces_nccl_kernels_and_puts_each_collective_inside_its_kernel()
+ {
+    let (dir, spool_dir) = spooled();
+    let trace = dir.path().join("rank0.pt.trace.json");
+    std::fs::write(&trace, trace_with_kernels(10_400).to_string()).unwrap();
+    let merged = dir.path().join("merged.json");
+    let out = export_merged(&spool_dir, &trace, &merged);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    // The shifts 8.9..11.4 us put each slice inside its kernel; the middle is taken.
+    assert!(
+        err.contains("4 of 4 collectives paired") && err.contains("10.150 us early"),
+        "{err}"
+    );
+    assert!(err.contains("shifted by +10.150 us"), "{err}");
+    let doc: Value = serde_json::from_slice(&std::fs::read(&merged).unwrap()).unwrap();
+    let record = &doc["ncclscope_alignment"];
+    assert_eq!(record["applied_offset_ns"], 10_150, "{record}");
+    assert_eq!(
+        (
+            record["paired"].as_u64(),
+            record["inside_before"].as_u64(),
+            record["inside_after"].as_u64()
+        ),
+        (Some(4), Some(0), Some(4))
+    );
+    let events = doc["traceEvents"].as_array().unwrap();
+    let kernels: Vec<(f64, f64)> = (events.iter())
+        .filter(|e| e["cat"] == "kernel")
+        .map(|e| {
+            (
+                e["ts"].as_f64().unwrap(),
+                e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    let rank0: Vec<(f64, f64)> = (events.iter())
+        .filter(|e| e["cat"] == "collective" && e["args"]["rank"] == 0)
+        .map(|e| {
+            (
+                e["ts"].as_f64().unwrap(),
+                e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(rank0.len(), SEQS as usize);
+    for (s, e) in &rank0 {
+        assert!(
+            kernels.iter().any(|(ks, ke)| ks <= s && e <= ke),
+            "slice {s}..{e} in no kernel of {kernels:?}"
+        );
+    }
+    // The other ranks (same node, same host clock) moved with it: rank 2 is still the straggler.
+    let late = (events.iter())
+        .find(|e| e["cat"] == "collective" && e["args"]["rank"] == 2 && e["args"]["seq"] == 0)
+        .unwrap();
+    let want = (coll(2, 0).start_unix_ns + 10_150 - BASE) as f64 / 1000.0;
+    assert!((late["ts"].as_f64().unwrap() - want).abs() < 0.0005);
+
+    // Already aligned: nothing shifted.
+    std::fs::write(&trace, trace_with_kernels(0).to_string()).unwrap();
+    let out = export_merged(&spool_dir, &trace, &merged);
+    assert!(out.status.success());
+    let doc: Value = serde_json::from_slice(&std::fs::read(&merged).unwrap()).unwrap();
+    assert_eq!(doc["ncclscope_alignment"]["applied_offset_ns"], 0);
+    assert_eq!(doc["ncclscope_alignment"]["inside_before"], 4);
+}
+
+/// `--align check` verifies only: past 1 us, or where nothing pairs, it refuses and writes nothing;
+/// `off` merges as exported.
+#[test]
+fn a_merge_refuses_past_its_bounds_and_writes_nothing() {
+    let (dir, spool_dir) = spooled();
+    let trace = dir.path().join("rank0.pt.trace.json");
+    let merged = dir.path().join("merged.json");
+    let run = |ahead_ns: i64, align: &str| {
+        std::fs::write(&trace, trace_with_kernels(ahead_ns).to_string()).unwrap();
+        let uid = rustix::process::getuid().as_raw().to_string();
+        Command::new(ncclscope_tests::daemon_binary())
+            .args(["export", "--job", "train", "--uid", &uid, "--spool"])
+            .arg(&spool_dir)
+            .arg("--merge")
+            .arg(&trace)
+            .args(["--align", align, "-o"])
+            .arg(&merged)
+            .output()
+            .unwrap()
+    };
+    let out = run(10_400, "check");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("past the 1 us"),
+        "{err}"
+    );
+    assert!(!merged.exists());
+    let out = run(600, "check");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::remove_file(&merged).unwrap();
+    // Another run's trace (an hour later): nothing pairs; `correct` merges as exported and says so,
+    // `check` refuses.
+    let hour = 3_600_000_000_000;
+    let out = run(hour, "correct");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && err.contains("alignment not checked: none of"),
+        "{err}"
+    );
+    let doc: Value = serde_json::from_slice(&std::fs::read(&merged).unwrap()).unwrap();
+    assert_eq!(doc["ncclscope_alignment"]["checked"], false);
+    std::fs::remove_file(&merged).unwrap();
+    let out = run(hour, "check");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("cannot check"),
+        "{err}"
+    );
+    assert!(!merged.exists());
+    let out = run(10_400, "off");
+    assert!(out.status.success());
+    let doc: Value = serde_json::from_slice(&std::fs::read(&merged).unwrap()).unwrap();
+    assert_eq!(doc["ncclscope_alignment"]["checked"], false);
+}

@@ -193,9 +193,22 @@ impl Assembler {
         self
     }
 
+    /// The Kubernetes pod the process claims to run in (its segment's header), carried on its
+    /// instances.
+    pub fn with_pod(mut self, pod: ncclscope_proto::segment::Pod) -> Assembler {
+        Arc::make_mut(&mut self.dict.names).pod = pod;
+        self
+    }
+
     /// Counts this process's dictionary against its uid's budget, shared with the uid's other segments.
     pub fn with_uid_budget(mut self, uid: Arc<UidBudget>) -> Assembler {
         self.dict.set_uid_budget(uid);
+        self
+    }
+
+    /// The Slurm job the process claims to run in (its segment's header), carried on its instances.
+    pub fn with_slurm_job(mut self, id: String) -> Assembler {
+        Arc::make_mut(&mut self.dict.names).slurm_job_id = id;
         self
     }
 

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use crate::cli::export::{Format, export_via_api};
+use crate::cli::export::{Format, export_nodes_via_api, export_via_api};
 use crate::cli::sim_rank::{self, TimingPath};
 use crate::cli::stats::{fetch, render, stragglers};
 use crate::cli::top::{ViewOptions, show};
@@ -69,36 +69,6 @@ pub struct Args {
     /// Progress lines and a summary even on a terminal.
     #[arg(long)]
     pub plain: bool,
-}
-
-/// Where the plugin library is: `NCCLSCOPE_PLUGIN`, else next to this executable (target/<profile>/),
-/// else in its deps/ folder (where cargo leaves it when it is built as this package's dependency). The
-/// fake NCCL host needs its stand-in libnccl in the same folder.
-pub fn find_plugin(path: TimingPath) -> anyhow::Result<PathBuf> {
-    const PLUGIN: &str = "libnccl_profiler_ncclscope.so";
-    let libnccl = sim_rank::host_kind(path).libnccl_name();
-    let usable = |dir: &std::path::Path| dir.join(PLUGIN).is_file() && dir.join(libnccl).is_file();
-    if let Some(p) = std::env::var_os("NCCLSCOPE_PLUGIN") {
-        let p = PathBuf::from(p);
-        anyhow::ensure!(
-            p.is_file(),
-            "NCCLSCOPE_PLUGIN={} does not exist",
-            p.display()
-        );
-        return Ok(p);
-    }
-    let exe = std::env::current_exe()?;
-    let dir = exe.parent().context("executable has no directory")?;
-    for dir in [dir.to_path_buf(), dir.join("deps")] {
-        if usable(&dir) {
-            return Ok(dir.join(PLUGIN));
-        }
-    }
-    anyhow::bail!(
-        "{PLUGIN} and the fake NCCL's {libnccl} are not next to {}: build them with `cargo build --release \
-         --workspace` (or run the demo with `cargo run --release --bin ncclscope -- demo`, which builds them)",
-        exe.display()
-    )
 }
 
 /// The simulated ranks, waited for on a thread while the view runs. Stopping it (or dropping it, on any
@@ -229,7 +199,7 @@ impl Node {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let plugin = find_plugin(args.path)?;
+    let plugin = sim_rank::find_plugin(args.path)?;
     anyhow::ensure!(
         args.nodes <= args.ranks,
         "--nodes {} is more than --ranks {}: every node runs a rank",
@@ -569,6 +539,15 @@ fn drive(run: &Run<'_>) -> anyhow::Result<Vec<(u32, ncclscope_proto::api::RankSt
         println!(
             "Perfetto trace ({n} collective instances): {}  (open it in https://ui.perfetto.dev)",
             path.display()
+        );
+    }
+    if nodes.len() > 1 {
+        // And one across the nodes, each node's clock estimated from the collectives.
+        let sockets: Vec<_> = nodes.iter().map(|n| n.config.api_socket.clone()).collect();
+        let n = export_nodes_via_api(&sockets, job, trace, Format::PerfettoJson)?;
+        println!(
+            "Perfetto trace across the nodes ({n} collective instances, node clocks aligned): {}",
+            trace.display()
         );
     }
     Ok(ranks)

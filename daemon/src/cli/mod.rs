@@ -5,9 +5,11 @@ pub mod daemon;
 #[cfg(feature = "demo")]
 pub mod demo;
 pub mod export;
+pub mod reference;
 #[cfg(feature = "demo")]
 pub mod sim_rank;
 pub mod stats;
+pub mod systemd_dropin;
 pub mod top;
 
 /// An error as the commands print it: its message on one line, then one line per cause. Returning

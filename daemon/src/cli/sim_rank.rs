@@ -19,6 +19,7 @@ use std::ffi::CStr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use anyhow::Context;
 use ncclscope_fakenccl::{CollSpec, CommSpec, Host, HostKind};
 
 /// Kernel timing path the simulated NCCL exercises.
@@ -102,7 +103,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let plugin = match args.plugin {
         Some(p) => p,
-        None => crate::cli::demo::find_plugin(args.path)?,
+        None => find_plugin(args.path)?,
     };
     let host = Host::load(&plugin, host_kind(args.path))?;
     let node = node_of(args.rank, args.nranks, args.nnodes);
@@ -151,6 +152,36 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     comm.finalize();
     println!("{}", produced_line(total));
     Ok(())
+}
+
+/// Where the plugin library is: `NCCLSCOPE_PLUGIN`, else next to this executable (target/<profile>/),
+/// else in its deps/ folder (where cargo leaves it when it is built as this package's dependency). The
+/// fake NCCL host needs its stand-in libnccl in the same folder.
+pub fn find_plugin(path: TimingPath) -> anyhow::Result<PathBuf> {
+    const PLUGIN: &str = "libnccl_profiler_ncclscope.so";
+    let libnccl = host_kind(path).libnccl_name();
+    let usable = |dir: &std::path::Path| dir.join(PLUGIN).is_file() && dir.join(libnccl).is_file();
+    if let Some(p) = std::env::var_os("NCCLSCOPE_PLUGIN") {
+        let p = PathBuf::from(p);
+        anyhow::ensure!(
+            p.is_file(),
+            "NCCLSCOPE_PLUGIN={} does not exist",
+            p.display()
+        );
+        return Ok(p);
+    }
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("executable has no directory")?;
+    for dir in [dir.to_path_buf(), dir.join("deps")] {
+        if usable(&dir) {
+            return Ok(dir.join(PLUGIN));
+        }
+    }
+    anyhow::bail!(
+        "{PLUGIN} and the fake NCCL's {libnccl} are not next to {}: build them with `cargo build --release \
+         --workspace` (or run the demo with `cargo run --release --bin ncclscope -- demo`, which builds them)",
+        exe.display()
+    )
 }
 
 /// The NCCL the fake host pretends to be for a timing path: an RFC-patched 2.30 for the device hook,

@@ -76,6 +76,53 @@ pub async fn fetch(
 }
 
 /// The rank that was last to start most often in each (uid, job, communicator), if any was.
+/// Sends and receives per (rank, peer): which pipeline stage or expert a rank waits on.
+fn p2p_table(out: &mut String, stats: &StatsResponse, uid: u32, id: &str) {
+    let rows: Vec<_> = stats
+        .p2p
+        .iter()
+        .filter(|p| (p.uid, p.job_id.as_str()) == (uid, id))
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "  {:<16} {:>5} {:<4} {:>5} {:>9} {:>10} {:>12} {:>12} {:>12}",
+        "COMM", "RANK", "P2P", "PEER", "COUNT", "BYTES", "EXEC p50", "EXEC p99", "GPU-TIMED"
+    );
+    for p in rows {
+        let _ = writeln!(
+            out,
+            "  {:<16} {:>5} {:<4} {:>5} {:>9} {:>10} {:>12} {:>12} {:>12}",
+            format!("{:016x}", p.comm_hash),
+            p.rank,
+            p.func,
+            p.peer,
+            p.transfers,
+            bytes(p.bytes),
+            us(p.exec_p50_us),
+            us(p.exec_p99_us),
+            p.device_timed
+        );
+    }
+}
+
+/// Bytes in binary units, as the size buckets name them.
+fn bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let (mut v, mut k) = (b as f64, 0);
+    while v >= 1024.0 && k < UNITS.len() - 1 {
+        v /= 1024.0;
+        k += 1;
+    }
+    if k == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[k])
+    }
+}
+
 pub fn stragglers(ranks: &[RankStats]) -> Vec<&RankStats> {
     let mut best: Vec<&RankStats> = Vec::new();
     for r in ranks.iter().filter(|r| r.straggler_count > 0) {
@@ -192,6 +239,7 @@ pub fn render(jobs: &ListJobsResponse, stats: &StatsResponse) -> String {
                 let _ = writeln!(out, "  {}", straggler_line(s));
             }
         }
+        p2p_table(&mut out, stats, uid, id);
         out.push('\n');
     }
     if let Some(h) = &stats.health {
@@ -292,6 +340,11 @@ pub fn to_json(jobs: &ListJobsResponse, stats: &StatsResponse) -> Value {
             "exec_p50_us": r.exec_p50_us, "exec_p99_us": r.exec_p99_us, "skew_p50_us": r.skew_p50_us,
             "straggler_count": r.straggler_count, "lost": r.lost,
         })).collect::<Vec<_>>(),
+        "p2p": stats.p2p.iter().map(|p| json!({
+            "uid": p.uid, "job_id": p.job_id, "comm_hash": hash(p.comm_hash), "rank": p.rank,
+            "func": p.func, "peer": p.peer, "transfers": p.transfers, "bytes": p.bytes,
+            "device_timed": p.device_timed, "exec_p50_us": p.exec_p50_us, "exec_p99_us": p.exec_p99_us,
+        })).collect::<Vec<_>>(),
         "stragglers": stragglers(&stats.ranks).iter().map(|r| json!({
             "uid": r.uid, "job_id": r.job_id, "comm_hash": hash(r.comm_hash), "rank": r.rank,
             "straggler_count": r.straggler_count,
@@ -307,7 +360,7 @@ pub fn to_json(jobs: &ListJobsResponse, stats: &StatsResponse) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ncclscope_proto::api::{CollStats, Health, Job};
+    use ncclscope_proto::api::{CollStats, Health, Job, P2pStats};
 
     fn sample() -> (ListJobsResponse, StatsResponse) {
         let jobs = ListJobsResponse {
@@ -345,6 +398,19 @@ mod tests {
                 uid: 0,
             }],
             ranks,
+            p2p: vec![P2pStats {
+                job_id: "train".into(),
+                comm_hash: 0xfeed,
+                rank: 1,
+                func: "Send".into(),
+                peer: 2,
+                transfers: 20,
+                bytes: 20 << 20,
+                device_timed: 20,
+                exec_p50_us: 80.0,
+                exec_p99_us: 95.0,
+                uid: 0,
+            }],
             health: Some(Health {
                 segments: 4,
                 lost: [("ring_full".to_string(), 3)].into(),
@@ -358,6 +424,25 @@ mod tests {
     fn table_names_the_straggler_and_the_losses() {
         let (jobs, stats) = sample();
         let t = render(&jobs, &stats);
+        // A rank's sends per peer, with bytes and how many were timed on the GPU.
+        assert!(
+            t.lines().any(|l| l.split_whitespace().collect::<Vec<_>>()
+                == [
+                    "000000000000feed",
+                    "1",
+                    "Send",
+                    "2",
+                    "20",
+                    "20.0",
+                    "MiB",
+                    "80.0",
+                    "us",
+                    "95.0",
+                    "us",
+                    "20"
+                ]),
+            "{t}"
+        );
         assert!(
             t.contains("job train  (uid 0, live, 4 ranks, 1 communicators, 40 collectives)"),
             "{t}"

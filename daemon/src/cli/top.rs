@@ -297,6 +297,8 @@ enum Key {
     Comm(u64),
     Rank(u32),
     Channel(u32),
+    /// A rank's sends to or receives from one peer (not opened further).
+    Peer,
 }
 
 /// Row order: as the daemon lists them, or the largest first.
@@ -736,7 +738,7 @@ impl View {
                     col("START p50", true, 7),
                 ];
                 let channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
-                let items: Vec<Item> = (channels.by.range((*rank, 0)..=(*rank, u32::MAX)))
+                let mut items: Vec<Item> = (channels.by.range((*rank, 0)..=(*rank, u32::MAX)))
                     .map(|(&(_, ch), s)| {
                         let exec = quantile_us(s.recent.iter().map(|x| x.0).collect(), 0.5);
                         let skew = quantile_us(s.recent.iter().map(|x| x.1).collect(), 0.5);
@@ -757,6 +759,35 @@ impl View {
                         }
                     })
                     .collect();
+                // Its sends and receives per peer, below the channels: "Send→3" in the first
+                // column, transfers as instances, exec times as kernel times.
+                let (job, comm) = match &self.level {
+                    Level::Rank(job, comm, _) => (job, *comm),
+                    _ => unreachable!("in the rank level"),
+                };
+                let peers = (self.stats.p2p.iter()).filter(|p| {
+                    (p.uid, &p.job_id, p.comm_hash, p.rank) == (job.0, &job.1, comm, *rank)
+                });
+                items.extend(peers.map(|p| Item {
+                    cells: vec![
+                        format!(
+                            "{}{}{}",
+                            p.func,
+                            if p.func == "Send" { "→" } else { "←" },
+                            p.peer
+                        ),
+                        p.transfers.to_string(),
+                        "-".into(),
+                        dur(p.exec_p50_us),
+                        dur(p.exec_p99_us),
+                        "-".into(),
+                    ],
+                    key: Key::Peer,
+                    exec: p.exec_p50_us,
+                    skew: f64::NAN,
+                    lost: 0,
+                    straggler: false,
+                }));
                 (cols, items)
             }
         };
@@ -1278,6 +1309,44 @@ mod tests {
         v.key(KeyCode::Esc);
         v.key(KeyCode::Esc);
         assert_eq!(v.key(KeyCode::Esc), Action::Quit, "Esc at the top quits");
+    }
+
+    /// A rank's drill-down lists its sends and receives per peer below its channels.
+    #[test]
+    fn a_rank_shows_its_sends_and_receives_per_peer() {
+        let mut v = View::default();
+        let mut stats = ranks(10, [0; 4]);
+        stats.p2p = [("Send", 2, 41.5), ("Recv", 0, 7.25)]
+            .map(|(func, peer, exec)| ncclscope_proto::api::P2pStats {
+                job_id: "j".into(),
+                comm_hash: 1,
+                rank: 1,
+                func: func.into(),
+                peer,
+                transfers: 12,
+                exec_p50_us: exec,
+                exec_p99_us: exec,
+                ..Default::default()
+            })
+            .into();
+        v.update(ListJobsResponse::default(), stats);
+        for _ in 0..2 {
+            v.key(KeyCode::Enter); // the job, its communicator
+        }
+        v.key(KeyCode::Down);
+        v.key(KeyCode::Enter); // rank 1
+        let lines = screen(&mut v, 80, 24);
+        let row = |head: &str| {
+            (lines.iter())
+                .find(|l| l.split_whitespace().any(|w| w == head))
+                .map(|l| l.split_whitespace().map(String::from).collect::<Vec<_>>())
+        };
+        let send = row("Send→2").unwrap_or_else(|| panic!("{}", lines.join("\n")));
+        assert!(
+            send.contains(&"12".to_string()) && send.iter().any(|w| w.starts_with("41.5")),
+            "{send:?}"
+        );
+        assert!(row("Recv←0").is_some(), "{}", lines.join("\n"));
     }
 
     /// A daemon that went away is a state of the view, not the end of it.
