@@ -41,6 +41,9 @@ pub struct SimJob<'a> {
     pub delay_us: u64,
 }
 
+/// How long after [`SimJob::commands`] the simulated ranks start their collectives.
+pub const SIM_LEAD: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl<'a> SimJob<'a> {
     /// No fault, 3 ms of delay for any added.
     pub fn new(job: &'a str, nranks: u32, seconds: u64) -> SimJob<'a> {
@@ -61,7 +64,7 @@ impl<'a> SimJob<'a> {
     /// rank read only after the others' first collectives meets none of them: their roots are lost).
     /// Callers add what else they need (a uid, a GPU, another stdout) and spawn them.
     pub fn commands(&self, sockets: &[&Path]) -> Vec<Command> {
-        let epoch = monotonic_ns() + 2_000_000_000;
+        let epoch = monotonic_ns() + SIM_LEAD.as_nanos() as u64;
         let nnodes = sockets.len() as u32;
         (0..self.nranks)
             .map(|rank| {
