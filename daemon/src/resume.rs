@@ -58,10 +58,40 @@ pub struct CommInfo {
     pub gpu: Option<Gpu>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Calibration {
+    /// Host (CLOCK_REALTIME) minus GPU (%globaltimer) at `host_ns`.
     pub offset_ns: i64,
     pub error_ns: u32,
+    /// How fast the offset moved since the device's previous calibration (ppb of host time), and
+    /// when this one was taken: the GPU's clock drifts against the host's by parts per million (10 ppm
+    /// measured on an H100, 50 us between two calibrations 5 s apart), so a time is mapped with the
+    /// offset of its own moment ([`Calibration::offset_at`]). 0 where unknown (a first calibration,
+    /// a state saved by an older daemon).
+    #[serde(default, skip_serializing_if = "is_zero_i32")]
+    pub drift_ppb: i32,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub host_ns: u64,
+}
+
+/// Farthest a calibration's drift is carried from the moment it was taken: the plugin recalibrates
+/// every few seconds, so a time further away than this was mapped by another calibration (or the
+/// process stopped calibrating), and a drift carried for minutes is a guess.
+const MAX_DRIFT_AGE_NS: i128 = 60_000_000_000;
+
+impl Calibration {
+    /// The offset for GPU time `gpu_ns`: this calibration's, moved by its drift from when it was
+    /// taken to that moment (between the previous calibration and this one, the drift is the slope
+    /// measured over exactly that interval; after it, the latest slope carried on, at most
+    /// [`MAX_DRIFT_AGE_NS`]).
+    pub fn offset_at(&self, gpu_ns: u64) -> i64 {
+        if self.drift_ppb == 0 || self.host_ns == 0 || gpu_ns == 0 {
+            return self.offset_ns;
+        }
+        let age = (gpu_ns as i128 + self.offset_ns as i128 - self.host_ns as i128)
+            .clamp(-MAX_DRIFT_AGE_NS, MAX_DRIFT_AGE_NS);
+        self.offset_ns + (age * self.drift_ppb as i128 / 1_000_000_000) as i64
+    }
 }
 
 /// A string id saved as its number.
@@ -182,6 +212,10 @@ pub struct SegmentState {
     pub parked_upto: u64,
 }
 
+fn is_zero_i32(v: &i32) -> bool {
+    *v == 0
+}
+
 fn is_zero(v: &u64) -> bool {
     *v == 0
 }
@@ -295,6 +329,7 @@ mod tests {
                     Calibration {
                         offset_ns: -1500,
                         error_ns: 250,
+                        ..Default::default()
                     },
                 )],
                 comms: vec![CommInfo {

@@ -51,13 +51,18 @@ pub(super) fn instance(
     let bytes = bandwidth::inspector_bytes(func, msg, nranks);
     let mut channels = op.channels;
     channels.sort_unstable_by_key(|c| c.channel);
-    let offset = calibration
-        .map(|c| c.offset_ns)
-        .or(op.host_anchor)
-        .unwrap_or(0);
+    // Each GPU time with the offset of its own moment (the GPU clock drifts against the host's).
+    let offset_at = |gpu_ns: u64| match calibration {
+        Some(c) => c.offset_at(gpu_ns),
+        None => op.host_anchor.unwrap_or(0),
+    };
     for c in &mut channels {
-        c.start_unix_ns = c.start_unix_ns.saturating_add_signed(offset);
-        c.end_unix_ns = c.end_unix_ns.saturating_add_signed(offset);
+        c.start_unix_ns = c
+            .start_unix_ns
+            .saturating_add_signed(offset_at(c.start_unix_ns));
+        c.end_unix_ns = c
+            .end_unix_ns
+            .saturating_add_signed(offset_at(c.end_unix_ns));
     }
     let (timing_source, start, end, exec) = if channels.is_empty() {
         let end = op.stop_ns.unwrap_or(op.enqueue_ns);

@@ -461,11 +461,14 @@ impl Assembler {
                 cuda_dev,
                 offset_ns,
                 error_ns,
-                ..
+                drift_ppb,
+                host_ns,
             } => {
                 let cal = Calibration {
                     offset_ns,
                     error_ns,
+                    drift_ppb,
+                    host_ns,
                 };
                 let (changed, first) =
                     (self.dict).calibration(pos, cuda_dev, cal, &mut self.counters);

@@ -120,6 +120,43 @@ fn stock_path_joins_by_parent_and_applies_calibration() {
     assert_eq!(a.oldest_pending_pos(0), None);
 }
 
+/// The GPU clock drifts against the host's (10 ppm on an H100, tests/gpu/clock): a kernel 5 s after
+/// its device's calibration is mapped with the offset moved by the calibration's drift, 50 us here;
+/// without it every time between calibrations was off by up to the drift times their interval.
+#[test]
+fn kernel_times_are_mapped_with_the_offset_drifted_to_their_moment() {
+    let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
+    let mut recs = prelude(TimingPath::KernelCh);
+    const S: u64 = 1_000_000_000;
+    recs.push(Record::Calibration {
+        cuda_dev: 0,
+        offset_ns: 1_000_000,
+        error_ns: 250,
+        drift_ppb: 10_000,
+        host_ns: S + 1_000_000, // GPU time 1 s
+    });
+    recs.push(coll(10, 5, 1));
+    recs.push(Record::OpStop {
+        comm: 0,
+        id: 10,
+        host_ns: 1500,
+    });
+    recs.push(Record::KernelCh {
+        comm: 0,
+        parent: 10,
+        channel: 0,
+        gpu_start: 6 * S,
+        gpu_stop: 6 * S + 800,
+        host_ns: 0,
+    });
+    let out = feed(&mut a, &recs);
+    assert_eq!(out.len(), 1);
+    let c = &out[0].coll;
+    assert_eq!(c.start_unix_ns, 6 * S + 1_000_000 + 50_000);
+    assert_eq!(c.end_unix_ns, 6 * S + 800 + 1_000_000 + 50_000);
+    assert_eq!(c.exec_ns, 800);
+}
+
 #[test]
 fn kernel_times_read_before_the_first_calibration_wait_for_it() {
     let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
