@@ -38,6 +38,9 @@ pub struct Template {
     /// Per channel: workCounter of the latest item read (any owner), so a gap is counted in items
     /// lost. Not persisted: after a restart the first item of a channel finds no gap.
     pub(super) seen_wc: Vec<Option<u64>>,
+    /// Per channel: items lost before a foreign item ([`Template::saw_foreign`]), still to count
+    /// at the channel's next item.
+    pub(super) lost_before_foreign: Vec<u64>,
 }
 
 impl Template {
@@ -100,9 +103,19 @@ impl Template {
     pub(super) fn saw(&mut self, ch: u8, wc: u64) -> u64 {
         if self.seen_wc.len() <= ch as usize {
             self.seen_wc.resize(ch as usize + 1, None);
+            self.lost_before_foreign.resize(ch as usize + 1, 0);
         }
         let prev = self.seen_wc[ch as usize].replace(wc);
-        prev.map_or(0, |p| wc.wrapping_sub(p).wrapping_sub(1))
+        let gap = prev.map_or(0, |p| wc.wrapping_sub(p).wrapping_sub(1));
+        gap.saturating_add(std::mem::take(&mut self.lost_before_foreign[ch as usize]))
+    }
+
+    /// Notes an item of `ch` that no captured operation owns (a p2p round of the communicator): its
+    /// workCounter is no loss to the captured operations' items after it, and items lost before it
+    /// still count at the channel's next item.
+    pub(super) fn saw_foreign(&mut self, ch: u8, wc: u64) {
+        let lost = self.saw(ch, wc);
+        self.lost_before_foreign[ch as usize] = lost;
     }
 
     /// Moves the cursor of `ch` past `n` lost items of its replays, across replay boundaries; the

@@ -74,6 +74,8 @@ pub(super) struct Hold {
     pub first_pos: u64,
     /// workCounter of the latest item (a gap is a lost item: a place any owner fits).
     pub last_wc: u64,
+    /// Items since `last_wc` that no collective owns (p2p rounds): in the gap, but not lost.
+    pub foreign: u64,
     /// Items not attributed yet: (record position, workCounter, work; None for a lost one).
     pub items: VecDeque<(u64, u64, Option<Work>)>,
     /// The parses that fit every item so far, in distinct states.
@@ -115,6 +117,7 @@ impl Hold {
             cursor,
             first_pos,
             last_wc: wc.wrapping_sub(1),
+            foreign: 0,
             items: VecDeque::new(),
             parses: vec![Parse {
                 k: 0,

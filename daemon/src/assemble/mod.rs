@@ -674,6 +674,7 @@ impl Assembler {
                 if self.dict.is_p2p_work(func_id) {
                     self.counters.dev_work += 1;
                     self.counters.dev_p2p += 1;
+                    self.replays.foreign((comm, channel), work_counter);
                     return;
                 }
                 if let Some(ambiguous) =

@@ -227,6 +227,19 @@ impl Replays {
         Some(ambiguous)
     }
 
+    /// A work item of `key` that no collective owns (a p2p round, counted `dev_p2p`): its
+    /// workCounter is no lost item to the template's cursor or the channel's hold. (NCCL runs an
+    /// all_to_all's self round on the channels a collective beside it uses: counted as a loss, each
+    /// moved the cursor a whole replay on.)
+    pub fn foreign(&mut self, key: (u32, u8), wc: u64) {
+        if let Some(t) = self.templates.get_mut(&key.0) {
+            t.saw_foreign(key.1, wc);
+        }
+        if let Some(h) = self.holds.get_mut(&key) {
+            h.foreign += 1;
+        }
+    }
+
     /// Where a work item of a communicator with a template goes. `eager_waits`: an eager
     /// operation waits on its lane; `eager_fits`: whether one of them can own the item. A boundary
     /// both can own begins a hold.
@@ -391,7 +404,8 @@ impl Replays {
                 hold.eager.push(c);
             }
         }
-        let skipped = wc.wrapping_sub(hold.last_wc).wrapping_sub(1);
+        let skipped = (wc.wrapping_sub(hold.last_wc).wrapping_sub(1))
+            .wrapping_sub(std::mem::take(&mut hold.foreign));
         if skipped >= hold.len as u64 + MAX_HOLD_EAGER as u64 {
             // Items lost past any parse (or a workCounter going back): what came is all there is;
             // this item is routed as usual (it may begin another hold).

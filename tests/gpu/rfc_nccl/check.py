@@ -111,10 +111,9 @@ def check_p2p(name, driver, spans):
         if not m:
             continue
         rank = int(m.group(1))
-        for kv in m.group(2).split():
+        # Stop at the versions: "torch=2.11.0+cu130 nccl=(2, 28, 9)" (the tuple holds spaces).
+        for kv in m.group(2).split(" torch=")[0].split():
             k, v = kv.split("=")
-            if k in ("torch", "nccl"):
-                continue
             func, _, peer = k.partition(":")
             want[(rank, func, int(peer) if peer else None)] += int(v)
     got = collections.Counter()
