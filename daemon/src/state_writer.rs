@@ -107,7 +107,7 @@ pub struct StateWriter {
 impl StateWriter {
     pub fn start(store: Box<dyn Store>) -> io::Result<StateWriter> {
         // Unbounded: the engine queues a segment's state at most once per commit or spooled batch,
-        // and holds a segment's commits while states of it are queued (see `engine::MAX_SAVING`).
+        // and holds a segment's commits while states of it are queued (see `engine::commit::MAX_SAVING`).
         let (tx, rx) = mpsc::channel();
         let progress = Arc::new(Progress::default());
         let thread = {
