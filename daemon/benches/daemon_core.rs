@@ -18,9 +18,10 @@ use std::time::{Duration, Instant};
 
 use ncclscope::config::Config;
 use ncclscope::engine::{Engine, Outputs, SegmentKey};
+use ncclscope::export_queue::{ExportCounters, SpanItem};
 use ncclscope::hub::{Durable, Hub};
 use ncclscope::instance::Shared;
-use ncclscope::otlp::{self, ExportCounters, SpanItem};
+use ncclscope::otlp;
 use ncclscope::spool::{Spool, SpoolLimits};
 use ncclscope_proto::api::{ChannelWork, Collective};
 use ncclscope_proto::fixture::{self, Coll, Comm};

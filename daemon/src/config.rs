@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use ncclscope_proto::env;
 use serde::{Deserialize, Serialize};
+use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
 
 /// Where the daemon looks for its configuration file when none is given.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/ncclscope/ncclscope.toml";
@@ -194,9 +195,8 @@ impl Otlp {
     /// Headers, compression, resource attributes and the TLS files: each is checked here so that a
     /// mistake stops the daemon at start, naming the key, rather than failing every export.
     fn validate_transport(&self) -> Result<(), ConfigError> {
-        crate::otlp::metadata(&self.headers).map_err(|e| err("otlp.headers", e))?;
-        crate::otlp::key_values(&self.resource_attributes)
-            .map_err(|e| err("otlp.resource_attributes", e))?;
+        metadata(&self.headers).map_err(|e| err("otlp.headers", e))?;
+        key_values(&self.resource_attributes).map_err(|e| err("otlp.resource_attributes", e))?;
         if !["none", "gzip"].contains(&self.compression.as_str()) {
             return Err(err(
                 "otlp.compression",
@@ -768,7 +768,7 @@ fn otel_env(env: &[(String, String)]) -> Result<toml::Table, ConfigError> {
                     .into(),
             ),
             "headers" => {
-                crate::otlp::metadata(value).map_err(|e| err(&var, e))?;
+                metadata(value).map_err(|e| err(&var, e))?;
                 toml::Value::String(value.to_string())
             }
             _ => toml::Value::String(value.to_string()),
@@ -778,7 +778,7 @@ fn otel_env(env: &[(String, String)]) -> Result<toml::Table, ConfigError> {
     for (var, key) in OTEL_RESOURCE {
         if let Some(v) = get(var) {
             if key == "resource_attributes" {
-                crate::otlp::key_values(v).map_err(|e| err(var, e))?;
+                key_values(v).map_err(|e| err(var, e))?;
             }
             otlp.insert(key.to_string(), toml::Value::String(v.to_string()));
         }
@@ -933,6 +933,61 @@ fn leaf_keys(table: &toml::Table, prefix: &mut Vec<String>, out: &mut Vec<Vec<St
         }
         prefix.pop();
     }
+}
+
+/// A `key=value,key=value` list as the OpenTelemetry variables write one (OTEL_EXPORTER_OTLP_HEADERS,
+/// OTEL_RESOURCE_ATTRIBUTES): items trimmed, empty items skipped, values percent-decoded. Errors
+/// name the item by key or position, never by value (a value may be a credential).
+pub fn key_values(list: &str) -> Result<Vec<(String, String)>, String> {
+    let items = list.split(',').map(str::trim).filter(|i| !i.is_empty());
+    items
+        .enumerate()
+        .map(|(n, item)| {
+            let Some((k, v)) = item.split_once('=') else {
+                return Err(format!("item {} is not key=value", n + 1));
+            };
+            let k = k.trim();
+            if k.is_empty() {
+                return Err(format!("item {} has no key", n + 1));
+            }
+            let v = percent_decode(v.trim())
+                .ok_or_else(|| format!("{k:?}: the value is not valid percent-encoded UTF-8"))?;
+            Ok((k.to_string(), v))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> Option<String> {
+    let mut out = Vec::with_capacity(s.len());
+    let mut bytes = s.bytes();
+    while let Some(b) = bytes.next() {
+        if b == b'%' {
+            let hex = [bytes.next()?, bytes.next()?];
+            out.push(u8::from_str_radix(std::str::from_utf8(&hex).ok()?, 16).ok()?);
+        } else {
+            out.push(b);
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// `otlp.headers` as the gRPC metadata every export carries.
+pub fn metadata(headers: &str) -> Result<MetadataMap, String> {
+    let mut map = MetadataMap::new();
+    for (k, v) in key_values(headers)? {
+        let lower = k.to_ascii_lowercase();
+        if lower.ends_with("-bin") || lower.starts_with("grpc-") {
+            return Err(format!(
+                "{k:?}: binary (-bin) and grpc- headers are not supported"
+            ));
+        }
+        let key = MetadataKey::from_bytes(lower.as_bytes())
+            .map_err(|_| format!("{k:?} is not a valid header name"))?;
+        let value = MetadataValue::try_from(v.as_str())
+            .map_err(|_| format!("{k:?}: the value is not printable ASCII"))?;
+        map.append(key, value);
+    }
+    Ok(map)
 }
 
 #[cfg(test)]
@@ -1141,7 +1196,7 @@ mod tests {
         assert_eq!(c.otlp.service_name, "svc");
         assert_eq!(c.otlp.resource_attributes, "deployment.environment=prod");
         assert_eq!(c.otlp.ca_file, PathBuf::new(), "an empty variable is unset");
-        let md = crate::otlp::metadata(&c.otlp.headers).unwrap();
+        let md = metadata(&c.otlp.headers).unwrap();
         assert_eq!(md.get("x-scope-orgid").unwrap(), "t1");
         assert_eq!(md.get("authorization").unwrap(), "Bearer abc");
         // The file beats OTEL_*, NCCLSCOPE_* beats the file, the flag beats them all.

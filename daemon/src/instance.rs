@@ -93,13 +93,13 @@ pub struct Desc {
     /// per (communicator, peer, function) for a p2p.
     pub seq: u64,
     pub is_p2p: bool,
-    #[serde(with = "crate::resume::str_id")]
+    #[serde(with = "str_id")]
     pub func: StrId,
-    #[serde(with = "crate::resume::str_id")]
+    #[serde(with = "str_id")]
     pub datatype: StrId,
-    #[serde(with = "crate::resume::str_id")]
+    #[serde(with = "str_id")]
     pub algo: StrId,
-    #[serde(with = "crate::resume::str_id")]
+    #[serde(with = "str_id")]
     pub proto: StrId,
     pub count: u64,
     /// -1 for a p2p.
@@ -357,6 +357,20 @@ impl From<&Collective> for Shared {
             inst,
             names: Arc::new(names),
         }
+    }
+}
+
+/// A string id saved as its number.
+mod str_id {
+    use ncclscope_proto::StrId;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(id: &StrId, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u16(id.0)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<StrId, D::Error> {
+        u16::deserialize(d).map(StrId)
     }
 }
 

@@ -9,6 +9,8 @@ pub mod cli;
 pub mod clock_step;
 pub mod config;
 pub mod engine;
+pub mod export_queue;
+pub mod fast_map;
 pub mod group_commit;
 pub mod histogram;
 pub mod hub;

@@ -63,7 +63,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprint!("{}", cli::report(&e, args.debug));
+            eprint!("{}", cli::error::report(&e, args.debug));
             ExitCode::FAILURE
         }
     }

@@ -20,41 +20,14 @@ use opentelemetry_proto::tonic::resource::v1::Resource;
 use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans};
 use tokio::sync::mpsc;
 use tonic::codec::CompressionEncoding;
-use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
+use tonic::metadata::MetadataMap;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
-use crate::config::Otlp;
+use crate::config::{Otlp, key_values, metadata};
+use crate::export_queue::{ExportCounters, SpanItem};
 use crate::resend::{self, Dropped};
 use crate::spans;
 use crate::stats::RootWait;
-
-/// One instance to export. `acked` is its segment's acknowledgement cursor: after the attempt ends
-/// (accepted, or given up and counted) it is raised to `emit_no`. Items of one segment are queued in
-/// `emit_no` order and handled in queue order, so the cursor only moves forward. An instance re-sent
-/// from the spool has none: no segment waits on it. `settles`: the root span's settlement, when the
-/// instance carries its collective's root (the other ranks' records wait on it), settled then too;
-/// an item with only that (a root sent when its skew window closed) is live all the same: its spans
-/// count as dropped if given up.
-pub struct SpanItem {
-    pub coll: Shared,
-    pub acked: Option<Arc<AtomicU64>>,
-    pub emit_no: u64,
-    pub settles: Option<RootWait>,
-}
-
-/// Export outcomes, shared with the engine's health snapshot.
-#[derive(Debug, Default)]
-pub struct ExportCounters {
-    pub spans_exported: AtomicU64,
-    pub spans_dropped: AtomicU64,
-    pub export_errors: AtomicU64,
-    pub metrics_exported: AtomicU64,
-    /// Dropped instances queued again from the spool.
-    pub resent: AtomicU64,
-    /// Dropped instances that will not be re-sent: past the bound on those remembered, or no longer
-    /// in the spool.
-    pub not_resent: AtomicU64,
-}
 
 fn kv(key: &str, v: &str) -> KeyValue {
     KeyValue {
@@ -149,61 +122,6 @@ fn instance_id(host: &str) -> String {
         &hex[16..20],
         &hex[20..]
     )
-}
-
-/// A `key=value,key=value` list as the OpenTelemetry variables write one (OTEL_EXPORTER_OTLP_HEADERS,
-/// OTEL_RESOURCE_ATTRIBUTES): items trimmed, empty items skipped, values percent-decoded. Errors
-/// name the item by key or position, never by value (a value may be a credential).
-pub fn key_values(list: &str) -> Result<Vec<(String, String)>, String> {
-    let items = list.split(',').map(str::trim).filter(|i| !i.is_empty());
-    items
-        .enumerate()
-        .map(|(n, item)| {
-            let Some((k, v)) = item.split_once('=') else {
-                return Err(format!("item {} is not key=value", n + 1));
-            };
-            let k = k.trim();
-            if k.is_empty() {
-                return Err(format!("item {} has no key", n + 1));
-            }
-            let v = percent_decode(v.trim())
-                .ok_or_else(|| format!("{k:?}: the value is not valid percent-encoded UTF-8"))?;
-            Ok((k.to_string(), v))
-        })
-        .collect()
-}
-
-fn percent_decode(s: &str) -> Option<String> {
-    let mut out = Vec::with_capacity(s.len());
-    let mut bytes = s.bytes();
-    while let Some(b) = bytes.next() {
-        if b == b'%' {
-            let hex = [bytes.next()?, bytes.next()?];
-            out.push(u8::from_str_radix(std::str::from_utf8(&hex).ok()?, 16).ok()?);
-        } else {
-            out.push(b);
-        }
-    }
-    String::from_utf8(out).ok()
-}
-
-/// `otlp.headers` as the gRPC metadata every export carries.
-pub fn metadata(headers: &str) -> Result<MetadataMap, String> {
-    let mut map = MetadataMap::new();
-    for (k, v) in key_values(headers)? {
-        let lower = k.to_ascii_lowercase();
-        if lower.ends_with("-bin") || lower.starts_with("grpc-") {
-            return Err(format!(
-                "{k:?}: binary (-bin) and grpc- headers are not supported"
-            ));
-        }
-        let key = MetadataKey::from_bytes(lower.as_bytes())
-            .map_err(|_| format!("{k:?} is not a valid header name"))?;
-        let value = MetadataValue::try_from(v.as_str())
-            .map_err(|_| format!("{k:?}: the value is not printable ASCII"))?;
-        map.append(key, value);
-    }
-    Ok(map)
 }
 
 /// What every export request carries beyond its data.

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, mpsc};
 
+use crate::export_queue::{ExportCounters, SpanItem};
 use crate::instance::{InstanceRef, Shared};
-use crate::otlp::{ExportCounters, SpanItem};
 use crate::spans;
 use crate::spool::{JobKey, SpoolReader};
 

@@ -94,20 +94,6 @@ impl Calibration {
     }
 }
 
-/// A string id saved as its number.
-pub(crate) mod str_id {
-    use ncclscope_proto::StrId;
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(id: &StrId, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u16(id.0)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<StrId, D::Error> {
-        u16::deserialize(d).map(StrId)
-    }
-}
-
 mod gpu {
     use ncclscope_proto::Gpu;
     use serde::{Deserialize, Deserializer, Serialize, Serializer};

@@ -14,8 +14,9 @@ use tokio::task::JoinHandle;
 
 use crate::config::Config;
 use crate::engine::{Attach, Engine, Handover, Outputs, SegmentKey};
+use crate::export_queue::ExportCounters;
 use crate::hub::{Durable, Hub};
-use crate::otlp::{self, ExportCounters};
+use crate::otlp;
 use crate::resend::{self, Dropped};
 use crate::spool::{Spool, SpoolLimits};
 use crate::{activation, api, notify, prometheus, register};

@@ -2511,8 +2511,9 @@ async fn dropped_spans_re_sent_once_the_collector_answers(outage: Outage) {
 /// is counted as not re-sent. Once the live queue's sender is gone, the re-sender ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_re_sender_queues_what_the_spool_holds_and_counts_what_it_does_not() {
+    use ncclscope::export_queue::ExportCounters;
     use ncclscope::instance::Shared;
-    use ncclscope::otlp::{self, ExportCounters};
+    use ncclscope::otlp;
     use ncclscope::resend::{self, Dropped};
     use ncclscope::spool::{Origin, Spool, SpoolLimits};
     use ncclscope_proto::api::Collective;

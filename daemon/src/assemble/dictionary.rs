@@ -9,12 +9,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ncclscope_proto::StrId;
 
-use super::Map;
 use super::counters::AssembleCounters;
 use super::graph::{CapturedOp, MAX_MARKS};
 use super::lanes::Work;
 use crate::bandwidth;
 use crate::config::Limits;
+use crate::fast_map::Map;
 use crate::instance::Names;
 use crate::resume::{Calibration, CommInfo};
 

@@ -26,14 +26,14 @@
 //! counted (`dev_unattributed`), never joined to a guess; an instance that ends with fewer channels'
 //! work than it announced is counted (`dev_mismatch`) and dropped.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
-pub(super) type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
 
 use ncclscope_proto::{MAX_CHANNELS, Record, StrId, TimingPath};
 
 use crate::config::Limits;
+use crate::fast_map::Map;
 use crate::instance::{Desc, Names};
 pub use crate::resume::Dictionary;
 use crate::resume::{Calibration, CapturedOp, CommInfo, ReplayCursor, SavedOp};

@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use ncclscope_proto::MAX_CHANNELS;
 use ncclscope_proto::api::ChannelWork;
 
-use super::Map;
+use crate::fast_map::Map;
 use crate::instance::{Desc, Instance};
 use crate::resume::SavedOp;
 

@@ -5,12 +5,12 @@
 //! and returns what it decided. The router applies each decision to the operations and lanes, in
 //! order, calling back in only through [`Replays::advance`] and the marks.
 
-use super::Map;
 use super::counters::AssembleCounters;
 use super::dictionary::Dict;
 use super::graph::{MAX_TEMPLATE_OPS, Template, replay_id};
 use super::hold::{self, Candidate, Hold, MAX_HOLD_EAGER, Owner};
 use super::lanes::{Read, Work};
+use crate::fast_map::Map;
 use crate::instance::Desc;
 use crate::resume::{CapturedOp, ReplayCursor, SavedTemplate};
 

@@ -73,7 +73,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let lines = match view {
             Ok(v) => v.lines(&args.job, args.threshold_us),
             Err(e) if first => return Err(e),
-            Err(e) => vec![crate::cli::report(&e, false).trim_end().replace('\n', "; ")],
+            Err(e) => vec![
+                crate::cli::error::report(&e, false)
+                    .trim_end()
+                    .replace('\n', "; "),
+            ],
         };
         first = false;
         if tty {

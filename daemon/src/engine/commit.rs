@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use ncclscope_proto::segment::Consumer;
 
 use crate::assemble::{Assembler, done};
+use crate::fast_map::Map;
 use crate::loss::{Loss, Losses};
 use crate::resume::{self, SegmentState};
 use crate::spool::{Origin, Position};
@@ -73,7 +74,7 @@ pub(super) struct CommitPoint {
     /// Delivered operations whose collective's root span is not settled (not graph replays').
     pub roots: RootHolds,
     /// Operations this daemon delivered whose records are not yet committed: id -> (pos, sinks).
-    delivered: HashMap<u64, (u64, u8), foldhash::fast::RandomState>,
+    delivered: Map<u64, (u64, u8)>,
     pub last_commit: Instant,
     /// `delivered` changed since the state was last saved.
     dirty: bool,
@@ -161,7 +162,7 @@ impl CommitPoint {
             next_emit: 1,
             unacked: Unacked::default(),
             roots: RootHolds::default(),
-            delivered: HashMap::default(),
+            delivered: Map::default(),
             last_commit: Instant::now(),
             dirty: false,
             state_saved,

@@ -10,11 +10,11 @@ use tokio::sync::{mpsc, watch};
 
 use crate::assemble::{Completed, done};
 use crate::config::Config;
+use crate::export_queue::{ExportCounters, SpanItem};
 use crate::group_commit::SpoolWriter;
 use crate::hub::{Hub, SpoolRun};
 use crate::instance::{InstanceRef, Shared};
 use crate::loss::{Loss, Losses};
-use crate::otlp::{ExportCounters, SpanItem};
 use crate::prometheus;
 use crate::resend::Dropped;
 use crate::spool::{Origin, Position};
