@@ -15,7 +15,7 @@ use crate::instance::{Instance, InstanceRef, Names, Shared};
 use crate::spool::{Origin, Spool, SpoolIndex};
 
 /// Where completed instances become durable before they are published: the spool. The spool
-/// writer thread (`group_commit`) calls it with the batches the engine queued, in completion order,
+/// writer thread (`spool_writer`) calls it with the batches the engine queued, in completion order,
 /// several at once when they queued up meanwhile; `Ok` means they survive a crash. Each instance
 /// carries its origin, so a restarted engine can tell which operations its predecessor already
 /// recorded.

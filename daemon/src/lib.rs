@@ -11,7 +11,6 @@ pub mod config;
 pub mod engine;
 pub mod export_queue;
 pub mod fast_map;
-pub mod group_commit;
 pub mod histogram;
 pub mod hub;
 pub mod instance;
@@ -36,6 +35,7 @@ pub mod run;
 pub mod socket;
 pub mod spans;
 pub mod spool;
+pub mod spool_writer;
 pub mod state_writer;
 pub mod stats;
 

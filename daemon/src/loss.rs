@@ -58,11 +58,22 @@ stages! {
     StateWriteFailed => "state_write_failed",
     /// Instances the spool could not take (a full disk, an I/O error).
     SpoolFailed => "spool_failed",
-    /// Instances not spooled because the spool writer had `group_commit::QUEUE_BATCHES` batches
+    /// Instances not spooled because the spool writer had `spool_writer::QUEUE_BATCHES` batches
     /// queued (a disk slower than ingest): ingest does not wait for it.
     SpoolBacklog => "spool_backlog",
     /// Instances refused at the exporter's queue (a slow or absent collector).
     ExportQueueFull => "export_queue_full",
+    /// Instances whose spans the exporter gave up on (the receiver stayed away past its retries);
+    /// counted by the exporter (`ExportCounters::spans_dropped`).
+    ExportDropped => "export_dropped",
+    /// Dropped instances that will not be re-sent: past the bound on those remembered, or no longer
+    /// in the spool (`ExportCounters::not_resent`).
+    ExportNotResent => "export_not_resent",
+    /// Device-hook work items that joined nothing and were not counted under another stage
+    /// (unattributed, ambiguous, p2p): the assembler's `dev_work` less those.
+    DevUnjoined => "dev_unjoined",
+    /// Instances left out of per-rank series past `limits.max_rank_series` (the statistics' count).
+    RankSeriesLimit => "rank_series_limit",
 }
 
 /// A count per stage.

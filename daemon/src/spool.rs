@@ -174,7 +174,7 @@ pub struct Spool {
 
 /// Where a spool stands (acknowledged ends, the next file's number, origins read back), readable
 /// from any thread while its [`Spool`] appends on another: what the engine asks while the spool
-/// writer thread appends (see `group_commit`).
+/// writer thread appends (see `spool_writer`).
 #[derive(Clone)]
 pub struct SpoolIndex {
     index: Arc<Mutex<Index>>,

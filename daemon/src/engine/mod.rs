@@ -43,10 +43,10 @@ use tokio::sync::oneshot;
 
 use crate::clock_step::StepDetector;
 use crate::config::Config;
-use crate::group_commit::{BACKLOG_PAUSE, SpoolWriter};
 use crate::hub::{Durable, Hub};
 use crate::loss::{Loss, Losses};
 use crate::metrics::Health;
+use crate::spool_writer::{BACKLOG_PAUSE, SpoolWriter};
 use crate::state_writer::{self, StateWriter};
 use crate::stats::Stats;
 

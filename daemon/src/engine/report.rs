@@ -14,7 +14,7 @@ use ncclscope_proto::{realtime_ns, shift};
 
 use crate::config::Config;
 use crate::hub::Hub;
-use crate::loss::{Losses, PluginCounts};
+use crate::loss::{Loss, Losses, PluginCounts};
 use crate::metrics::{self, Health};
 use crate::prometheus;
 use crate::stats::Stats;
@@ -65,30 +65,27 @@ pub(super) fn health(s: &Sources<'_>) -> Health {
         }
     }
     let ec = &s.out.export_counters;
-    lost.insert(
-        "export_dropped".into(),
-        ec.spans_dropped.load(Ordering::Relaxed),
-    );
-    lost.insert(
-        "export_not_resent".into(),
-        ec.not_resent.load(Ordering::Relaxed),
-    );
     for (stage, n) in asm.losses() {
         lost.insert(stage.into(), n);
     }
-    lost.insert(
-        "dev_unjoined".into(),
-        (asm.dev_work)
-            .saturating_sub(asm.dev_joined)
-            .saturating_sub(asm.dev_unattributed)
-            .saturating_sub(asm.dev_ambiguous)
-            .saturating_sub(asm.dev_p2p),
+    // The daemon's stages, with those counted elsewhere (the exporter, the statistics) or derived.
+    let mut daemon = s.daemon_lost.clone();
+    daemon.add(
+        Loss::ExportDropped,
+        ec.spans_dropped.load(Ordering::Relaxed),
     );
-    lost.insert("rank_series_limit".into(), s.stats.rank_series_refused);
+    daemon.add(Loss::ExportNotResent, ec.not_resent.load(Ordering::Relaxed));
+    let unjoined = (asm.dev_work)
+        .saturating_sub(asm.dev_joined)
+        .saturating_sub(asm.dev_unattributed)
+        .saturating_sub(asm.dev_ambiguous)
+        .saturating_sub(asm.dev_p2p);
+    daemon.add(Loss::DevUnjoined, unjoined);
+    daemon.add(Loss::RankSeriesLimit, s.stats.rank_series_refused);
     // Every stage, exported from the start (not only once one happened); each uid's refusals
     // within its bound.
     let refused = segs.refusals.node(Instant::now());
-    for ((stage, n), (_, r)) in s.daemon_lost.iter().zip(refused.iter()) {
+    for ((stage, n), (_, r)) in daemon.iter().zip(refused.iter()) {
         lost.insert(stage.into(), n.saturating_add(r));
     }
     Health {
