@@ -204,7 +204,7 @@ impl Delivery {
                     match &out.spans {
                         // Not a graph replay's: a tail held back by its root re-reads more of a
                         // replayed graph after a kill, and resuming its template from there lost
-                        // replays (`daemon_e2e::a_daemon_killed_mid_replay...`, 3 of 6 runs).
+                        // replays (`daemon_e2e::restart::a_daemon_killed_mid_replay...`, 3 of 6 runs).
                         Some(_) if c.coll.replay > 0 => {}
                         Some(_) => seg.commit.hold_root(c.first_pos, w),
                         None => w.settle(),

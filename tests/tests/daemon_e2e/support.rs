@@ -1,0 +1,1087 @@
+//! What the daemon's end-to-end tests share: the rank processes (this test binary re-run as an
+//! ignored test: `support::daemon_rank_child` and the others), the harness that runs the real daemon
+//! binary with a real OTLP receiver, and the waits and checks the tests build their scenarios from.
+
+pub(crate) use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
+pub(crate) use ncclscope_fakenccl::process::Registrant;
+pub(crate) use ncclscope_proto::segment::{self, Claims, Counter, Producer, Segment};
+pub(crate) use ncclscope_proto::{Record, StrId, TimingPath, fixture};
+pub(crate) use ncclscope_tests::attr;
+pub(crate) use std::collections::{BTreeMap, BTreeSet, HashMap};
+pub(crate) use std::io::{Read, Write};
+pub(crate) use std::path::{Path, PathBuf};
+pub(crate) use std::process::{Child, Command, Stdio};
+pub(crate) use std::sync::Arc;
+pub(crate) use std::sync::atomic::{AtomicBool, Ordering};
+pub(crate) use std::time::{Duration, Instant};
+
+pub(crate) const RANK_ENV: &str = "NCCLSCOPE_TEST_DAEMON_RANK";
+
+pub(crate) const COMM_HASH: u64 = 0x5eed_0000_0000_cafe;
+
+pub(crate) const CHANNELS: u64 = 2;
+
+pub(crate) const GPU_BASE: u64 = 1_000_000_000;
+
+pub(crate) const HOST_BASE: i64 = 1_790_000_000_000_000_000;
+
+pub(crate) const JOB: &str = "e2e-job";
+
+/// Host = GPU + offset: each rank's device gets its own offset, as real devices would.
+pub(crate) fn offset(rank: u32) -> i64 {
+    HOST_BASE - GPU_BASE as i64 + rank as i64 * 1_000
+}
+
+pub(crate) fn gpu_times(rank: u32, seq: u64, ch: u64) -> (u64, u64) {
+    let start = GPU_BASE + seq * 100_000 + rank as u64 * 700 + ch * 50;
+    (start, start + 20_000 + seq * 3 + ch * 11 + rank as u64)
+}
+
+pub(crate) fn records_per_rank(ncolls: u64) -> u64 {
+    // 4 strings, calibration, comm, per collective start + channels + stop, comm end.
+    4 + 1 + 1 + ncolls * (2 + CHANNELS) + 1
+}
+
+/// What a synthetic rank writes before its collectives, as the plugin does: the strings they name,
+/// its device's calibration and its communicator.
+pub(crate) fn announce(p: &mut Producer, rank: u32, nranks: u32) {
+    for (id, text) in [
+        (1, "AllReduce"),
+        (2, "ncclFloat32"),
+        (3, "RING"),
+        (4, "SIMPLE"),
+    ] {
+        assert!(p.push(&Record::str(StrId(id), text.as_bytes())));
+    }
+    assert!(p.push(&fixture::calibration(rank as i32, offset(rank), 100 + rank)));
+    let comm = fixture::Comm {
+        comm_hash: COMM_HASH,
+        rank,
+        nranks,
+        cuda_dev: rank as i32,
+        nccl_version: 22809,
+        host_ns: ncclscope_proto::now_ns(),
+        ..fixture::Comm::default()
+    };
+    assert!(p.push(&comm.record()));
+}
+
+/// Collective `seq` of a synthetic rank on `channels` channels as the plugin writes it: its start,
+/// one KernelCh per channel, its stop. Enqueued 1 us before its kernel starts, on the calibration's
+/// (synthetic) host clock: the daemon does not use kernel times that fall before their enqueue.
+pub(crate) fn collective(rank: u32, seq: u64, channels: u64) -> (Record, Vec<Record>, Record) {
+    let host_ns = (gpu_times(rank, seq, 0).0 as i64 + offset(rank)) as u64 - 1_000;
+    let coll = fixture::Coll {
+        id: seq + 1,
+        seq,
+        count: 1 << 18,
+        n_channels: channels as u8,
+        host_ns,
+        ..fixture::Coll::default()
+    };
+    let kernels = (0..channels)
+        .map(|ch| coll.kernel(ch as u8, gpu_times(rank, seq, ch), host_ns))
+        .collect();
+    (coll.start(), kernels, coll.stop(host_ns))
+}
+
+/// The rank process, run by the tests below through `RANK_ENV` = "socket|rank|nranks|ncolls|pace_us".
+/// Like the plugin, it hands its segment over again whenever the daemon goes away.
+#[test]
+#[ignore = "child process of the daemon end-to-end tests"]
+pub(crate) fn daemon_rank_child() {
+    let spec = std::env::var(RANK_ENV).expect("run by the daemon e2e tests");
+    let f: Vec<&str> = spec.split('|').collect();
+    let socket = Path::new(f[0]);
+    let rank: u32 = f[1].parse().unwrap();
+    let nranks: u32 = f[2].parse().unwrap();
+    let ncolls: u64 = f[3].parse().unwrap();
+    let pace = Duration::from_micros(f[4].parse().unwrap());
+    let claims = Claims {
+        hostname: "testhost".into(),
+        job_id: JOB.into(),
+        slurm_job_id: String::new(),
+    };
+    let mut p = Producer::new(Segment::create(&claims, 1 << 14).unwrap());
+    let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
+    // A loss the plugin would have counted: it must reach the daemon's loss metrics.
+    p.segment().count(Counter::QueueFull, rank as u64 + 1);
+    announce(&mut p, rank, nranks);
+    // Communicator init is collective in NCCL: no rank runs a collective before every rank is in.
+    let barrier = socket.with_file_name(format!("ready.{rank}"));
+    std::fs::write(&barrier, b"").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while (0..nranks).any(|r| !socket.with_file_name(format!("ready.{r}")).exists()) {
+        assert!(Instant::now() < deadline, "other ranks never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for seq in 0..ncolls {
+        let (start, kernels, stop) = collective(rank, seq, CHANNELS);
+        for r in std::iter::once(&start).chain(&kernels).chain([&stop]) {
+            p.push(r);
+        }
+        if !pace.is_zero() {
+            std::thread::sleep(pace);
+        }
+    }
+    p.push(&Record::CommEnd {
+        comm: 0,
+        host_ns: ncclscope_proto::now_ns(),
+    });
+    p.segment().close();
+    assert_eq!(
+        p.segment().counter(Counter::RingFull),
+        0,
+        "the ring was sized for the whole run"
+    );
+}
+
+pub(crate) const BURST_ENV: &str = "NCCLSCOPE_TEST_BURST";
+
+/// A process that writes a recorded segment's records into its own small live segment at a pace,
+/// as the plugin forwards a burst of graph replays, run by the test below through `BURST_ENV` =
+/// "socket|recorded segment file|capacity|records per millisecond".
+#[test]
+#[ignore = "child process of the daemon end-to-end tests"]
+pub(crate) fn recorded_burst_child() {
+    let spec = std::env::var(BURST_ENV).expect("run by the daemon e2e tests");
+    let f: Vec<&str> = spec.split('|').collect();
+    let socket = Path::new(f[0]);
+    let capacity: u64 = f[2].parse().unwrap();
+    let per_ms: usize = f[3].parse().unwrap();
+    let mut consumer = segment::Consumer::new(sealed_copy(Path::new(f[1])));
+    let mut records = Vec::new();
+    while consumer.read(4096, &mut records).unwrap() > 0 {}
+    let claims = Claims {
+        hostname: "testhost".into(),
+        job_id: consumer.segment().claims().job_id,
+        slurm_job_id: String::new(),
+    };
+    let mut p = Producer::new(Segment::create(&claims, capacity).unwrap());
+    let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
+    for chunk in records.chunks(per_ms) {
+        let started = Instant::now();
+        for (_, r) in chunk {
+            p.push(r.as_ref().unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(1).saturating_sub(started.elapsed()));
+    }
+    p.segment().close();
+}
+
+pub(crate) const LOSSY_ENV: &str = "NCCLSCOPE_TEST_LOSSY";
+
+/// A rank on the stock KernelCh path that loses records as the plugin can (a full queue), run
+/// through `LOSSY_ENV` = "socket|ring capacity|collectives|burst|pause_us|drops[|pace]": collectives
+/// of 4 channels (6 records each) written `burst` at a time, `pause_us` apart; `drops` =
+/// `start:N,kernel:N,stop:N`: collective N's CollStart, its channel 1 KernelCh, its OpStop are not
+/// written and, as the plugin does, counted as `queue_full`. With `pace` > 0, before each burst it
+/// waits until the daemon has left at most `pace` records unread-or-uncommitted in the ring, so a
+/// daemon slowed by a loaded machine costs time, not records. Prints `ring_full <n>` and
+/// `max_wait_ms <n>` (the longest of those waits) at the end.
+/// Also run by hand against any daemon (docs/reliability.md, issue 16).
+#[test]
+#[ignore = "child process of the daemon end-to-end tests"]
+pub(crate) fn lossy_rank_child() {
+    const CH: u64 = 4;
+    let spec = std::env::var(LOSSY_ENV).expect("run by the daemon e2e tests");
+    let f: Vec<&str> = spec.split('|').collect();
+    let socket = Path::new(f[0]);
+    let capacity: u64 = f[1].parse().unwrap();
+    let ncolls: u64 = f[2].parse().unwrap();
+    let burst: u64 = f[3].parse().unwrap();
+    let pause = Duration::from_micros(f[4].parse().unwrap());
+    let drops: Vec<(&str, u64)> = (f[5].split(',').filter(|d| !d.is_empty()))
+        .map(|d| {
+            let (kind, n) = d.split_once(':').expect("kind:N");
+            (kind, n.parse().unwrap())
+        })
+        .collect();
+    let dropped = |kind: &str, seq: u64| drops.contains(&(kind, seq));
+    let pace: u64 = f.get(6).map_or(0, |p| p.parse().unwrap());
+    let mut max_wait = Duration::ZERO;
+    let claims = Claims {
+        hostname: "testhost".into(),
+        job_id: JOB.into(),
+        slurm_job_id: String::new(),
+    };
+    let mut p = Producer::new(Segment::create(&claims, capacity).unwrap());
+    let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
+    announce(&mut p, 0, 1);
+    let lose = |p: &mut Producer| p.segment().count(Counter::QueueFull, 1);
+    for seq in 0..ncolls {
+        if pace > 0 && seq % burst == 0 {
+            let waiting = Instant::now();
+            while p.segment().head() - p.segment().tail() > pace
+                && waiting.elapsed() < Duration::from_secs(60)
+            {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            max_wait = max_wait.max(waiting.elapsed());
+        }
+        let (start, kernels, stop) = collective(0, seq, CH);
+        match dropped("start", seq) {
+            true => lose(&mut p),
+            false => _ = p.push(&start),
+        }
+        for (ch, k) in kernels.iter().enumerate() {
+            match ch == 1 && dropped("kernel", seq) {
+                true => lose(&mut p),
+                false => _ = p.push(k),
+            }
+        }
+        match dropped("stop", seq) {
+            true => lose(&mut p),
+            false => _ = p.push(&stop),
+        }
+        if (seq + 1) % burst == 0 {
+            std::thread::sleep(pause);
+        }
+    }
+    p.push(&Record::CommEnd {
+        comm: 0,
+        host_ns: ncclscope_proto::now_ns(),
+    });
+    p.segment().close();
+    println!("ring_full {}", p.segment().counter(Counter::RingFull));
+    println!("max_wait_ms {}", max_wait.as_millis());
+}
+
+/// A recorded segment file in a sealed memory file, as the plugin would have made it.
+pub(crate) fn sealed_copy(path: &Path) -> Segment {
+    let fd = sealed_memfd(&std::fs::read(path).unwrap());
+    Segment::open(fd).unwrap()
+}
+
+pub(crate) fn sealed_memfd(bytes: &[u8]) -> std::os::fd::OwnedFd {
+    let fd = rustix::fs::memfd_create("ncclscope", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::io::write(&fd, bytes).unwrap();
+    rustix::fs::fcntl_add_seals(&fd, ncclscope_proto::segment::REQUIRED_SEALS).unwrap();
+    fd
+}
+
+/// A daemon, its rank processes and their segments, all cleaned up on drop (even on failure).
+pub(crate) struct Harness {
+    pub(crate) dir: tempfile::TempDir,
+    pub(crate) config: PathBuf,
+    pub(crate) prometheus: String,
+    /// Given on the command line (`--otlp-endpoint`), as an operator pointing at a collector would.
+    pub(crate) otlp_endpoint: String,
+    pub(crate) daemon: Option<Child>,
+    pub(crate) ranks: Vec<Child>,
+}
+
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Harness {
+    pub(crate) fn new(otlp_endpoint: &str) -> Harness {
+        let dir = tempfile::tempdir().unwrap();
+        let prometheus = format!("127.0.0.1:{}", free_port());
+        let config = dir.path().join("ncclscope.toml");
+        let d = dir.path().display();
+        std::fs::write(
+            &config,
+            format!(
+                "socket = \"{d}/ncclscope.sock\"\napi_socket = \"{d}/api.sock\"\n\
+                 state_dir = \"{d}/state\"\n[spool]\ndir = \"{d}/spool\"\n[otlp]\n\
+                 batch_timeout_ms = 50\nmetrics_interval_ms = 500\n[prometheus]\nlisten = \"{prometheus}\"\njob_series = true\n"
+            ),
+        )
+        .unwrap();
+        Harness {
+            dir,
+            config,
+            prometheus,
+            otlp_endpoint: otlp_endpoint.to_string(),
+            daemon: None,
+            ranks: Vec::new(),
+        }
+    }
+
+    pub(crate) fn socket(&self) -> PathBuf {
+        self.dir.path().join("ncclscope.sock")
+    }
+
+    pub(crate) fn start_daemon(&mut self) {
+        let child = Command::new(ncclscope_tests::daemon_binary())
+            .args(["daemon", "--config"])
+            .arg(&self.config)
+            .args(["--otlp-endpoint", &self.otlp_endpoint])
+            .env("NCCLSCOPE_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        self.daemon = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::os::unix::net::UnixStream::connect(self.socket()).is_err() {
+            assert!(Instant::now() < deadline, "daemon did not start listening");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub(crate) fn signal_daemon(&mut self, sig: rustix::process::Signal) -> Child {
+        let child = self.daemon.take().expect("daemon running");
+        let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();
+        rustix::process::kill_process(pid, sig).unwrap();
+        child
+    }
+
+    pub(crate) fn start_ranks(&mut self, nranks: u32, ncolls: u64, pace_us: u64) {
+        for rank in 0..nranks {
+            let spec = format!(
+                "{}|{rank}|{nranks}|{ncolls}|{pace_us}",
+                self.socket().display()
+            );
+            let child = Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--ignored",
+                    "--exact",
+                    "support::daemon_rank_child",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(RANK_ENV, spec)
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
+            self.ranks.push(child);
+        }
+    }
+
+    pub(crate) fn wait_ranks(&mut self) {
+        for mut r in self.ranks.drain(..) {
+            assert!(r.wait().unwrap().success(), "a rank process failed");
+        }
+    }
+
+    /// Segments the daemon holds (its `ncclscope_segments`; nothing else can hold one after its
+    /// process ended).
+    pub(crate) fn segments_left(&self) -> usize {
+        sample(&self.metrics(), "ncclscope_segments").map_or(usize::MAX, |n| n as usize)
+    }
+
+    pub(crate) fn metrics(&self) -> String {
+        let Ok(mut s) = std::net::TcpStream::connect(&self.prometheus) else {
+            return String::new();
+        };
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut text = String::new();
+        let _ = s.read_to_string(&mut text);
+        text.split_once("\r\n\r\n")
+            .map_or(String::new(), |(_, body)| body.to_string())
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        for c in self.ranks.iter_mut().chain(self.daemon.as_mut()) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Value of the sample `name{labels}` (labels as written, "" for none) in Prometheus text.
+pub(crate) fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(name_and_labels)?
+            .strip_prefix(' ')?
+            .parse()
+            .ok()
+    })
+}
+
+/// Receives spans until `done` says so or `timeout` passes.
+pub(crate) async fn collect(
+    collector: &mut FakeCollectorServer,
+    into: &mut Vec<ExportedSpan>,
+    timeout: Duration,
+    done: impl Fn(&[ExportedSpan]) -> bool,
+) {
+    let deadline = Instant::now() + timeout;
+    while !done(into) && Instant::now() < deadline {
+        into.extend(
+            collector
+                .exported_spans(1, Duration::from_millis(100))
+                .await,
+        );
+    }
+}
+
+pub(crate) fn rank_spans(spans: &[ExportedSpan]) -> Vec<&ExportedSpan> {
+    spans
+        .iter()
+        .filter(|s| s.name == "AllReduce rank")
+        .collect()
+}
+
+pub(crate) fn wait_timeout(
+    child: &mut Child,
+    timeout: Duration,
+) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Per trace: the ids of its root spans, and (rank, parent id) of its other spans.
+pub(crate) type Traces<'a> = HashMap<&'a str, (BTreeSet<&'a str>, BTreeSet<(u32, &'a str)>)>;
+
+pub(crate) fn roots_and_ranks(spans: &[ExportedSpan]) -> Traces<'_> {
+    let mut by_trace: Traces = HashMap::new();
+    for s in spans {
+        let e = by_trace.entry(s.trace_id.as_str()).or_default();
+        if s.parent_span_id.is_empty() {
+            e.0.insert(s.span_id.as_str());
+        } else {
+            e.1.insert((
+                attr(s, "nccl.rank").parse().unwrap(),
+                s.parent_span_id.as_str(),
+            ));
+        }
+    }
+    by_trace
+}
+
+/// Waits until the daemon has drained and removed every segment, then checks that it counted
+/// `expected` instances, joined every device-hook work item and counted nothing at `stages`; returns
+/// the metrics text.
+pub(crate) fn drained_with_nothing_lost(h: &Harness, expected: usize, stages: &[&str]) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut text = h.metrics();
+    // The metrics are published on the daemon's tick: spans can arrive before a first page counts them.
+    let drained = |text: &str| {
+        sample(text, "ncclscope_segments") == Some(0.0)
+            && sample(text, "ncclscope_collectives_total") == Some(expected as f64)
+    };
+    while !drained(&text) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        text = h.metrics();
+    }
+    assert_eq!(
+        sample(&text, "ncclscope_device_hook_join_ratio"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "ncclscope_collectives_total"),
+        Some(expected as f64),
+        "{text}"
+    );
+    for stage in stages {
+        assert!(
+            matches!(
+                sample(&text, &format!("ncclscope_lost_total{{stage=\"{stage}\"}}")),
+                None | Some(0.0)
+            ),
+            "{stage}: {text}"
+        );
+    }
+    text
+}
+
+pub(crate) const FAULT_ENV: &str = "NCCLSCOPE_TEST_FAULT";
+
+/// A misbehaving process, run by the tests below through `FAULT_ENV` = "mode|socket|seconds".
+/// `truncate`: registers, writes a communicator and 100 complete collectives, then tries to shrink its
+/// segment under the daemon's mapping (the seals refuse it), hands over a memory file that is not
+/// sealed (the daemon refuses it), and lives on for `seconds`. The others register and, for
+/// `seconds`, write valid records as fast as their ring takes them, each made to grow the daemon's
+/// state or work. `churn`: new communicators, strings, re-definitions, device-function names and
+/// devices, communicator ends, operations of refused communicators, kernel records for one operation
+/// without end. `flood` (no operation and a dictionary that never changes, so nothing holds its tail):
+/// device-hook work items of communicators never announced. `stall`: 16 k operations that never stop
+/// (they hold its tail until they time out), then ends of another communicator, again and again.
+#[test]
+#[ignore = "child process of the daemon fault tests"]
+pub(crate) fn daemon_fault_child() {
+    let spec = std::env::var(FAULT_ENV).expect("run by the daemon fault tests");
+    let f: Vec<&str> = spec.split('|').collect();
+    let (mode, socket) = (f[0], Path::new(f[1]));
+    let run = Duration::from_secs(f[2].parse().unwrap());
+    let claims = Claims {
+        hostname: "testhost".into(),
+        job_id: format!("{mode}-job"),
+        slurm_job_id: String::new(),
+    };
+    let mut p = Producer::new(Segment::create(&claims, 1 << 16).unwrap());
+    let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
+    let comm = |comm: u32, comm_hash: u64, cuda_dev: i32, path| {
+        let c = fixture::Comm {
+            comm,
+            comm_hash,
+            rank: comm % 64,
+            nranks: 64,
+            cuda_dev,
+            nccl_version: 22809,
+            path,
+            ..fixture::Comm::default()
+        };
+        c.record()
+    };
+    let coll = |comm: u32, id: u64, seq: u64, n_channels: u8| {
+        let c = fixture::Coll {
+            comm,
+            id,
+            seq,
+            algo: StrId(0),
+            proto: StrId(0),
+            count: 1 << 10,
+            n_channels,
+            n_warps: 8,
+            ..fixture::Coll::default()
+        };
+        c.start()
+    };
+    p.push(&Record::str(StrId(1), b"AllReduce"));
+    p.push(&Record::str(StrId(2), b"ncclFloat32"));
+    p.push(&fixture::calibration(0, 0, 1));
+    p.push(&comm(0, 0xbad, 0, TimingPath::KernelCh));
+    let t0 = Instant::now();
+    if mode == "truncate" {
+        for id in 1..=100 {
+            p.push(&coll(0, id, id, 1));
+            p.push(&Record::KernelCh {
+                comm: 0,
+                parent: id,
+                channel: 0,
+                gpu_start: 10,
+                gpu_stop: 20,
+                host_ns: 0,
+            });
+            p.push(&Record::OpStop {
+                comm: 0,
+                id,
+                host_ns: 0,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!(
+            rustix::fs::ftruncate(p.segment().fd(), 0),
+            Err(rustix::io::Errno::PERM),
+            "a sealed segment cannot shrink"
+        );
+        // The same bytes in a memory file without seals: refused before the daemon maps it.
+        let unsealed =
+            rustix::fs::memfd_create("unsealed", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let mut bytes = vec![0u8; ncclscope_proto::segment::segment_bytes(1 << 16) as usize];
+        rustix::io::pread(p.segment().fd(), &mut bytes, 0).unwrap();
+        rustix::io::write(&unsealed, &bytes).unwrap();
+        let (reply, _) = ncclscope_fakenccl::process::register(
+            socket,
+            std::os::fd::AsFd::as_fd(&unsealed),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert!(reply.starts_with("ERR segment is not sealed"), "{reply}");
+        std::thread::sleep(run);
+        return;
+    }
+    if mode == "churn" {
+        // The operation whose kernel records never end.
+        p.push(&coll(0, 1, 0, 2));
+    }
+    p.push(&comm(1, 0xbad1, 0, TimingPath::KernelCh));
+    let mut i: u64 = 0;
+    while t0.elapsed() < run {
+        for _ in 0..4096 {
+            i += 1;
+            let n = (i / 8) as u32 + 1;
+            let rec = if mode == "flood" {
+                Record::DevWork {
+                    comm: i as u32 + 2,
+                    channel: (i % 64) as u8,
+                    func_id: 1,
+                    work_counter: i,
+                    gpu_start: i,
+                    gpu_stop: i + 1,
+                }
+            } else if mode == "stall" {
+                if i < 16_000 {
+                    coll(0, 1 + i, i, 1)
+                } else {
+                    Record::CommEnd {
+                        comm: 1,
+                        host_ns: 0,
+                    }
+                }
+            } else {
+                match i % 8 {
+                    0 => comm(n, n as u64, n as i32, TimingPath::DeviceHook),
+                    1 => Record::str(StrId((i % 65_535) as u16 + 1), format!("s{i}").as_bytes()),
+                    2 => Record::FuncName {
+                        func_id: i as u32,
+                        name: StrId(1),
+                    },
+                    3 => fixture::calibration(i as i32, i as i64, 1),
+                    4 => Record::KernelCh {
+                        comm: 0,
+                        parent: 1,
+                        channel: (i % 64) as u8,
+                        gpu_start: i,
+                        gpu_stop: i + 1,
+                        host_ns: 0,
+                    },
+                    5 => Record::CommEnd {
+                        comm: n.saturating_sub(3).max(1),
+                        host_ns: 0,
+                    },
+                    6 => coll(n, 1 + i, i << 16, 64),
+                    _ => Record::DevWork {
+                        comm: n,
+                        channel: (i % 256) as u8,
+                        func_id: i as u32,
+                        work_counter: i,
+                        gpu_start: i,
+                        gpu_stop: i + 1,
+                    },
+                }
+            };
+            p.push(&rec);
+        }
+        // Leave the test machine's cores to the daemon and the other ranks.
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+impl Harness {
+    pub(crate) fn start_fault(&mut self, mode: &str, seconds: u64) {
+        let spec = format!("{mode}|{}|{seconds}", self.socket().display());
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "support::daemon_fault_child",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(FAULT_ENV, spec)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.ranks.push(child);
+    }
+
+    pub(crate) fn daemon_alive(&mut self) -> bool {
+        self.daemon
+            .as_mut()
+            .is_some_and(|d| d.try_wait().unwrap().is_none())
+    }
+
+    /// The daemon's resident memory in MiB (VmRSS).
+    pub(crate) fn daemon_rss_mib(&self) -> f64 {
+        let pid = self.daemon.as_ref().expect("daemon running").id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().strip_suffix("kB"))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / 1024.0
+    }
+
+    /// The e2e ranks' collectives the daemon counted, over their rank series.
+    pub(crate) fn job_collectives(&self) -> f64 {
+        self.metrics()
+            .lines()
+            .filter(|l| {
+                l.starts_with("ncclscope_rank_collectives_total{")
+                    && l.contains(&format!("job_id=\"{JOB}\""))
+            })
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum()
+    }
+}
+
+/// Waits until the e2e ranks' `total` collectives are counted; returns how long that took.
+pub(crate) fn wait_job(h: &Harness, total: u64, timeout: Duration) -> Duration {
+    let t = Instant::now();
+    while h.job_collectives() < total as f64 && t.elapsed() < timeout {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        h.job_collectives(),
+        total as f64,
+        "every collective of the well-behaved ranks counted"
+    );
+    t.elapsed()
+}
+
+/// Two RFC ranks with `timing` (kernel time, pauses, GPU lag) run 4 eager collectives, capture 50
+/// all-reduces, replay them 6 times with 2 eager all-reduces after each replay; asserts produced =
+/// delivered per (pid, seq, replay) with exact exec and wall times, one trace per (seq, replay), and
+/// no loss counted.
+pub(crate) async fn graph_replays(label: &str, timing: &[&str]) {
+    use ncclscope_fakenccl::report::Report;
+    const NRANKS: u32 = 2;
+    const REPLAYS: u32 = 6;
+    const GRAPH_OPS: u64 = 50;
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let mut h = Harness::new(&collector.endpoint());
+    h.start_daemon();
+    let rank_bin = ncclscope_fakenccl::process::rank_binary().unwrap();
+    let children: Vec<Child> = (0..NRANKS)
+        .map(|rank| {
+            Command::new(&rank_bin)
+                .args(["--kind", "rfc", "--colls", "4", "--channels", "4"])
+                .args([
+                    "--graph-ops",
+                    &GRAPH_OPS.to_string(),
+                    "--graph-channels",
+                    "8",
+                ])
+                .args(["--replays", &REPLAYS.to_string(), "--eager-between", "2"])
+                .args(timing)
+                .args(["--rank", &rank.to_string(), "--nranks", &NRANKS.to_string()])
+                .args(["--comm-hash", &0x3333_0000_0000_0000u64.to_string()])
+                .env("NCCLSCOPE_SOCKET", h.socket())
+                .env("NCCLSCOPE_JOB_ID", "graph-job")
+                .env("NCCLSCOPE_RING_MEMORY", "cpu")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut reports: Vec<Report> = Vec::new();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "fakenccl-rank failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        reports.push(serde_json::from_slice(&out.stdout).unwrap());
+    }
+    // What each rank produced: (pid, collective, seq, replay) -> (exec, wall).
+    let mut produced: BTreeMap<(u32, String, u64, u32), (u64, u64)> = BTreeMap::new();
+    for report in &reports {
+        for ((func, seq, replay), op) in report.comms[0].instances() {
+            let items = &op.hook_items;
+            assert_eq!(items.len(), op.n_channels as usize);
+            let exec = op.hook_exec_ns().unwrap();
+            let wall = items.iter().map(|i| i.gpu_stop).max().unwrap()
+                - items.iter().map(|i| i.gpu_start).min().unwrap();
+            assert!(
+                produced
+                    .insert((report.pid, func.to_string(), seq, replay), (exec, wall))
+                    .is_none()
+            );
+        }
+    }
+    let warm_up = if timing.contains(&"--warm-up") {
+        GRAPH_OPS as usize
+    } else {
+        0
+    };
+    let expected = NRANKS as usize
+        * (4 + warm_up + 2 * REPLAYS as usize + (GRAPH_OPS as usize) * REPLAYS as usize);
+    assert_eq!(produced.len(), expected);
+    let mut spans = Vec::new();
+    let is_rank_span = |s: &ExportedSpan| s.name.ends_with(" rank");
+    collect(&mut collector, &mut spans, Duration::from_secs(60), |s| {
+        s.iter().filter(|s| is_rank_span(s)).count() >= expected
+    })
+    .await;
+    let mut delivered: BTreeMap<(u32, String, u64, u32), Vec<&ExportedSpan>> = BTreeMap::new();
+    for s in spans.iter().filter(|s| is_rank_span(s)) {
+        let key = (
+            attr(s, "process.pid").parse().unwrap(),
+            attr(s, "nccl.collective").to_string(),
+            attr(s, "nccl.seq").parse().unwrap(),
+            attr(s, "nccl.replay").parse().unwrap(),
+        );
+        delivered.entry(key).or_default().push(s);
+    }
+    if !delivered.keys().eq(produced.keys()) {
+        let missing: Vec<_> = produced
+            .keys()
+            .filter(|k| !delivered.contains_key(k))
+            .collect();
+        let extra: Vec<_> = delivered
+            .keys()
+            .filter(|k| !produced.contains_key(k))
+            .collect();
+        let text = h.metrics();
+        let counters: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("ncclscope_lost_total") || l.starts_with("ncclscope_plugin_"))
+            .collect();
+        panic!(
+            "produced != delivered, per op and per replay: {} missing {missing:?}, {} extra {extra:?}; \
+             the daemon's counters:\n{}",
+            missing.len(),
+            extra.len(),
+            counters.join("\n")
+        );
+    }
+    let mut traces: HashMap<(&str, u64, u32), BTreeSet<String>> = HashMap::new();
+    for (key, (exec, wall)) in &produced {
+        let got = &delivered[key];
+        assert_eq!(got.len(), 1, "{key:?} delivered {} times", got.len());
+        let s = got[0];
+        assert_eq!(attr(s, "nccl.exec_ns"), exec.to_string(), "{key:?}");
+        assert_eq!(
+            s.end_time_unix_nano - s.start_time_unix_nano,
+            *wall,
+            "{key:?}"
+        );
+        assert_eq!(attr(s, "nccl.timing_source"), "device_hook");
+        traces
+            .entry((key.1.as_str(), key.2, key.3))
+            .or_default()
+            .insert(s.trace_id.clone());
+    }
+    assert!(
+        traces.values().all(|t| t.len() == 1),
+        "both ranks of each (collective, seq, replay) in one trace"
+    );
+    let all: BTreeSet<&String> = traces.values().flatten().collect();
+    assert_eq!(
+        all.len(),
+        traces.len(),
+        "a trace per (collective, seq, replay)"
+    );
+
+    let text = drained_with_nothing_lost(
+        &h,
+        expected,
+        &[
+            "ring_full",
+            "dev_lost",
+            "incomplete",
+            "dev_unjoined",
+            "dev_unattributed",
+            "dev_mismatch",
+            "dev_ambiguous",
+        ],
+    );
+    eprintln!(
+        "{label}: produced {expected} instances, delivered {}, dev_ambiguous {:?}",
+        delivered.len(),
+        sample(&text, "ncclscope_lost_total{stage=\"dev_ambiguous\"}")
+    );
+}
+
+/// Hands the segments recorded in tests/data/`name` (a tar of saved segments) to the daemon, each in
+/// a sealed memory file, as the plugin would have made it.
+pub(crate) fn hand_over_recorded_segments(h: &Harness, name: &str) {
+    let data = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("data")
+        .join(name);
+    let unpacked = h.dir.path().join("real");
+    std::fs::create_dir_all(&unpacked).unwrap();
+    let tar = Command::new("tar")
+        .arg("-xJf")
+        .arg(&data)
+        .arg("-C")
+        .arg(&unpacked)
+        .status()
+        .unwrap();
+    assert!(tar.success(), "tar -xJf {}", data.display());
+    for f in std::fs::read_dir(&unpacked).unwrap() {
+        let fd = sealed_memfd(&std::fs::read(f.unwrap().path()).unwrap());
+        let (reply, _ended) = ncclscope_fakenccl::process::register(
+            &h.socket(),
+            std::os::fd::AsFd::as_fd(&fd),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert_eq!(reply, "OK\n");
+    }
+}
+
+/// A TCP front for an OTLP receiver that is down until `up` is set: while down it accepts each
+/// connection and closes it at once, or with `hang` holds it open and answers nothing (every export
+/// attempt fails, at once or at its timeout); once up it relays new connections both ways to `to`,
+/// so the daemon keeps the one endpoint it was given.
+pub(crate) fn flaky_front(to: std::net::SocketAddr, up: Arc<AtomicBool>, hang: bool) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { continue };
+            if !up.load(Ordering::SeqCst) {
+                if hang {
+                    held.push(conn);
+                }
+                continue;
+            }
+            let Ok(back) = std::net::TcpStream::connect(to) else {
+                continue;
+            };
+            let (conn2, back2) = (conn.try_clone().unwrap(), back.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut &conn, &mut &back);
+                let _ = back.shutdown(std::net::Shutdown::Write);
+            });
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut &back2, &mut &conn2);
+                let _ = conn2.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    endpoint
+}
+
+/// A gRPC collector that answers every span export with `unavailable` while `up` is false (an
+/// overloaded or misconfigured collector), then relays to the collector at `to`.
+pub(crate) async fn erroring_front(to: String, up: Arc<AtomicBool>) -> String {
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_client::TraceServiceClient;
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+        TraceService, TraceServiceServer,
+    };
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+    };
+    struct Front {
+        up: Arc<AtomicBool>,
+        to: TraceServiceClient<tonic::transport::Channel>,
+    }
+    #[tonic::codegen::async_trait]
+    impl TraceService for Front {
+        async fn export(
+            &self,
+            req: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            if !self.up.load(Ordering::SeqCst) {
+                return Err(tonic::Status::unavailable("collector overloaded"));
+            }
+            self.to.clone().export(req.into_inner()).await
+        }
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let to = TraceServiceClient::connect(to).await.unwrap();
+    let front = TraceServiceServer::new(Front { up, to });
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(front)
+            .serve_with_incoming(incoming),
+    );
+    endpoint
+}
+
+/// How the collector fails while it is away.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Outage {
+    /// Every connection closed at once.
+    Refuse,
+    /// Every connection accepted and never answered.
+    Hang,
+    /// Every export answered with an error status.
+    Error,
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+pub(crate) async fn dropped_spans_re_sent_once_the_collector_answers(outage: Outage) {
+    const NRANKS: u32 = 2;
+    const NCOLLS: u64 = 1000;
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let up = Arc::new(AtomicBool::new(false));
+    let front = match outage {
+        Outage::Refuse => flaky_front(collector.address(), up.clone(), false),
+        Outage::Hang => flaky_front(collector.address(), up.clone(), true),
+        Outage::Error => erroring_front(collector.endpoint(), up.clone()).await,
+    };
+    let mut h = Harness::new(&front);
+    // Two attempts a batch, 1 s each at most: the outage drops everything within seconds.
+    let config = std::fs::read_to_string(&h.config).unwrap();
+    let otlp = "[otlp]\nmax_attempts = 2\nrequest_timeout_ms = 1000\n";
+    std::fs::write(&h.config, config.replace("[otlp]\n", otlp)).unwrap();
+    h.start_daemon();
+    h.start_ranks(NRANKS, NCOLLS, 100);
+    h.wait_ranks();
+    wait_job(&h, NRANKS as u64 * NCOLLS, Duration::from_secs(60));
+    // Each rank's span, and rank 0's root.
+    let total = ((NRANKS as u64 + 1) * NCOLLS) as usize;
+    let dropped = "ncclscope_lost_total{stage=\"export_dropped\"}";
+    let t = Instant::now();
+    while sample(&h.metrics(), dropped) != Some(total as f64) {
+        assert!(t.elapsed() < Duration::from_secs(120), "{}", h.metrics());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let down_for = t.elapsed();
+    up.store(true, Ordering::SeqCst);
+    let t = Instant::now();
+    let mut spans = Vec::new();
+    let unique = |s: &[ExportedSpan]| s.iter().map(|s| &s.span_id).collect::<BTreeSet<_>>().len();
+    collect(&mut collector, &mut spans, Duration::from_secs(60), |s| {
+        unique(s) >= total
+    })
+    .await;
+    let resent_in = t.elapsed();
+    assert_eq!(unique(&spans), total, "every dropped span re-sent");
+
+    let uid = rustix::process::getuid().as_raw();
+    let by_id: HashMap<&str, &ExportedSpan> =
+        spans.iter().map(|s| (s.span_id.as_str(), s)).collect();
+    for seq in 0..NCOLLS {
+        let key = ncclscope::spans::collective_key("AllReduce", seq, 0);
+        let trace = hex(&ncclscope::spans::trace_id(uid, COMM_HASH, key));
+        let root = hex(&ncclscope::spans::root_span_id(uid, COMM_HASH, key));
+        assert_eq!(by_id[root.as_str()].trace_id, trace, "seq {seq}: root");
+        for rank in 0..NRANKS {
+            let id = hex(&ncclscope::spans::rank_span_id(uid, COMM_HASH, key, rank));
+            let s = by_id[id.as_str()];
+            assert_eq!((&s.trace_id, &s.parent_span_id), (&trace, &root));
+            let (start, _) = gpu_times(rank, seq, 0);
+            let (_, end) = gpu_times(rank, seq, CHANNELS - 1);
+            let host = |gpu: u64| (gpu as i64 + offset(rank)) as u64;
+            assert_eq!(
+                (s.start_time_unix_nano, s.end_time_unix_nano),
+                (host(start), host(end)),
+                "seq {seq} rank {rank}"
+            );
+        }
+    }
+
+    // Every dropped instance re-sent at least once: an attempt that fails after the collector came
+    // back (it timed out, though the receiver may have taken it) is dropped and re-sent again.
+    let instances = (NRANKS as u64 * NCOLLS) as f64;
+    let resent = |text: &str| sample(text, "ncclscope_export_resent_total").unwrap_or(0.0);
+    let t = Instant::now();
+    let mut text = h.metrics();
+    while resent(&text) < instances && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(100));
+        text = h.metrics();
+    }
+    assert!(resent(&text) >= instances, "{text}");
+    assert_eq!(
+        sample(&text, "ncclscope_lost_total{stage=\"export_not_resent\"}"),
+        Some(0.0)
+    );
+    assert!(sample(&text, dropped) >= Some(total as f64));
+    eprintln!(
+        "{outage:?}, down {down_for:?}: {total} spans dropped; up: {} spans received ({} unique) in \
+         {resent_in:?}, {} instances re-sent, {:?} spans dropped in all, export_errors {:?}",
+        spans.len(),
+        unique(&spans),
+        resent(&text),
+        sample(&text, dropped),
+        sample(&text, "ncclscope_export_errors_total"),
+    );
+}
