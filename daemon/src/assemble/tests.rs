@@ -158,6 +158,57 @@ fn kernel_times_are_mapped_with_the_offset_drifted_to_their_moment() {
 }
 
 #[test]
+fn the_reported_error_grows_with_the_kernels_distance_from_the_calibration() {
+    const S: u64 = 1_000_000_000;
+    let calibration = |offset_ns, drift_ppb, gpu_ns: u64| Record::Calibration {
+        cuda_dev: 0,
+        offset_ns,
+        error_ns: 250,
+        drift_ppb,
+        host_ns: gpu_ns + offset_ns as u64,
+    };
+    // (calibrations, the kernel's GPU time) -> (its start, the error reported for it).
+    let run = |cals: &[Record], gpu: u64| {
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
+        let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
+            .into_iter()
+            .filter(|r| !matches!(r, Record::Calibration { .. }))
+            .collect();
+        recs.extend_from_slice(cals);
+        recs.push(coll(10, 5, 1));
+        recs.push(Record::OpStop {
+            comm: 0,
+            id: 10,
+            host_ns: 1500,
+        });
+        recs.push(Record::KernelCh {
+            comm: 0,
+            parent: 10,
+            channel: 0,
+            gpu_start: gpu,
+            gpu_stop: gpu + 800,
+            host_ns: 0,
+        });
+        let out = feed(&mut a, &recs);
+        assert_eq!(out.len(), 1);
+        (out[0].coll.start_unix_ns, out[0].coll.calibration_error_ns)
+    };
+    // A first calibration has no measured drift: 100 ppm assumed over the kernel's 100 ms from it.
+    let first = calibration(1_000_000, 0, S / 2);
+    assert_eq!(
+        run(&[first], S / 2 + S / 10),
+        (S / 2 + S / 10 + 1_000_000, 250 + 10_000)
+    );
+    // The second, 0.5 s later, measured 10 ppm to within (250 + 250) ns / 0.5 s = 1 ppm: 5 us over
+    // the kernel's 5 s from it.
+    let second = calibration(1_005_000, 10_000, S - 5_000);
+    assert_eq!(
+        run(&[first, second], 6 * S),
+        (6 * S + 1_055_000, 250 + 5_000)
+    );
+}
+
+#[test]
 fn kernel_times_read_before_the_first_calibration_wait_for_it() {
     let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
     let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
