@@ -75,14 +75,12 @@ pub(super) fn instance(
             .end_unix_ns
             .saturating_add_signed(offset_at(c.end_unix_ns));
     }
+    // Host events bracket the enqueue, not the work (NCCL stops an eager send's P2p event ~0.3 us
+    // after starting it, whatever its bytes): a host-timed instance has no exec time, and so no
+    // bandwidth, rather than a wrong one.
     let (timing_source, start, end, exec) = if channels.is_empty() {
         let end = op.stop_ns.unwrap_or(op.enqueue_ns);
-        (
-            "host",
-            op.enqueue_ns,
-            end,
-            end.saturating_sub(op.enqueue_ns),
-        )
+        ("host", op.enqueue_ns, end, 0)
     } else {
         let start = channels.iter().map(|c| c.start_unix_ns).min().unwrap_or(0);
         let end = channels.iter().map(|c| c.end_unix_ns).max().unwrap_or(0);
