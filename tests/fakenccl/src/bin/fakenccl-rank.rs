@@ -309,21 +309,22 @@ fn run_comm(host: &std::sync::Arc<Host>, args: &Args, i: u32) -> anyhow::Result<
 /// in turn.
 const TORCH_SIZES: [u64; 2] = [1 << 10, 1 << 18];
 
-/// A collective of torch_p2p.py with the channels NCCL gave it on the H100 (1 for the small ones,
-/// 64 for the large).
+/// A collective of torch_p2p.py with the channels and protocol NCCL gave it on the H100 (1 channel
+/// for the small ones, 64 for the large; the large all-gather SIMPLE, the others LL).
 fn torch_coll(func: &'static CStr, datatype: &'static CStr, count: u64, large: bool) -> CollSpec {
+    let (proto, func_id) = match (func == c"AllGather", large) {
+        (true, true) => (c"SIMPLE", 6),
+        (true, false) => (c"LL", 1),
+        (false, _) => (c"LL", 2),
+    };
     CollSpec {
         func,
         datatype,
-        proto: if large && func == c"AllGather" {
-            c"SIMPLE"
-        } else {
-            c"LL"
-        },
+        proto,
         count,
         n_channels: if large { 64 } else { 1 },
         n_warps: 16,
-        func_id: if func == c"AllGather" { 1 } else { 2 },
+        func_id,
         ..CollSpec::default()
     }
 }
