@@ -15,14 +15,16 @@ use ncclscope_proto::Record;
 /// On one channel of one communicator, in workCounter order: (is a p2p item, workCounter).
 type Lane = Vec<(bool, u64)>;
 
+/// A P2p or Coll event: (function, peer or -1, count, nChannels, captured).
+type Op = (String, i32, u64, u8, bool);
+
 /// What the test compares of one rank's segment.
 #[derive(Debug, PartialEq, Eq)]
 struct Shape {
     /// Per (communicator, channel).
     lanes: BTreeMap<(u32, u8), Lane>,
-    /// Per communicator, in order: (function, peer or -1, count, nChannels, captured) of its P2p and
-    /// Coll events.
-    ops: BTreeMap<u32, Vec<(String, i32, u64, u8, bool)>>,
+    /// Per communicator, its P2p and Coll events in order.
+    ops: BTreeMap<u32, Vec<Op>>,
 }
 
 /// The rank of `records`' communicators and their shape.
@@ -31,7 +33,7 @@ fn shape(records: &[Record]) -> (u32, Shape) {
     let mut p2p_funcs = Vec::new();
     let mut rank = None;
     let mut lanes: BTreeMap<(u32, u8), Lane> = BTreeMap::new();
-    let mut ops: BTreeMap<u32, Vec<_>> = BTreeMap::new();
+    let mut ops: BTreeMap<u32, Vec<Op>> = BTreeMap::new();
     for r in records {
         match r {
             Record::Str { id, len, bytes } => {

@@ -259,8 +259,9 @@ pub const P2P_CHANNELS: u8 = 64;
 pub const SEND_RECV_FUNC_ID: u32 = 0;
 
 /// Channels of one send or receive of `bytes` on one node, as NCCL 2.30 chose them on the H100
-/// (`addP2pToPlan`: one channel per 64 KiB part, `p2pChunkSize / 8`, up to `p2pnChannelsPerPeer`,
-/// 2): 1 at 4 KiB, 2 at 1 MiB.
+/// (`addP2pToPlan`: one channel per `p2pChunkSize / 8` part, up to `p2pnChannelsPerPeer`, 2): 1 at
+/// 2-4 KiB, 2 at 512 KiB-1 MiB. Where 1 becomes 2 was not recorded: 64 KiB is the all-NVLink
+/// chunk's eighth (docs/rfc-feedback.md).
 pub fn p2p_channels(bytes: u64) -> u8 {
     bytes.div_ceil(64 << 10).clamp(1, 2) as u8
 }
