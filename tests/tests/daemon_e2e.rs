@@ -2110,22 +2110,69 @@ fn hand_over_recorded_segments(h: &Harness, name: &str) {
 /// host-timed, each transfer's two sides in one trace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_nccl_p2p_rounds_leave_the_collectives_beside_them_whole() {
-    // Per rank: a2a: 19 all-gathers, 19 all-reduces, 9 eager steps x (send, recv) x 2 peers;
-    // pp: 19 all-reduces, 9 eager steps x 4 micro-batches x (send, recv).
-    const INSTANCES: usize = 2 * (19 + 19 + 9 * 4) + 2 * (19 + 9 * 4 * 2);
-    const P2P_ITEMS: f64 = 462.0;
     let mut collector = FakeCollectorServer::start().await.unwrap();
     let mut h = Harness::new(&collector.endpoint());
     h.start_daemon();
     hand_over_recorded_segments(&h, "rfc-nccl-2.30.7-p2p.tar.xz");
+    p2p_rounds_leave_the_collectives_beside_them_whole(&h, &mut collector, "rfc-raw-").await;
+}
+
+/// The same program on the fake NCCL host (`fakenccl-rank --torch-p2p`, whose work items are real
+/// NCCL's item for item, tests/tests/p2p_rounds.rs), through the real plugin: CI holds the daemon
+/// to real NCCL's p2p rounds without a GPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fake_nccl_p2p_rounds_leave_the_collectives_beside_them_whole() {
+    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let mut h = Harness::new(&collector.endpoint());
+    h.start_daemon();
+    let rank_bin = ncclscope_fakenccl::process::rank_binary().unwrap();
+    let mut children = Vec::new();
+    for (mode, comm_hash) in [("a2a", "1000"), ("pp", "2000")] {
+        for rank in ["0", "1"] {
+            let child = Command::new(&rank_bin)
+                .args(["--kind", "rfc", "--torch-p2p", mode, "--steps", "9"])
+                .args(["--replays", "10", "--rank", rank, "--nranks", "2"])
+                .args(["--comm-hash", comm_hash])
+                .env("NCCLSCOPE_SOCKET", h.socket())
+                .env("NCCLSCOPE_JOB_ID", format!("fake-{mode}"))
+                .env("NCCLSCOPE_RING_MEMORY", "cpu")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            children.push(child);
+        }
+    }
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "fakenccl-rank failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    p2p_rounds_leave_the_collectives_beside_them_whole(&h, &mut collector, "fake-").await;
+}
+
+/// What the daemon must deliver of torch_p2p.py's a2a and pp runs (jobs `{job}a2a` and `{job}pp`,
+/// 2 ranks each, 9 eager steps and 10 replays of a captured one).
+async fn p2p_rounds_leave_the_collectives_beside_them_whole(
+    h: &Harness,
+    collector: &mut FakeCollectorServer,
+    job: &str,
+) {
+    // Per rank: a2a: 19 all-gathers, 19 all-reduces, 9 eager steps x (send, recv) x 2 peers;
+    // pp: 19 all-reduces, 9 eager steps x 4 micro-batches x (send, recv).
+    const INSTANCES: usize = 2 * (19 + 19 + 9 * 4) + 2 * (19 + 9 * 4 * 2);
+    const P2P_ITEMS: f64 = 462.0;
     let mut spans = Vec::new();
     let is_rank_span = |s: &ExportedSpan| s.name.ends_with(" rank");
-    collect(&mut collector, &mut spans, Duration::from_secs(60), |s| {
+    collect(collector, &mut spans, Duration::from_secs(60), |s| {
         s.iter().filter(|s| is_rank_span(s)).count() >= INSTANCES
     })
     .await;
     let text = drained_with_nothing_lost(
-        &h,
+        h,
         INSTANCES,
         &[
             "dev_unattributed",
@@ -2156,7 +2203,7 @@ async fn real_nccl_p2p_rounds_leave_the_collectives_beside_them_whole() {
         }
     }
     for rank in 0..2 {
-        let n = |job: &str, coll: &str| per_op[&(format!("rfc-raw-{job}"), rank, coll.to_string())];
+        let n = |mode: &str, coll: &str| per_op[&(format!("{job}{mode}"), rank, coll.to_string())];
         assert_eq!(
             (
                 n("a2a", "AllGather"),
