@@ -174,9 +174,17 @@ pub const RANK_EXEC_TIME: Def = job(
     "us",
     Kind::Counter,
     RANK_LABELS,
-    "Sum of the exec times of the rank's instances (those of ncclscope_rank_collectives_total): \
+    "Sum of the exec times of the rank's GPU-timed instances (ncclscope_rank_timed_collectives_total): \
      over that count, the rank's mean exec time, comparable across nodes (a duration on the \
      rank's own GPU); a late rank waits least, so has the shortest of its communicator",
+);
+pub const RANK_TIMED: Def = job(
+    "ncclscope_rank_timed_collectives_total",
+    "{collective}",
+    Kind::Counter,
+    RANK_LABELS,
+    "The rank's instances timed on its GPU, those whose exec times \
+     ncclscope_rank_exec_time_microseconds_total sums (host-timed ones have none)",
 );
 pub const BUILD_INFO: Def = health(
     "ncclscope_build_info",
@@ -317,6 +325,7 @@ pub const FAMILIES: &[&Def] = &[
     &RANK_STRAGGLER,
     &RANK_COLLECTIVES,
     &RANK_EXEC_TIME,
+    &RANK_TIMED,
     &BUILD_INFO,
     &SEGMENTS,
     &RECORDS,
@@ -509,6 +518,7 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
     let mut straggler = Family::of(&RANK_STRAGGLER);
     let mut per_rank = Family::of(&RANK_COLLECTIVES);
     let mut rank_exec = Family::of(&RANK_EXEC_TIME);
+    let mut rank_timed = Family::of(&RANK_TIMED);
     let mut ranks: Vec<_> = stats.ranks.iter().collect();
     ranks.sort_by(|a, b| a.0.cmp(b.0));
     for (k, r) in ranks {
@@ -541,9 +551,12 @@ pub fn families(stats: &Stats, health: &Health, host_name: &str) -> Vec<Family> 
         straggler.push(with("start"), r.last_to_start as f64);
         straggler.push(with("end"), r.last_to_end as f64);
         rank_exec.push(labels.clone(), r.exec_us_sum);
+        rank_timed.push(labels.clone(), r.timed as f64);
         per_rank.push(labels, r.collectives as f64);
     }
-    let mut out = vec![exec, busbw, skew, straggler, per_rank, rank_exec];
+    let mut out = vec![
+        exec, busbw, skew, straggler, per_rank, rank_exec, rank_timed,
+    ];
     let mut build = Family::of(&BUILD_INFO);
     build.push(
         vec![
@@ -994,6 +1007,46 @@ mod tests {
     use crate::instance::Shared;
     use ncclscope_proto::api::LiveSpans;
     use ncclscope_tests::promql::{histogram_quantile, native_quantile, text_buckets};
+
+    /// A host-timed instance (an eager send on the device-hook path) is counted, but its host times
+    /// bracket the enqueue, not the work: it enters no exec time, bandwidth or per-rank mean.
+    #[test]
+    fn host_timed_instances_are_counted_without_an_exec_time() {
+        let mut stats = Stats::new(1_000_000_000, 1000, 10);
+        for (seq, exec_ns, source) in [(1, 40_000, "device_hook"), (2, 0, "host"), (3, 0, "host")] {
+            let c = Shared::from(&ncclscope_proto::api::Collective {
+                uid: 7,
+                job_id: "j".into(),
+                comm_hash: 1,
+                func: "AllReduce".into(),
+                seq,
+                nranks: 2,
+                exec_ns,
+                bytes: 1 << 20,
+                end_unix_ns: 1_700_000_000_000_000_000 + seq,
+                timing_source: source.into(),
+                ..Default::default()
+            });
+            stats.observe(c.view(), 0, 1, |_, _| LiveSpans::None);
+        }
+        let text = render_prometheus(
+            &families(&stats, &Health::default(), "h"),
+            &Exposition::FULL,
+        );
+        let value = |prefix: &str| -> f64 {
+            let line = (text.lines())
+                .find(|l| l.starts_with(prefix))
+                .unwrap_or_else(|| panic!("no {prefix} in {text}"));
+            line.rsplit(' ').next().unwrap().parse().unwrap()
+        };
+        assert_eq!(value("ncclscope_rank_collectives_total{"), 3.0);
+        assert_eq!(value("ncclscope_rank_timed_collectives_total{"), 1.0);
+        assert_eq!(value("ncclscope_rank_exec_time_microseconds_total{"), 40.0);
+        assert_eq!(
+            value("ncclscope_collective_exec_time_microseconds_count{"),
+            1.0
+        );
+    }
 
     /// OpenMetrics carries the latest sampled instance of a bucket as its exemplar (its trace and
     /// rank span); the classic text stays as it was.

@@ -41,7 +41,7 @@ impl Direction {
 pub struct PeerSeries {
     pub transfers: u64,
     pub bytes: u64,
-    /// Transfers timed on the GPU (the rest carry host enqueue-to-completion times).
+    /// Transfers timed on the GPU, the only ones in the exec quantiles (host-timed ones have none).
     pub device_timed: u64,
     rolling_exec_ns: Rolling,
 }
@@ -77,8 +77,10 @@ impl Peers {
         s.transfers += 1;
         s.bytes += t.bytes;
         s.device_timed += t.device_timed as u64;
-        s.rolling_exec_ns
-            .record(t.exec_ns as f64, now_ns, window_ns);
+        if t.device_timed {
+            s.rolling_exec_ns
+                .record(t.exec_ns as f64, now_ns, window_ns);
+        }
     }
 
     /// The stats API's rows for this rank (rolling percentiles), peers in order.

@@ -68,11 +68,20 @@ pub struct Calibration {
     /// measured on an H100, 50 us between two calibrations 5 s apart), so a time is mapped with the
     /// offset of its own moment ([`Calibration::offset_at`]). 0 where unknown (a first calibration,
     /// a state saved by an older daemon).
-    #[serde(default, skip_serializing_if = "is_zero_i32")]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub drift_ppb: i32,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub host_ns: u64,
+    /// How far `drift_ppb` may be off (ppb): the two calibrations' errors over the time between
+    /// them, or [`UNMEASURED_DRIFT_PPB`] for a device's first. [`Calibration::error_at`] grows the
+    /// error by it with distance from the calibration. 0 in states saved by older daemons.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub drift_error_ppb: u32,
 }
+
+/// The drift assumed possible before a device's second calibration measures it: ten times the
+/// 10.5 ppm measured on an H100 (docs/clock-alignment.md).
+pub const UNMEASURED_DRIFT_PPB: u32 = 100_000;
 
 /// Farthest a calibration's drift is carried from the moment it was taken: the plugin recalibrates
 /// every few seconds, so a time further away than this was mapped by another calibration (or the
@@ -91,6 +100,32 @@ impl Calibration {
         let age = (gpu_ns as i128 + self.offset_ns as i128 - self.host_ns as i128)
             .clamp(-MAX_DRIFT_AGE_NS, MAX_DRIFT_AGE_NS);
         self.offset_ns + (age * self.drift_ppb as i128 / 1_000_000_000) as i64
+    }
+
+    /// The error of [`Calibration::offset_at`] for `gpu_ns`: the calibration's own, plus what the
+    /// drift's uncertainty adds over the distance from the moment it was taken.
+    pub fn error_at(&self, gpu_ns: u64) -> u32 {
+        if self.host_ns == 0 || gpu_ns == 0 {
+            return self.error_ns;
+        }
+        let age = (gpu_ns as i128 + self.offset_ns as i128 - self.host_ns as i128)
+            .abs()
+            .min(MAX_DRIFT_AGE_NS);
+        let grown = self.error_ns as i128 + age * self.drift_error_ppb as i128 / 1_000_000_000;
+        grown.min(u32::MAX as i128 - 1) as u32
+    }
+
+    /// This calibration as the one after `previous` of the same device (None: its first): how far
+    /// its drift may be off.
+    pub fn after(mut self, previous: Option<&Calibration>) -> Calibration {
+        self.drift_error_ppb = match previous {
+            Some(p) if self.host_ns > p.host_ns && p.host_ns != 0 => {
+                let sum = (p.error_ns as u128 + self.error_ns as u128) * 1_000_000_000;
+                (sum / (self.host_ns - p.host_ns) as u128).min(u32::MAX as u128) as u32
+            }
+            _ => UNMEASURED_DRIFT_PPB,
+        };
+        self
     }
 }
 
@@ -198,12 +233,8 @@ pub struct SegmentState {
     pub parked_upto: u64,
 }
 
-fn is_zero_i32(v: &i32) -> bool {
-    *v == 0
-}
-
-fn is_zero(v: &u64) -> bool {
-    *v == 0
+fn is_zero<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
 }
 
 pub fn path(dir: &Path, segment: &str) -> PathBuf {

@@ -270,6 +270,15 @@ fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
     ]);
     // Empty strings (p2p has no algorithm/protocol; unnamed communicators) carry no information.
     attributes.retain(|kv| !matches!(&kv.value, Some(AnyValue { value: Some(any_value::Value::StringValue(v)) }) if v.is_empty()));
+    // Host times bracket the enqueue, not the work: no exec time or bandwidth rather than a wrong one.
+    if c.timing_source == "host" {
+        attributes.retain(|kv| {
+            !matches!(
+                kv.key.as_str(),
+                "nccl.exec_ns" | "nccl.algbw_gbs" | "nccl.busbw_gbs"
+            )
+        });
+    }
     if !c.comm_name().is_empty() {
         attributes.push(s("nccl.comm_name", c.comm_name()));
     }

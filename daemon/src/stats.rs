@@ -181,6 +181,8 @@ pub struct RankSeries {
     /// Sum of those instances' exec times (us): with `collectives`, the rank's mean exec time, which
     /// compares across nodes (a duration on the rank's own GPU clock): a late rank waits least.
     pub exec_us_sum: f64,
+    /// Instances timed on the GPU: those `exec_us_sum` sums.
+    pub timed: u64,
     pub skew_us: Distribution,
     /// Collectives in which this rank's kernels started last / ended last among the node's ranks.
     pub last_to_start: u64,
@@ -374,6 +376,8 @@ impl Stats {
         let type_key = spans::type_key(c.func());
         let key = spans::instance_key_typed(c, type_key);
         let exec_ns = Sample::from(c.exec_ns as f64);
+        // Host-timed instances are counted; they have no exec time to record (see build.rs).
+        let timed = c.timing_source != "host";
         let live = self.with_series(c, now_ns, |s| {
             // A settled p50 moves slowly: once the series has a few windows' worth of samples,
             // recompute it every P50_EVERY samples rather than on every instance.
@@ -385,6 +389,9 @@ impl Stats {
             s.last_ns = now_ns;
             let p50 = (s.rolling_exec_ns.count() >= min_samples).then_some(s.p50_exec_ns);
             let live = decide(p50, key);
+            if !timed {
+                return live;
+            }
             let exec_us = c.exec_ns as f64 / 1000.0;
             if live == LiveSpans::None {
                 s.exec_us.record(exec_us);
@@ -441,6 +448,7 @@ impl Stats {
                 pod: Default::default(),
                 collectives: 0,
                 exec_us_sum: 0.0,
+                timed: 0,
                 skew_us: Distribution::new(SKEW_US),
                 last_to_start: 0,
                 last_to_end: 0,
@@ -463,14 +471,17 @@ impl Stats {
         r.last_ns = now_ns;
         r.first_end_ns = r.first_end_ns.min(c.end_unix_ns);
         r.last_end_ns = r.last_end_ns.max(c.end_unix_ns);
-        r.rolling_exec_ns.record(exec_ns, now_ns, window);
+        if timed {
+            r.timed += 1;
+            r.rolling_exec_ns.record(exec_ns, now_ns, window);
+        }
         if let Some(direction) = Direction::of(c.func()).filter(|_| c.desc.is_p2p) {
             let transfer = Transfer {
                 direction,
                 peer: c.desc.peer,
                 bytes: c.bytes,
                 exec_ns: c.exec_ns,
-                device_timed: c.timing_source != "host",
+                device_timed: timed,
             };
             r.peers.record(transfer, now_ns, window);
         }

@@ -365,7 +365,7 @@ async fn nodes_with_differing_clocks_still_join_and_name_no_rank_late() {
         let mut mean = BTreeMap::new();
         for text in &texts {
             let exec = per_rank(text, "ncclscope_rank_exec_time_microseconds_total", job);
-            let n = per_rank(text, "ncclscope_rank_collectives_total", job);
+            let n = per_rank(text, "ncclscope_rank_timed_collectives_total", job);
             for (rank, e) in exec {
                 mean.insert(rank.clone(), e / n[&rank]);
             }

@@ -51,6 +51,17 @@ pub(super) fn instance(
     let bytes = bandwidth::inspector_bytes(func, msg, nranks);
     let mut channels = op.channels;
     channels.sort_unstable_by_key(|c| c.channel);
+    // The error of the mapping at the op's farthest GPU times from the calibration.
+    let calibration_error_ns = match calibration {
+        Some(c) => (channels.iter())
+            .flat_map(|ch| [ch.start_unix_ns, ch.end_unix_ns])
+            .map(|t| c.error_at(t))
+            .max()
+            .unwrap_or(c.error_ns),
+        // No calibration (closed by a timeout before the first one arrived): GPU clock, flagged.
+        None if channels.is_empty() => 0,
+        None => u32::MAX,
+    };
     // Each GPU time with the offset of its own moment (the GPU clock drifts against the host's).
     let offset_at = |gpu_ns: u64| match calibration {
         Some(c) => c.offset_at(gpu_ns),
@@ -64,14 +75,12 @@ pub(super) fn instance(
             .end_unix_ns
             .saturating_add_signed(offset_at(c.end_unix_ns));
     }
+    // Host events bracket the enqueue, not the work (NCCL stops an eager send's P2p event ~0.3 us
+    // after starting it, whatever its bytes): a host-timed instance has no exec time, and so no
+    // bandwidth, rather than a wrong one.
     let (timing_source, start, end, exec) = if channels.is_empty() {
         let end = op.stop_ns.unwrap_or(op.enqueue_ns);
-        (
-            "host",
-            op.enqueue_ns,
-            end,
-            end.saturating_sub(op.enqueue_ns),
-        )
+        ("host", op.enqueue_ns, end, 0)
     } else {
         let start = channels.iter().map(|c| c.start_unix_ns).min().unwrap_or(0);
         let end = channels.iter().map(|c| c.end_unix_ns).max().unwrap_or(0);
@@ -88,12 +97,6 @@ pub(super) fn instance(
         (source, start, end, exec)
     };
     let (algbw, busbw) = bandwidth::bandwidths(func, bytes, nranks, exec);
-    // No calibration (closed by a timeout before the first one arrived): GPU clock, flagged.
-    let calibration_error_ns = match calibration {
-        Some(c) => c.error_ns,
-        None if channels.is_empty() => 0,
-        None => u32::MAX,
-    };
     Instance {
         pid,
         comm_hash: info.map_or(0, |c| c.comm_hash),

@@ -233,6 +233,7 @@ impl Dict {
         c: &mut AssembleCounters,
     ) -> (bool, bool) {
         let full = self.calibrations.len() >= self.limits.max_devices;
+        let cal = cal.after(self.calibrations.get(&cuda_dev));
         match self.calibrations.get_mut(&cuda_dev) {
             Some(old) if *old == cal => (false, false),
             Some(old) => {

@@ -469,6 +469,7 @@ impl Assembler {
                     error_ns,
                     drift_ppb,
                     host_ns,
+                    ..Calibration::default()
                 };
                 let (changed, first) =
                     (self.dict).calibration(pos, cuda_dev, cal, &mut self.counters);

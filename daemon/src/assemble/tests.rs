@@ -158,6 +158,57 @@ fn kernel_times_are_mapped_with_the_offset_drifted_to_their_moment() {
 }
 
 #[test]
+fn the_reported_error_grows_with_the_kernels_distance_from_the_calibration() {
+    const S: u64 = 1_000_000_000;
+    let calibration = |offset_ns, drift_ppb, gpu_ns: u64| Record::Calibration {
+        cuda_dev: 0,
+        offset_ns,
+        error_ns: 250,
+        drift_ppb,
+        host_ns: gpu_ns + offset_ns as u64,
+    };
+    // (calibrations, the kernel's GPU time) -> (its start, the error reported for it).
+    let run = |cals: &[Record], gpu: u64| {
+        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
+        let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
+            .into_iter()
+            .filter(|r| !matches!(r, Record::Calibration { .. }))
+            .collect();
+        recs.extend_from_slice(cals);
+        recs.push(coll(10, 5, 1));
+        recs.push(Record::OpStop {
+            comm: 0,
+            id: 10,
+            host_ns: 1500,
+        });
+        recs.push(Record::KernelCh {
+            comm: 0,
+            parent: 10,
+            channel: 0,
+            gpu_start: gpu,
+            gpu_stop: gpu + 800,
+            host_ns: 0,
+        });
+        let out = feed(&mut a, &recs);
+        assert_eq!(out.len(), 1);
+        (out[0].coll.start_unix_ns, out[0].coll.calibration_error_ns)
+    };
+    // A first calibration has no measured drift: 100 ppm assumed over the kernel's 100 ms from it.
+    let first = calibration(1_000_000, 0, S / 2);
+    assert_eq!(
+        run(&[first], S / 2 + S / 10),
+        (S / 2 + S / 10 + 1_000_000, 250 + 10_000)
+    );
+    // The second, 0.5 s later, measured 10 ppm to within (250 + 250) ns / 0.5 s = 1 ppm: 5 us over
+    // the kernel's 5 s from it.
+    let second = calibration(1_005_000, 10_000, S - 5_000);
+    assert_eq!(
+        run(&[first, second], 6 * S),
+        (6 * S + 1_055_000, 250 + 5_000)
+    );
+}
+
+#[test]
 fn kernel_times_read_before_the_first_calibration_wait_for_it() {
     let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
     let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
@@ -416,7 +467,15 @@ fn timeouts_comm_end_and_overflow_close_ops_as_incomplete() {
         &mut out,
     );
     assert_eq!(out.iter().map(|c| c.op_id).collect::<Vec<_>>(), vec![3, 2]);
-    assert_eq!(out[1].coll.exec_ns, 1000, "host timing: enqueue to stop");
+    assert_eq!(
+        (
+            out[1].coll.start_unix_ns,
+            out[1].coll.end_unix_ns - out[1].coll.start_unix_ns,
+            out[1].coll.exec_ns
+        ),
+        (out[1].coll.enqueue_unix_ns, 1000, 0),
+        "host timing: from enqueue to stop, no exec time"
+    );
     assert_eq!(a.counters.incomplete, 3);
     assert_eq!(a.pending(), 0);
 }
@@ -1248,7 +1307,7 @@ fn a_lagging_gpu_with_equal_functions_is_counted_ambiguous_and_nothing_mis_joine
     a.apply(recs.len() as u64, &end, 0, &mut out);
     // The eager operation lost its item: closed incomplete, with its host times only; no
     // replayed instance made up from items that may be the eager operation's.
-    assert_eq!(got(&out), vec![(7, 0, 100)]);
+    assert_eq!(got(&out), vec![(7, 0, 0)]);
     assert_eq!(out[0].coll.timing_source, "host");
     assert!(out[0].coll.channels.is_empty());
     let c = &a.counters;
@@ -1346,7 +1405,7 @@ fn kernel_times_mapped_before_the_enqueue_or_into_the_future_are_not_used() {
         .collect();
     assert_eq!(
         by_seq,
-        [(0, "host", 100), (1, "host", 100), (2, "device_hook", 90)]
+        [(0, "host", 0), (1, "host", 0), (2, "device_hook", 90)]
     );
     assert_eq!(a.counters.implausible_time, 2);
 }
@@ -1419,7 +1478,7 @@ fn an_undecided_hold_older_than_the_timeout_drops_what_it_holds_and_frees_the_co
     a.sweep(11_000_000_000, 10_000_000_000, &mut out);
     assert_eq!(
         got(&out),
-        vec![(7, 0, 100)],
+        vec![(7, 0, 0)],
         "the eager op, without device times"
     );
     assert_eq!((a.counters.dev_ambiguous, a.early_items()), (7, 0));
@@ -1550,8 +1609,8 @@ fn p2p_work_items_stay_out_of_the_collectives_beside_them() {
         .collect();
     // The send and receive complete at their host stop, before the first all-reduce's item.
     let want = [
-        ("Send", 0, "host", 1000),
-        ("Recv", 0, "host", 1000),
+        ("Send", 0, "host", 0),
+        ("Recv", 0, "host", 0),
         ("AllReduce", 0, "device_hook", 10),
         ("AllReduce", 0, "device_hook", 25),
         ("AllReduce", 1, "device_hook", 11),

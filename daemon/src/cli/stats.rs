@@ -101,11 +101,16 @@ fn p2p_table(out: &mut String, stats: &StatsResponse, uid: u32, id: &str) {
             p.peer,
             p.transfers,
             bytes(p.bytes),
-            us(p.exec_p50_us),
-            us(p.exec_p99_us),
+            timed(p.device_timed, us(p.exec_p50_us)),
+            timed(p.device_timed, us(p.exec_p99_us)),
             p.device_timed
         );
     }
+}
+
+/// An exec-time cell: "-" where none of the transfers was GPU-timed (host times have no exec).
+fn timed(device_timed: u64, cell: String) -> String {
+    if device_timed == 0 { "-".into() } else { cell }
 }
 
 /// Bytes in binary units, as the size buckets name them.

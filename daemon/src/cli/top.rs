@@ -768,25 +768,29 @@ impl View {
                 let peers = (self.stats.p2p.iter()).filter(|p| {
                     (p.uid, &p.job_id, p.comm_hash, p.rank) == (job.0, &job.1, comm, *rank)
                 });
-                items.extend(peers.map(|p| Item {
-                    cells: vec![
-                        format!(
-                            "{}{}{}",
-                            p.func,
-                            if p.func == "Send" { "→" } else { "←" },
-                            p.peer
-                        ),
-                        p.transfers.to_string(),
-                        "-".into(),
-                        dur(p.exec_p50_us),
-                        dur(p.exec_p99_us),
-                        "-".into(),
-                    ],
-                    key: Key::Peer,
-                    exec: p.exec_p50_us,
-                    skew: f64::NAN,
-                    lost: 0,
-                    straggler: false,
+                items.extend(peers.map(|p| {
+                    // Host-timed transfers have no exec time: "-", not 0.
+                    let exec = |v: f64| (p.device_timed > 0).then_some(v);
+                    Item {
+                        cells: vec![
+                            format!(
+                                "{}{}{}",
+                                p.func,
+                                if p.func == "Send" { "→" } else { "←" },
+                                p.peer
+                            ),
+                            p.transfers.to_string(),
+                            "-".into(),
+                            exec(p.exec_p50_us).map_or("-".into(), dur),
+                            exec(p.exec_p99_us).map_or("-".into(), dur),
+                            "-".into(),
+                        ],
+                        key: Key::Peer,
+                        exec: exec(p.exec_p50_us).unwrap_or(f64::NAN),
+                        skew: f64::NAN,
+                        lost: 0,
+                        straggler: false,
+                    }
                 }));
                 (cols, items)
             }
@@ -1316,18 +1320,22 @@ mod tests {
     fn a_rank_shows_its_sends_and_receives_per_peer() {
         let mut v = View::default();
         let mut stats = ranks(10, [0; 4]);
-        stats.p2p = [("Send", 2, 41.5), ("Recv", 0, 7.25)]
-            .map(|(func, peer, exec)| ncclscope_proto::api::P2pStats {
-                job_id: "j".into(),
-                comm_hash: 1,
-                rank: 1,
-                func: func.into(),
-                peer,
-                transfers: 12,
-                exec_p50_us: exec,
-                exec_p99_us: exec,
-                ..Default::default()
-            })
+        // The receives host-timed (no exec time), the sends GPU-timed.
+        stats.p2p = [("Send", 2, 41.5, 12), ("Recv", 0, 0.0, 0)]
+            .map(
+                |(func, peer, exec, device_timed)| ncclscope_proto::api::P2pStats {
+                    job_id: "j".into(),
+                    comm_hash: 1,
+                    rank: 1,
+                    func: func.into(),
+                    peer,
+                    transfers: 12,
+                    exec_p50_us: exec,
+                    exec_p99_us: exec,
+                    device_timed,
+                    ..Default::default()
+                },
+            )
             .into();
         v.update(ListJobsResponse::default(), stats);
         for _ in 0..2 {
@@ -1346,7 +1354,11 @@ mod tests {
             send.contains(&"12".to_string()) && send.iter().any(|w| w.starts_with("41.5")),
             "{send:?}"
         );
-        assert!(row("Recv←0").is_some(), "{}", lines.join("\n"));
+        let recv = row("Recv←0").unwrap_or_else(|| panic!("{}", lines.join("\n")));
+        assert!(
+            !recv.iter().any(|w| w.starts_with('0') && w.len() > 1),
+            "host-timed: no exec time shown, not 0: {recv:?}"
+        );
     }
 
     /// A daemon that went away is a state of the view, not the end of it.

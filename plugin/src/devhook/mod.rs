@@ -441,13 +441,13 @@ impl DrainState {
             if !tracker.is_due(now) {
                 continue;
             }
-            tracker.reschedule(now);
             let measured = match clock {
                 Clock::Cpu => Ok((calib::cpu_samples(calib::SAMPLES), 1)),
                 Clock::Gpu(dev) => dev.clock_samples(calib::SAMPLES),
             };
             match measured {
                 Ok((samples, tick)) => {
+                    tracker.reschedule(now);
                     if let Some(est) = calib::estimate(&samples, tick) {
                         sink.push(&tracker.record(est, ncclscope_proto::now_ns()));
                         n += 1;

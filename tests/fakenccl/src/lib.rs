@@ -201,16 +201,14 @@ impl Default for CollSpec {
     }
 }
 
-/// One send or receive.
+/// One send or receive. Its channels are NCCL's, from its size ([`p2p_channels`]) and its round.
 #[derive(Clone, Debug)]
 pub struct P2pSpec {
     pub func: &'static CStr,
     pub datatype: &'static CStr,
     pub count: u64,
     pub peer: i32,
-    pub n_channels: u8,
     pub kernel_ns: u64,
-    pub func_id: u32,
 }
 
 impl Default for P2pSpec {
@@ -220,11 +218,60 @@ impl Default for P2pSpec {
             datatype: c"ncclInt8",
             count: 4096,
             peer: 1,
-            n_channels: 1,
             kernel_ns: 5_000,
-            func_id: 0,
         }
     }
+}
+
+impl P2pSpec {
+    fn is_send(&self) -> bool {
+        self.func == c"Send"
+    }
+
+    /// Its round of the communicator's p2p schedule on one node (NCCL 2.30 `ncclP2pSchedule`,
+    /// src/init.cc): a send to `peer` runs in round `peer - rank`, a receive from it in `rank - peer`.
+    fn round(&self, rank: i32, nranks: i32) -> i32 {
+        let delta = if self.is_send() {
+            self.peer - rank
+        } else {
+            rank - self.peer
+        };
+        delta.rem_euclid(nranks.max(1))
+    }
+
+    fn bytes(&self) -> u64 {
+        let size = match self.datatype.to_bytes() {
+            b"ncclInt8" | b"ncclUint8" | b"ncclFloat8e4m3" | b"ncclFloat8e5m2" => 1,
+            b"ncclFloat16" | b"ncclBfloat16" => 2,
+            b"ncclInt64" | b"ncclUint64" | b"ncclFloat64" => 8,
+            _ => 4,
+        };
+        self.count * size
+    }
+}
+
+/// `comm->p2pnChannels` of the recorded H100 runs (docs/rfc-feedback.md): the channels p2p rounds
+/// are spread over.
+pub const P2P_CHANNELS: u8 = 64;
+
+/// funcId of NCCL's p2p device function (`ncclDevFunc_SendRecv` in the stand-in libnccl-rfc): every
+/// p2p work item carries it, whatever its round or direction.
+pub const SEND_RECV_FUNC_ID: u32 = 0;
+
+/// Channels of one send or receive of `bytes` on one node, as NCCL 2.30 chose them on the H100
+/// (`addP2pToPlan`: one channel per `p2pChunkSize / 8` part, up to `p2pnChannelsPerPeer`, 2): 1 at
+/// 2-4 KiB, 2 at 512 KiB-1 MiB. Where 1 becomes 2 was not recorded: 64 KiB is the all-NVLink
+/// chunk's eighth (docs/rfc-feedback.md).
+pub fn p2p_channels(bytes: u64) -> u8 {
+    bytes.div_ceil(64 << 10).clamp(1, 2) as u8
+}
+
+/// The first channel of a p2p round on one node (`ncclP2pChannelBaseForRound`, src/include/channel.h):
+/// the round bit-reversed over log2(p2pnChannels) bits, so a two-rank communicator's peer round runs
+/// on channel 32 and the self round on channel 0.
+pub fn p2p_channel_base(round: i32) -> u8 {
+    let bits = P2P_CHANNELS.trailing_zeros();
+    ((round as u32).reverse_bits() >> (32 - bits)) as u8
 }
 
 /// CLOCK_MONOTONIC in ns: the simulated GPU globaltimer.
@@ -349,6 +396,7 @@ impl Host {
             host: self.clone(),
             ctx: SendPtr(ctx),
             rank: spec.rank,
+            nranks: spec.nranks,
             seq: Vec::new(),
             work_counter: [0; 64],
             hook,
@@ -374,6 +422,7 @@ pub struct Comm {
     host: Arc<Host>,
     ctx: SendPtr,
     rank: i32,
+    nranks: i32,
     /// NCCL's `seqNumber[func]`: collectives are numbered per communicator and per collective type.
     seq: Vec<(&'static CStr, u64)>,
     /// NCCL's per-channel work counter, kept across kernels.
@@ -393,15 +442,13 @@ pub struct Comm {
     stream_free_ns: Option<u64>,
 }
 
-/// An operation captured into a CUDA graph.
+/// A launch captured into a CUDA graph: a collective, or a group's sends and receives.
 struct Captured {
-    /// As reported at capture.
-    report: OpReport,
-    /// The handle the plugin returned for it: a replay's KernelCh (stock NCCL) still names it.
-    handle: SendPtr,
-    n_channels: u8,
-    kernel_ns: u64,
-    func_id: u32,
+    /// Its operations as reported at capture.
+    reports: Vec<OpReport>,
+    /// The handles the plugin returned for them: a replay's KernelCh (stock NCCL) still names them.
+    handles: Vec<SendPtr>,
+    kernel: Kernel,
 }
 
 /// Calls into the plugin with descriptors and state args on a guarded page.
@@ -480,24 +527,47 @@ fn text(s: &CStr) -> String {
     s.to_string_lossy().into_owned()
 }
 
-/// Host-side kernel events to emit for one operation.
-struct Kernel<'s> {
-    n_channels: u8,
+/// One launch's kernel: a work item on each of `channels` (in order; a channel may come twice), and
+/// per operation of the launch the items it runs on (its KernelCh events). A collective runs on all
+/// of its items; a send and a receive fused into one p2p round share the round's items.
+#[derive(Clone)]
+struct Kernel {
+    channels: Vec<u8>,
+    ops: Vec<Vec<usize>>,
     kernel_ns: u64,
     func_id: u32,
     phases: bool,
-    symmetric: Option<&'s CStr>,
+    symmetric: Option<&'static CStr>,
+}
+
+impl Kernel {
+    /// A collective's kernel: one work item on each of channels 0..n.
+    fn collective(n_channels: u8, kernel_ns: u64, func_id: u32) -> Kernel {
+        Kernel {
+            channels: (0..n_channels).collect(),
+            ops: vec![(0..n_channels as usize).collect()],
+            kernel_ns,
+            func_id,
+            phases: false,
+            symmetric: None,
+        }
+    }
 }
 
 /// One kernel's events, as NCCL's proxy/profiler thread and the GPU report them.
 struct KernelJob {
     /// Simulated GPU time before which its events are not emitted (the kernel has not run yet).
     not_before: u64,
-    parent: SendPtr,
     items: Vec<HookItem>,
+    /// Per operation: its handle (KernelCh parent) and the indexes of its items.
+    ops: Vec<(SendPtr, Vec<usize>)>,
     kernel_ch: bool,
     phases: bool,
 }
+
+/// Per operation of a launch: its KernelCh reports and the work items reported with it (each item
+/// once, with the first operation that runs on it).
+type OpKernels = Vec<(Vec<KernelReport>, Vec<HookItem>)>;
 
 /// The long-lived proxy thread of an asynchronous communicator.
 struct Proxy {
@@ -520,29 +590,48 @@ fn phase_bounds(it: &HookItem) -> [(u8, u64, u64); 3] {
 const PHASE_NAMES: [&CStr; 3] = [c"initial_sync", c"compute", c"final_sync"];
 
 impl KernelJob {
+    /// The work items reported with each operation: each item with the first operation on it.
+    fn hook_items(&self) -> Vec<Vec<HookItem>> {
+        let mut claimed = vec![false; self.items.len()];
+        (self.ops.iter())
+            .map(|(_, idx)| {
+                (idx.iter())
+                    .filter(|&&i| !std::mem::replace(&mut claimed[i], true))
+                    .map(|&i| self.items[i].clone())
+                    .collect()
+            })
+            .collect()
+    }
+
     /// What emitting this job reports if the plugin accepts every event.
-    fn expected(&self) -> Vec<KernelReport> {
-        if !self.kernel_ch {
-            return Vec::new();
-        }
-        self.items
-            .iter()
-            .map(|it| KernelReport {
-                channel: it.channel,
-                gpu_start: it.gpu_start,
-                gpu_stop: it.gpu_stop,
-                started: true,
-                phases: if self.phases {
-                    phase_bounds(it)
-                        .map(|(phase, a, b)| PhaseReport {
-                            phase,
-                            gpu_start: a,
-                            gpu_stop: b,
-                        })
-                        .to_vec()
-                } else {
-                    Vec::new()
-                },
+    fn expected(&self, hook: bool) -> OpKernels {
+        let hook_items = self.hook_items();
+        (self.ops.iter().zip(hook_items))
+            .map(|((_, idx), items)| {
+                let kernels = (idx.iter())
+                    .filter(|_| self.kernel_ch)
+                    .map(|&i| {
+                        let it = &self.items[i];
+                        KernelReport {
+                            channel: it.channel,
+                            gpu_start: it.gpu_start,
+                            gpu_stop: it.gpu_stop,
+                            started: true,
+                            phases: if self.phases {
+                                phase_bounds(it)
+                                    .map(|(phase, a, b)| PhaseReport {
+                                        phase,
+                                        gpu_start: a,
+                                        gpu_stop: b,
+                                    })
+                                    .to_vec()
+                            } else {
+                                Vec::new()
+                            },
+                        }
+                    })
+                    .collect();
+                (kernels, if hook { items } else { Vec::new() })
             })
             .collect()
     }
@@ -555,7 +644,7 @@ impl KernelJob {
         rank: i32,
         hook: Option<(HookFn, SendPtr)>,
         page: &mut GuardedPage,
-    ) -> (Vec<KernelReport>, Vec<HookItem>) {
+    ) -> OpKernels {
         if let Some((f, dev_ctx)) = hook {
             for it in &self.items {
                 for (phase, ts) in [(0u8, it.gpu_start), (1, it.gpu_stop)] {
@@ -572,17 +661,22 @@ impl KernelJob {
                 }
             }
         }
-        let mut kernels = Vec::new();
-        if self.kernel_ch {
-            let mut c = Caller {
-                vt: &host.vt,
-                failed: &host.failed_calls,
-                page,
-                descr_bytes: host.kind.descr_bytes(),
-                rank,
-            };
-            for it in &self.items {
-                let kc = c.start(ctx, event::KERNEL_CH, self.parent, |d| {
+        let mut out: OpKernels = (self.hook_items().into_iter())
+            .map(|items| (Vec::new(), if hook.is_some() { items } else { Vec::new() }))
+            .collect();
+        if !self.kernel_ch {
+            return out;
+        }
+        let mut c = Caller {
+            vt: &host.vt,
+            failed: &host.failed_calls,
+            page,
+            descr_bytes: host.kind.descr_bytes(),
+            rank,
+        };
+        for ((parent, idx), (kernels, _)) in self.ops.iter().zip(&mut out) {
+            for it in idx.iter().map(|&i| &self.items[i]) {
+                let kc = c.start(ctx, event::KERNEL_CH, *parent, |d| {
                     d.u8(off::KCH_CHANNEL, it.channel)
                         .u64(off::KCH_PTIMER, it.gpu_start);
                 });
@@ -619,12 +713,7 @@ impl KernelJob {
                 kernels.push(report);
             }
         }
-        let hook_items = if hook.is_some() {
-            self.items
-        } else {
-            Vec::new()
-        };
-        (kernels, hook_items)
+        out
     }
 }
 
@@ -719,17 +808,15 @@ impl Comm {
             }
         }
         let kernel = Kernel {
-            n_channels: spec.n_channels,
-            kernel_ns: spec.kernel_ns,
-            func_id: spec.func_id,
             phases: v7 && spec.symmetric.is_some(),
             symmetric: spec.symmetric,
+            ..Kernel::collective(spec.n_channels, spec.kernel_ns, spec.func_id)
         };
         // Captured: the kernel runs at each replay, not now.
         let (kernels, hook_items) = if captured {
             (Vec::new(), Vec::new())
         } else {
-            self.run_kernel(mask, coll, &kernel)
+            self.run_kernel(mask, &[coll], &kernel).remove(0)
         };
         let report = OpReport {
             kind: OpKind::Coll,
@@ -749,97 +836,157 @@ impl Comm {
             captured,
             replay: 0,
         };
-        self.capture(&report, coll, &kernel);
+        if captured {
+            self.graph.push(Captured {
+                reports: vec![report.clone()],
+                handles: vec![coll],
+                kernel,
+            });
+        }
         report
     }
 
-    /// Emits one point-to-point operation and its kernel.
+    /// Emits one send or receive as a group of its own (see [`Comm::p2p_group`]).
     pub fn p2p(&mut self, spec: &P2pSpec) -> OpReport {
+        self.p2p_group(std::slice::from_ref(spec)).remove(0)
+    }
+
+    /// Emits the sends and receives of one NCCL group (`ncclGroupStart` .. `ncclGroupEnd`) and their
+    /// one kernel, as NCCL 2.30 schedules them on one node (`scheduleP2pTasksToPlan`,
+    /// `addP2pToPlan`, src/enqueue.cc): round by round of the p2p schedule (epoch after epoch while a
+    /// peer has more), the round's first queued send and receive are one work: one work item on each
+    /// of its `max(send, recv)` channels from [`p2p_channel_base`] on, funcId [`SEND_RECV_FUNC_ID`],
+    /// advancing those channels' workCounters. Host events: a P2pApi per call, then one Group and a
+    /// P2p per operation in NCCL's task order (work by work, the send before the receive), each with
+    /// its own `nChannels`; on the stock path each operation's KernelCh events name its own channels.
+    /// One report per operation in that order; a fused work's items are reported with its first.
+    pub fn p2p_group(&mut self, specs: &[P2pSpec]) -> Vec<OpReport> {
         let mask = self.host.mask();
         let kernel_bits = self.kernel_bits();
         let ctx = self.ctx;
         let captured = self.capturing;
+        let (rank, nranks) = (self.rank, self.nranks);
+        // NCCL's task queue: works in schedule order, each a send and/or a receive (spec indexes).
+        let mut left: Vec<usize> = (0..specs.len()).collect();
+        let mut works: Vec<(i32, Vec<usize>)> = Vec::new();
+        while !left.is_empty() {
+            for round in 0..nranks.max(1) {
+                let mut work = Vec::new();
+                for send in [true, false] {
+                    if let Some(at) = left.iter().position(|&i| {
+                        specs[i].is_send() == send && specs[i].round(rank, nranks) == round
+                    }) {
+                        work.push(left.remove(at));
+                    }
+                }
+                if !work.is_empty() {
+                    works.push((round, work));
+                }
+            }
+        }
+        let mut channels = Vec::new();
+        let mut op_items = vec![Vec::new(); specs.len()];
+        for (round, work) in &works {
+            let base = p2p_channel_base(*round);
+            let n = work.iter().map(|&i| p2p_channels(specs[i].bytes()));
+            let first = channels.len();
+            for part in 0..n.clone().max().unwrap_or(1) {
+                channels.push((base + part) % P2P_CHANNELS);
+            }
+            for (&i, n) in work.iter().zip(n) {
+                op_items[i] = (first..first + n as usize).collect();
+            }
+        }
+        let order: Vec<usize> = works.iter().flat_map(|(_, w)| w.iter().copied()).collect();
         let mut c = self.caller();
         let group_api = c.group_api(ctx, mask, kernel_bits, captured);
-        let p2p_api = if mask & (event::P2P_API | event::P2P | kernel_bits) != 0 {
-            c.start(ctx, event::P2P_API, group_api, |d| {
-                d.ptr(off::P2PAPI_FUNC, spec.func.as_ptr())
-                    .u64(off::P2PAPI_COUNT, spec.count)
-                    .ptr(off::P2PAPI_DATATYPE, spec.datatype.as_ptr())
-                    .u64(off::P2PAPI_STREAM, 0x7300_0000)
-                    .u8(off::P2PAPI_CAPTURED, captured as u8);
+        let p2p_apis: Vec<SendPtr> = (specs.iter())
+            .map(|spec| {
+                if mask & (event::P2P_API | event::P2P | kernel_bits) == 0 {
+                    return SendPtr(std::ptr::null_mut());
+                }
+                c.start(ctx, event::P2P_API, group_api, |d| {
+                    d.ptr(off::P2PAPI_FUNC, spec.func.as_ptr())
+                        .u64(off::P2PAPI_COUNT, spec.count)
+                        .ptr(off::P2PAPI_DATATYPE, spec.datatype.as_ptr())
+                        .u64(off::P2PAPI_STREAM, 0x7300_0000)
+                        .u8(off::P2PAPI_CAPTURED, captured as u8);
+                })
             })
-        } else {
-            SendPtr(std::ptr::null_mut())
-        };
+            .collect();
         let group = if mask & (event::GROUP | event::COLL | event::P2P | kernel_bits) != 0 {
             c.start(ctx, event::GROUP, SendPtr(std::ptr::null_mut()), |_| {})
         } else {
             SendPtr(std::ptr::null_mut())
         };
-        let op = if mask & (event::P2P | kernel_bits) != 0 {
-            c.start(ctx, event::P2P, p2p_api, |d| {
-                d.ptr(off::P2P_FUNC, spec.func.as_ptr())
-                    .u64(off::P2P_BUFF, 0x7200_0000)
-                    .ptr(off::P2P_DATATYPE, spec.datatype.as_ptr())
-                    .u64(off::P2P_COUNT, spec.count)
-                    .i32(off::P2P_PEER, spec.peer)
-                    .u8(off::P2P_NCHANNELS, spec.n_channels)
-                    .ptr(off::P2P_PARENT_GROUP, group.0);
+        let ops: Vec<SendPtr> = (order.iter())
+            .map(|&i| {
+                let spec = &specs[i];
+                if mask & (event::P2P | kernel_bits) == 0 {
+                    return SendPtr(std::ptr::null_mut());
+                }
+                c.start(ctx, event::P2P, p2p_apis[i], |d| {
+                    d.ptr(off::P2P_FUNC, spec.func.as_ptr())
+                        .u64(off::P2P_BUFF, 0x7200_0000)
+                        .ptr(off::P2P_DATATYPE, spec.datatype.as_ptr())
+                        .u64(off::P2P_COUNT, spec.count)
+                        .i32(off::P2P_PEER, spec.peer)
+                        .u8(off::P2P_NCHANNELS, op_items[i].len() as u8)
+                        .ptr(off::P2P_PARENT_GROUP, group.0);
+                })
             })
-        } else {
-            SendPtr(std::ptr::null_mut())
-        };
-        for h in [op, group, p2p_api, group_api] {
+            .collect();
+        let api_handles = p2p_apis.iter().copied();
+        for h in (ops.iter().copied())
+            .chain([group])
+            .chain(api_handles)
+            .chain([group_api])
+        {
             if !h.0.is_null() {
                 c.stop(h);
             }
         }
         let kernel = Kernel {
-            n_channels: spec.n_channels,
-            kernel_ns: spec.kernel_ns,
-            func_id: spec.func_id,
+            channels,
+            ops: order.iter().map(|&i| op_items[i].clone()).collect(),
+            kernel_ns: specs.iter().map(|s| s.kernel_ns).max().unwrap_or(0),
+            func_id: SEND_RECV_FUNC_ID,
             phases: false,
             symmetric: None,
         };
-        let (kernels, hook_items) = if captured {
-            (Vec::new(), Vec::new())
+        let ran = if captured {
+            vec![(Vec::new(), Vec::new()); order.len()]
         } else {
-            self.run_kernel(mask, op, &kernel)
+            self.run_kernel(mask, &ops, &kernel)
         };
-        let report = OpReport {
-            kind: OpKind::P2p,
-            started: !op.0.is_null(),
-            seq: 0,
-            func: text(spec.func),
-            datatype: text(spec.datatype),
-            algo: String::new(),
-            kernel_variant: None,
-            proto: String::new(),
-            count: spec.count,
-            root_or_peer: spec.peer,
-            n_channels: spec.n_channels,
-            n_warps: 0,
-            kernels,
-            hook_items,
-            captured,
-            replay: 0,
-        };
-        self.capture(&report, op, &kernel);
-        report
-    }
-
-    /// Remembers a captured operation for the replays.
-    fn capture(&mut self, report: &OpReport, handle: SendPtr, k: &Kernel<'_>) {
-        if report.captured {
+        let reports: Vec<OpReport> = (order.iter().zip(&ops).zip(ran))
+            .map(|((&i, op), (kernels, hook_items))| OpReport {
+                kind: OpKind::P2p,
+                started: !op.0.is_null(),
+                seq: 0,
+                func: text(specs[i].func),
+                datatype: text(specs[i].datatype),
+                algo: String::new(),
+                kernel_variant: None,
+                proto: String::new(),
+                count: specs[i].count,
+                root_or_peer: specs[i].peer,
+                n_channels: op_items[i].len() as u8,
+                n_warps: 0,
+                kernels,
+                hook_items,
+                captured,
+                replay: 0,
+            })
+            .collect();
+        if captured {
             self.graph.push(Captured {
-                report: report.clone(),
-                handle,
-                n_channels: k.n_channels,
-                kernel_ns: k.kernel_ns,
-                func_id: k.func_id,
+                reports: reports.clone(),
+                handles: ops,
+                kernel,
             });
         }
+        reports
     }
 
     /// Starts capturing this communicator's stream into a CUDA graph: until [`Comm::end_capture`],
@@ -854,7 +1001,7 @@ impl Comm {
 
     /// Operations captured so far.
     pub fn captured_ops(&self) -> usize {
-        self.graph.len()
+        self.graph.iter().map(|g| g.reports.len()).sum()
     }
 
     /// Launches the captured graph once: every captured operation's kernel in capture order, with fresh
@@ -866,53 +1013,47 @@ impl Comm {
         let mut out = Vec::with_capacity(self.graph.len());
         for i in 0..self.graph.len() {
             let g = &self.graph[i];
-            let (handle, mut report) = (g.handle, g.report.clone());
-            let kernel = Kernel {
-                n_channels: g.n_channels,
-                kernel_ns: g.kernel_ns,
-                func_id: g.func_id,
-                phases: false,
-                symmetric: None,
-            };
-            let (kernels, hook_items) = self.run_kernel(mask, handle, &kernel);
-            report.started = false;
-            report.captured = false;
-            report.replay = self.replays;
-            report.kernels = kernels;
-            report.hook_items = hook_items;
-            out.push(report);
+            let (handles, kernel) = (g.handles.clone(), g.kernel.clone());
+            let ran = self.run_kernel(mask, &handles, &kernel);
+            for (report, (kernels, hook_items)) in self.graph[i].reports.iter().zip(ran) {
+                out.push(OpReport {
+                    started: false,
+                    captured: false,
+                    replay: self.replays,
+                    kernels,
+                    hook_items,
+                    ..report.clone()
+                });
+            }
         }
         out
     }
 
-    /// The simulated kernel: one work item per channel, timed on the simulated GPU clock, reported to the
-    /// plugin from a second thread (NCCL's proxy/profiler thread for KernelCh, "the GPU" for the hook).
-    fn run_kernel(
-        &mut self,
-        mask: u64,
-        parent: SendPtr,
-        k: &Kernel<'_>,
-    ) -> (Vec<KernelReport>, Vec<HookItem>) {
+    /// The simulated kernel: its work items timed on the simulated GPU clock, each advancing its
+    /// channel's workCounter, reported to the plugin from a second thread (NCCL's proxy/profiler
+    /// thread for KernelCh, "the GPU" for the hook). `parents`: the handle of each of `k.ops`.
+    fn run_kernel(&mut self, mask: u64, parents: &[SendPtr], k: &Kernel) -> OpKernels {
         let mut base = gpu_now_ns();
         let mut not_before = 0;
+        let n = k.channels.len();
         // As on a real GPU shared by several ranks (2 ranks x 64 channels on 132 SMs), not every
         // channel's block is resident at once: the last quarter start when the first ones finish, so
         // the channels of one kernel need not overlap in time.
-        let first_wave = k.n_channels - k.n_channels / 4;
+        let first_wave = n - n / 4;
         if let Some(free) = &mut self.stream_free_ns {
             // Kernels of one stream run back to back: this one starts when the previous one ended.
             base = base.max(*free);
-            *free = base + 2 * k.kernel_ns + 1 + k.n_channels as u64;
+            *free = base + 2 * k.kernel_ns + 1 + n as u64;
             not_before = *free;
         }
-        let start_of = |ch: u8| match ch < first_wave {
-            true => base + ch as u64,
-            false => base + k.kernel_ns + 1 + ch as u64,
+        let start_of = |i: usize| match i < first_wave {
+            true => base + i as u64,
+            false => base + k.kernel_ns + 1 + i as u64,
         };
         let mut items = Vec::new();
-        for ch in 0..k.n_channels {
+        for (i, &ch) in k.channels.iter().enumerate() {
             self.work_counter[ch as usize] += 1;
-            let start = start_of(ch);
+            let start = start_of(i);
             items.push(HookItem {
                 channel: ch,
                 work_counter: self.work_counter[ch as usize],
@@ -923,21 +1064,16 @@ impl Comm {
         }
         let job = KernelJob {
             not_before,
-            parent,
             items,
+            ops: parents.iter().copied().zip(k.ops.iter().cloned()).collect(),
             kernel_ch: mask & self.kernel_bits() != 0,
             phases: k.phases && k.symmetric.is_some() && mask & event::KERNEL_PHASE != 0,
         };
         if let Some(proxy) = &self.proxy {
             // Asynchronous: reported as NCCL will emit them; the plugin's answers are not waited for.
-            let kernels = job.expected();
-            let hook_items = if self.hook.is_some() {
-                job.items.clone()
-            } else {
-                Vec::new()
-            };
+            let reports = job.expected(self.hook.is_some());
             proxy.tx.send(job).expect("proxy thread");
-            return (kernels, hook_items);
+            return reports;
         }
         let (host, ctx, rank, hook) = (self.host.clone(), self.ctx, self.rank, self.hook);
         let page = &mut self.gpu_page;

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, bail};
-use ncclscope_proto::segment::{Claims, Consumer, Counter, Segment};
+use ncclscope_proto::segment::{Claims, Consumer, Counter, REQUIRED_SEALS, Segment};
 use ncclscope_proto::{Record, StrId};
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
@@ -324,13 +324,7 @@ pub fn read_segment(seg: Segment, conn: &UnixStream) -> anyhow::Result<Contents>
         .iter()
         .map(|c| (c.name(), seg.counter(*c)))
         .collect();
-    let mut consumer = Consumer::new(seg);
-    let mut raw = Vec::new();
-    while consumer.read(4096, &mut raw)? > 0 {}
-    let records = raw
-        .into_iter()
-        .map(|(pos, r)| r.with_context(|| format!("record {pos}")))
-        .collect::<anyhow::Result<_>>()?;
+    let records = all_records(seg)?;
     Ok(Contents {
         pid: cred.pid.as_raw_nonzero().get() as u32,
         claims,
@@ -340,4 +334,26 @@ pub fn read_segment(seg: Segment, conn: &UnixStream) -> anyhow::Result<Contents>
         closed,
         capacity,
     })
+}
+
+/// Every record `seg` holds, in order, read without consuming.
+pub fn all_records(seg: Segment) -> anyhow::Result<Vec<Record>> {
+    let mut consumer = Consumer::new(seg);
+    let mut raw = Vec::new();
+    while consumer.read(4096, &mut raw)? > 0 {}
+    raw.into_iter()
+        .map(|(pos, r)| r.with_context(|| format!("record {pos}")))
+        .collect()
+}
+
+/// A segment saved as bytes (tests/data, `segment-dump SOCKET N DIR`), back in a sealed memory file
+/// as the plugin hands one over.
+pub fn saved_segment(bytes: &[u8]) -> anyhow::Result<Segment> {
+    let fd = rustix::fs::memfd_create("ncclscope", rustix::fs::MemfdFlags::ALLOW_SEALING)?;
+    let mut at = 0;
+    while at < bytes.len() {
+        at += rustix::io::write(&fd, &bytes[at..])?;
+    }
+    rustix::fs::fcntl_add_seals(&fd, REQUIRED_SEALS)?;
+    Ok(Segment::open(fd)?)
 }

@@ -165,6 +165,31 @@ def cost(path):
         print(line)
 
 
+def check_profile(name, out, driver):
+    """torch_profile.py merged with `export --merge`: on each rank every NCCL kernel of the profiler's
+    trace paired with a collective slice, and each slice inside its kernel as exported, or at most 1 us
+    out (the merge's own measure, `ncclscope_alignment`: the shift that puts the most inside)."""
+    import json
+
+    ok = True
+    for r in (0, 1):
+        m = re.search(rf"rank={r} kernels=(\d+)", driver)
+        kernels = int(m.group(1)) if m else 0
+        try:
+            a = json.load(open(f"{out}/{name}/rank{r}.merged.json"))["ncclscope_alignment"]
+        except (OSError, KeyError, ValueError) as e:
+            print(f"{name} rank {r}: FAIL no merged trace ({e})")
+            ok = False
+            continue
+        off = a.get("measured_offset_ns", 0)
+        good = a.get("paired") == kernels and (a.get("inside_before") == kernels or abs(off) <= 1000)
+        print(f"{name} rank {r}: {'ok' if good else 'FAIL'} {kernels} NCCL kernels, {a.get('paired')} "
+              f"paired, {a.get('inside_before')} inside as exported, measured offset {off} ns "
+              f"(applied {a.get('applied_offset_ns')})")
+        ok &= good
+    return ok
+
+
 def main():
     out, *cases = sys.argv[1:]
     spans = load_spans(f"{out}/spans.jsonl")
@@ -176,6 +201,9 @@ def main():
         if c == "torchraw" or c.startswith("raw-"):  # recorded without the daemon: nothing to check here
             continue
         line = open(f"{out}/{c}.driver").read().strip()
+        if c.startswith("profile"):
+            ok &= check_profile(c, out, line)
+            continue
         if c in ("a2a", "pp"):
             ok &= check_p2p(c, line, spans.get(f"rfc-{c}", []))
             continue

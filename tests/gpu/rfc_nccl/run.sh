@@ -10,6 +10,10 @@
 #   a2a, pp    PyTorch, 2 processes: MoE all_to_all_single and a pipeline-parallel batch_isend_irecv
 #              schedule beside collectives, eager and in a CUDA graph (torch_p2p.py)
 #   raw-a2a, raw-pp   the same without the daemon, saved as torchraw is
+#   profile, profile0 PyTorch's profiler around 5 steps of an FSDP-style loop (torch_profile.py), each
+#              rank's trace merged with `ncclscope export --merge`: every NCCL kernel must contain its
+#              collective's slice (issue 38). profile warms up 7 s first (past the plugin's periodic
+#              calibrations), profile0 profiles from the first step (only the first calibrations)
 #   cost       a graph of 200 all-reduces at 8 B, 1 MiB and 16 MiB: no plugin, device ring (default),
 #              host-mapped ring, NCCL's own KernelCh path; 3 processes each, interleaved; medians
 # For the GPU machine, which has no cargo. Build here and carry .carry/ holding
@@ -134,6 +138,8 @@ for c in "${cases[@]}"; do
     torchraw) raw torchraw python3 "$here/torch_graphs.py" 30 20 ;;
     a2a|pp) LD_PRELOAD="$work/nccl/libnccl.so.2" traced "$c" "${TORCH_LIMIT:-60}" python3 "$here/torch_p2p.py" "$c" 9 10 ;;
     raw-a2a|raw-pp) raw "$c" python3 "$here/torch_p2p.py" "${c#raw-}" 9 10 ;;
+    profile|profile0) LD_PRELOAD="$work/nccl/libnccl.so.2" traced "$c" "${TORCH_LIMIT:-60}" \
+      python3 "$here/torch_profile.py" "$out/$c" 5 "$([ $c = profile ] && echo 7 || echo 0)" ;;
     *) log "unknown case $c"; status=1 ;;
   esac
 done
@@ -141,6 +147,16 @@ log "settling"
 settle
 metrics > "$out/metrics.txt"
 limited 10 "$bin/ncclscope" stats --api-socket "$work/api.sock" > "$out/stats.txt" 2>&1
+# Each profiled rank's trace merged as a user would (--align correct, the default): the alignment
+# the merge measured is in the merged trace (ncclscope_alignment) and its stderr.
+for c in "${cases[@]}"; do
+  [[ $c == profile* ]] || continue
+  for r in 0 1; do
+    limited 30 "$bin/ncclscope" export --api-socket "$work/api.sock" --job "rfc-$c" --rank "$r" \
+      --merge "$out/$c/rank$r.pt.trace.json" -o "$out/$c/rank$r.merged.json" > "$out/$c/rank$r.align" 2>&1
+    log "$c rank $r merge rc=$? $(tail -n 2 "$out/$c/rank$r.align" | tr '\n' ' ')"
+  done
+done
 log "checking"
 python3 "$here/check.py" "$out" "${cases[@]}" | tee "$out/check.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1

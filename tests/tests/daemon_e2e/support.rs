@@ -909,6 +909,85 @@ pub(crate) fn hand_over_recorded_segments(h: &Harness, name: &str) {
     }
 }
 
+/// What the daemon must deliver of torch_p2p.py's a2a and pp runs (jobs `{job}a2a` and `{job}pp`,
+/// 2 ranks each, 9 eager steps and 10 replays of a captured one).
+pub(crate) async fn p2p_rounds_leave_the_collectives_beside_them_whole(
+    h: &Harness,
+    collector: &mut FakeCollectorServer,
+    job: &str,
+) {
+    // Per rank: a2a: 19 all-gathers, 19 all-reduces, 9 eager steps x (send, recv) x 2 peers;
+    // pp: 19 all-reduces, 9 eager steps x 4 micro-batches x (send, recv).
+    const INSTANCES: usize = 2 * (19 + 19 + 9 * 4) + 2 * (19 + 9 * 4 * 2);
+    const P2P_ITEMS: f64 = 462.0;
+    let mut spans = Vec::new();
+    let is_rank_span = |s: &ExportedSpan| s.name.ends_with(" rank");
+    collect(collector, &mut spans, Duration::from_secs(60), |s| {
+        s.iter().filter(|s| is_rank_span(s)).count() >= INSTANCES
+    })
+    .await;
+    let text = drained_with_nothing_lost(
+        h,
+        INSTANCES,
+        &[
+            "dev_unattributed",
+            "dev_mismatch",
+            "dev_ambiguous",
+            "dev_unjoined",
+            "incomplete",
+        ],
+    );
+    assert_eq!(
+        sample(&text, "ncclscope_lost_total{stage=\"dev_p2p\"}"),
+        Some(P2P_ITEMS)
+    );
+    let mut per_op: BTreeMap<(String, u32, String), usize> = BTreeMap::new();
+    let mut sides: HashMap<String, Vec<(String, u32, String)>> = HashMap::new();
+    for s in spans.iter().filter(|s| is_rank_span(s)) {
+        let (job, coll) = (attr(s, "job.id").to_string(), attr(s, "nccl.collective"));
+        let rank: u32 = attr(s, "nccl.rank").parse().unwrap();
+        *per_op
+            .entry((job.clone(), rank, coll.to_string()))
+            .or_default() += 1;
+        let p2p = coll == "Send" || coll == "Recv";
+        let source = attr(s, "nccl.timing_source");
+        assert_eq!(source, if p2p { "host" } else { "device_hook" }, "{s:?}");
+        if p2p {
+            let side = (coll.to_string(), rank, attr(s, "nccl.peer").to_string());
+            sides.entry(s.trace_id.clone()).or_default().push(side);
+        }
+    }
+    for rank in 0..2 {
+        let n = |mode: &str, coll: &str| per_op[&(format!("{job}{mode}"), rank, coll.to_string())];
+        assert_eq!(
+            (
+                n("a2a", "AllGather"),
+                n("a2a", "AllReduce"),
+                n("pp", "AllReduce")
+            ),
+            (19, 19, 19),
+            "rank {rank}: {per_op:?}"
+        );
+        assert_eq!((n("a2a", "Send"), n("a2a", "Recv")), (18, 18));
+        assert_eq!((n("pp", "Send"), n("pp", "Recv")), (36, 36));
+    }
+    // A transfer's trace: a send on one rank and the receive of its peer (a rank's self-copy is its
+    // own send and receive).
+    assert_eq!(sides.len(), 2 * (9 * 2) + 9 * 4 * 2);
+    for (trace, mut v) in sides {
+        v.sort();
+        let [(recv, r_rank, r_peer), (send, s_rank, s_peer)] = &v[..] else {
+            panic!("trace {trace}: {v:?}");
+        };
+        assert_eq!((recv.as_str(), send.as_str()), ("Recv", "Send"));
+        assert_eq!(
+            (r_peer, s_peer),
+            (&s_rank.to_string(), &r_rank.to_string()),
+            "{trace}"
+        );
+    }
+}
+
 /// A TCP front for an OTLP receiver that is down until `up` is set: while down it accepts each
 /// connection and closes it at once, or with `hang` holds it open and answers nothing (every export
 /// attempt fails, at once or at its timeout); once up it relays new connections both ways to `to`,

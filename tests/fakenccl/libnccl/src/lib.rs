@@ -68,13 +68,14 @@ pub unsafe extern "C" fn fakenccl_log(
 
 /// Device function names of this fake NCCL build, indexed by funcId.
 #[cfg(fakenccl_rfc)]
-const FUNC_NAMES: [&CStr; 6] = [
+const FUNC_NAMES: [&CStr; 7] = [
     c"ncclDevFunc_SendRecv",
     c"ncclDevFunc_AllGather_RING_LL",
     c"ncclDevFunc_AllReduce_Sum_f32_RING_LL",
     c"ncclDevFunc_ReduceScatter_Sum_bf16_RING_SIMPLE",
     c"ncclDevFunc_AllReduce_Sum_f32_RING_LL128",
     c"ncclDevFunc_AllReduce_Sum_f32_RING_SIMPLE",
+    c"ncclDevFunc_AllGather_RING_SIMPLE",
 ];
 
 /// The RFC's `const char* ncclProfilerDevFuncName(int funcId)`: NULL for an unknown id.

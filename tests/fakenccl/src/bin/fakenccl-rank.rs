@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use ncclscope_fakenccl::report::{CommReport, Report};
-use ncclscope_fakenccl::{CollSpec, CommSpec, Host, HostKind, P2pSpec};
+use ncclscope_fakenccl::report::{CommReport, OpReport, Report};
+use ncclscope_fakenccl::{CollSpec, Comm, CommSpec, Host, HostKind, P2pSpec};
 
 #[derive(Parser)]
 struct Args {
@@ -93,6 +93,13 @@ struct Args {
     /// (0: `--kernel-ns` only). 170 gives a 16 MiB all-reduce ~99 us, as on an H100.
     #[arg(long, default_value_t = 170)]
     graph_bytes_per_ns: u64,
+    /// Instead of the workload above: the communication of tests/gpu/rfc_nccl/torch_p2p.py in this
+    /// mode (a2a or pp) as PyTorch issues it to NCCL on one of 2 ranks, `--steps` eager steps then
+    /// one step captured and replayed `--replays` times (the recorded real runs of tests/data).
+    #[arg(long, value_parser = ["a2a", "pp"])]
+    torch_p2p: Option<String>,
+    #[arg(long, default_value_t = 9)]
+    steps: u32,
 }
 
 /// The graph's `n`-th captured all-reduce: f32, 8 B << (n % 22), its device function by size.
@@ -142,19 +149,23 @@ fn main() -> anyhow::Result<()> {
         args.kind,
         args.version.unwrap_or(args.kind.version()),
     )?;
-    let comms: Vec<CommReport> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..args.comms)
-            .map(|i| {
-                let host = host.clone();
-                let args = &args;
-                s.spawn(move || run_comm(&host, args, i))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("communicator thread"))
-            .collect::<anyhow::Result<_>>()
-    })?;
+    let comms: Vec<CommReport> = if let Some(mode) = &args.torch_p2p {
+        torch_p2p(&host, &args, mode)?
+    } else {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..args.comms)
+                .map(|i| {
+                    let host = host.clone();
+                    let args = &args;
+                    s.spawn(move || run_comm(&host, args, i))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("communicator thread"))
+                .collect::<anyhow::Result<_>>()
+        })?
+    };
     if args.fork_probe {
         fork_probe(&host)?;
     }
@@ -223,8 +234,8 @@ fn run_comm(host: &std::sync::Arc<Host>, args: &Args, i: u32) -> anyhow::Result<
                 c"Recv"
             },
             peer: (args.rank + 1) % args.nranks.max(1),
-            count: 4096 + n as u64,
-            n_channels: 1 + (n % 2) as u8,
+            // 4 KiB and 1 MiB in turn: NCCL runs them on 1 and 2 channels.
+            count: (4096 << (8 * (n % 2))) + n as u64,
             kernel_ns: args.kernel_ns / 2,
             ..P2pSpec::default()
         };
@@ -292,6 +303,120 @@ fn run_comm(host: &std::sync::Arc<Host>, args: &Args, i: u32) -> anyhow::Result<
         ignored,
         finalize_ns,
     })
+}
+
+/// torch_p2p.py's sizes: f32 elements of a step's tensors, small (4 KiB: LL) and large (1 MiB: SIMPLE)
+/// in turn.
+const TORCH_SIZES: [u64; 2] = [1 << 10, 1 << 18];
+
+/// A collective of torch_p2p.py with the channels and protocol NCCL gave it on the H100 (1 channel
+/// for the small ones, 64 for the large; the large all-gather SIMPLE, the others LL).
+fn torch_coll(func: &'static CStr, datatype: &'static CStr, count: u64, large: bool) -> CollSpec {
+    let (proto, func_id) = match (func == c"AllGather", large) {
+        (true, true) => (c"SIMPLE", 6),
+        (true, false) => (c"LL", 1),
+        (false, _) => (c"LL", 2),
+    };
+    CollSpec {
+        func,
+        datatype,
+        proto,
+        count,
+        n_channels: if large { 64 } else { 1 },
+        n_warps: 16,
+        func_id,
+        ..CollSpec::default()
+    }
+}
+
+/// One step of torch_p2p.py on this rank of 2: `comms[0]` is the default group, `comms[1]` a2a's
+/// second group. PyTorch's `all_to_all_single` is one NCCL group of a send and a receive to every
+/// rank; `batch_isend_irecv` one group per micro-batch.
+fn torch_step(comms: &mut [Comm], mode: &str, rank: i32, elems: u64, ops: &mut [Vec<OpReport>]) {
+    const MICRO: usize = 4;
+    let large = elems == TORCH_SIZES[1];
+    let p2p = |func, count, peer| P2pSpec {
+        func,
+        datatype: c"ncclFloat32",
+        count,
+        peer,
+        kernel_ns: 5_000,
+    };
+    if mode == "a2a" {
+        let gather = torch_coll(c"AllGather", c"ncclInt8", 4 * elems, large);
+        ops[0].push(comms[0].collective(&gather));
+        let group: Vec<P2pSpec> = (0..2)
+            .flat_map(|r| [p2p(c"Send", elems / 2, r), p2p(c"Recv", elems / 2, r)])
+            .collect();
+        ops[1].extend(comms[1].p2p_group(&group));
+        let reduce = torch_coll(c"AllReduce", c"ncclFloat32", elems, large);
+        ops[1].push(comms[1].collective(&reduce));
+        return;
+    }
+    let (forward, backward) = if rank == 0 {
+        (c"Send", c"Recv")
+    } else {
+        (c"Recv", c"Send")
+    };
+    for m in 0..=MICRO {
+        let mut group = Vec::new();
+        if m < MICRO {
+            group.push(p2p(forward, elems, 1 - rank));
+        }
+        if m > 0 {
+            group.push(p2p(backward, elems, 1 - rank));
+        }
+        ops[0].extend(comms[0].p2p_group(&group));
+    }
+    let loss = torch_coll(c"AllReduce", c"ncclFloat32", 1, false);
+    ops[0].push(comms[0].collective(&loss));
+}
+
+/// `--torch-p2p`: torch_p2p.py's eager steps (sizes in turn), then a large step captured into one
+/// CUDA graph over its communicators and replayed.
+fn torch_p2p(
+    host: &std::sync::Arc<Host>,
+    args: &Args,
+    mode: &str,
+) -> anyhow::Result<Vec<CommReport>> {
+    anyhow::ensure!(args.nranks == 2, "--torch-p2p runs one of 2 ranks");
+    let specs: Vec<CommSpec> = (0..if mode == "a2a" { 2 } else { 1 })
+        .map(|i| CommSpec {
+            comm_hash: args.comm_hash + i,
+            rank: args.rank,
+            nranks: 2,
+            ..CommSpec::default()
+        })
+        .collect();
+    let mut comms = (specs.iter())
+        .map(|s| host.init_comm(s))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut ops = vec![Vec::new(); comms.len()];
+    for i in 0..args.steps as usize {
+        torch_step(&mut comms, mode, args.rank, TORCH_SIZES[i % 2], &mut ops);
+    }
+    comms.iter_mut().for_each(Comm::begin_capture);
+    torch_step(&mut comms, mode, args.rank, TORCH_SIZES[1], &mut ops);
+    comms.iter_mut().for_each(Comm::end_capture);
+    for _ in 0..args.replays {
+        for (comm, ops) in comms.iter_mut().zip(&mut ops) {
+            ops.extend(comm.replay());
+        }
+    }
+    Ok((comms.into_iter().zip(specs).zip(ops))
+        .map(|((comm, spec), ops)| CommReport {
+            comm_hash: spec.comm_hash,
+            rank: spec.rank,
+            nranks: spec.nranks,
+            nnodes: spec.nnodes,
+            name: None,
+            has_context: comm.has_context(),
+            has_hook: comm.has_hook(),
+            ops,
+            ignored: 0,
+            finalize_ns: comm.finalize().as_nanos() as u64,
+        })
+        .collect())
 }
 
 /// Forks; the child inits a communicator and exits with 0 if the plugin gave it no context.

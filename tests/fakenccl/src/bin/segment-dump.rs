@@ -10,9 +10,9 @@ use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixListener;
 
-use ncclscope_fakenccl::process::receive_segment;
+use ncclscope_fakenccl::process::{receive_segment, saved_segment};
 use ncclscope_proto::Record;
-use ncclscope_proto::segment::{Consumer, Counter, REQUIRED_SEALS, Segment};
+use ncclscope_proto::segment::{Consumer, Counter, Segment};
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
@@ -21,12 +21,8 @@ fn main() -> anyhow::Result<()> {
     };
     if socket == "--read" {
         for (i, path) in args.enumerate() {
-            // A saved segment goes back into a sealed memory file, as the plugin hands it over.
-            let fd = rustix::fs::memfd_create("ncclscope", rustix::fs::MemfdFlags::ALLOW_SEALING)?;
-            rustix::io::write(&fd, &std::fs::read(&path)?)?;
-            rustix::fs::fcntl_add_seals(&fd, REQUIRED_SEALS)?;
             println!("file {path}");
-            dump(i, Segment::open(fd)?)?;
+            dump(i, saved_segment(&std::fs::read(&path)?)?)?;
         }
         return Ok(());
     }
