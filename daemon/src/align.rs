@@ -195,11 +195,14 @@ pub fn check(kernels: &[Kernel], colls: &[Collective], owner: Owner) -> Option<A
 
 fn check_process(kernels: &[Kernel], slices: &[(i64, i64, &Collective)]) -> Option<Alignment> {
     let center = |a: i64, b: i64| a + (b - a) / 2;
-    // The kernel able to run `c` whose center is nearest `at`, looked for among the kernels
-    // starting within a millisecond of it.
-    let nearest = |c: &Collective, at: i64| -> Option<usize> {
-        let from = kernels.partition_point(|k| k.start < at - MAX_CORRECTION_NS);
-        let to = kernels.partition_point(|k| k.start <= at + MAX_CORRECTION_NS);
+    // The kernel able to run `c` (its slice `s..e`, shifted) whose center is nearest the slice's,
+    // looked for among the kernels starting within a millisecond of the slice's start (a kernel
+    // starts just before its work, however long both are: not of its center, 2.5 ms away in a
+    // 5 ms all-gather).
+    let nearest = |c: &Collective, s: i64, e: i64| -> Option<usize> {
+        let from = kernels.partition_point(|k| k.start < s - MAX_CORRECTION_NS);
+        let to = kernels.partition_point(|k| k.start <= s + MAX_CORRECTION_NS);
+        let at = center(s, e);
         (from..to)
             .filter(|&i| runs(&kernels[i], c))
             .min_by_key(|&i| (center(kernels[i].start, kernels[i].end) - at).abs())
@@ -207,7 +210,7 @@ fn check_process(kernels: &[Kernel], slices: &[(i64, i64, &Collective)]) -> Opti
     // A coarse offset: the median distance from each slice's center to the nearest kernel's.
     let mut coarse: Vec<i64> = (slices.iter())
         .filter_map(|&(s, e, c)| {
-            let k = &kernels[nearest(c, center(s, e))?];
+            let k = &kernels[nearest(c, s, e)?];
             Some(center(k.start, k.end) - center(s, e))
         })
         .collect();
@@ -219,7 +222,7 @@ fn check_process(kernels: &[Kernel], slices: &[(i64, i64, &Collective)]) -> Opti
     // Pairs: each slice, shifted by it, with the kernel nearest it that it overlaps; a kernel once.
     let mut by_kernel: std::collections::BTreeMap<usize, (i64, i64, i64)> = Default::default();
     for &(s, e, c) in slices {
-        let Some(i) = nearest(c, center(s, e) + m0) else {
+        let Some(i) = nearest(c, s + m0, e + m0) else {
             continue;
         };
         let k = &kernels[i];
@@ -335,6 +338,32 @@ mod tests {
         assert_eq!(a.offset_ns, 10_150);
         assert!(a.consistent());
         assert!(a.describe().contains("10.150 us early"), "{}", a.describe());
+    }
+
+    /// As on the H100 (torch_profile.py): 5 ms all-gathers beside 30 us ones, each slice inside its
+    /// kernel; a long kernel's center is 2.5 ms from its start, so it must still be found.
+    #[test]
+    fn long_kernels_pair_with_their_slices() {
+        let t0 = 1_796_000_000_000_000_000i64;
+        let len = |i: i64| if i % 2 == 0 { 4_900_000 } else { 30_000 };
+        let starts: Vec<i64> = (0..10)
+            .scan(t0, |at, i| {
+                let s = *at;
+                *at += len(i) + 8_000;
+                Some(s)
+            })
+            .collect();
+        let kernels: Vec<Kernel> = (0..10)
+            .map(|i| kernel(starts[i], starts[i] + len(i as i64)))
+            .collect();
+        let colls: Vec<Collective> = (0..10)
+            .map(|i| {
+                let s = starts[i] + 1_000;
+                coll(7, i as u64, s as u64, (s + len(i as i64) - 3_000) as u64)
+            })
+            .collect();
+        let a = check(&kernels, &colls, Owner::default()).unwrap();
+        assert_eq!((a.paired, a.inside_before, a.offset_ns), (10, 10, 0));
     }
 
     #[test]

@@ -115,6 +115,14 @@ impl Calibration {
         grown.min(u32::MAX as i128 - 1) as u32
     }
 
+    /// Whether times are better mapped by the device's next calibration, due within a second: this
+    /// is its first (the plugin takes the second 250 ms later), so its drift is not yet measured,
+    /// and the next one interpolates between the two. Not for calibrations without their moment
+    /// (older plugins), which come every 5 s.
+    pub fn awaits_second(&self) -> bool {
+        self.host_ns != 0 && self.drift_error_ppb == UNMEASURED_DRIFT_PPB
+    }
+
     /// This calibration as the one after `previous` of the same device (None: its first): how far
     /// its drift may be off.
     pub fn after(mut self, previous: Option<&Calibration>) -> Calibration {

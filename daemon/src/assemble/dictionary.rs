@@ -223,8 +223,9 @@ impl Dict {
         }
     }
 
-    /// A `Calibration` record at `pos`: (whether the dictionary changed, whether it is the
-    /// device's first, which operations waiting for one can now use).
+    /// A `Calibration` record at `pos`: (whether the dictionary changed, whether operations
+    /// waiting for the device's calibration can now be mapped: it is the first, or the one a
+    /// first awaited, [`Calibration::awaits_second`]).
     pub fn calibration(
         &mut self,
         pos: u64,
@@ -242,8 +243,9 @@ impl Dict {
                 }
                 self.calibrations_since_tail
                     .push_back((pos, cuda_dev, *old));
+                let released = old.awaits_second();
                 *old = cal;
-                (true, false)
+                (true, released)
             }
             None if full => {
                 c.device_limit += 1;
@@ -256,7 +258,7 @@ impl Dict {
             None => {
                 self.uid_held += 1;
                 self.calibrations.insert(cuda_dev, cal);
-                (true, true)
+                (true, !cal.awaits_second())
             }
         }
     }

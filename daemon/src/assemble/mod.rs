@@ -131,7 +131,7 @@ pub struct Assembler {
     dictionary_changed: bool,
     max_pending: usize,
     comm_ops: CommOps,
-    /// Complete operations waiting only for their device's first calibration, per device.
+    /// Complete operations waiting only for their device's first or second calibration, per device.
     awaiting_calibration: Map<i32, OpIndex>,
     /// Device-hook work items in all lanes (those in holds: [`Replays::held`]).
     early_works: usize,
@@ -471,11 +471,11 @@ impl Assembler {
                     host_ns,
                     ..Calibration::default()
                 };
-                let (changed, first) =
+                let (changed, release) =
                     (self.dict).calibration(pos, cuda_dev, cal, &mut self.counters);
                 self.dictionary_changed |= changed;
-                // Operations that were only waiting for this device's first calibration.
-                if first && let Some(waiting) = self.awaiting_calibration.remove(&cuda_dev) {
+                // Operations that were only waiting for this device's (second) calibration.
+                if release && let Some(waiting) = self.awaiting_calibration.remove(&cuda_dev) {
                     let ids: Vec<u64> = waiting.live(&self.ops).collect();
                     for id in ids {
                         self.try_finish(id, out);
@@ -1068,11 +1068,13 @@ impl Assembler {
         let Some(dev) = self.dict.comms.get(&op.comm).map(|c| c.cuda_dev) else {
             return;
         };
+        // A device's first calibration has no drift yet: its operations wait for the second, due
+        // 250 ms later, which maps them by interpolation (2.6 us better at an H100's 10.5 ppm).
         // Devices without calibration are as many as the process's communicators at most; beyond
         // that an operation waits for the sweep (CALIBRATION_WAIT_NS) instead.
         let known = self.awaiting_calibration.contains_key(&dev);
         if dev < 0
-            || self.dict.calibrations.contains_key(&dev)
+            || (self.dict.calibrations.get(&dev)).is_some_and(|c| !c.awaits_second())
             || (!known && self.awaiting_calibration.len() >= self.dict.limits.max_devices)
         {
             return;
@@ -1085,7 +1087,7 @@ impl Assembler {
             .push(first_pos, id, &self.ops);
     }
 
-    /// Complete operations wait this long for their device's first calibration, at most.
+    /// Complete operations wait this long for their device's first (or second) calibration, at most.
     const CALIBRATION_WAIT_NS: u64 = 1_000_000_000;
 
     /// Closes operations without progress for `timeout_ns`, and complete ones that waited
@@ -1247,7 +1249,9 @@ fn eager_can_own(
 #[inline]
 fn op_ready(dict: &Dict, op: &Op) -> bool {
     op.ready(|comm| match dict.comms.get(&comm) {
-        Some(c) if c.cuda_dev >= 0 => Some(dict.calibrations.contains_key(&c.cuda_dev)),
+        Some(c) if c.cuda_dev >= 0 => {
+            Some((dict.calibrations.get(&c.cuda_dev)).is_some_and(|cal| !cal.awaits_second()))
+        }
         _ => None,
     })
 }

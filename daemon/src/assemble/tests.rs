@@ -120,21 +120,29 @@ fn stock_path_joins_by_parent_and_applies_calibration() {
     assert_eq!(a.oldest_pending_pos(0), None);
 }
 
-/// The GPU clock drifts against the host's (10 ppm on an H100, tests/gpu/clock): a kernel 5 s after
-/// its device's calibration is mapped with the offset moved by the calibration's drift, 50 us here;
-/// without it every time between calibrations was off by up to the drift times their interval.
-#[test]
-fn kernel_times_are_mapped_with_the_offset_drifted_to_their_moment() {
-    let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
-    let mut recs = prelude(TimingPath::KernelCh);
-    const S: u64 = 1_000_000_000;
-    recs.push(Record::Calibration {
+const S: u64 = 1_000_000_000;
+
+/// A calibration of device 0 good to 250 ns, taken at GPU time `gpu_ns`.
+fn calibration_at(offset_ns: i64, drift_ppb: i32, gpu_ns: u64) -> Record {
+    Record::Calibration {
         cuda_dev: 0,
-        offset_ns: 1_000_000,
+        offset_ns,
         error_ns: 250,
-        drift_ppb: 10_000,
-        host_ns: S + 1_000_000, // GPU time 1 s
-    });
+        drift_ppb,
+        host_ns: gpu_ns + offset_ns as u64,
+    }
+}
+
+/// The calibrations `before`, an all-reduce whose kernel ran at GPU time `gpu` (800 ns), the
+/// calibrations `after`, then a sweep 10 s on: its (start, calibration error), if delivered, and
+/// whether it was before the sweep.
+fn mapped(before: &[Record], gpu: u64, after: &[Record]) -> Option<((u64, u32), bool)> {
+    let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
+    let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
+        .into_iter()
+        .filter(|r| !matches!(r, Record::Calibration { .. }))
+        .collect();
+    recs.extend_from_slice(before);
     recs.push(coll(10, 5, 1));
     recs.push(Record::OpStop {
         comm: 0,
@@ -145,66 +153,49 @@ fn kernel_times_are_mapped_with_the_offset_drifted_to_their_moment() {
         comm: 0,
         parent: 10,
         channel: 0,
-        gpu_start: 6 * S,
-        gpu_stop: 6 * S + 800,
+        gpu_start: gpu,
+        gpu_stop: gpu + 800,
         host_ns: 0,
     });
-    let out = feed(&mut a, &recs);
-    assert_eq!(out.len(), 1);
-    let c = &out[0].coll;
-    assert_eq!(c.start_unix_ns, 6 * S + 1_000_000 + 50_000);
-    assert_eq!(c.end_unix_ns, 6 * S + 800 + 1_000_000 + 50_000);
-    assert_eq!(c.exec_ns, 800);
+    recs.extend_from_slice(after);
+    let mut out = feed(&mut a, &recs);
+    let early = !out.is_empty();
+    a.sweep(10 * S, 30 * S, &mut out);
+    assert!(out.len() <= 1);
+    let c = &out.first()?.coll;
+    Some(((c.start_unix_ns, c.calibration_error_ns), early))
 }
 
+/// The GPU clock drifts against the host's (10 ppm on an H100, tests/gpu/clock): a kernel 5 s after
+/// its device's calibration is mapped with the offset moved by the calibration's drift, 50 us here;
+/// without it every time between calibrations was off by up to the drift times their interval. The
+/// reported error grows with the distance by how far the drift may be off: the two calibrations'
+/// errors over their interval, (250 + 250) ns / 0.5 s = 1 ppm, 5 us at 5 s.
 #[test]
-fn the_reported_error_grows_with_the_kernels_distance_from_the_calibration() {
-    const S: u64 = 1_000_000_000;
-    let calibration = |offset_ns, drift_ppb, gpu_ns: u64| Record::Calibration {
-        cuda_dev: 0,
-        offset_ns,
-        error_ns: 250,
-        drift_ppb,
-        host_ns: gpu_ns + offset_ns as u64,
-    };
-    // (calibrations, the kernel's GPU time) -> (its start, the error reported for it).
-    let run = |cals: &[Record], gpu: u64| {
-        let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
-        let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
-            .into_iter()
-            .filter(|r| !matches!(r, Record::Calibration { .. }))
-            .collect();
-        recs.extend_from_slice(cals);
-        recs.push(coll(10, 5, 1));
-        recs.push(Record::OpStop {
-            comm: 0,
-            id: 10,
-            host_ns: 1500,
-        });
-        recs.push(Record::KernelCh {
-            comm: 0,
-            parent: 10,
-            channel: 0,
-            gpu_start: gpu,
-            gpu_stop: gpu + 800,
-            host_ns: 0,
-        });
-        let out = feed(&mut a, &recs);
-        assert_eq!(out.len(), 1);
-        (out[0].coll.start_unix_ns, out[0].coll.calibration_error_ns)
-    };
-    // A first calibration has no measured drift: 100 ppm assumed over the kernel's 100 ms from it.
-    let first = calibration(1_000_000, 0, S / 2);
+fn kernel_times_are_mapped_with_the_offset_drifted_to_their_moment() {
+    let first = calibration_at(1_000_000, 0, S / 2);
+    let second = calibration_at(1_005_000, 10_000, S - 5_000); // 10 ppm over 0.5 s
     assert_eq!(
-        run(&[first], S / 2 + S / 10),
-        (S / 2 + S / 10 + 1_000_000, 250 + 10_000)
+        mapped(&[first, second], 6 * S, &[]),
+        Some(((6 * S + 1_055_000, 250 + 5_000), true))
     );
-    // The second, 0.5 s later, measured 10 ppm to within (250 + 250) ns / 0.5 s = 1 ppm: 5 us over
-    // the kernel's 5 s from it.
-    let second = calibration(1_005_000, 10_000, S - 5_000);
+}
+
+/// A first calibration has no drift: an operation mapped by it alone waits for the second (the
+/// plugin takes it 250 ms later), which maps it by interpolation; if none comes, the sweep maps it
+/// with the first, its error grown by 100 ppm of its distance (10 us at 100 ms).
+#[test]
+fn operations_after_a_first_calibration_wait_for_the_second_and_are_interpolated() {
+    let first = calibration_at(1_000_000, 0, S / 2);
+    let second = calibration_at(1_005_000, 10_000, S - 5_000);
+    // 0.2 s after the first: +2 us of the 10 ppm; 0.3 s from the second: 0.3 us more error.
     assert_eq!(
-        run(&[first, second], 6 * S),
-        (6 * S + 1_055_000, 250 + 5_000)
+        mapped(&[first], 7 * S / 10 - 5_000, &[second]),
+        Some(((7 * S / 10 + 997_000, 250 + 300), true))
+    );
+    assert_eq!(
+        mapped(&[first], S / 2 + S / 10, &[]),
+        Some(((S / 2 + S / 10 + 1_000_000, 250 + 10_000), false))
     );
 }
 

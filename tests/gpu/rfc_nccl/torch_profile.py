@@ -3,8 +3,7 @@ steps of a 2-process FSDP-style loop over the NCCL that LD_PRELOAD names (the RF
 Per step on a second group (new_group: an NCCL comm split) async all-gathers of the parameters and
 reduce-scatters of the gradients, small and large, and an all-reduce of the loss on the default group.
 Steps run unprofiled for WARMUP seconds first, so the profiled ones lie past the plugin's first calibrations.
-Each rank writes its trace to OUTDIR/rankR.pt.trace.json and prints "rank=R kernels=N", the NCCL
-kernels in it; run.sh merges each with `ncclscope export --merge` and check.py checks the alignment.
+Each rank writes its trace to OUTDIR/rankR.pt.trace.json and prints "rank=R trace=PATH"; run.sh merges each with `ncclscope export --merge` and check.py checks the alignment.
 
   python3 torch_profile.py OUTDIR STEPS WARMUP
 """
@@ -53,10 +52,11 @@ def rank_main(rank, store, outdir, steps, warmup):
         torch.cuda.synchronize()
     path = os.path.join(outdir, f"rank{rank}.pt.trace.json")
     prof.export_chrome_trace(path)
-    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                  and e.name.startswith("nccl"))
-    print(f"rank={rank} kernels={kernels} trace={path} torch={torch.__version__}", flush=True)
-    threading.Timer(10, lambda: os._exit(9)).start()
+    print(f"rank={rank} trace={path} torch={torch.__version__}", flush=True)
+    dist.barrier()  # both traces written before either process ends
+    # The traces are written: a teardown that hangs must not fail the case (mp.spawn would end the
+    # other process when one exits non-zero).
+    threading.Timer(10, lambda: os._exit(0)).start()
     dist.destroy_process_group()
     os._exit(0)
 
