@@ -38,7 +38,8 @@ pub fn nccl_kernels(torch: &Value) -> Vec<Kernel> {
         .filter(|e| e.get("cat").and_then(Value::as_str) == Some("kernel"))
         .filter_map(|e| {
             let name = e.get("name")?.as_str()?;
-            if !name.starts_with("nccl") {
+            // Not ncclscope's own calibration kernel (`ncclscope_calibrate`), which profilers see too.
+            if !(name.starts_with("ncclDevKernel_") || name.starts_with("ncclKernel_")) {
                 return None;
             }
             let ts = e.get("ts")?.as_f64()?;
@@ -422,6 +423,7 @@ mod tests {
         let trace = json!({"baseTimeNanoseconds": 1_000_000_000u64, "traceEvents": [
             {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "ts": 2.5, "dur": 1.25},
             {"ph": "X", "cat": "kernel", "name": "ampere_sgemm", "ts": 1.0, "dur": 1.0},
+            {"ph": "X", "cat": "kernel", "name": "ncclscope_calibrate", "ts": 1.5, "dur": 0.1},
             {"ph": "X", "cat": "cpu_op", "name": "nccl:all_reduce", "ts": 1.0, "dur": 1.0},
             {"ph": "X", "cat": "kernel", "name": "ncclKernel_AllReduce_RING_LL_Sum_float", "ts": 0.5, "dur": 1.0},
         ]});

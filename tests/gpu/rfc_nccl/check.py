@@ -176,7 +176,8 @@ def check_profile(name, out):
         try:
             trace = json.load(open(f"{out}/{name}/rank{r}.pt.trace.json"))
             kernels = sum(1 for e in trace["traceEvents"]
-                          if e.get("cat") == "kernel" and e.get("name", "").startswith("nccl"))
+                          if e.get("cat") == "kernel"
+                          and e.get("name", "").startswith(("ncclDevKernel_", "ncclKernel_")))
             a = json.load(open(f"{out}/{name}/rank{r}.merged.json"))["ncclscope_alignment"]
         except (OSError, KeyError, ValueError) as e:
             print(f"{name} rank {r}: FAIL no merged trace ({e})")
