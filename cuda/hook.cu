@@ -1,11 +1,12 @@
 // The device hook (relocatable code, capped at NCCLSCOPE_HOOK_MAX_REGS registers by the build so it fits
 // in every calling kernel), the reference hooks the benchmark compares it with, and the clock
-// calibration kernel. Device-linked into a fatbin that the plugin embeds and loads once per context.
+// calibration kernel (calibrate.cuh). Device-linked into a fatbin that the plugin embeds and loads once per context.
 //
 // Publication is fence-free and atomic-free: a slot is six 8-byte words {4 bytes of the event, 4-byte
 // flag}, written as three 16-byte stores (no fence); the flag is the low 32 bits of the slot's sequence + 1,
 // sequence = workCounter * 2 + phase. The drain accepts a slot only when all six flags match.
 #include "ncclscope.h"
+#include "calibrate.cuh"  // the clock calibration kernel
 
 // The slot of an event: devCtx = ring block address | log2(slots per ring). SlotBytes is the ring's slot
 // size (the benchmark's 32-byte-event variant uses 64-byte slots).
@@ -82,29 +83,3 @@ extern "C" __device__ ncclscopeHookFn ncclscope_ref_empty_ptr = ncclscope_ref_em
 extern "C" __device__ ncclscopeHookFn ncclscope_ref_loadonly_ptr = ncclscope_ref_loadonly;
 extern "C" __device__ ncclscopeHookByValFn ncclscope_ref_byval_empty_ptr = ncclscope_ref_byval_empty;
 extern "C" __device__ ncclscopeHookFn ncclscope_ref_event32_ptr = ncclscope_ref_event32;
-
-// Clock calibration, one thread. Reports the globaltimer tick in out[0] (which also says "started"),
-// then for i = 1..n waits until the host writes i to *go and answers with the clock in out[i]. The host
-// brackets each answer with CLOCK_REALTIME reads. Any value the host writes that is not the next ping
-// (or a one-second silence) ends the kernel.
-extern "C" __global__ void ncclscope_calibrate(volatile uint64_t* go, volatile uint64_t* out, uint32_t n) {
-  uint64_t prev = ncclscope_globaltimer(), tick = ~0ull;
-  for (int changes = 0; changes < 16;) {
-    const uint64_t t = ncclscope_globaltimer();
-    if (t != prev) {
-      tick = min(tick, t - prev);
-      prev = t;
-      changes++;
-    }
-  }
-  out[0] = tick;
-  for (uint32_t i = 1; i <= n; i++) {
-    const uint64_t t0 = ncclscope_globaltimer();
-    uint64_t g;
-    while ((g = *go) < i) {
-      if (ncclscope_globaltimer() - t0 > 1000000000ull) return;
-    }
-    if (g != i) return;
-    out[i] = ncclscope_globaltimer();
-  }
-}

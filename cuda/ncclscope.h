@@ -26,8 +26,4 @@ typedef void (*ncclscopeHookFn)(const ncclProfilerDevEvent_t* ev, void* devCtx);
 typedef void (*ncclscopeHookByValFn)(uint64_t timestamp, uint64_t workCounter, uint32_t funcId,
                                      uint32_t channelPhase, void* devCtx);
 
-__device__ __forceinline__ uint64_t ncclscope_globaltimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+#include "clock.cuh"

@@ -13,11 +13,9 @@
 #include <ctime>
 #include <cuda_runtime.h>
 
-__device__ __forceinline__ uint64_t globaltimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+// The plugin's own calibration kernel and clock read (no ring layout needed): the exchange below is
+// the one the plugin's calibrations make, bounded both ways against CLOCK_REALTIME.
+#include "../../../cuda/calibrate.cuh"
 
 static uint64_t realtime_ns() {
   timespec ts;
@@ -25,37 +23,14 @@ static uint64_t realtime_ns() {
   return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
 }
 
-// out[0]: the smallest step of %globaltimer (also "started"); then answers pings 1..n in out[i].
-__global__ void pingpong(volatile uint64_t* go, volatile uint64_t* out, uint32_t n) {
-  uint64_t prev = globaltimer(), tick = ~0ull;
-  for (int changes = 0; changes < 64;) {
-    const uint64_t t = globaltimer();
-    if (t != prev) {
-      tick = min(tick, t - prev);
-      prev = t;
-      changes++;
-    }
-  }
-  out[0] = tick;
-  for (uint32_t i = 1; i <= n; i++) {
-    const uint64_t t0 = globaltimer();
-    uint64_t g;
-    while ((g = *go) < i) {
-      if (globaltimer() - t0 > 1000000000ull) return;
-    }
-    if (g != i) return;
-    out[i] = globaltimer();
-  }
-}
-
 // One thread: %globaltimer at its first instruction and at its last, `spin_ns` apart (CUPTI's kernel
 // record of the same launch is compared with them).
 __global__ void stamp(uint64_t* out, uint64_t spin_ns) {
-  const uint64_t t0 = globaltimer();
+  const uint64_t t0 = ncclscope_globaltimer();
   uint64_t t = t0;
-  while (t - t0 < spin_ns) t = globaltimer();
+  while (t - t0 < spin_ns) t = ncclscope_globaltimer();
   out[0] = t0;
-  out[1] = globaltimer();
+  out[1] = ncclscope_globaltimer();
 }
 
 static const uint32_t MAX_N = 4096;
@@ -79,7 +54,7 @@ extern "C" int probe_exchange(uint32_t n, uint64_t* h0, uint64_t* g, uint64_t* h
   for (uint32_t i = 0; i < n + 2; i++) host_words[i] = 0;
   cudaStream_t s;
   if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) return 11;
-  pingpong<<<1, 1, 0, s>>>(dev_words, dev_words + 1, n);
+  ncclscope_calibrate<<<1, 1, 0, s>>>(dev_words, dev_words + 1, n);
   if (cudaGetLastError() != cudaSuccess) return 12;
   volatile uint64_t* out = host_words + 1;
   const uint64_t start = realtime_ns();
