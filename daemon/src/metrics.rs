@@ -1008,6 +1008,23 @@ mod tests {
     use ncclscope_proto::api::LiveSpans;
     use ncclscope_tests::promql::{histogram_quantile, native_quantile, text_buckets};
 
+    /// Rank 2 of 4's all-reduce `seq` of uid 7's job "j", kernel-timed at `exec_ns`.
+    fn all_reduce(seq: u64, exec_ns: u64) -> ncclscope_proto::api::Collective {
+        ncclscope_proto::api::Collective {
+            uid: 7,
+            job_id: "j".into(),
+            comm_hash: 1,
+            func: "AllReduce".into(),
+            seq,
+            rank: 2,
+            nranks: 4,
+            exec_ns,
+            end_unix_ns: 1_700_000_000_000_000_000 + seq,
+            timing_source: "kernel_gpu".into(),
+            ..Default::default()
+        }
+    }
+
     /// A host-timed instance (an eager send on the device-hook path) is counted, but its host times
     /// bracket the enqueue, not the work: it enters no exec time, bandwidth or per-rank mean.
     #[test]
@@ -1015,17 +1032,8 @@ mod tests {
         let mut stats = Stats::new(1_000_000_000, 1000, 10);
         for (seq, exec_ns, source) in [(1, 40_000, "device_hook"), (2, 0, "host"), (3, 0, "host")] {
             let c = Shared::from(&ncclscope_proto::api::Collective {
-                uid: 7,
-                job_id: "j".into(),
-                comm_hash: 1,
-                func: "AllReduce".into(),
-                seq,
-                nranks: 2,
-                exec_ns,
-                bytes: 1 << 20,
-                end_unix_ns: 1_700_000_000_000_000_000 + seq,
                 timing_source: source.into(),
-                ..Default::default()
+                ..all_reduce(seq, exec_ns)
             });
             stats.observe(c.view(), 0, 1, |_, _| LiveSpans::None);
         }
@@ -1055,17 +1063,8 @@ mod tests {
         let mut stats = Stats::new(1_000_000_000, 1000, 10);
         let coll = |seq: u64, exec_ns: u64| {
             Shared::from(&ncclscope_proto::api::Collective {
-                uid: 7,
-                job_id: "j".into(),
-                comm_hash: 1,
-                func: "AllReduce".into(),
-                seq,
-                rank: 2,
-                nranks: 4,
-                exec_ns,
                 end_unix_ns: 1_700_000_000_123_456_789 + seq,
-                timing_source: "kernel_gpu".into(),
-                ..Default::default()
+                ..all_reduce(seq, exec_ns)
             })
         };
         // Bucket (2^(4/8), 2^(5/8)] us: seq 1 then seq 2 sampled (the latter kept), seq 3 not.
@@ -1335,19 +1334,7 @@ mod tests {
             (3, 3_000, LiveSpans::None),
             (4, 900_000, LiveSpans::None),
         ] {
-            let c = Shared::from(&ncclscope_proto::api::Collective {
-                uid: 7,
-                job_id: "j".into(),
-                comm_hash: 1,
-                func: "AllReduce".into(),
-                seq,
-                rank: 2,
-                nranks: 4,
-                exec_ns,
-                end_unix_ns: 1_700_000_000_000_000_000 + seq,
-                timing_source: "kernel_gpu".into(),
-                ..Default::default()
-            });
+            let c = Shared::from(&all_reduce(seq, exec_ns));
             stats.observe(c.view(), 0, 1, |_, _| live);
         }
         let f = families(&stats, &Health::default(), "h");

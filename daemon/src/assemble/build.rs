@@ -51,13 +51,19 @@ pub(super) fn instance(
     let bytes = bandwidth::inspector_bytes(func, msg, nranks);
     let mut channels = op.channels;
     channels.sort_unstable_by_key(|c| c.channel);
-    // The error of the mapping at the op's farthest GPU times from the calibration.
+    // The error of the mapping at the op's farthest GPU time from the calibration, its first start
+    // or its last end (the error grows with the distance).
     let calibration_error_ns = match calibration {
-        Some(c) => (channels.iter())
-            .flat_map(|ch| [ch.start_unix_ns, ch.end_unix_ns])
-            .map(|t| c.error_at(t))
-            .max()
-            .unwrap_or(c.error_ns),
+        Some(c) => {
+            let first = channels.iter().map(|ch| ch.start_unix_ns).min();
+            let last = channels.iter().map(|ch| ch.end_unix_ns).max();
+            [first, last]
+                .into_iter()
+                .flatten()
+                .map(|t| c.error_at(t))
+                .max()
+                .unwrap_or(c.error_ns)
+        }
         // No calibration (closed by a timeout before the first one arrived): GPU clock, flagged.
         None if channels.is_empty() => 0,
         None => u32::MAX,

@@ -45,12 +45,18 @@ fn feed(a: &mut Assembler, recs: &[Record]) -> Vec<Completed> {
 }
 
 fn prelude(path: TimingPath) -> Vec<Record> {
+    let mut recs = uncalibrated_prelude(path);
+    recs.insert(4, fixture::calibration(0, 1_000_000, 250));
+    recs
+}
+
+/// [`prelude`] without its device's calibration.
+fn uncalibrated_prelude(path: TimingPath) -> Vec<Record> {
     vec![
         s(1, "AllReduce"),
         s(2, "ncclFloat32"),
         s(3, "RING"),
         s(4, "LL128"),
-        fixture::calibration(0, 1_000_000, 250),
         comm(path),
     ]
 }
@@ -138,10 +144,7 @@ fn calibration_at(offset_ns: i64, drift_ppb: i32, gpu_ns: u64) -> Record {
 /// whether it was before the sweep.
 fn mapped(before: &[Record], gpu: u64, after: &[Record]) -> Option<((u64, u32), bool)> {
     let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
-    let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
-        .into_iter()
-        .filter(|r| !matches!(r, Record::Calibration { .. }))
-        .collect();
+    let mut recs = uncalibrated_prelude(TimingPath::KernelCh);
     recs.extend_from_slice(before);
     recs.push(coll(10, 5, 1));
     recs.push(Record::OpStop {
@@ -202,10 +205,7 @@ fn operations_after_a_first_calibration_wait_for_the_second_and_are_interpolated
 #[test]
 fn kernel_times_read_before_the_first_calibration_wait_for_it() {
     let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
-    let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
-        .into_iter()
-        .filter(|r| !matches!(r, Record::Calibration { .. }))
-        .collect();
+    let mut recs = uncalibrated_prelude(TimingPath::KernelCh);
     recs.push(coll(10, 5, 1));
     recs.push(Record::OpStop {
         comm: 0,
@@ -246,9 +246,8 @@ fn kernel_times_read_before_the_first_calibration_wait_for_it() {
 #[test]
 fn a_deviceless_kernel_ch_is_anchored_to_its_host_stamps() {
     let mut a = Assembler::new(7, 1000, "job".into(), "node".into(), 100);
-    let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
+    let mut recs: Vec<Record> = uncalibrated_prelude(TimingPath::KernelCh)
         .into_iter()
-        .filter(|r| !matches!(r, Record::Calibration { .. }))
         .map(|r| match r {
             Record::Comm {
                 comm,
@@ -777,10 +776,7 @@ fn finalized_communicators_make_room_once_their_end_is_committed() {
 #[test]
 fn comm_end_closes_its_own_ops_in_order_and_a_first_calibration_only_those_awaiting_it() {
     let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 1000);
-    let mut recs: Vec<Record> = prelude(TimingPath::KernelCh)
-        .into_iter()
-        .filter(|r| !matches!(r, Record::Calibration { .. }))
-        .collect();
+    let mut recs = uncalibrated_prelude(TimingPath::KernelCh);
     recs.push(comm_at(1, 1, TimingPath::KernelCh));
     // Comm 0 (device 0): ops 1..=3 complete and waiting for device 0's calibration; comm 1
     // (device 1): ops 11..=13 in flight.
