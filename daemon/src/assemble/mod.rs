@@ -30,6 +30,7 @@ use std::collections::VecDeque;
 
 use std::sync::Arc;
 
+use ncclscope_proto::api::ChannelWork;
 use ncclscope_proto::{MAX_CHANNELS, Record, StrId, TimingPath};
 
 use crate::config::Limits;
@@ -45,6 +46,7 @@ mod graph;
 mod hold;
 mod lanes;
 mod operations;
+mod p2p;
 mod replay;
 pub use counters::AssembleCounters;
 use dictionary::Dict;
@@ -54,6 +56,7 @@ use hold::Candidate;
 use lanes::{Lane, MAX_EARLY_WORKS, Read, Work};
 pub use operations::Completed;
 use operations::{CommOps, Op, OpIndex};
+use p2p::{Placed, Schedules, Task};
 use replay::{Decision, Held, Replays, Route, Settled};
 
 /// Sinks a previous daemon already delivered an operation to (persisted in the segment state).
@@ -121,6 +124,12 @@ pub struct Assembler {
     /// Device-hook path: graph templates, replay cursors and holds.
     replays: Replays,
     p2p_seqs: P2pSeqs,
+    /// Device-hook path: the channels of eager sends and receives (their rounds of NCCL's p2p
+    /// schedule).
+    p2p: Schedules,
+    /// A receive sharing its round's send's work items: send id -> (receive id, the channels where
+    /// what joins the send joins the receive too).
+    shares: Map<u64, (u64, u64)>,
     ops: Map<u64, Op>,
     /// (first record position, id) of operations in start order, which is position order (records
     /// are applied in stream order). Entries of finished operations go lazily; the front is always
@@ -169,6 +178,8 @@ impl Assembler {
             waiting: Map::default(),
             replays: Replays::default(),
             p2p_seqs: P2pSeqs::default(),
+            p2p: Schedules::default(),
+            shares: Map::default(),
             ops: Map::default(),
             by_pos: VecDeque::new(),
             prior: Map::default(),
@@ -531,6 +542,7 @@ impl Assembler {
                 if let Some(captured) = self.replays.remove(comm) {
                     self.dict.give_uid(captured);
                 }
+                self.p2p.remove(comm);
                 self.dictionary_changed |= self.dict.comm_ended(comm, pos);
             }
             Record::CollStart {
@@ -567,6 +579,7 @@ impl Assembler {
                     host_ns,
                     captured,
                 };
+                self.p2p.close_plan(comm);
                 self.host_event(pos, event, now_ns, out);
             }
             Record::P2pStart {
@@ -602,7 +615,8 @@ impl Assembler {
                 };
                 self.host_event(pos, event, now_ns, out);
             }
-            Record::OpStop { id, host_ns, .. } => {
+            Record::OpStop { comm, id, host_ns } => {
+                self.p2p.close_plan(comm);
                 if !self.restored.is_empty() && self.restored.get(&id).is_some_and(|&u| pos < u) {
                     return; // in the operation a previous daemon saved
                 }
@@ -672,12 +686,6 @@ impl Assembler {
                     self.counters.dev_work += 1;
                     return;
                 }
-                if self.dict.is_p2p_work(func_id) {
-                    self.counters.dev_work += 1;
-                    self.counters.dev_p2p += 1;
-                    self.replays.foreign((comm, channel), work_counter);
-                    return;
-                }
                 if let Some(ambiguous) =
                     (self.replays).take_settled(pos, (comm, channel), work_counter)
                 {
@@ -688,16 +696,30 @@ impl Assembler {
                     }
                     return;
                 }
-                if self.early_works + self.replays.held() >= self.dict.limits.max_early_works {
-                    self.counters.early_work_limit += 1;
-                    return;
-                }
-                self.counters.dev_work += 1;
                 let work = Work {
                     func_id,
                     gpu_start,
                     gpu_stop,
                 };
+                // A p2p item joins a send or receive waiting on its channel, or nothing (it never
+                // waits in a lane: see `p2p_item`).
+                if self.dict.is_p2p_work(func_id) {
+                    self.counters.dev_work += 1;
+                    self.replays.foreign((comm, channel), work_counter);
+                    let read = Read {
+                        pos,
+                        key: (comm, channel),
+                        wc: work_counter,
+                        work,
+                    };
+                    self.p2p_item(read, now_ns, out);
+                    return;
+                }
+                if self.early_works + self.replays.held() >= self.dict.limits.max_early_works {
+                    self.counters.early_work_limit += 1;
+                    return;
+                }
+                self.counters.dev_work += 1;
                 if self.replays.has_template(comm) {
                     let read = Read {
                         pos,
@@ -968,8 +990,23 @@ impl Assembler {
         {
             op.prior = flags;
         }
-        op.host_only = info.device_hook && op.desc.is_p2p;
-        let hook_lanes = if info.device_hook && !op.host_only {
+        // An eager send or receive waits on the channels of its round of NCCL's p2p schedule, once
+        // they are known; where they cannot be, it completes with its host times.
+        let mut placed = Vec::new();
+        if info.device_hook && op.desc.is_p2p {
+            let task = Task {
+                id,
+                send: self
+                    .dict
+                    .names
+                    .get(op.desc.func)
+                    .eq_ignore_ascii_case("Send"),
+                peer: op.desc.peer,
+                n_channels: op.desc.n_channels,
+            };
+            op.host_only = !self.p2p.enqueue(info, task, &mut placed);
+        }
+        let hook_lanes = if info.device_hook && !op.desc.is_p2p {
             op.desc.n_channels.min(MAX_CHANNELS)
         } else {
             0
@@ -996,11 +1033,127 @@ impl Assembler {
         for ch in 0..hook_lanes {
             self.match_lane((comm, ch), now_ns, out);
         }
+        self.place_p2p(comm, placed, now_ns, out);
         while self.ops.len() > self.max_pending {
             let &(_, oldest) = self.by_pos.front().expect("ops and by_pos agree");
             self.counters.pending_overflow += 1;
             self.finish(oldest, out);
         }
+    }
+
+    /// Sends and receives whose channels are now known wait on those lanes, in stream order among
+    /// the operations there (one placed late goes before those enqueued after it); a receive's
+    /// share of its send's items takes what the send already has.
+    fn place_p2p(&mut self, comm: u32, placed: Vec<Placed>, now_ns: u64, out: &mut Vec<Completed>) {
+        for p in placed {
+            for (id, lanes) in p.lanes {
+                let Some(first_pos) = self.ops.get_mut(&id).map(|op| {
+                    op.p2p_lanes |= lanes;
+                    op.first_pos
+                }) else {
+                    continue; // closed meanwhile
+                };
+                for ch in (0..MAX_CHANNELS).filter(|ch| lanes & 1 << ch != 0) {
+                    let ops = &self.ops;
+                    let lane = self.waiting.entry((comm, ch)).or_default();
+                    let at = lane
+                        .ops
+                        .iter()
+                        .rposition(|o| ops.get(o).is_none_or(|o| o.first_pos < first_pos))
+                        .map_or(0, |i| i + 1);
+                    lane.ops.insert(at, id);
+                }
+            }
+            let Some((send, recv, shared)) = p.share.filter(|s| s.2 != 0) else {
+                continue;
+            };
+            let had: Vec<ChannelWork> = (self.ops.get(&send).into_iter())
+                .flat_map(|op| op.channels.iter())
+                .filter(|c| shared & 1 << c.channel != 0)
+                .copied()
+                .collect();
+            let Some(op) = self.ops.get_mut(&recv) else {
+                continue;
+            };
+            for c in &had {
+                op.add_work(c.channel as u8, c.start_unix_ns, c.end_unix_ns, now_ns);
+            }
+            let rest = had.iter().fold(shared, |m, c| m & !(1 << c.channel));
+            if rest != 0 && self.ops.contains_key(&send) {
+                self.shares.insert(send, (recv, rest));
+            }
+            self.try_finish(recv, out);
+        }
+    }
+
+    /// A p2p work item: to the oldest send or receive waiting on its channel, if that one was
+    /// enqueued before the item started (an older item is none of theirs: a captured transfer's
+    /// replay, or one whose operation closed); else it narrows the communicator's p2p schedule,
+    /// which may place operations it belongs to; else it is counted (`dev_p2p`).
+    fn p2p_item(&mut self, read: Read, now_ns: u64, out: &mut Vec<Completed>) {
+        if self.join_p2p(read, now_ns, out) {
+            return;
+        }
+        let mut placed = Vec::new();
+        self.p2p.item(read.key.0, read.key.1, &mut placed);
+        if !placed.is_empty() {
+            self.place_p2p(read.key.0, placed, now_ns, out);
+            if self.join_p2p(read, now_ns, out) {
+                return;
+            }
+        }
+        self.counters.dev_p2p += 1;
+    }
+
+    /// Joins a p2p item to the oldest send or receive waiting on its lane, if it can own it.
+    fn join_p2p(&mut self, read: Read, now_ns: u64, out: &mut Vec<Completed>) -> bool {
+        let key = read.key;
+        let Some(lane) = self.waiting.get_mut(&key) else {
+            return false;
+        };
+        let ops = &self.ops;
+        let Some(i) = (lane.ops.iter()).position(|id| ops.get(id).is_some_and(|o| o.desc.is_p2p))
+        else {
+            return false;
+        };
+        let id = lane.ops[i];
+        let op = &self.ops[&id];
+        let started = self.dict.started_by(key.0, &read.work);
+        if started.is_some_and(|t| op.enqueue_ns > t)
+            || !self.dict.work_matches(read.work.func_id, op.desc.func)
+        {
+            return false;
+        }
+        lane.ops.remove(i);
+        if lane.is_empty() {
+            self.waiting.remove(&key);
+        }
+        let op = self.ops.get_mut(&id).expect("in flight");
+        op.add_work(key.1, read.work.gpu_start, read.work.gpu_stop, now_ns);
+        let first_pos = op.first_pos;
+        self.counters.dev_joined += 1;
+        self.eager_mark(read.pos, first_pos, key.0);
+        let partner = self.take_share(id, key.1);
+        self.try_finish(id, out);
+        if let Some(op) = partner.and_then(|p| self.ops.get_mut(&p)) {
+            op.add_work(key.1, read.work.gpu_start, read.work.gpu_stop, now_ns);
+            self.try_finish(partner.expect("some"), out);
+        }
+        true
+    }
+
+    /// The receive that shares `owner`'s item on `ch`, if one does (once).
+    fn take_share(&mut self, owner: u64, ch: u8) -> Option<u64> {
+        let (partner, mask) = self.shares.get_mut(&owner)?;
+        if *mask & 1 << ch == 0 {
+            return None;
+        }
+        *mask &= !(1 << ch);
+        let partner = *partner;
+        if *mask == 0 {
+            self.shares.remove(&owner);
+        }
+        Some(partner)
     }
 
     /// Joins a lane's waiting operations and early work items in order (see [`Lane::pair`]).
@@ -1161,11 +1314,21 @@ impl Assembler {
         let info = self.dict.comms.get(&op.comm);
         let hook = info.is_some_and(|c| c.device_hook);
         if hook && op.replay == 0 && !op.host_only {
-            for ch in 0..op.desc.n_channels.min(MAX_CHANNELS) {
+            let leave = |ch| {
                 if let Some(lane) = self.waiting.get_mut(&(op.comm, ch)) {
                     lane.ops.retain(|&x| x != id);
                 }
+            };
+            if op.desc.is_p2p {
+                (0..MAX_CHANNELS)
+                    .filter(|ch| op.p2p_lanes & 1 << ch != 0)
+                    .for_each(leave);
+            } else {
+                (0..op.desc.n_channels.min(MAX_CHANNELS)).for_each(leave);
             }
+        }
+        if !self.shares.is_empty() {
+            self.shares.remove(&id);
         }
         // Work on some channels but not all: its exec time would be a guess.
         if hook
@@ -1175,10 +1338,13 @@ impl Assembler {
             self.counters.dev_mismatch += 1;
             return;
         }
-        if !op.complete() {
-            self.counters.incomplete += 1;
-        } else if op.host_only {
+        // A send or receive whose channels or items did not come (see `p2p_item`) has its host
+        // times, as one that was never placed.
+        let host_timed = op.host_only || (hook && op.desc.is_p2p && op.channels.is_empty());
+        if host_timed && op.stop_ns.is_some() {
             self.counters.p2p_host_timed += 1;
+        } else if !op.complete() {
+            self.counters.incomplete += 1;
         }
         let calibration = info
             .and_then(|c| self.dict.calibrations.get(&c.cuda_dev))

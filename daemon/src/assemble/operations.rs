@@ -38,6 +38,8 @@ pub(super) struct Op {
     /// Completes with its host stop alone: no kernel work can be joined to it (a send or receive
     /// on the device-hook path, see `Dict::is_p2p_work`).
     pub host_only: bool,
+    /// The channels a send or receive waits on (bit per channel) on the device-hook path.
+    pub p2p_lanes: u64,
 }
 
 impl Op {
@@ -68,6 +70,7 @@ impl Op {
             opened_ns: now_ns,
             parked: false,
             host_only: false,
+            p2p_lanes: 0,
         }
     }
 

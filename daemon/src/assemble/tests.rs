@@ -1527,12 +1527,13 @@ fn a_restart_while_items_are_held_delivers_nothing_twice_and_nothing_missing() {
 }
 
 /// NCCL's p2p kernel runs a group's sends and receives as rounds on channels its p2p schedule
-/// picks (a round with the peer at `p2pnChannels / 2` on two ranks), none of which a host event
-/// names: its work items join no send, receive or collective (`dev_p2p`), the sends and receives
-/// are delivered with host times, captured ones counted; the collectives beside them, eager and
+/// picks (rank 1 of 2: the round with the peer at `p2pnChannels / 2`, here 32, one work item per
+/// channel for the fused send and receive), none of which a host event names: the eager send and
+/// receive join that round's items, whose channel tells the width; the captured ones are counted
+/// and their replays' items join nothing (`dev_p2p`); the collectives beside them, eager and
 /// replayed, keep their own items.
 #[test]
-fn p2p_work_items_stay_out_of_the_collectives_beside_them() {
+fn p2p_work_items_join_their_round_and_leave_the_collectives_beside_them() {
     let p2p = |id, func, captured| Record::P2pStart {
         comm: 0,
         id,
@@ -1550,6 +1551,18 @@ fn p2p_work_items_stay_out_of_the_collectives_beside_them() {
         host_ns: 2000,
     };
     let mut recs = hook_prelude();
+    let two_ranks = Comm {
+        comm_hash: 0xabc,
+        rank: 1,
+        nranks: 2,
+        nccl_version: 23007,
+        path: TimingPath::DeviceHook,
+        ..Comm::default()
+    };
+    let at = (recs.iter())
+        .position(|r| matches!(r, Record::Comm { .. }))
+        .expect("prelude has its communicator");
+    recs[at] = two_ranks.record();
     recs.extend([
         s(12, "SendRecv"),
         Record::FuncName {
@@ -1559,10 +1572,10 @@ fn p2p_work_items_stay_out_of_the_collectives_beside_them() {
         s(13, "Send"),
         s(14, "Recv"),
     ]);
-    // Eager: an all-reduce on channel 0, a send and a receive fused into one round on channels
-    // 32 and 33, another all-reduce on channels 0 and 1.
-    recs.extend([coll(1, 0, 1), stop(1), p2p(2, 13, false), stop(2)]);
-    recs.extend([p2p(3, 14, false), stop(3), coll(4, 1, 2), stop(4)]);
+    // Eager: an all-reduce on channel 0; a send and a receive in one plan, fused into one round on
+    // channels 32 and 33; another all-reduce on channels 0 and 1.
+    recs.extend([coll(1, 0, 1), stop(1), p2p(2, 13, false), p2p(3, 14, false)]);
+    recs.extend([stop(2), stop(3), coll(4, 1, 2), stop(4)]);
     recs.extend([
         dev(0, 42, 0, 100, 10),
         dev(32, 50, 0, 200, 40),
@@ -1594,11 +1607,11 @@ fn p2p_work_items_stay_out_of_the_collectives_beside_them() {
             (name, c.coll.replay, c.coll.timing_source, c.coll.exec_ns)
         })
         .collect();
-    // The send and receive complete at their host stop, before the first all-reduce's item.
+    // The send and receive complete with their round's items, both timed by them.
     let want = [
-        ("Send", 0, "host", 0),
-        ("Recv", 0, "host", 0),
         ("AllReduce", 0, "device_hook", 10),
+        ("Send", 0, "device_hook", 40),
+        ("Recv", 0, "device_hook", 40),
         ("AllReduce", 0, "device_hook", 25),
         ("AllReduce", 1, "device_hook", 11),
         ("AllReduce", 1, "device_hook", 12),
@@ -1612,7 +1625,7 @@ fn p2p_work_items_stay_out_of_the_collectives_beside_them() {
     let c = &a.counters;
     assert_eq!(
         (c.dev_p2p, c.p2p_host_timed, c.p2p_captured_untimed),
-        (6, 2, 2)
+        (4, 0, 2)
     );
     assert_eq!(
         (c.dev_unattributed, c.dev_mismatch, c.incomplete),

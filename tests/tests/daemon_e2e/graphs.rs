@@ -125,9 +125,10 @@ async fn segments_of_real_nccl_kernels_become_one_instance_per_collective_and_re
 /// communicator, 9 eager steps and 10 graph replays). NCCL runs an all_to_all's self round on channels
 /// 0-1, the ones the all-reduce beside it uses: the daemon counted those p2p items as lost items of the
 /// graph's replays and moved the replay cursor a whole replay on, so the all-reduce delivered 9 and 14
-/// of its 19 instances (`dev_mismatch`). Every collective arrives now, every p2p work item is counted
-/// `dev_p2p` (none can be attributed, docs/rfc-feedback.md), and the eager sends and receives arrive
-/// host-timed, each transfer's two sides in one trace.
+/// of its 19 instances (`dev_mismatch`), and the sends and receives arrived with host times only. Every
+/// collective arrives now, every eager send and receive is timed by its round's work items (the channels
+/// of NCCL's p2p schedule, `assemble/p2p.rs`), each transfer's two sides in one trace, and the replayed
+/// ones' work items are counted `dev_p2p`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_nccl_p2p_rounds_leave_the_collectives_beside_them_whole() {
     let mut collector = FakeCollectorServer::start().await.unwrap();

@@ -378,13 +378,11 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
             let exec = times.iter().map(|(a, b)| b - a).max().unwrap();
             let wall =
                 times.iter().map(|t| t.1).max().unwrap() - times.iter().map(|t| t.0).min().unwrap();
-            // On the hook path a send or receive is host-timed: NCCL's p2p work items name no
-            // round of the group's transfers (docs/rfc-feedback.md), so none is joined to it.
-            let host_timed = *kind == "rfc" && is_p2p;
+            // On the hook path too a send or receive is timed by its round's work items (those it
+            // shares with the receive of its round included).
             let s = mine.iter().find(|s| {
-                host_timed
-                    || attr(s, "nccl.exec_ns") == exec.to_string()
-                        && s.end_time_unix_nano - s.start_time_unix_nano == wall
+                attr(s, "nccl.exec_ns") == exec.to_string()
+                    && s.end_time_unix_nano - s.start_time_unix_nano == wall
             });
             let s = s.unwrap_or_else(|| {
                 panic!(
@@ -393,7 +391,6 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
                 )
             });
             let source = match *kind {
-                _ if host_timed => "host",
                 "rfc" => "device_hook",
                 _ => "kernel_gpu",
             };
@@ -486,7 +483,7 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
         ));
     }
     let mut want = BTreeSet::new();
-    for (kind, report) in &reports {
+    for (_, report) in &reports {
         let comm = &report.comms[0];
         for func in ["Send", "Recv"] {
             let ops: Vec<_> = comm
@@ -494,8 +491,8 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
                 .iter()
                 .filter(|o| o.started && o.func == func)
                 .collect();
-            // Host-timed on the hook path (see above), device-timed on the stock one.
-            let timed = if *kind == "rfc" { 0 } else { ops.len() as u64 };
+            // Device-timed on both paths.
+            let timed = ops.len() as u64;
             want.insert((
                 format!("{:016x}", comm.comm_hash),
                 comm.rank as u64,
