@@ -65,12 +65,14 @@ counters! {
     /// Device-hook work items of a communicator with captured operations that fit neither an eager
     /// operation nor the graph template's cursor: counted and dropped.
     dev_unattributed: Loss,
-    /// Device-hook work items of NCCL's point-to-point kernel: read, and never joined to a send or
-    /// receive (the device event does not say which round of a group's transfers an item is, see
-    /// docs/rfc-feedback.md), nor to a collective.
+    /// Device-hook work items of NCCL's point-to-point kernel that no send or receive waited for on
+    /// their channel when read: a captured transfer's replays (no host event, see
+    /// `p2p_captured_untimed`), transfers on several nodes (`p2p_host_timed`), an item read before
+    /// its operation's host event (see `assemble/p2p.rs`).
     dev_p2p: Loss,
-    /// Sends and receives on the device-hook path: delivered with their host times only (see
-    /// `dev_p2p`).
+    /// Sends and receives on the device-hook path delivered with their host times only: on several
+    /// nodes (NCCL's p2p schedule there follows node topology that no event carries), or whose
+    /// round's work items did not come.
     p2p_host_timed: Flow,
     /// Sends and receives captured into a CUDA graph on the device-hook path: their replays have
     /// no host event and no attributable work item, so none is delivered.

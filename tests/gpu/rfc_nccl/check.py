@@ -117,7 +117,7 @@ def check_p2p(name, driver, spans):
             func, _, peer = k.partition(":")
             want[(rank, func, int(peer) if peer else None)] += int(v)
     got = collections.Counter()
-    host_timed, implausible = collections.Counter(), []
+    host_timed, replayed, implausible = collections.Counter(), collections.Counter(), []
     sides = collections.defaultdict(list)  # p2p trace -> (function, rank, peer)
     for s in spans:
         a = s["a"]
@@ -126,6 +126,7 @@ def check_p2p(name, driver, spans):
         peer = a.get("nccl.peer") if a["nccl.collective"] in ("Send", "Recv") else None
         key = (a["nccl.rank"], a["nccl.collective"], peer)
         got[key] += 1
+        replayed[key] += int(a.get("nccl.replay", 0)) > 0
         if a.get("nccl.timing_source") != "device_hook":
             host_timed[key] += 1
         elif not plausible(a["nccl.exec_ns"], a["nccl.bytes"]):
@@ -136,7 +137,7 @@ def check_p2p(name, driver, spans):
     for key in sorted(set(want) | set(got), key=str):
         w, g = want[key], got[key]
         print(f"{name}: rank {key[0]} {key[1]}{'' if key[2] is None else f' peer {key[2]}'}: "
-              f"{g}/{w} delivered, {host_timed[key]} not device-timed")
+              f"{g}/{w} delivered ({replayed[key]} of them graph replays), {host_timed[key]} not device-timed")
         ok &= g == w and host_timed[key] == 0
     whole = sum(1 for v in sides.values()
                 if sorted(f for f, _, _ in v) == ["Recv", "Send"]
