@@ -248,9 +248,10 @@ fn comm_label(c: &Collective) -> String {
     }
 }
 
-/// Every attribute of a collective instance, as slice args.
+/// Every attribute of a collective instance, as slice args. A host-timed instance has no exec time
+/// or bandwidth (its host events bracket the enqueue, not the work), as its span has none.
 pub fn attributes(c: &Collective) -> Value {
-    json!({
+    let mut args = json!({
         "uid": c.uid, "job_id": c.job_id, "host": c.host, "pid": c.pid,
         "comm_hash": format!("{:016x}", c.comm_hash), "comm_name": c.comm_name,
         "rank": c.rank, "nranks": c.nranks, "nnodes": c.nnodes, "seq": c.seq, "replay": c.replay,
@@ -260,7 +261,15 @@ pub fn attributes(c: &Collective) -> Value {
         "enqueue_unix_ns": c.enqueue_unix_ns, "start_unix_ns": c.start_unix_ns, "end_unix_ns": c.end_unix_ns,
         "exec_ns": c.exec_ns, "algbw_gbs": c.algbw_gbs, "busbw_gbs": c.busbw_gbs,
         "calibration_error_ns": c.calibration_error_ns,
-    })
+    });
+    if c.timing_source == "host"
+        && let Some(args) = args.as_object_mut()
+    {
+        for timed in ["exec_ns", "algbw_gbs", "busbw_gbs"] {
+            args.remove(timed);
+        }
+    }
+    args
 }
 
 /// Nanoseconds since `origin` as the format's microseconds, in decimal text exact to the ns (a
@@ -436,6 +445,20 @@ mod tests {
         .into();
         assert_eq!(tracks, want);
         assert_eq!(events.iter().filter(|e| e["cat"] == "channel").count(), 24);
+    }
+
+    #[test]
+    fn a_host_timed_instance_has_no_exec_time_or_bandwidth() {
+        let mut c = coll(0, 1, 1_000);
+        c.exec_ns = 1_990;
+        assert_eq!(attributes(&c)["exec_ns"], 1_990);
+        c.timing_source = "host".into();
+        c.exec_ns = 0;
+        let args = attributes(&c);
+        for timed in ["exec_ns", "algbw_gbs", "busbw_gbs"] {
+            assert!(args.get(timed).is_none(), "{timed}: {args}");
+        }
+        assert_eq!(args["timing_source"], "host");
     }
 
     #[test]
