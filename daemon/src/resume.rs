@@ -170,6 +170,15 @@ pub struct CapturedOp {
     /// funcId is not its.
     #[serde(default)]
     pub func_id: Option<u32>,
+    /// A send's or receive's channels (a bit per channel: its round of NCCL's p2p schedule); None
+    /// for a collective, which runs on channels 0..n_channels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub channels: Option<u64>,
+    /// A receive fused with its round's send (captured just before it, in the same plan): that
+    /// send's index in the template, whose work items on the channels they share are the receive's
+    /// too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fused: Option<u32>,
 }
 
 /// Where the replays stand on one channel.
@@ -373,6 +382,8 @@ mod tests {
                 templates: vec![SavedTemplate {
                     comm: 0,
                     ops: vec![CapturedOp {
+                        channels: None,
+                        fused: None,
                         pos: 900,
                         desc: Desc {
                             seq: 5,

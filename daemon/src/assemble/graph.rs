@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 
 use ncclscope_proto::MAX_CHANNELS;
 
+use crate::fast_map::Map;
 use crate::resume::SavedTemplate;
 pub use crate::resume::{CapturedOp, ReplayCursor};
 
@@ -41,6 +42,8 @@ pub struct Template {
     /// Per channel: items lost before a foreign item ([`Template::saw_foreign`]), still to count
     /// at the channel's next item.
     pub(super) lost_before_foreign: Vec<u64>,
+    /// send index -> the index of the receive fused with it (rebuilt from [`CapturedOp::fused`]).
+    pub(super) partners: Map<u32, u32>,
 }
 
 impl Template {
@@ -53,29 +56,38 @@ impl Template {
             op.desc.seq = op.desc.seq.max(prev.desc.seq.saturating_add(1));
         }
         let index = self.ops.len() as u32;
-        let n = op.desc.n_channels.min(MAX_CHANNELS) as usize;
-        if self.by_channel.len() < n {
-            // A channel joining the template counts replays from those channel 0 has completed.
-            let done = self
-                .cursors
-                .iter()
-                .find(|(c, _)| *c == 0)
-                .map_or(0, |(_, c)| c.replay.saturating_sub((c.pos > 0) as u32));
-            for ch in self.by_channel.len()..n {
-                if !self.cursors.iter().any(|(c, _)| *c as usize == ch) {
-                    self.cursors.push((
-                        ch as u8,
-                        ReplayCursor {
-                            replay: done,
-                            ..Default::default()
-                        },
-                    ));
-                }
+        // The channels whose items are its own: a collective's 0..n, a send's or receive's round
+        // less what a fused receive shares with its send.
+        let own = match op.channels {
+            None => match op.desc.n_channels.min(MAX_CHANNELS) {
+                MAX_CHANNELS => u64::MAX,
+                n => (1u64 << n) - 1,
+            },
+            Some(all) => {
+                let send = op.fused.and_then(|s| self.ops.get(s as usize));
+                all & !send.and_then(|s| s.channels).unwrap_or(0)
             }
-            self.by_channel.resize_with(n, Vec::new);
+        };
+        if let Some(send) = op.fused {
+            self.partners.insert(send, index);
         }
-        for ch in &mut self.by_channel[..n] {
-            ch.push(index);
+        // A channel joining the template counts replays from those channel 0 has completed.
+        let done = (self.cursors.iter())
+            .find(|(c, _)| *c == 0)
+            .map_or(0, |(_, c)| c.replay.saturating_sub((c.pos > 0) as u32));
+        for ch in (0..MAX_CHANNELS).filter(|ch| own & 1 << ch != 0) {
+            let at = ch as usize;
+            if self.by_channel.len() <= at {
+                self.by_channel.resize_with(at + 1, Vec::new);
+            }
+            if self.by_channel[at].is_empty() && !self.cursors.iter().any(|(c, _)| *c == ch) {
+                let cursor = ReplayCursor {
+                    replay: done,
+                    ..Default::default()
+                };
+                self.cursors.push((ch, cursor));
+            }
+            self.by_channel[at].push(index);
         }
         self.ops.push(op);
     }

@@ -57,7 +57,7 @@ use lanes::{Lane, MAX_EARLY_WORKS, Read, Work};
 pub use operations::Completed;
 use operations::{CommOps, Op, OpIndex};
 use p2p::{Placed, Schedules, Task};
-use replay::{Decision, Held, Replays, Route, Settled};
+use replay::{Decision, Held, Replays, Route, Settled, Step};
 
 /// Sinks a previous daemon already delivered an operation to (persisted in the segment state).
 pub mod done {
@@ -702,8 +702,9 @@ impl Assembler {
                     gpu_stop,
                 };
                 // A p2p item joins a send or receive waiting on its channel, or nothing (it never
-                // waits in a lane: see `p2p_item`).
-                if self.dict.is_p2p_work(func_id) {
+                // waits in a lane: see `p2p_item`); where the graph template has captured
+                // operations on its channel it is attributed as a collective's item is.
+                if self.dict.is_p2p_work(func_id) && !self.replays.uses_channel(comm, channel) {
                     self.counters.dev_work += 1;
                     self.replays.foreign((comm, channel), work_counter);
                     let read = Read {
@@ -756,11 +757,13 @@ impl Assembler {
     /// Adds a captured operation to its communicator's template. Device-hook path only: on stock NCCL
     /// a replay's KernelCh events are counted and declined by the plugin, and a capture has no work.
     fn capture(&mut self, comm: u32, pos: u64, desc: Desc, captured_ns: u64) {
-        let op = CapturedOp {
+        let mut op = CapturedOp {
             pos,
             desc,
             captured_ns,
             func_id: None,
+            channels: None,
+            fused: None,
         };
         let Some(info) = self.dict.comms.get(&comm) else {
             self.counters.unknown_comm += 1;
@@ -769,13 +772,20 @@ impl Assembler {
         if !info.device_hook {
             return;
         }
-        if desc.is_p2p {
-            self.counters.p2p_captured_untimed += 1;
-            return;
-        }
         if self.replays.captured(comm) >= MAX_TEMPLATE_OPS {
             self.counters.template_full += 1;
             return;
+        }
+        // A send or receive joins the template on the channels of its round, once they are known
+        // (an eager transfer before the capture tells them); else its replays are counted.
+        if desc.is_p2p {
+            let task = self.p2p_task(0, &desc);
+            let index = self.replays.captured(comm) as u32;
+            let Some((channels, fused)) = self.p2p.capture(info, task, index) else {
+                self.counters.p2p_captured_untimed += 1;
+                return;
+            };
+            (op.channels, op.fused) = (Some(channels), fused);
         }
         // A captured operation is kept as long as its communicator: it draws on the uid's
         // dictionary budget like a string or a communicator does.
@@ -801,6 +811,11 @@ impl Assembler {
         let fits = || eager_can_own(waiting, ops, dict, key, &read.work);
         match (self.replays).route(&read, eager_waits, fits, dict, now_ns) {
             Route::Hold => self.hold_item(read, now_ns, out),
+            Route::Lane if self.dict.is_p2p_work(read.work.func_id) => {
+                if !self.join_p2p(read, now_ns, out) {
+                    self.counters.dev_p2p += 1;
+                }
+            }
             Route::Lane => {
                 let lane = self.waiting.entry(key).or_default();
                 lane.works.push_back((read.pos, read.work));
@@ -827,17 +842,17 @@ impl Assembler {
         };
         let id = step.id;
         if !self.ops.contains_key(&id) {
-            self.replays.opened(comm, &step);
-            self.start_replay(id, &read, step.desc, step.replay, now_ns, out);
+            self.start_replay(&step, &read, now_ns, out);
         }
         // The oldest replayed instances still waiting for this channel, which has moved on.
         let ops = &self.ops;
         let waits = |id| {
             let op = ops.get(&id)?;
-            Some(
-                ch < op.desc.n_channels.min(MAX_CHANNELS)
-                    && op.seen & 1 << (ch % MAX_CHANNELS) == 0,
-            )
+            let uses = match op.desc.is_p2p {
+                true => op.p2p_lanes & 1 << (ch % MAX_CHANNELS) != 0,
+                false => ch < op.desc.n_channels.min(MAX_CHANNELS),
+            };
+            Some(uses && op.seen & 1 << (ch % MAX_CHANNELS) == 0)
         };
         for passed in self.replays.passed(comm, step.replay, step.index, waits) {
             self.finish(passed, out);
@@ -849,7 +864,40 @@ impl Assembler {
                 self.replays.ran(comm, step.index, read.work.func_id);
                 self.try_finish(id, out);
             }
-            _ => self.counters.dev_unattributed += 1,
+            _ => {
+                self.counters.dev_unattributed += 1;
+                return;
+            }
+        }
+        // A replayed send's item on a channel it shares with its round's receive is that one's too.
+        let (_, partner) = self.replays.p2p_of(comm, step.index);
+        let Some(index) = partner else {
+            return;
+        };
+        let (Some(shared), _) = self.replays.p2p_of(comm, index) else {
+            return;
+        };
+        if shared & 1 << (ch % MAX_CHANNELS) == 0 {
+            return;
+        }
+        let id = graph::replay_id(comm, index, step.replay);
+        if !self.ops.contains_key(&id) {
+            let Some(desc) = self.replays.desc(comm, index) else {
+                return;
+            };
+            let step = Step {
+                id,
+                index,
+                replay: step.replay,
+                desc,
+            };
+            self.start_replay(&step, &read, now_ns, out);
+        }
+        if let Some(op) = self.ops.get_mut(&id)
+            && op.seen & 1 << (ch % MAX_CHANNELS) == 0
+        {
+            op.add_work(ch, read.work.gpu_start, read.work.gpu_stop, now_ns);
+            self.try_finish(id, out);
         }
     }
 
@@ -940,7 +988,7 @@ impl Assembler {
         if let Some(lane) = self.waiting.get_mut(&key) {
             lane.ops.retain(|&x| x != id);
         }
-        self.try_finish(id, out);
+        self.joined_p2p(id, key.1, &work, now_ns, out);
     }
 
     /// An eager operation lost its item on the lane `key`: it waits there no more, and is closed
@@ -957,19 +1005,15 @@ impl Assembler {
         self.try_finish(c.id, out);
     }
 
-    /// Opens the instance of replay `replay` of a captured operation at its first work item.
-    fn start_replay(
-        &mut self,
-        id: u64,
-        first: &Read,
-        desc: Desc,
-        replay: u32,
-        now_ns: u64,
-        out: &mut Vec<Completed>,
-    ) {
-        let (pos, comm) = (first.pos, first.key.0);
-        let mut op = Op::new(comm, pos, desc, 0, now_ns, replay);
+    /// Opens the instance of a captured operation's replay (`step`) at its first work item.
+    fn start_replay(&mut self, step: &Step, first: &Read, now_ns: u64, out: &mut Vec<Completed>) {
+        let (pos, comm, id) = (first.pos, first.key.0, step.id);
+        self.replays.opened(comm, step);
+        let mut op = Op::new(comm, pos, step.desc, 0, now_ns, step.replay);
         op.prior = self.prior.get(&id).map_or(0, |p| p.1);
+        if step.desc.is_p2p {
+            op.p2p_lanes = self.replays.p2p_of(comm, step.index).0.unwrap_or(0);
+        }
         self.by_pos.push_back((pos, id));
         self.ops.insert(id, op);
         self.comm_ops.get_mut(comm).push(pos, id, &self.ops);
@@ -994,16 +1038,7 @@ impl Assembler {
         // they are known; where they cannot be, it completes with its host times.
         let mut placed = Vec::new();
         if info.device_hook && op.desc.is_p2p {
-            let task = Task {
-                id,
-                send: self
-                    .dict
-                    .names
-                    .get(op.desc.func)
-                    .eq_ignore_ascii_case("Send"),
-                peer: op.desc.peer,
-                n_channels: op.desc.n_channels,
-            };
+            let task = self.p2p_task(id, &op.desc);
             op.host_only = !self.p2p.enqueue(info, task, &mut placed);
         }
         let hook_lanes = if info.device_hook && !op.desc.is_p2p {
@@ -1038,6 +1073,16 @@ impl Assembler {
             let &(_, oldest) = self.by_pos.front().expect("ops and by_pos agree");
             self.counters.pending_overflow += 1;
             self.finish(oldest, out);
+        }
+    }
+
+    /// The send or receive `desc` as the p2p schedule sees it.
+    fn p2p_task(&self, id: u64, desc: &Desc) -> Task {
+        Task {
+            id,
+            send: self.dict.names.get(desc.func).eq_ignore_ascii_case("Send"),
+            peer: desc.peer,
+            n_channels: desc.n_channels,
         }
     }
 
@@ -1133,13 +1178,21 @@ impl Assembler {
         let first_pos = op.first_pos;
         self.counters.dev_joined += 1;
         self.eager_mark(read.pos, first_pos, key.0);
-        let partner = self.take_share(id, key.1);
-        self.try_finish(id, out);
-        if let Some(op) = partner.and_then(|p| self.ops.get_mut(&p)) {
-            op.add_work(key.1, read.work.gpu_start, read.work.gpu_stop, now_ns);
-            self.try_finish(partner.expect("some"), out);
-        }
+        self.joined_p2p(id, key.1, &read.work, now_ns, out);
         true
+    }
+
+    /// An eager operation `id` got its item on `ch`: finished if that was its last, and the item
+    /// joins the receive that shares it there, if one does.
+    fn joined_p2p(&mut self, id: u64, ch: u8, work: &Work, now_ns: u64, out: &mut Vec<Completed>) {
+        let partner = self.take_share(id, ch);
+        self.try_finish(id, out);
+        if let Some(p) = partner
+            && let Some(op) = self.ops.get_mut(&p)
+        {
+            op.add_work(ch, work.gpu_start, work.gpu_stop, now_ns);
+            self.try_finish(p, out);
+        }
     }
 
     /// The receive that shares `owner`'s item on `ch`, if one does (once).

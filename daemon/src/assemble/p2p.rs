@@ -64,6 +64,8 @@ struct CommSchedule {
     /// The last work started in the plan being read, while its round's receive may still join it,
     /// and its send's channels once placed.
     open: Option<(Work, Option<u64>)>,
+    /// The same for a captured send: (round, its index in the graph template).
+    open_captured: Option<(u32, u32)>,
     pending: VecDeque<Work>,
 }
 
@@ -72,6 +74,20 @@ struct CommSchedule {
 #[derive(Default)]
 pub(super) struct Schedules {
     comms: Map<u32, CommSchedule>,
+}
+
+/// The round of NCCL's one-node p2p schedule a task runs in; None on several nodes or for a peer
+/// out of range.
+fn round_of(info: &CommInfo, task: &Task) -> Option<u32> {
+    let n = info.nranks;
+    if info.nnodes != 1 || info.rank >= n || task.peer < 0 || task.peer as u32 >= n {
+        return None;
+    }
+    let peer = task.peer as u32;
+    Some(match task.send {
+        true => (peer + n - info.rank) % n,
+        false => (info.rank + n - peer) % n,
+    })
 }
 
 /// The channels (a bit per channel) that round `round` runs on with `parts` channels, if the
@@ -120,20 +136,10 @@ impl Schedules {
     /// A send or receive of `info`'s communicator enqueued: placements now known go to `placed`.
     /// False where the operation will not be placed (it completes with its host times).
     pub fn enqueue(&mut self, info: &CommInfo, task: Task, placed: &mut Vec<Placed>) -> bool {
-        let n = info.nranks;
-        if info.nnodes != 1 || n == 0 || info.rank >= n || task.peer < 0 || task.peer as u32 >= n {
+        let Some(round) = round_of(info, &task) else {
             return false;
-        }
-        let peer = task.peer as u32;
-        let round = if task.send {
-            (peer + n - info.rank) % n
-        } else {
-            (info.rank + n - peer) % n
         };
-        let s = self.comms.entry(info.comm).or_insert_with(|| CommSchedule {
-            widths: ALL_WIDTHS,
-            ..Default::default()
-        });
+        let s = self.comm(info.comm);
         s.narrow_to_parts(task.n_channels);
         if s.widths == 0 {
             return false;
@@ -187,12 +193,44 @@ impl Schedules {
         true
     }
 
+    /// A send or receive of `info`'s communicator captured into a CUDA graph, as the template's
+    /// operation `index`: its channels, if every width left agrees on them (its replays have no
+    /// host event to wait with until they do), and, for a receive right after its round's send in
+    /// the same plan, that send's index (the two share their items).
+    pub fn capture(
+        &mut self,
+        info: &CommInfo,
+        task: Task,
+        index: u32,
+    ) -> Option<(u64, Option<u32>)> {
+        let round = round_of(info, &task)?;
+        let s = self.comm(info.comm);
+        s.narrow_to_parts(task.n_channels);
+        let fused = match task.send {
+            true => None,
+            false => (s.open_captured.take())
+                .filter(|&(r, _)| r == round)
+                .map(|(_, send)| send),
+        };
+        let channels = agreed(s.widths, round, task.n_channels.max(1));
+        s.open_captured = (task.send && channels.is_some()).then_some((round, index));
+        Some((channels?, fused))
+    }
+
     /// The plan being read ended (its operations' stops, or another operation, were read): a
     /// receive no longer joins its last send.
     pub fn close_plan(&mut self, comm: u32) {
         if let Some(s) = self.comms.get_mut(&comm) {
             s.open = None;
+            s.open_captured = None;
         }
+    }
+
+    fn comm(&mut self, comm: u32) -> &mut CommSchedule {
+        self.comms.entry(comm).or_insert_with(|| CommSchedule {
+            widths: ALL_WIDTHS,
+            ..Default::default()
+        })
     }
 
     /// A p2p work item on `channel` that no placed operation waits for: the widths under which no

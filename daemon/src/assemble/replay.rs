@@ -189,6 +189,29 @@ impl Replays {
         !self.templates.is_empty() && self.templates.contains_key(&comm)
     }
 
+    /// Whether `comm`'s template has captured operations on channel `ch` (a p2p item on a channel
+    /// it has none on is no replay's).
+    pub fn uses_channel(&self, comm: u32, ch: u8) -> bool {
+        (self.templates.get(&comm))
+            .and_then(|t| t.by_channel.get(ch as usize))
+            .is_some_and(|l| !l.is_empty())
+    }
+
+    /// Captured operation `index` of `comm`: a send's or receive's channels (see
+    /// [`CapturedOp::channels`]) and the receive fused with it, if one is.
+    pub fn p2p_of(&self, comm: u32, index: u32) -> (Option<u64>, Option<u32>) {
+        let Some(t) = self.templates.get(&comm) else {
+            return (None, None);
+        };
+        let channels = t.ops.get(index as usize).and_then(|o| o.channels);
+        (channels, t.partners.get(&index).copied())
+    }
+
+    /// The description of captured operation `index` of `comm`.
+    pub fn desc(&self, comm: u32, index: u32) -> Option<Desc> {
+        Some(self.templates.get(&comm)?.ops.get(index as usize)?.desc)
+    }
+
     /// Captured operations of `comm`'s template.
     pub fn captured(&self, comm: u32) -> usize {
         self.templates.get(&comm).map_or(0, |t| t.ops.len())
@@ -720,6 +743,8 @@ mod tests {
                 desc,
                 captured_ns: 0,
                 func_id: None,
+                channels: None,
+                fused: None,
             };
             r.capture(0, op);
         }

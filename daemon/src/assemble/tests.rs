@@ -1529,9 +1529,9 @@ fn a_restart_while_items_are_held_delivers_nothing_twice_and_nothing_missing() {
 /// NCCL's p2p kernel runs a group's sends and receives as rounds on channels its p2p schedule
 /// picks (rank 1 of 2: the round with the peer at `p2pnChannels / 2`, here 32, one work item per
 /// channel for the fused send and receive), none of which a host event names: the eager send and
-/// receive join that round's items, whose channel tells the width; the captured ones are counted
-/// and their replays' items join nothing (`dev_p2p`); the collectives beside them, eager and
-/// replayed, keep their own items.
+/// receive join that round's items, whose channel tells the width; the captured ones join the graph
+/// template on those channels and each replay's items time them; the collectives beside them, eager
+/// and replayed, keep their own items.
 #[test]
 fn p2p_work_items_join_their_round_and_leave_the_collectives_beside_them() {
     let p2p = |id, func, captured| Record::P2pStart {
@@ -1607,15 +1607,21 @@ fn p2p_work_items_join_their_round_and_leave_the_collectives_beside_them() {
             (name, c.coll.replay, c.coll.timing_source, c.coll.exec_ns)
         })
         .collect();
-    // The send and receive complete with their round's items, both timed by them.
+    // The send and receive complete with their round's items, both timed by them; the captured
+    // ones are in the template on their round's channels (the eager round told the width), and
+    // each replay's items time its send and receive.
     let want = [
         ("AllReduce", 0, "device_hook", 10),
         ("Send", 0, "device_hook", 40),
         ("Recv", 0, "device_hook", 40),
         ("AllReduce", 0, "device_hook", 25),
         ("AllReduce", 1, "device_hook", 11),
+        ("Send", 1, "device_hook", 50),
+        ("Recv", 1, "device_hook", 50),
         ("AllReduce", 1, "device_hook", 12),
         ("AllReduce", 2, "device_hook", 11),
+        ("Send", 2, "device_hook", 50),
+        ("Recv", 2, "device_hook", 50),
         ("AllReduce", 2, "device_hook", 12),
     ];
     let want: Vec<_> = (want.iter())
@@ -1625,7 +1631,7 @@ fn p2p_work_items_join_their_round_and_leave_the_collectives_beside_them() {
     let c = &a.counters;
     assert_eq!(
         (c.dev_p2p, c.p2p_host_timed, c.p2p_captured_untimed),
-        (4, 0, 2)
+        (0, 0, 0)
     );
     assert_eq!(
         (c.dev_unattributed, c.dev_mismatch, c.incomplete),
