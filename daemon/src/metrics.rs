@@ -314,7 +314,7 @@ pub const DEVICE_HOOK_JOIN_RATIO: Def = health(
     "1",
     Kind::Gauge,
     &[],
-    "Fraction of device-hook work items of collectives joined to their host collective (p2p work items: lost_total{stage=\"dev_p2p\"})",
+    "Fraction of device-hook work items joined to their host operation, a collective or a send or receive (p2p items no operation waited for: lost_total{stage=\"dev_p2p\"})",
 );
 
 /// Every family [`families`] builds, in the order it builds them.

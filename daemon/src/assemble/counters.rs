@@ -66,7 +66,7 @@ counters! {
     /// operation nor the graph template's cursor: counted and dropped.
     dev_unattributed: Loss,
     /// Device-hook work items of NCCL's point-to-point kernel that no send or receive waited for on
-    /// their channel when read: a captured transfer's replays (no host event, see
+    /// their channel when read: replays of a transfer the template does not hold (see
     /// `p2p_captured_untimed`), transfers on several nodes (`p2p_host_timed`), an item read before
     /// its operation's host event (see `assemble/p2p.rs`).
     dev_p2p: Loss,
@@ -74,8 +74,9 @@ counters! {
     /// nodes (NCCL's p2p schedule there follows node topology that no event carries), or whose
     /// round's work items did not come.
     p2p_host_timed: Flow,
-    /// Sends and receives captured into a CUDA graph on the device-hook path: their replays have
-    /// no host event and no attributable work item, so none is delivered.
+    /// Sends and receives captured into a CUDA graph on the device-hook path before their
+    /// communicator's p2p width was known (no eager transfer told it), or on several nodes: not in
+    /// the graph template, so their replays (which have no host event) are not delivered.
     p2p_captured_untimed: Loss,
     /// Device-hook instances whose work covers fewer channels than they announced: dropped.
     dev_mismatch: Loss,

@@ -409,6 +409,37 @@ mod tests {
     }
 
     #[test]
+    fn a_capture_is_placed_once_the_width_is_known_and_a_receive_joins_its_send() {
+        let mut s = Schedules::default();
+        let info = comm(1, 2, 1);
+        // Captured before any eager transfer told the width: the peer's round is unplaceable.
+        assert_eq!(s.capture(&info, task(0, true, 0, 1), 0), None);
+        // A self round is the same under every width.
+        assert_eq!(s.capture(&info, task(0, true, 1, 1), 1), Some((1, None)));
+        s.close_plan(7);
+        // An eager round on channel 32 tells the width (64).
+        let mut placed = Vec::new();
+        s.enqueue(&info, task(9, true, 0, 1), &mut placed);
+        s.close_plan(7);
+        s.item(7, 32, &mut placed);
+        // Now a captured send and the receive after it in the same plan: one work, shared items.
+        assert_eq!(
+            s.capture(&info, task(0, true, 0, 2), 5),
+            Some((0b11 << 32, None))
+        );
+        assert_eq!(
+            s.capture(&info, task(0, false, 0, 1), 6),
+            Some((1 << 32, Some(5)))
+        );
+        // A receive of another plan is its own work.
+        s.close_plan(7);
+        assert_eq!(
+            s.capture(&info, task(0, false, 0, 1), 7),
+            Some((1 << 32, None))
+        );
+    }
+
+    #[test]
     fn several_nodes_or_unknown_peers_are_not_placed() {
         let mut s = Schedules::default();
         let mut placed = Vec::new();
