@@ -34,6 +34,11 @@ pub struct Dictionary {
     /// The p2p numbering as of the committed tail: (comm, peer, function string id, next number).
     #[serde(default)]
     pub p2p_seqs: Vec<(u32, i32, u16, u64)>,
+    /// Per communicator, the p2p widths its items have not ruled out (bit i: 2^i channels), where
+    /// they ruled out some: a communicator's width never changes, so what later items told holds at
+    /// the tail too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub p2p_widths: Vec<(u32, u8)>,
 }
 
 /// A communicator as the process announced it.
@@ -422,6 +427,7 @@ mod tests {
                     ambiguous_items: vec![1040],
                 }],
                 p2p_seqs: vec![(0, 1, 7, 12)],
+                p2p_widths: vec![],
             },
             delivered: vec![(0x8001_0000, 1000, 3)],
             spool_mark: Some(Position {

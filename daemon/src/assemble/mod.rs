@@ -232,6 +232,7 @@ impl Assembler {
         self.dict
             .restore(dict.strings, dict.func_names, dict.calibrations, dict.comms);
         let captured = self.replays.restore(dict.templates);
+        self.p2p.restore(&dict.p2p_widths);
         self.p2p_seqs = P2pSeqs {
             next: (dict.p2p_seqs.into_iter())
                 .map(|(c, p, f, n)| ((c, p, f), n))
@@ -258,6 +259,7 @@ impl Assembler {
             comms: self.dict.comms.values().cloned().collect(),
             templates: Vec::new(),
             p2p_seqs: self.p2p_seqs.at_tail(),
+            p2p_widths: self.p2p.widths(),
         };
         // Items joined to an operation before the tail (with or without a template): a restart
         // must not join them again, to the next operation waiting there.
@@ -280,7 +282,9 @@ impl Assembler {
 
     /// Whether the dictionary changed since the last call.
     pub fn take_dictionary_changed(&mut self) -> bool {
-        std::mem::take(&mut self.dictionary_changed) | self.replays.take_changed()
+        std::mem::take(&mut self.dictionary_changed)
+            | self.replays.take_changed()
+            | self.p2p.take_changed()
     }
 
     /// Communicators not finalized yet.
@@ -326,12 +330,14 @@ impl Assembler {
         self.pid
     }
 
-    /// Position of the first record of the oldest operation still in flight and not parked, or work
-    /// item held, at or after `from` (the committed tail): what lies before it cannot be read again,
+    /// Position of the first record of the oldest operation still in flight and not parked, work
+    /// item held, or captured send a receive may still join, at or after `from` (the committed
+    /// tail): what lies before it cannot be read again,
     /// so it pins nothing. Something in flight lies before the tail after it was parked, or after a
     /// commit forced by a nearly full ring.
     pub fn oldest_pending_pos(&self, from: u64) -> Option<u64> {
         let held = self.replays.oldest_held(from);
+        let capturing = self.p2p.oldest_open_capture(from);
         // `by_pos` is in position order: skip what lies before `from`, then its first live entry.
         let after = self.by_pos.partition_point(|&(pos, _)| pos < from);
         let open = (self.by_pos.range(after..))
@@ -339,7 +345,7 @@ impl Assembler {
                 (self.ops.get(&id)).is_some_and(|o| o.first_pos == pos && !o.parked)
             })
             .map(|&(pos, _)| pos);
-        open.into_iter().chain(held).min()
+        open.into_iter().chain(held).chain(capturing).min()
     }
 
     /// Parks the operations in flight whose first record lies before `upto` and that were read
@@ -781,7 +787,7 @@ impl Assembler {
         if desc.is_p2p {
             let task = self.p2p_task(0, &desc);
             let index = self.replays.captured(comm) as u32;
-            let Some((channels, fused)) = self.p2p.capture(info, task, index) else {
+            let Some((channels, fused)) = self.p2p.capture(info, task, index, pos) else {
                 self.counters.p2p_captured_untimed += 1;
                 return;
             };

@@ -64,8 +64,9 @@ struct CommSchedule {
     /// The last work started in the plan being read, while its round's receive may still join it,
     /// and its send's channels once placed.
     open: Option<(Work, Option<u64>)>,
-    /// The same for a captured send: (round, its index in the graph template).
-    open_captured: Option<(u32, u32)>,
+    /// The same for a captured send: (round, its index in the graph template, its record's
+    /// position, which the commit point does not pass while a receive may still join it).
+    open_captured: Option<(u32, u32, u64)>,
     pending: VecDeque<Work>,
 }
 
@@ -74,6 +75,8 @@ struct CommSchedule {
 #[derive(Default)]
 pub(super) struct Schedules {
     comms: Map<u32, CommSchedule>,
+    /// A communicator's widths narrowed since [`Self::take_changed`] (they are saved).
+    changed: bool,
 }
 
 /// The round of NCCL's one-node p2p schedule a task runs in; None on several nodes or for a peer
@@ -196,12 +199,13 @@ impl Schedules {
     /// A send or receive of `info`'s communicator captured into a CUDA graph, as the template's
     /// operation `index`: its channels, if every width left agrees on them (its replays have no
     /// host event to wait with until they do), and, for a receive right after its round's send in
-    /// the same plan, that send's index (the two share their items).
+    /// the same plan, that send's index (the two share their items). `pos`: its record's position.
     pub fn capture(
         &mut self,
         info: &CommInfo,
         task: Task,
         index: u32,
+        pos: u64,
     ) -> Option<(u64, Option<u32>)> {
         let round = round_of(info, &task)?;
         let s = self.comm(info.comm);
@@ -209,12 +213,21 @@ impl Schedules {
         let fused = match task.send {
             true => None,
             false => (s.open_captured.take())
-                .filter(|&(r, _)| r == round)
-                .map(|(_, send)| send),
+                .filter(|&(r, _, _)| r == round)
+                .map(|(_, send, _)| send),
         };
         let channels = agreed(s.widths, round, task.n_channels.max(1));
-        s.open_captured = (task.send && channels.is_some()).then_some((round, index));
+        s.open_captured = (task.send && channels.is_some()).then_some((round, index, pos));
         Some((channels?, fused))
+    }
+
+    /// The position of the oldest captured send at or after `from` that a receive may still join:
+    /// a restart must read it again with that receive, or the two would be captured apart.
+    pub fn oldest_open_capture(&self, from: u64) -> Option<u64> {
+        (self.comms.values())
+            .filter_map(|s| s.open_captured.map(|o| o.2))
+            .filter(|&pos| pos >= from)
+            .min()
     }
 
     /// The plan being read ended (its operations' stops, or another operation, were read): a
@@ -251,9 +264,32 @@ impl Schedules {
             })
             .fold(0u8, |m, w| m | 1 << w);
         if explain != 0 {
+            self.changed |= explain != s.widths;
             s.widths = explain;
             s.place_agreed(placed);
         }
+    }
+
+    /// (communicator, widths left) where items ruled some out, for the resume state.
+    pub fn widths(&self) -> Vec<(u32, u8)> {
+        let mut v: Vec<(u32, u8)> = (self.comms.iter())
+            .filter(|(_, s)| s.widths != ALL_WIDTHS)
+            .map(|(&c, s)| (c, s.widths))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Continues from the widths a previous daemon saved.
+    pub fn restore(&mut self, widths: &[(u32, u8)]) {
+        for &(comm, w) in widths {
+            self.comm(comm).widths = w & ALL_WIDTHS;
+        }
+    }
+
+    /// Whether widths narrowed since the last call.
+    pub fn take_changed(&mut self) -> bool {
+        std::mem::take(&mut self.changed)
     }
 
     /// Forgets a finalized communicator.
@@ -413,9 +449,9 @@ mod tests {
         let mut s = Schedules::default();
         let info = comm(1, 2, 1);
         // Captured before any eager transfer told the width: the peer's round is unplaceable.
-        assert_eq!(s.capture(&info, task(0, true, 0, 1), 0), None);
+        assert_eq!(s.capture(&info, task(0, true, 0, 1), 0, 0), None);
         // A self round is the same under every width.
-        assert_eq!(s.capture(&info, task(0, true, 1, 1), 1), Some((1, None)));
+        assert_eq!(s.capture(&info, task(0, true, 1, 1), 1, 1), Some((1, None)));
         s.close_plan(7);
         // An eager round on channel 32 tells the width (64).
         let mut placed = Vec::new();
@@ -424,17 +460,17 @@ mod tests {
         s.item(7, 32, &mut placed);
         // Now a captured send and the receive after it in the same plan: one work, shared items.
         assert_eq!(
-            s.capture(&info, task(0, true, 0, 2), 5),
+            s.capture(&info, task(0, true, 0, 2), 5, 5),
             Some((0b11 << 32, None))
         );
         assert_eq!(
-            s.capture(&info, task(0, false, 0, 1), 6),
+            s.capture(&info, task(0, false, 0, 1), 6, 6),
             Some((1 << 32, Some(5)))
         );
         // A receive of another plan is its own work.
         s.close_plan(7);
         assert_eq!(
-            s.capture(&info, task(0, false, 0, 1), 7),
+            s.capture(&info, task(0, false, 0, 1), 7, 7),
             Some((1 << 32, None))
         );
     }

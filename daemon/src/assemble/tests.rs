@@ -1572,6 +1572,7 @@ fn p2p_work_items_join_their_round_and_leave_the_collectives_beside_them() {
         s(13, "Send"),
         s(14, "Recv"),
     ]);
+    let from = recs.len();
     // Eager: an all-reduce on channel 0; a send and a receive in one plan, fused into one round on
     // channels 32 and 33; another all-reduce on channels 0 and 1.
     recs.extend([coll(1, 0, 1), stop(1), p2p(2, 13, false), p2p(3, 14, false)]);
@@ -1638,4 +1639,7 @@ fn p2p_work_items_join_their_round_and_leave_the_collectives_beside_them() {
         (0, 0, 0)
     );
     assert_eq!(a.pending(), 0);
+    // A daemon restarted anywhere delivers the same (the width the eager round told is saved: a
+    // capture read again after the restart is placed by it).
+    restart_anywhere(&recs, from);
 }
