@@ -707,18 +707,18 @@ impl Assembler {
                     gpu_start,
                     gpu_stop,
                 };
+                let read = Read {
+                    pos,
+                    key: (comm, channel),
+                    wc: work_counter,
+                    work,
+                };
                 // A p2p item joins a send or receive waiting on its channel, or nothing (it never
                 // waits in a lane: see `p2p_item`); where the graph template has captured
                 // operations on its channel it is attributed as a collective's item is.
                 if self.dict.is_p2p_work(func_id) && !self.replays.uses_channel(comm, channel) {
                     self.counters.dev_work += 1;
                     self.replays.foreign((comm, channel), work_counter);
-                    let read = Read {
-                        pos,
-                        key: (comm, channel),
-                        wc: work_counter,
-                        work,
-                    };
                     self.p2p_item(read, now_ns, out);
                     return;
                 }
@@ -728,12 +728,6 @@ impl Assembler {
                 }
                 self.counters.dev_work += 1;
                 if self.replays.has_template(comm) {
-                    let read = Read {
-                        pos,
-                        key: (comm, channel),
-                        wc: work_counter,
-                        work,
-                    };
                     self.attribute(read, now_ns, out);
                     return;
                 }

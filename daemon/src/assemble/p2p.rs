@@ -232,7 +232,11 @@ impl Schedules {
 
     /// The plan being read ended (its operations' stops, or another operation, were read): a
     /// receive no longer joins its last send.
+    #[inline]
     pub fn close_plan(&mut self, comm: u32) {
+        if self.comms.is_empty() {
+            return; // no send or receive yet: the ingest path's every operation asks
+        }
         if let Some(s) = self.comms.get_mut(&comm) {
             s.open = None;
             s.open_captured = None;
