@@ -1068,7 +1068,9 @@ impl Assembler {
         for ch in 0..hook_lanes {
             self.match_lane((comm, ch), now_ns, out);
         }
-        self.place_p2p(comm, placed, now_ns, out);
+        if !placed.is_empty() {
+            self.place_p2p(comm, placed, now_ns, out);
+        }
         while self.ops.len() > self.max_pending {
             let &(_, oldest) = self.by_pos.front().expect("ops and by_pos agree");
             self.counters.pending_overflow += 1;
