@@ -453,7 +453,8 @@ pub struct Health {
     pub export_resent: u64,
     pub export_errors: u64,
     pub max_calibration_error_ns: u32,
-    /// Device-hook work items of collectives read, and joined (p2p items are `dev_p2p`).
+    /// Device-hook work items read (less the p2p items no operation waited for, `dev_p2p`), and
+    /// joined.
     pub dev_work: u64,
     pub dev_joined: u64,
     /// Commits past open operations or unacknowledged spans because a ring was over half full.

@@ -211,9 +211,19 @@ def main():
             ok &= check_p2p(c, line, spans.get(f"rfc-{c}", []))
             continue
         ok &= check_case(c, line, spans.get(f"rfc-{c}", []))
+    p2p_series = collections.Counter()  # (job, collective) -> instances in the exec-time histogram
     for line in open(f"{out}/metrics.txt"):
         if line.startswith("ncclscope_lost_total") and not line.rstrip().endswith(" 0"):
             print(" ", line.rstrip())
+        m = re.match(r'ncclscope_collective_exec_time_microseconds_count\{(.*)\} (\S+)', line)
+        if m and ('collective="Send"' in m.group(1) or 'collective="Recv"' in m.group(1)):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            p2p_series[(labels.get("job_id"), labels.get("collective"))] += int(float(m.group(2)))
+    for c in [c for c in cases if c in ("a2a", "pp")]:
+        for func in ("Send", "Recv"):
+            n = p2p_series[(f"rfc-{c}", func)]
+            print(f"{c}: ncclscope_collective_exec_time_microseconds{{collective=\"{func}\"}}: {n} instances")
+            ok &= n > 0
     return 0 if ok else 1
 
 

@@ -57,7 +57,9 @@ sink=$!
 for _ in $(seq 50); do [ -s "$out/spans.jsonl" ] && break; sleep 0.1; done
 endpoint="$(head -n 1 "$out/spans.jsonl" | cut -d' ' -f2)"
 metrics_port=29611
-"$bin/ncclscope" daemon --socket "$NCCLSCOPE_SOCKET" --api-socket "$work/api.sock" \
+# Per-job series on /metrics too (a test machine: no other user to hide them from), so check.py sees
+# the families Grafana reads, Send and Recv included.
+NCCLSCOPE_PROMETHEUS_JOB_SERIES=true "$bin/ncclscope" daemon --socket "$NCCLSCOPE_SOCKET" --api-socket "$work/api.sock" \
   --state-dir "$work/state" --spool-dir "$work/spool" --otlp-endpoint "$endpoint" \
   --prometheus-listen "127.0.0.1:$metrics_port" > /dev/null 2> "$out/daemon.log" < /dev/null &
 daemon=$!
