@@ -4,6 +4,7 @@
 //! slice; the offset that makes the most of them do so measures how far the two mappings of the GPU
 //! clock to CLOCK_REALTIME (ncclscope's calibration, CUPTI's) disagree.
 
+use ncclscope_proto::TimingSource;
 use ncclscope_proto::api::Collective;
 use serde_json::{Value, json};
 
@@ -160,7 +161,8 @@ pub fn check(kernels: &[Kernel], colls: &[Collective], owner: Owner) -> Option<A
             let slices: Vec<(i64, i64, &Collective)> = colls
                 .iter()
                 .filter(|c| c.host == host && c.pid == pid)
-                .filter(|c| c.start_unix_ns != 0 && c.timing_source != "host")
+                .filter(|c| c.start_unix_ns != 0)
+                .filter(|c| TimingSource::parse(&c.timing_source) != TimingSource::Host)
                 .map(|c| {
                     (
                         c.start_unix_ns as i64,

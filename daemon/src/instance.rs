@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use ncclscope_proto::api::{ChannelWork, Collective, LiveSpans};
 use ncclscope_proto::segment::Pod;
-use ncclscope_proto::{Gpu, StrId};
+use ncclscope_proto::{Gpu, StrId, TimingSource};
 use serde::{Deserialize, Serialize};
 
 /// The strings of one process: its job and host, and the strings its records define by id, with its
@@ -126,7 +126,7 @@ pub struct Instance {
     pub start_unix_ns: u64,
     pub end_unix_ns: u64,
     pub exec_ns: u64,
-    pub timing_source: &'static str,
+    pub timing_source: TimingSource,
     pub algbw_gbs: f64,
     pub busbw_gbs: f64,
     pub calibration_error_ns: u32,
@@ -175,9 +175,6 @@ impl Instance {
         }
     }
 }
-
-/// The values `timing_source` takes.
-pub const TIMING_SOURCES: [&str; 3] = ["kernel_gpu", "device_hook", "host"];
 
 /// An instance read with its process's names.
 #[derive(Clone, Copy, Debug)]
@@ -256,7 +253,7 @@ impl<'a> InstanceRef<'a> {
             start_unix_ns: self.start_unix_ns,
             end_unix_ns: self.end_unix_ns,
             exec_ns: self.exec_ns,
-            timing_source: self.timing_source.into(),
+            timing_source: self.timing_source.as_str().into(),
             algbw_gbs: self.algbw_gbs,
             busbw_gbs: self.busbw_gbs,
             calibration_error_ns: self.calibration_error_ns,
@@ -336,10 +333,7 @@ impl From<&Collective> for Shared {
             start_unix_ns: c.start_unix_ns,
             end_unix_ns: c.end_unix_ns,
             exec_ns: c.exec_ns,
-            timing_source: TIMING_SOURCES
-                .into_iter()
-                .find(|s| *s == c.timing_source)
-                .unwrap_or("host"),
+            timing_source: TimingSource::parse(&c.timing_source),
             algbw_gbs: c.algbw_gbs,
             busbw_gbs: c.busbw_gbs,
             calibration_error_ns: c.calibration_error_ns,

@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 
+use ncclscope_proto::TimingSource;
 use ncclscope_proto::api::Collective;
 use serde_json::{Value, json};
 
@@ -39,7 +40,7 @@ impl NodeEnds {
         // clock is not the host's.
         if c.is_p2p
             || c.end_unix_ns == 0
-            || c.timing_source == "host"
+            || TimingSource::parse(&c.timing_source) == TimingSource::Host
             || c.calibration_error_ns == u32::MAX
         {
             return;

@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::io::{self, Write};
 
+use ncclscope_proto::TimingSource;
 use ncclscope_proto::api::Collective;
 use serde_json::{Value, json};
 
@@ -262,7 +263,7 @@ pub fn attributes(c: &Collective) -> Value {
         "exec_ns": c.exec_ns, "algbw_gbs": c.algbw_gbs, "busbw_gbs": c.busbw_gbs,
         "calibration_error_ns": c.calibration_error_ns,
     });
-    if c.timing_source == "host"
+    if TimingSource::parse(&c.timing_source) == TimingSource::Host
         && let Some(args) = args.as_object_mut()
     {
         for timed in ["exec_ns", "algbw_gbs", "busbw_gbs"] {
@@ -450,6 +451,7 @@ mod tests {
     #[test]
     fn a_host_timed_instance_has_no_exec_time_or_bandwidth() {
         let mut c = coll(0, 1, 1_000);
+        c.timing_source = "device_hook".into();
         c.exec_ns = 1_990;
         assert_eq!(attributes(&c)["exec_ns"], 1_990);
         c.timing_source = "host".into();

@@ -22,6 +22,7 @@
 //! The daemon builds OTLP protobuf spans itself (opentelemetry-proto) because the SDK generates ids.
 
 use crate::instance::InstanceRef;
+use ncclscope_proto::TimingSource;
 use ncclscope_proto::api::LiveSpans;
 use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
 use opentelemetry_proto::tonic::trace::v1::{Span, Status, span::SpanKind, status::StatusCode};
@@ -196,7 +197,7 @@ fn status(c: InstanceRef) -> Option<Status> {
     worked.sort_unstable();
     worked.dedup();
     let worked = worked.len() as u32;
-    let message = if c.timing_source == "host" && c.end_unix_ns <= c.enqueue_unix_ns {
+    let message = if c.timing_source == TimingSource::Host && c.end_unix_ns <= c.enqueue_unix_ns {
         "incomplete: closed without its end (timed out, or its process ended)".to_string()
     } else if worked < u32::from(c.desc.n_channels) {
         format!(
@@ -263,7 +264,7 @@ fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
         i("nccl.exec_ns", c.exec_ns as i64),
         f("nccl.algbw_gbs", c.algbw_gbs),
         f("nccl.busbw_gbs", c.busbw_gbs),
-        s("nccl.timing_source", c.timing_source),
+        s("nccl.timing_source", c.timing_source.as_str()),
         i("nccl.calibration_error_ns", c.calibration_error_ns as i64),
         i("nccl.enqueue_unix_ns", c.enqueue_unix_ns as i64),
         i("process.pid", c.pid as i64),
@@ -271,7 +272,7 @@ fn spans_of(c: InstanceRef, channel_spans: bool, out: &mut Vec<Span>) {
     // Empty strings (p2p has no algorithm/protocol; unnamed communicators) carry no information.
     attributes.retain(|kv| !matches!(&kv.value, Some(AnyValue { value: Some(any_value::Value::StringValue(v)) }) if v.is_empty()));
     // Host times bracket the enqueue, not the work: no exec time or bandwidth rather than a wrong one.
-    if c.timing_source == "host" {
+    if c.timing_source == TimingSource::Host {
         attributes.retain(|kv| {
             !matches!(
                 kv.key.as_str(),

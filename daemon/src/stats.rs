@@ -10,6 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use ncclscope_proto::TimingSource;
 use ncclscope_proto::api::{CollStats, P2pStats, RankStats};
 
 use crate::bandwidth;
@@ -377,7 +378,7 @@ impl Stats {
         let key = spans::instance_key_typed(c, type_key);
         let exec_ns = Sample::from(c.exec_ns as f64);
         // Host-timed instances are counted; they have no exec time to record (see build.rs).
-        let timed = c.timing_source != "host";
+        let timed = c.timing_source != TimingSource::Host;
         let live = self.with_series(c, now_ns, |s| {
             // A settled p50 moves slowly: once the series has a few windows' worth of samples,
             // recompute it every P50_EVERY samples rather than on every instance.
@@ -519,8 +520,10 @@ impl Stats {
         let sent = live != LiveSpans::None;
         // Without kernel times a rank meets no other (nor its root: it has none). Alone on its node,
         // rank 0 carries its own root in its own export, which its records wait on anyway.
-        let (trace_root, root_wait) = match (c.desc.is_p2p || c.timing_source == "host", local >= 2)
-        {
+        let (trace_root, root_wait) = match (
+            c.desc.is_p2p || c.timing_source == TimingSource::Host,
+            local >= 2,
+        ) {
             (true, _) => (None, None),
             (false, true) => self.arrive(c, type_key, local, now_ns, sent, rejoined),
             (false, false) => (
@@ -1068,7 +1071,7 @@ mod tests {
         assert_eq!(s.skew_evaluated, 1);
         // A rank without kernel times (closed incomplete) meets no other: no root.
         let mut host_timed = coll(2, 7, 50, 1_000);
-        host_timed.inst.timing_source = "host";
+        host_timed.inst.timing_source = TimingSource::Host;
         s.observe(coll(0, 7, 100, 500).view(), 0, 1, sent);
         s.observe(coll(1, 7, 100, 500).view(), 0, 1, sent);
         assert_eq!(s.observe(host_timed.view(), 0, 1, sent).trace_root, None);

@@ -12,7 +12,7 @@ pub mod fixture;
 pub mod record;
 pub mod segment;
 
-pub use record::{Gpu, MAX_CHANNELS, Record, StrId, TimingPath};
+pub use record::{Gpu, MAX_CHANNELS, Record, StrId, TimingPath, TimingSource};
 pub use segment::{Claims, Consumer, Counter, Producer, Segment, SegmentError};
 
 /// Where the daemon listens for the plugins' registrations unless configured otherwise (the

@@ -70,6 +70,46 @@ pub enum TimingPath {
     DeviceHook = 1,
 }
 
+/// How an instance's times were taken: the API's `Collective.timing_source` and its spans'
+/// `nccl.timing_source`, as text.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TimingSource {
+    /// Stock NCCL's KernelCh events ([`TimingPath::KernelCh`]).
+    KernelGpu,
+    /// The RFC device hook's work items ([`TimingPath::DeviceHook`]).
+    DeviceHook,
+    /// Host events only: no exec time (they bracket the enqueue, not the work).
+    #[default]
+    Host,
+}
+
+impl TimingSource {
+    pub const ALL: [TimingSource; 3] = [Self::KernelGpu, Self::DeviceHook, Self::Host];
+
+    /// Timed on the GPU by `path`'s kernel records.
+    pub fn of(path: TimingPath) -> TimingSource {
+        match path {
+            TimingPath::KernelCh => Self::KernelGpu,
+            TimingPath::DeviceHook => Self::DeviceHook,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::KernelGpu => "kernel_gpu",
+            Self::DeviceHook => "device_hook",
+            Self::Host => "host",
+        }
+    }
+
+    /// The source `text` names; an unknown one reads as [`Self::Host`] (no GPU time to trust).
+    pub fn parse(text: &str) -> TimingSource {
+        (Self::ALL.into_iter())
+            .find(|s| s.as_str() == text)
+            .unwrap_or(Self::Host)
+    }
+}
+
 /// One record. Times named `host_ns` are CLOCK_REALTIME nanoseconds taken by the plugin; `gpu_*` are
 /// raw `%globaltimer` nanoseconds, mapped to host time by the latest [`Record::Calibration`] of the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

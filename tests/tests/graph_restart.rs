@@ -11,8 +11,8 @@ use std::process::Command;
 
 use ncclscope::assemble::{Assembler, Completed, done};
 use ncclscope_fakenccl::process::{Catcher, run_rank};
-use ncclscope_proto::Record;
 use ncclscope_proto::record::RECORD_WORDS;
+use ncclscope_proto::{Record, TimingSource};
 
 /// Every record applied by one assembler; what it delivered and its counters.
 fn assemble_whole(records: &[Record]) -> (Assembler, Vec<Completed>) {
@@ -79,7 +79,7 @@ fn timed<'a>(
     c: impl Iterator<Item = &'a Completed>,
 ) -> BTreeMap<(String, u64, u32), u64> {
     let mut m = BTreeMap::new();
-    for c in c.filter(|c| c.coll.timing_source == "device_hook") {
+    for c in c.filter(|c| c.coll.timing_source == TimingSource::DeviceHook) {
         let key = (
             names.string(c.coll.desc.func.0),
             c.coll.desc.seq,

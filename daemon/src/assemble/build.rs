@@ -1,7 +1,7 @@
 //! An operation becomes an instance: GPU times mapped to host time, exec time, bandwidths.
 
-use ncclscope_proto::StrId;
 use ncclscope_proto::api::LiveSpans;
+use ncclscope_proto::{StrId, TimingSource};
 
 use super::operations::Op;
 use crate::bandwidth;
@@ -86,7 +86,7 @@ pub(super) fn instance(
     // bandwidth, rather than a wrong one.
     let (timing_source, start, end, exec) = if channels.is_empty() {
         let end = op.stop_ns.unwrap_or(op.enqueue_ns);
-        ("host", op.enqueue_ns, end, 0)
+        (TimingSource::Host, op.enqueue_ns, end, 0)
     } else {
         let start = channels.iter().map(|c| c.start_unix_ns).min().unwrap_or(0);
         let end = channels.iter().map(|c| c.end_unix_ns).max().unwrap_or(0);
@@ -96,9 +96,9 @@ pub(super) fn instance(
             .max()
             .unwrap_or(0);
         let source = if info.is_some_and(|c| c.device_hook) {
-            "device_hook"
+            TimingSource::DeviceHook
         } else {
-            "kernel_gpu"
+            TimingSource::KernelGpu
         };
         (source, start, end, exec)
     };

@@ -109,7 +109,7 @@ fn stock_path_joins_by_parent_and_applies_calibration() {
         (c.func(), c.datatype(), c.algo(), c.proto()),
         ("AllReduce", "ncclFloat32", "RING", "LL128")
     );
-    assert_eq!(c.timing_source, "kernel_gpu");
+    assert_eq!(c.timing_source.as_str(), "kernel_gpu");
     assert_eq!(c.start_unix_ns, 1_000_050);
     assert_eq!(c.end_unix_ns, 1_000_900);
     assert_eq!(c.exec_ns, 800, "max over channels");
@@ -363,7 +363,7 @@ fn hook_path_joins_by_channel_order_and_checks_the_func_name() {
         .map(|c| (c.coll.desc.seq, c.coll.start_unix_ns))
         .collect();
     assert_eq!(seqs, vec![(0, 1_000_100), (1, 1_000_300)]);
-    assert_eq!(out[0].coll.timing_source, "device_hook");
+    assert_eq!(out[0].coll.timing_source.as_str(), "device_hook");
     assert_eq!((a.counters.dev_work, a.counters.dev_joined), (3, 2));
 }
 
@@ -446,7 +446,7 @@ fn timeouts_comm_end_and_overflow_close_ops_as_incomplete() {
         vec![3],
         "op 3 idle since 0"
     );
-    assert_eq!(out[0].coll.timing_source, "host");
+    assert_eq!(out[0].coll.timing_source.as_str(), "host");
     a.apply(
         21,
         &Record::CommEnd {
@@ -946,7 +946,7 @@ fn replays_are_attributed_to_the_template_and_eager_ops_keep_their_work() {
         ]
     );
     let replayed = &out[0].coll;
-    assert_eq!(replayed.timing_source, "device_hook");
+    assert_eq!(replayed.timing_source.as_str(), "device_hook");
     assert_eq!(replayed.start_unix_ns, 1_000_100);
     assert_eq!(replayed.enqueue_unix_ns, replayed.start_unix_ns);
     assert_eq!(
@@ -1295,7 +1295,7 @@ fn a_lagging_gpu_with_equal_functions_is_counted_ambiguous_and_nothing_mis_joine
     // The eager operation lost its item: closed incomplete, with its host times only; no
     // replayed instance made up from items that may be the eager operation's.
     assert_eq!(got(&out), vec![(7, 0, 0)]);
-    assert_eq!(out[0].coll.timing_source, "host");
+    assert_eq!(out[0].coll.timing_source.as_str(), "host");
     assert!(out[0].coll.channels.is_empty());
     let c = &a.counters;
     assert_eq!((c.dev_ambiguous, c.dev_joined, c.incomplete), (5, 0, 1));
@@ -1388,7 +1388,13 @@ fn kernel_times_mapped_before_the_enqueue_or_into_the_future_are_not_used() {
     }
     let by_seq: Vec<(u64, &str, u64)> = out
         .iter()
-        .map(|c| (c.coll.desc.seq, c.coll.timing_source, c.coll.exec_ns))
+        .map(|c| {
+            (
+                c.coll.desc.seq,
+                c.coll.timing_source.as_str(),
+                c.coll.exec_ns,
+            )
+        })
         .collect();
     assert_eq!(
         by_seq,
@@ -1605,7 +1611,12 @@ fn p2p_work_items_join_their_round_and_leave_the_collectives_beside_them() {
     let got: Vec<_> = (out.iter())
         .map(|c| {
             let name = a.names().get(c.coll.desc.func).to_string();
-            (name, c.coll.replay, c.coll.timing_source, c.coll.exec_ns)
+            (
+                name,
+                c.coll.replay,
+                c.coll.timing_source.as_str(),
+                c.coll.exec_ns,
+            )
         })
         .collect();
     // The send and receive complete with their round's items, both timed by them; the captured
