@@ -211,7 +211,7 @@ impl Query for QueryService {
             for j in &mut jobs.jobs {
                 let key = (j.uid, j.job_id.clone());
                 j.slurm_job_ids = spool.slurm_jobs(&key);
-                let d = spool.dropped(&key).unwrap_or_default();
+                let d = spool.evicted(&key).unwrap_or_default();
                 j.spool_dropped_files = d.files;
                 j.spool_dropped_bytes = d.bytes;
                 j.spool_dropped_until_unix_ns = d.until_unix_ns;

@@ -21,9 +21,10 @@ use serde::{Deserialize, Serialize};
 use crate::instance::Desc;
 use crate::spool::Position;
 
-/// What must survive a daemon restart to interpret a segment from its committed tail on.
+/// What must survive a daemon restart to interpret a segment from its committed tail on: the saved
+/// form of the assembler's dictionary (`assemble::dictionary::Dict`) and templates.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct Dictionary {
+pub struct SavedDictionary {
     pub strings: Vec<(u16, String)>,
     pub func_names: Vec<(u32, u16)>,
     pub calibrations: Vec<(i32, Calibration)>,
@@ -239,7 +240,7 @@ pub struct SegmentState {
     pub segment: String,
     /// Committed tail when written: the file is valid for a segment whose tail is this or later.
     pub tail: u64,
-    pub dictionary: Dictionary,
+    pub dictionary: SavedDictionary,
     /// (operation id, position of its first record, sinks it was delivered to).
     pub delivered: Vec<(u64, u64, u8)>,
     /// The spool of the segment's job when this was written: whatever of the segment was spooled later
@@ -360,7 +361,7 @@ mod tests {
         let state = SegmentState {
             segment: "ncclscope-job.0.41.7".into(),
             tail: 1024,
-            dictionary: Dictionary {
+            dictionary: SavedDictionary {
                 strings: vec![(1, "AllReduce".into()), (2, "ncclFloat32".into())],
                 func_names: vec![(42, 3)],
                 calibrations: vec![(

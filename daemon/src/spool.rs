@@ -145,12 +145,12 @@ struct Index {
     /// The Slurm jobs each job's processes ran in (its `slurm-<id>` markers).
     slurm: BTreeMap<JobKey, std::collections::BTreeSet<String>>,
     /// What the bounds deleted of each job still spooled (its `dropped` file).
-    dropped: BTreeMap<JobKey, Dropped>,
+    dropped: BTreeMap<JobKey, Evicted>,
 }
 
 /// What the spool's bounds deleted of a job: whole files, the last written at `until_unix_ns`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Dropped {
+pub struct Evicted {
     pub files: u64,
     pub bytes: u64,
     pub until_unix_ns: u64,
@@ -629,7 +629,7 @@ impl SpoolReader {
     }
 
     /// What the spool's bounds deleted of `job` (None: nothing).
-    pub fn dropped(&self, job: &JobKey) -> Option<Dropped> {
+    pub fn evicted(&self, job: &JobKey) -> Option<Evicted> {
         lock(&self.index).dropped.get(job).copied()
     }
 
@@ -855,9 +855,9 @@ fn scan_uid(dir: &Path, uid: u32, index: &mut Index) -> io::Result<()> {
 }
 
 /// `files bytes until_unix_ns`, as [`Spool::evict`] writes it.
-fn parse_dropped(text: &str) -> Option<Dropped> {
+fn parse_dropped(text: &str) -> Option<Evicted> {
     let mut n = text.split_whitespace().map(str::parse::<u64>);
-    Some(Dropped {
+    Some(Evicted {
         files: n.next()?.ok()?,
         bytes: n.next()?.ok()?,
         until_unix_ns: n.next()?.ok()?,
@@ -1124,20 +1124,20 @@ mod tests {
         assert_eq!(r.in_slurm_job(Some(0), "42"), [key("mine")]);
         assert_eq!(r.in_slurm_job(Some(1), "42"), []);
         assert_eq!(r.slurm_jobs(&key("other")), ["43"]);
-        assert_eq!(r.dropped(&key("mine")), None);
+        assert_eq!(r.evicted(&key("mine")), None);
         for seq in 2..60 {
             spool.append(&[in_slurm("mine", seq, "42")]).unwrap();
         }
         let d = spool
             .reader()
-            .dropped(&key("mine"))
+            .evicted(&key("mine"))
             .expect("old files of it deleted");
         assert!(d.files > 0 && d.bytes > 0 && d.until_unix_ns > 0, "{d:?}");
         drop(spool);
         let spool = Spool::open(dir.path(), limits).unwrap();
         let r = spool.reader();
         assert_eq!(r.in_slurm_job(None, "42"), [key("mine")]);
-        assert_eq!(r.dropped(&key("mine")), Some(d));
+        assert_eq!(r.evicted(&key("mine")), Some(d));
         // "other" and "plain" were deleted whole: nothing of them is left, markers included.
         assert_eq!(r.in_slurm_job(None, "43"), []);
         assert!(!dir.path().join("0/other").exists());

@@ -36,7 +36,7 @@ use ncclscope_proto::{MAX_CHANNELS, Record, StrId, TimingPath};
 use crate::config::Limits;
 use crate::fast_map::Map;
 use crate::instance::{Desc, Names};
-pub use crate::resume::Dictionary;
+use crate::resume::SavedDictionary;
 use crate::resume::{Calibration, CapturedOp, CommInfo, ReplayCursor, SavedOp};
 
 mod build;
@@ -226,7 +226,7 @@ impl Assembler {
     /// Resumes from a persisted dictionary and the operations a previous daemon delivered.
     pub fn restore(
         &mut self,
-        dict: Dictionary,
+        dict: SavedDictionary,
         delivered: impl IntoIterator<Item = (u64, u64, u8)>,
     ) {
         self.dict
@@ -247,8 +247,8 @@ impl Assembler {
         self.dict.restored_uid(captured);
     }
 
-    pub fn dictionary(&self) -> Dictionary {
-        let mut d = Dictionary {
+    pub fn dictionary(&self) -> SavedDictionary {
+        let mut d = SavedDictionary {
             strings: (self.dict.names.iter())
                 .map(|(id, text)| (id.0, text.to_string()))
                 .collect(),

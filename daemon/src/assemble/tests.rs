@@ -840,7 +840,7 @@ fn one_uids_processes_share_its_dictionary_budget() {
         b.counters.uid_limit, 6,
         "4 strings, a device, a communicator"
     );
-    assert_eq!(b.dictionary(), Dictionary::default());
+    assert_eq!(b.dictionary(), SavedDictionary::default());
     // The same entries read again take nothing more.
     feed(&mut a, &prelude(TimingPath::KernelCh));
     assert_eq!(budget.used(), 6);

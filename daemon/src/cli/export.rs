@@ -17,7 +17,7 @@ use crate::node_clocks::{self, NodeClock, NodeEnds};
 use crate::otlp_json::OtlpJsonWriter;
 use crate::perfetto::PerfettoWriter;
 use crate::perfetto_proto::PerfettoProtoWriter;
-use crate::spool::{Dropped, Origin, Spool, SpoolLimits, SpoolReader};
+use crate::spool::{Evicted, Origin, Spool, SpoolLimits, SpoolReader};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
@@ -269,7 +269,7 @@ struct Coverage {
     ranks: std::collections::BTreeSet<u32>,
     hosts: std::collections::BTreeSet<String>,
     /// (job id, what the spool's bounds deleted of it) for the jobs read.
-    dropped: Vec<(String, Dropped)>,
+    dropped: Vec<(String, Evicted)>,
 }
 
 impl Coverage {
@@ -356,7 +356,7 @@ enum Source {
 type Read<'a> = dyn Fn(
         &Source,
         &mut dyn FnMut(Collective) -> anyhow::Result<()>,
-    ) -> anyhow::Result<Vec<(String, Dropped)>>
+    ) -> anyhow::Result<Vec<(String, Evicted)>>
     + 'a;
 
 /// One trace of the job across `sources` (one per node): a first pass gathers each node's end times
@@ -634,7 +634,7 @@ async fn read_api(
     uid: Option<u32>,
     filter: &Filter,
     each: &mut dyn FnMut(Collective) -> anyhow::Result<()>,
-) -> anyhow::Result<Vec<(String, Dropped)>> {
+) -> anyhow::Result<Vec<(String, Evicted)>> {
     let mut client = api::connect(socket).await?;
     let jobs = client.list_jobs(ListJobsRequest {}).await?.into_inner();
     let read: Vec<&Job> = (jobs.jobs.iter())
@@ -650,7 +650,7 @@ async fn read_api(
     };
     let dropped = (read.iter())
         .map(|j| {
-            let d = Dropped {
+            let d = Evicted {
                 files: j.spool_dropped_files,
                 bytes: j.spool_dropped_bytes,
                 until_unix_ns: j.spool_dropped_until_unix_ns,
@@ -694,7 +694,7 @@ fn read_spool(
     uid: Option<u32>,
     filter: &Filter,
     each: &mut dyn FnMut(Collective) -> anyhow::Result<()>,
-) -> anyhow::Result<Vec<(String, Dropped)>> {
+) -> anyhow::Result<Vec<(String, Evicted)>> {
     let spool = SpoolReader::open_dir(dir)?;
     let (keys, slurm) = match which {
         Which::Job(job) => {
@@ -729,7 +729,7 @@ fn read_spool(
     }
     bar.finish_and_clear();
     Ok((keys.iter())
-        .map(|k| (k.1.clone(), spool.dropped(k).unwrap_or_default()))
+        .map(|k| (k.1.clone(), spool.evicted(k).unwrap_or_default()))
         .collect())
 }
 
