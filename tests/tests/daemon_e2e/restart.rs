@@ -1,5 +1,6 @@
 //! Restarts: a daemon SIGKILLed mid-run, again and again, or mid graph replay, restarted on the same
-//! state and spool, delivers every instance once and every root span.
+//! state and spool, delivers every instance once and every root span (a graph replay's it may have
+//! lost counted).
 
 use crate::support::*;
 
