@@ -262,8 +262,6 @@ struct Rendezvous {
     /// An instance re-read after a restart met it: the daemon that recorded that instance may have
     /// counted the skew already (not evaluated).
     rejoined: bool,
-    /// One of them was not known to be acknowledged: a root it carried then may not have arrived.
-    rejoined_unacked: bool,
     root: RootWait,
     /// Rank 0's instance, without its channels, once it came with its span sent and others were
     /// still awaited: what sends the root if the skew window closes first.
@@ -494,28 +492,15 @@ impl Stats {
             (r.local_lateness_ns).filter(|_| live != LiveSpans::None && !c.desc.is_p2p);
         Observed {
             local_lateness_ns,
-            ..self.meet(c, type_key, now_ns, live, None)
+            ..self.meet(c, type_key, now_ns, live, false)
         }
     }
 
     /// An instance re-read after a restart, which the daemon that recorded it counted: it only meets
     /// its collective's other local ranks again (whose records waited for the root as its did), so
-    /// that the last of them carries the root again. `live`: what the live export sends of it;
-    /// `acknowledged`: whether the receiver acknowledged its span (and a root it carried) before.
-    pub fn rejoin(
-        &mut self,
-        c: InstanceRef,
-        now_ns: u64,
-        live: LiveSpans,
-        acknowledged: bool,
-    ) -> Observed {
-        self.meet(
-            c,
-            spans::type_key(c.func()),
-            now_ns,
-            live,
-            Some(acknowledged),
-        )
+    /// that the last of them carries the root again. `live`: what the live export sends of it.
+    pub fn rejoin(&mut self, c: InstanceRef, now_ns: u64, live: LiveSpans) -> Observed {
+        self.meet(c, spans::type_key(c.func()), now_ns, live, true)
     }
 
     /// `c` meets the node's other ranks of its collective: the root span it carries, if any, and
@@ -526,7 +511,7 @@ impl Stats {
         type_key: u64,
         now_ns: u64,
         live: LiveSpans,
-        rejoined: Option<bool>,
+        rejoined: bool,
     ) -> Observed {
         // Skew needs at least two of the collective's ranks on this node.
         let local = self
@@ -633,7 +618,7 @@ impl Stats {
         expected: usize,
         now_ns: u64,
         sent: bool,
-        rejoined: Option<bool>,
+        rejoined: bool,
     ) -> (Option<(u64, u64)>, Option<RootWait>) {
         let arrival = Arrival {
             rank: c.rank,
@@ -725,12 +710,10 @@ impl Stats {
             opened_ns: now_ns,
             near_step: false,
             rejoined: false,
-            rejoined_unacked: false,
             root: RootWait::default(),
             rank0: None,
         });
-        rv.rejoined |= rejoined.is_some();
-        rv.rejoined_unacked |= rejoined == Some(false);
+        rv.rejoined |= rejoined;
         if !rv.near_step
             && (self.steps.iter()).any(|(lo, hi)| (lo..=hi).contains(&&c.start_unix_ns))
         {
@@ -953,15 +936,14 @@ fn keep_late(
 }
 
 /// Whether the root of a graph replay's collective (`replay` > 0) whose skew window closed without
-/// rank 0 may be lost: an instance read again after a restart, whose span (with the root, if it
-/// carried it) was not known to be acknowledged, met it with a span to send. A replay's records do
-/// not wait on their root (see `Delivery::deliver`), so the ranks the restart did not read again
-/// may have been committed before the kill while the root, carried by a rank read again, had not
-/// yet reached the receiver. An upper bound: the receiver may have had the root (its
-/// acknowledgement not yet seen or saved), the instance may not have carried it, or a rank still
-/// to come sends it ([`Stats::arrive`]'s late arrivals).
+/// rank 0 may be lost: an instance read again after a restart met it with a span to send. A
+/// replay's records do not wait on their root (see `Delivery::deliver`), so the ranks the restart
+/// did not read again may have been committed before the kill while the root, carried by a rank
+/// read again, had not yet reached the receiver. An upper bound: the receiver may have had the root
+/// (its acknowledgement not yet seen), or a rank still to come sends it ([`Stats::arrive`]'s late
+/// arrivals).
 fn root_at_risk(replay: u32, rv: &Rendezvous) -> bool {
-    replay > 0 && rv.rejoined_unacked && rv.arrivals.iter().any(|a| a.sent)
+    replay > 0 && rv.rejoined && rv.arrivals.iter().any(|a| a.sent)
 }
 
 /// The root a completed collective carries, with its settlement, settled now if there is none.
@@ -1204,41 +1186,18 @@ mod tests {
         // After a restart both instances of seq 1 are read again: they meet, the last carries the
         // root again, and the skew is not counted a second time.
         let evaluated = s.skew_evaluated;
-        s.rejoin(coll(0, 1, 120, 900).view(), 0, LiveSpans::Rank, false);
-        let o = s.rejoin(coll(1, 1, 100, 500).view(), 0, LiveSpans::Rank, false);
+        s.rejoin(coll(0, 1, 120, 900).view(), 0, LiveSpans::Rank);
+        let o = s.rejoin(coll(1, 1, 100, 500).view(), 0, LiveSpans::Rank);
         assert_eq!(o.trace_root, last.trace_root);
         assert_eq!(s.skew_evaluated, evaluated);
         // A re-read instance whose other rank was committed (its root acknowledged before the
         // kill) waits no longer than the skew window.
         let reread = s
-            .rejoin(coll(1, 4, 100, 500).view(), 0, LiveSpans::Rank, false)
+            .rejoin(coll(1, 4, 100, 500).view(), 0, LiveSpans::Rank)
             .root_wait
             .unwrap();
         s.expire(6_000_000_000);
         assert!(reread.settled());
-    }
-
-    /// Issue 37: the root of a graph replay's collective that a restart may have lost is counted: one
-    /// read again without rank 0, its span not known to be acknowledged, whose skew window closes
-    /// without the root. Not one whose span was acknowledged (its root went with it), nor an eager
-    /// one (its ranks' records wait on the root), nor one whose rank 0 was read again too.
-    #[test]
-    fn a_replays_root_a_restart_may_have_lost_is_counted() {
-        let mut s = Stats::new(60_000_000_000, 1_000_000_000, 100);
-        s.set_local_ranks(HashMap::from([((0, 9), 2)]));
-        let replayed = |rank, seq, replay| {
-            let mut c = coll(rank, seq, 100, 500);
-            c.inst.replay = replay;
-            c
-        };
-        for (seq, replay, acknowledged) in [(1, 3, false), (2, 3, true), (3, 0, false)] {
-            s.rejoin(replayed(1, seq, replay).view(), 0, LiveSpans::Rank, acknowledged);
-        }
-        s.rejoin(replayed(0, 4, 3).view(), 0, LiveSpans::Rank, false);
-        let o = s.rejoin(replayed(1, 4, 3).view(), 0, LiveSpans::Rank, false);
-        assert!(o.trace_root.is_some(), "rank 0 read again too: the root goes");
-        s.expire(2_000_000_000);
-        assert_eq!(s.replay_roots_not_resent, 1);
     }
 
     /// Issue 37: a rank whose segment the daemon reads before another local rank's communicator is

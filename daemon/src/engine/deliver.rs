@@ -119,9 +119,8 @@ impl Delivery {
                     // other ranks again, whose records waited for the root as its did.
                     let key = crate::spans::instance_key(inst);
                     let live = live_spans(otlp, false, inst.comm_hash, key);
-                    let acknowledged = c.prior & done::EXPORTED != 0;
-                    let mut o = stats.rejoin(inst, now, live, acknowledged);
-                    if acknowledged {
+                    let mut o = stats.rejoin(inst, now, live);
+                    if c.prior & done::EXPORTED != 0 {
                         // Sent: only a root it carries for the node's ranks goes now (one it
                         // carried alone went with its own span).
                         o.live_spans = LiveSpans::None;
