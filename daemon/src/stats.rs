@@ -1200,6 +1200,30 @@ mod tests {
         assert!(reread.settled());
     }
 
+    /// Issue 37: the root of a graph replay's collective that a restart may have lost is counted: one
+    /// read again without rank 0, whose skew window closes without the root. Not an eager one (its
+    /// ranks' records wait on the root), nor one whose rank 0 was read again too.
+    #[test]
+    fn a_replays_root_a_restart_may_have_lost_is_counted() {
+        let mut s = Stats::new(60_000_000_000, 1_000_000_000, 100);
+        s.set_local_ranks(HashMap::from([((0, 9), 2)]));
+        let replayed = |rank, seq, replay| {
+            let mut c = coll(rank, seq, 100, 500);
+            c.inst.replay = replay;
+            c
+        };
+        s.rejoin(replayed(1, 1, 3).view(), 0, LiveSpans::Rank);
+        s.rejoin(replayed(1, 2, 0).view(), 0, LiveSpans::Rank);
+        s.rejoin(replayed(0, 4, 3).view(), 0, LiveSpans::Rank);
+        let o = s.rejoin(replayed(1, 4, 3).view(), 0, LiveSpans::Rank);
+        assert!(
+            o.trace_root.is_some(),
+            "rank 0 read again too: the root goes"
+        );
+        s.expire(2_000_000_000);
+        assert_eq!(s.replay_roots_not_resent, 1);
+    }
+
     /// Issue 37: a rank whose segment the daemon reads before another local rank's communicator is
     /// known meets no other; the other's instance of that collective, read next, awaited it in vain
     /// and the root never came (a node's first collectives, in the fake-ranks test 9 of 30). Its
