@@ -74,6 +74,11 @@ stages! {
     DevUnjoined => "dev_unjoined",
     /// Instances left out of per-rank series past `limits.max_rank_series` (the statistics' count).
     RankSeriesLimit => "rank_series_limit",
+    /// Root spans of graph replays' collectives a restarted daemon could not send again: read again
+    /// without the node's rank 0, whose records (a replay's, read for the first time, do not wait on
+    /// its root) were committed before the kill; the root may not have reached the receiver (the
+    /// statistics' count, an upper bound: `stats::root_at_risk`).
+    ReplayRootNotResent => "replay_root_not_resent",
 }
 
 /// A count per stage.

@@ -315,6 +315,8 @@ pub struct Stats {
     /// Root spans of collectives the skew window closed before every local rank came, each with
     /// the settlement its ranks' records wait on: for the engine to send.
     roots_due: Vec<(Shared, RootWait)>,
+    /// Roots of graph replays' collectives a restart may have lost ([`root_at_risk`]).
+    pub replay_roots_not_resent: u64,
 }
 
 /// [`Stats`]'s late collectives: (uid, communicator, type, replay, seq) -> (arrivals, when kept,
@@ -332,6 +334,7 @@ impl Stats {
             windows: Map::default(),
             late: Map::default(),
             roots_due: Vec::new(),
+            replay_roots_not_resent: 0,
             local_ranks: Map::default(),
             none: "".into(),
             folded: 0,
@@ -694,8 +697,8 @@ impl Stats {
             let leave = ahead + 1 - room;
             for (i, rv) in w.slots.drain(..leave.min(w.slots.len())).enumerate() {
                 let Some(mut rv) = rv else { continue };
-                let due = &mut self.roots_due;
-                keep_late(late, due, key, w.base + i as u64, &mut rv, now_ns);
+                let (due, lost) = (&mut self.roots_due, &mut self.replay_roots_not_resent);
+                keep_late(late, due, lost, key, w.base + i as u64, &mut rv, now_ns);
                 evaluated +=
                     evaluate(ranks, c.uid(), &w.job, c.comm_hash, rv, now_ns, window_ns) as u64;
             }
@@ -777,7 +780,8 @@ impl Stats {
                 }
                 if let Some(Some(mut rv)) = w.slots.pop_front() {
                     let (late, due) = (&mut self.late, &mut self.roots_due);
-                    keep_late(late, due, key, w.base, &mut rv, now_ns);
+                    let lost = &mut self.replay_roots_not_resent;
+                    keep_late(late, due, lost, key, w.base, &mut rv, now_ns);
                     self.skew_evaluated += evaluate(
                         &mut self.ranks,
                         uid,
@@ -905,10 +909,12 @@ impl Stats {
 /// now with the ranks that came if rank 0's span is one of them ([`Stats::take_roots_due`]), and
 /// its ranks' records wait on that; without rank 0 they wait no longer (rank 0 coming late carries
 /// the root itself). Its arrivals are kept, at most [`MAX_LATE`] of them and [`LATE_NS`], for a
-/// late rank (a graph replay's held work) to find: the last carries the root over them all.
+/// late rank (a graph replay's held work) to find: the last carries the root over them all. A
+/// root that may have been lost to a restart is counted in `roots_not_resent` ([`root_at_risk`]).
 fn keep_late(
     late: &mut Late,
     roots_due: &mut Vec<(Shared, RootWait)>,
+    roots_not_resent: &mut u64,
     key: (u32, u64, u64, u32),
     seq: u64,
     rv: &mut Rendezvous,
@@ -922,6 +928,7 @@ fn keep_late(
             true
         }
         None => {
+            *roots_not_resent += root_at_risk(key.3, rv) as u64;
             rv.root.settle();
             false
         }
@@ -929,6 +936,17 @@ fn keep_late(
     if late.len() < MAX_LATE && rv.arrivals.iter().any(|a| a.sent) {
         late.insert(late_key, (rv.arrivals.clone(), now_ns, root_sent));
     }
+}
+
+/// Whether the root of a graph replay's collective (`replay` > 0) whose skew window closed without
+/// rank 0 may be lost: an instance read again after a restart met it with a span to send. A
+/// replay's records do not wait on their root (see `Delivery::deliver`), so the ranks the restart
+/// did not read again may have been committed before the kill while the root, carried by a rank
+/// read again, had not yet reached the receiver. An upper bound: the receiver may have had the root
+/// (its acknowledgement not yet seen), or a rank still to come sends it ([`Stats::arrive`]'s late
+/// arrivals).
+fn root_at_risk(replay: u32, rv: &Rendezvous) -> bool {
+    replay > 0 && rv.rejoined && rv.arrivals.iter().any(|a| a.sent)
 }
 
 /// The root a completed collective carries, with its settlement, settled now if there is none.
@@ -1183,6 +1201,30 @@ mod tests {
             .unwrap();
         s.expire(6_000_000_000);
         assert!(reread.settled());
+    }
+
+    /// Issue 37: the root of a graph replay's collective that a restart may have lost is counted: one
+    /// read again without rank 0, whose skew window closes without the root. Not an eager one (its
+    /// ranks' records wait on the root), nor one whose rank 0 was read again too.
+    #[test]
+    fn a_replays_root_a_restart_may_have_lost_is_counted() {
+        let mut s = Stats::new(60_000_000_000, 1_000_000_000, 100);
+        s.set_local_ranks(HashMap::from([((0, 9), 2)]));
+        let replayed = |rank, seq, replay| {
+            let mut c = coll(rank, seq, 100, 500);
+            c.inst.replay = replay;
+            c
+        };
+        s.rejoin(replayed(1, 1, 3).view(), 0, LiveSpans::Rank);
+        s.rejoin(replayed(1, 2, 0).view(), 0, LiveSpans::Rank);
+        s.rejoin(replayed(0, 4, 3).view(), 0, LiveSpans::Rank);
+        let o = s.rejoin(replayed(1, 4, 3).view(), 0, LiveSpans::Rank);
+        assert!(
+            o.trace_root.is_some(),
+            "rank 0 read again too: the root goes"
+        );
+        s.expire(2_000_000_000);
+        assert_eq!(s.replay_roots_not_resent, 1);
     }
 
     /// Issue 37: a rank whose segment the daemon reads before another local rank's communicator is

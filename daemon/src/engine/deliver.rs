@@ -202,10 +202,13 @@ impl Delivery {
                     && !w.settled()
                 {
                     match &out.spans {
-                        // Not a graph replay's: a tail held back by its root re-reads more of a
-                        // replayed graph after a kill, and resuming its template from there lost
-                        // replays (`daemon_e2e::restart::a_daemon_killed_mid_replay...`, 3 of 6 runs).
-                        Some(_) if c.coll.replay > 0 => {}
+                        // Not a graph replay's read for the first time: every replay held back
+                        // by its root kept a segment's tail from moving across kills a second
+                        // apart (its re-read ranks wait the skew window for ranks the kill did
+                        // not make read again), and the ring filled. One read again waits: it
+                        // is what counts the root as possibly lost (`stats::root_at_risk`), and
+                        // a kill before that reads it again.
+                        Some(_) if c.coll.replay > 0 && fresh => {}
                         Some(_) => seg.commit.hold_root(c.first_pos, w),
                         None => w.settle(),
                     }

@@ -82,6 +82,7 @@ pub(super) fn health(s: &Sources<'_>) -> Health {
         .saturating_sub(asm.dev_p2p);
     daemon.add(Loss::DevUnjoined, unjoined);
     daemon.add(Loss::RankSeriesLimit, s.stats.rank_series_refused);
+    daemon.add(Loss::ReplayRootNotResent, s.stats.replay_roots_not_resent);
     // Every stage, exported from the start (not only once one happened); each uid's refusals
     // within its bound.
     let refused = segs.refusals.node(Instant::now());
