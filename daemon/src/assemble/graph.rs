@@ -56,21 +56,39 @@ impl Template {
             op.desc.seq = op.desc.seq.max(prev.desc.seq.saturating_add(1));
         }
         let index = self.ops.len() as u32;
-        // The channels whose items are its own: a collective's 0..n, a send's or receive's round
-        // less what a fused receive shares with its send.
-        let own = match op.channels {
-            None => match op.desc.n_channels.min(MAX_CHANNELS) {
-                MAX_CHANNELS => u64::MAX,
-                n => (1u64 << n) - 1,
-            },
-            Some(all) => {
-                let send = op.fused.and_then(|s| self.ops.get(s as usize));
-                all & !send.and_then(|s| s.channels).unwrap_or(0)
-            }
-        };
         if let Some(send) = op.fused {
             self.partners.insert(send, index);
         }
+        let channels = op.channels;
+        self.ops.push(op);
+        match channels {
+            None => {
+                let all = match self.ops[index as usize].desc.n_channels.min(MAX_CHANNELS) {
+                    MAX_CHANNELS => u64::MAX,
+                    n => (1u64 << n) - 1,
+                };
+                self.enter(index, all);
+            }
+            // A send or receive whose channels are not known yet enters when they are (`place`).
+            Some(0) => {}
+            Some(all) => self.place(index, all),
+        }
+    }
+
+    /// Places the send or receive `index` on its round's channels `all` (less those a fused receive
+    /// shares with its send, which must be placed first).
+    pub(super) fn place(&mut self, index: u32, all: u64) {
+        let op = &mut self.ops[index as usize];
+        op.channels = Some(all);
+        let send = op.fused.and_then(|s| self.ops.get(s as usize));
+        let own = all & !send.and_then(|s| s.channels).unwrap_or(0);
+        self.enter(index, own);
+    }
+
+    /// Enters captured operation `index` in the lists of channels `own`, in capture order (one
+    /// placed late goes before those captured after it).
+    fn enter(&mut self, index: u32, own: u64) {
+        let pos = self.ops[index as usize].pos;
         // A channel joining the template counts replays from those channel 0 has completed.
         let done = (self.cursors.iter())
             .find(|(c, _)| *c == 0)
@@ -87,9 +105,11 @@ impl Template {
                 };
                 self.cursors.push((ch, cursor));
             }
-            self.by_channel[at].push(index);
+            let ops = &self.ops;
+            let list = &mut self.by_channel[at];
+            let i = list.partition_point(|&k| ops[k as usize].pos < pos);
+            list.insert(i, index);
         }
-        self.ops.push(op);
     }
 
     /// Remembers that the cursor of `ch` was `before` until the record at `pos` moved it. Kept in

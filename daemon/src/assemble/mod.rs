@@ -233,6 +233,9 @@ impl Assembler {
             .restore(dict.strings, dict.func_names, dict.calibrations, dict.comms);
         let captured = self.replays.restore(dict.templates);
         self.p2p.restore(&dict.p2p_widths);
+        for comm in self.replays.comms() {
+            self.place_captures(comm);
+        }
         self.p2p_seqs = P2pSeqs {
             next: (dict.p2p_seqs.into_iter())
                 .map(|(c, p, f, n)| ((c, p, f), n))
@@ -714,13 +717,18 @@ impl Assembler {
                     work,
                 };
                 // A p2p item joins a send or receive waiting on its channel, or nothing (it never
-                // waits in a lane: see `p2p_item`); where the graph template has captured
-                // operations on its channel it is attributed as a collective's item is.
-                if self.dict.is_p2p_work(func_id) && !self.replays.uses_channel(comm, channel) {
-                    self.counters.dev_work += 1;
-                    self.replays.foreign((comm, channel), work_counter);
-                    self.p2p_item(read, now_ns, out);
-                    return;
+                // waits in a lane); where the graph template has captured operations on its
+                // channel it is attributed as a collective's item is.
+                if self.dict.is_p2p_work(func_id) {
+                    self.narrow_p2p(&read, now_ns, out);
+                    if !self.replays.uses_channel(comm, channel) {
+                        self.counters.dev_work += 1;
+                        self.replays.foreign((comm, channel), work_counter);
+                        if !self.join_p2p(read, now_ns, out) {
+                            self.counters.dev_p2p += 1;
+                        }
+                        return;
+                    }
                 }
                 if self.early_works + self.replays.held() >= self.dict.limits.max_early_works {
                     self.counters.early_work_limit += 1;
@@ -1133,44 +1141,59 @@ impl Assembler {
         }
     }
 
-    /// A p2p work item: to the oldest send or receive waiting on its channel, if that one was
-    /// enqueued before the item started (an older item is none of theirs: a captured transfer's
-    /// replay, or one whose operation closed); else it narrows the communicator's p2p schedule,
-    /// which may place operations it belongs to; else it is counted (`dev_p2p`).
-    fn p2p_item(&mut self, read: Read, now_ns: u64, out: &mut Vec<Completed>) {
-        if self.join_p2p(read, now_ns, out) {
+    /// A p2p work item that no send or receive waiting on its channel can own narrows the
+    /// communicator's p2p schedule, which may place eager operations (they then wait on their
+    /// lanes) and captured ones (they enter the graph template on their channels) it belongs to.
+    fn narrow_p2p(&mut self, read: &Read, now_ns: u64, out: &mut Vec<Completed>) {
+        if self.p2p_owner(read).is_some() {
             return;
         }
+        let (comm, ch) = read.key;
         let mut placed = Vec::new();
-        self.p2p.item(read.key.0, read.key.1, &mut placed);
+        let narrowed = self.p2p.item(comm, ch, &mut placed);
         if !placed.is_empty() {
-            self.place_p2p(read.key.0, placed, now_ns, out);
-            if self.join_p2p(read, now_ns, out) {
-                return;
+            self.place_p2p(comm, placed, now_ns, out);
+        }
+        if narrowed {
+            self.place_captures(comm);
+        }
+    }
+
+    /// Enters `comm`'s captured sends and receives whose channels are known now into its template.
+    fn place_captures(&mut self, comm: u32) {
+        let Some(info) = self.dict.comms.get(&comm).cloned() else {
+            return;
+        };
+        for (index, desc) in self.replays.unplaced(comm) {
+            let task = self.p2p_task(0, &desc);
+            if let Some(all) = self.p2p.captured_channels(&info, task) {
+                self.replays.place(comm, index, all);
             }
         }
-        self.counters.dev_p2p += 1;
+    }
+
+    /// The oldest send or receive waiting on the item's lane, (its place there, id), if it can own
+    /// the item: it was enqueued before the item started (an older item is none of theirs: a
+    /// captured transfer's replay, or one whose operation closed).
+    fn p2p_owner(&self, read: &Read) -> Option<(usize, u64)> {
+        let lane = self.waiting.get(&read.key)?;
+        let ops = &self.ops;
+        let i = (lane.ops.iter()).position(|id| ops.get(id).is_some_and(|o| o.desc.is_p2p))?;
+        let id = lane.ops[i];
+        let op = &self.ops[&id];
+        let started = self.dict.started_by(read.key.0, &read.work);
+        let owns = started.is_none_or(|t| op.enqueue_ns <= t)
+            && self.dict.work_matches(read.work.func_id, op.desc.func);
+        owns.then_some((i, id))
     }
 
     /// Joins a p2p item to the oldest send or receive waiting on its lane, if it can own it.
     fn join_p2p(&mut self, read: Read, now_ns: u64, out: &mut Vec<Completed>) -> bool {
         let key = read.key;
-        let Some(lane) = self.waiting.get_mut(&key) else {
+        let Some((i, id)) = self.p2p_owner(&read) else {
             return false;
         };
-        let ops = &self.ops;
-        let Some(i) = (lane.ops.iter()).position(|id| ops.get(id).is_some_and(|o| o.desc.is_p2p))
-        else {
-            return false;
-        };
-        let id = lane.ops[i];
-        let op = &self.ops[&id];
-        let started = self.dict.started_by(key.0, &read.work);
-        if started.is_some_and(|t| op.enqueue_ns > t)
-            || !self.dict.work_matches(read.work.func_id, op.desc.func)
-        {
-            return false;
-        }
+        let lane = self.waiting.get_mut(&key).expect("the owner waits there");
         lane.ops.remove(i);
         if lane.is_empty() {
             self.waiting.remove(&key);

@@ -197,9 +197,10 @@ impl Schedules {
     }
 
     /// A send or receive of `info`'s communicator captured into a CUDA graph, as the template's
-    /// operation `index`: its channels, if every width left agrees on them (its replays have no
-    /// host event to wait with until they do), and, for a receive right after its round's send in
-    /// the same plan, that send's index (the two share their items). `pos`: its record's position.
+    /// operation `index`: its channels (0 until every width left agrees on them: see
+    /// [`Self::captured_channels`]), and, for a receive right after its round's send in the same
+    /// plan, that send's index (the two share their items). `pos`: its record's position. None on
+    /// several nodes.
     pub fn capture(
         &mut self,
         info: &CommInfo,
@@ -216,9 +217,17 @@ impl Schedules {
                 .filter(|&(r, _, _)| r == round)
                 .map(|(_, send, _)| send),
         };
-        let channels = agreed(s.widths, round, task.n_channels.max(1));
-        s.open_captured = (task.send && channels.is_some()).then_some((round, index, pos));
-        Some((channels?, fused))
+        s.open_captured = task.send.then_some((round, index, pos));
+        Some((
+            agreed(s.widths, round, task.n_channels.max(1)).unwrap_or(0),
+            fused,
+        ))
+    }
+
+    /// The channels of a captured send or receive, once every width left agrees on them.
+    pub fn captured_channels(&self, info: &CommInfo, task: Task) -> Option<u64> {
+        let s = self.comms.get(&info.comm)?;
+        agreed(s.widths, round_of(info, &task)?, task.n_channels.max(1))
     }
 
     /// The position of the oldest captured send at or after `from` that a receive may still join:
@@ -252,10 +261,11 @@ impl Schedules {
 
     /// A p2p work item on `channel` that no placed operation waits for: the widths under which no
     /// pending operation runs there are ruled out (unless that leaves none: the item is then
-    /// another's, or early), and the operations now agreed on go to `placed`.
-    pub fn item(&mut self, comm: u32, channel: u8, placed: &mut Vec<Placed>) {
+    /// another's, or early), and the operations now agreed on go to `placed`. Whether the widths
+    /// narrowed.
+    pub fn item(&mut self, comm: u32, channel: u8, placed: &mut Vec<Placed>) -> bool {
         let Some(s) = self.comms.get_mut(&comm).filter(|s| !s.pending.is_empty()) else {
-            return;
+            return false;
         };
         let parts = |w: &Work| {
             let n = |t: Option<(u64, u8)>| t.map_or(0, |t| t.1);
@@ -267,11 +277,13 @@ impl Schedules {
                 (s.pending.iter()).any(|p| channels(w, p.round, parts(p)) & 1 << channel != 0)
             })
             .fold(0u8, |m, w| m | 1 << w);
-        if explain != 0 {
-            self.changed |= explain != s.widths;
+        if explain != 0 && explain != s.widths {
+            self.changed = true;
             s.widths = explain;
             s.place_agreed(placed);
+            return true;
         }
+        false
     }
 
     /// (communicator, widths left) where items ruled some out, for the resume state.
@@ -452,8 +464,8 @@ mod tests {
     fn a_capture_is_placed_once_the_width_is_known_and_a_receive_joins_its_send() {
         let mut s = Schedules::default();
         let info = comm(1, 2, 1);
-        // Captured before any eager transfer told the width: the peer's round is unplaceable.
-        assert_eq!(s.capture(&info, task(0, true, 0, 1), 0, 0), None);
+        // Captured before any eager transfer told the width: the peer's round waits for it.
+        assert_eq!(s.capture(&info, task(0, true, 0, 1), 0, 0), Some((0, None)));
         // A self round is the same under every width.
         assert_eq!(s.capture(&info, task(0, true, 1, 1), 1, 1), Some((1, None)));
         s.close_plan(7);

@@ -207,6 +207,31 @@ impl Replays {
         (channels, t.partners.get(&index).copied())
     }
 
+    /// The communicators with a template.
+    pub fn comms(&self) -> Vec<u32> {
+        self.templates.keys().copied().collect()
+    }
+
+    /// The sends and receives of `comm`'s template whose channels are not known yet:
+    /// (index, description), in capture order.
+    pub fn unplaced(&self, comm: u32) -> Vec<(u32, Desc)> {
+        let Some(t) = self.templates.get(&comm) else {
+            return Vec::new();
+        };
+        (t.ops.iter().enumerate())
+            .filter(|(_, o)| o.channels == Some(0))
+            .map(|(i, o)| (i as u32, o.desc))
+            .collect()
+    }
+
+    /// Places `comm`'s captured send or receive `index` on its round's channels `all`.
+    pub fn place(&mut self, comm: u32, index: u32, all: u64) {
+        if let Some(t) = self.templates.get_mut(&comm) {
+            t.place(index, all);
+            self.changed = true;
+        }
+    }
+
     /// The description of captured operation `index` of `comm`.
     pub fn desc(&self, comm: u32, index: u32) -> Option<Desc> {
         Some(self.templates.get(&comm)?.ops.get(index as usize)?.desc)
