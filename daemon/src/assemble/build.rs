@@ -68,18 +68,18 @@ pub(super) fn instance(
         None if channels.is_empty() => 0,
         None => u32::MAX,
     };
-    // Each GPU time with the offset of its own moment (the GPU clock drifts against the host's).
-    let offset_at = |gpu_ns: u64| match calibration {
-        Some(c) => c.offset_at(gpu_ns),
+    // The GPU times with the offset of the operation's moment, its first start (the GPU clock
+    // drifts against the host's). One offset for all: durations stay the GPU's own, where an offset
+    // per time rounded them apart by a nanosecond; within one operation the drift moves the
+    // offset by nanoseconds (10 ppm over a 5 ms kernel: 50 ns), well inside the calibration error.
+    let first = channels.iter().map(|c| c.start_unix_ns).min().unwrap_or(0);
+    let offset = match calibration {
+        Some(c) => c.offset_at(first),
         None => op.host_anchor.unwrap_or(0),
     };
     for c in &mut channels {
-        c.start_unix_ns = c
-            .start_unix_ns
-            .saturating_add_signed(offset_at(c.start_unix_ns));
-        c.end_unix_ns = c
-            .end_unix_ns
-            .saturating_add_signed(offset_at(c.end_unix_ns));
+        c.start_unix_ns = c.start_unix_ns.saturating_add_signed(offset);
+        c.end_unix_ns = c.end_unix_ns.saturating_add_signed(offset);
     }
     // Host events bracket the enqueue, not the work (NCCL stops an eager send's P2p event ~0.3 us
     // after starting it, whatever its bytes): a host-timed instance has no exec time, and so no

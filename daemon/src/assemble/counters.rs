@@ -74,9 +74,9 @@ counters! {
     /// nodes (NCCL's p2p schedule there follows node topology that no event carries), or whose
     /// round's work items did not come.
     p2p_host_timed: Flow,
-    /// Sends and receives captured into a CUDA graph on the device-hook path before their
-    /// communicator's p2p width was known (no eager transfer told it), or on several nodes: not in
-    /// the graph template, so their replays (which have no host event) are not delivered.
+    /// Sends and receives captured into a CUDA graph on the device-hook path on several nodes (or
+    /// to a peer out of range): not in the graph template, so their replays (which have no host
+    /// event) are not delivered.
     p2p_captured_untimed: Loss,
     /// Device-hook instances whose work covers fewer channels than they announced: dropped.
     dev_mismatch: Loss,
