@@ -151,20 +151,9 @@ async fn every_root_span_arrives_across_repeated_sigkills() {
     const NRANKS: u32 = 3;
     const NCOLLS: u64 = 4000;
     const KILLS: usize = 6;
-    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let collector = FakeCollectorServer::start().await.unwrap();
     let mut h = Harness::new(&collector.endpoint());
-    // The receiver holds 64 spans: drained by a task of its own, so that restarting daemons (which
-    // blocks this thread) never leaves it full and the daemons' exports waiting.
-    let received = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let drain = {
-        let received = received.clone();
-        tokio::spawn(async move {
-            loop {
-                let got = collector.exported_spans(1, Duration::from_millis(50)).await;
-                received.lock().unwrap().extend(got);
-            }
-        })
-    };
+    let (received, drain) = drained_on_a_task(collector);
     let rank_spans_in =
         |r: &std::sync::Mutex<Vec<ExportedSpan>>| rank_spans(&r.lock().unwrap()).len();
     h.start_daemon();
@@ -357,7 +346,7 @@ async fn a_replayed_collectives_root_arrives_or_is_counted_across_repeated_sigki
     const KILLS: usize = 4;
     const JOB: &str = "graph-kills-job";
     const NOT_RESENT: &str = "ncclscope_lost_total{stage=\"replay_root_not_resent\"}";
-    let mut collector = FakeCollectorServer::start().await.unwrap();
+    let collector = FakeCollectorServer::start().await.unwrap();
     let mut h = Harness::new(&collector.endpoint());
     // A skew window of 1 s: a restarted daemon counts (or sends) the roots of what it read again
     // about 1 s after it read it (its segments come back within a second or so, and its metrics
@@ -368,17 +357,7 @@ async fn a_replayed_collectives_root_arrives_or_is_counted_across_repeated_sigki
         .unwrap();
     cfg.write_all(b"[aggregate]\nskew_window_ms = 1000\n")
         .unwrap();
-    // Drained on a task of its own, as in `every_root_span_arrives_across_repeated_sigkills`.
-    let received = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let drain = {
-        let received = received.clone();
-        tokio::spawn(async move {
-            loop {
-                let got = collector.exported_spans(1, Duration::from_millis(50)).await;
-                received.lock().unwrap().extend(got);
-            }
-        })
-    };
+    let (received, drain) = drained_on_a_task(collector);
     h.start_daemon();
     // About 15 s of replays, more on a loaded machine.
     let (replays, interval) = (REPLAYS.to_string(), INTERVAL_US.to_string());

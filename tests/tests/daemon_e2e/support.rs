@@ -1170,3 +1170,23 @@ pub(crate) async fn dropped_spans_re_sent_once_the_collector_answers(outage: Out
         sample(&text, "ncclscope_export_errors_total"),
     );
 }
+
+/// The spans `collector` receives, drained by a task of its own (abort the handle when done): the
+/// receiver holds 64 spans, so a test that blocks its thread (restarting daemons) would otherwise
+/// leave it full and the daemons' exports waiting.
+pub(crate) fn drained_on_a_task(
+    mut collector: FakeCollectorServer,
+) -> (
+    Arc<std::sync::Mutex<Vec<ExportedSpan>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let received = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let into = received.clone();
+    let drain = tokio::spawn(async move {
+        loop {
+            let got = collector.exported_spans(1, Duration::from_millis(50)).await;
+            into.lock().unwrap().extend(got);
+        }
+    });
+    (received, drain)
+}
