@@ -33,7 +33,9 @@ fn a_ring_over_half_full_commits_past_an_open_operation_and_drops_nothing() {
         40 * 8 + 1,
         "every operation delivered, the open one too"
     );
-    assert!(h.forced_commits > 0);
+    // Past it by a forced commit, or (where a round takes longer than `PARK_PRESSED`, as on a
+    // loaded host) by parking it.
+    assert!(h.forced_commits + h.parked_ops > 0);
     assert_eq!(h.lost.values().sum::<u64>(), 0, "{:?}", h.lost);
 }
 
@@ -285,9 +287,11 @@ fn a_kill_between_saving_state_and_committing_the_tail_loses_nothing() {
 }
 
 /// One lost record costs at most its own operation, however long the run: a host event, a
-/// kernel record and a stop each missing once in a run 10x the ring, at 20 records a
+/// kernel record and a stop each missing once in a run 10x the ring, at up to 20 records a
 /// millisecond. The operations they belong to stay open (or never open), the tail moves past
-/// them, the producer drops nothing and every other operation is delivered.
+/// them and every other operation is delivered. The producer waits for room rather than drop
+/// (the tail's pace follows the state writer's fsyncs, slow on a loaded host): a tail held by a
+/// lost record would never make room and fails the test at its deadline.
 #[test]
 fn a_lost_record_costs_its_own_operation_and_nothing_more() {
     const N: u64 = 2000;
@@ -301,8 +305,15 @@ fn a_lost_record_costs_its_own_operation_and_nothing_more() {
     let (mut e, _rx, hub) = engine(dir.path());
     let mut live = hub.subscribe();
     let conn = hand_over(&mut e, &p);
+    let deadline = Instant::now() + Duration::from_secs(20);
     for seq in 0..N {
         let channels: &[u32] = if seq == NO_KERNEL { &[0] } else { &[0, 1] };
+        // Room for the collective's 4 records.
+        while p.segment().capacity() - (p.segment().head() - p.segment().tail()) < 4 {
+            assert!(Instant::now() < deadline, "the tail stopped at {seq}");
+            e.tick();
+            std::thread::sleep(Duration::from_millis(1));
+        }
         coll_with_work(&mut p, seq, seq != NO_START, channels, seq != NO_STOP);
         if seq % 4 == 3 {
             e.tick();
