@@ -289,14 +289,6 @@ impl Prometheus {
         }
         Ok(out)
     }
-
-    pub fn exposition(&self) -> crate::metrics::Exposition {
-        crate::metrics::Exposition {
-            job_series: self.job_series,
-            classic_per_doubling: self.classic_buckets_per_doubling,
-            rank_buckets: self.rank_classic_buckets,
-        }
-    }
 }
 
 impl Default for Config {

@@ -20,6 +20,7 @@ use opentelemetry_proto::tonic::metrics::v1::{
 use prost::Message;
 
 use crate::bandwidth;
+use crate::config::Prometheus;
 use crate::histogram::{self, Distribution, Exemplar};
 use crate::stats::Stats;
 
@@ -660,6 +661,15 @@ impl Exposition {
         classic_per_doubling: histogram::CLASSIC_PER_DOUBLING as u32,
         rank_buckets: true,
     };
+
+    /// What `[prometheus]` asks for.
+    pub fn of(p: &Prometheus) -> Exposition {
+        Exposition {
+            job_series: p.job_series,
+            classic_per_doubling: p.classic_buckets_per_doubling,
+            rank_buckets: p.rank_classic_buckets,
+        }
+    }
 
     /// Every how many of the daemon's classic buckets of `f` one is served (`None`: +Inf only).
     fn classic_step(&self, f: &Family) -> Option<usize> {
@@ -1341,7 +1351,7 @@ mod tests {
         let f = families(&stats, &Health::default(), "h");
         let how = Exposition {
             job_series: true,
-            ..Config::default().prometheus.exposition()
+            ..Exposition::of(&Config::default().prometheus)
         };
         let om = render_openmetrics(&f, &how);
         let exec = "ncclscope_collective_exec_time_microseconds_bucket{";

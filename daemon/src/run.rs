@@ -19,7 +19,7 @@ use crate::hub::{Durable, Hub};
 use crate::otlp;
 use crate::resend::{self, Dropped};
 use crate::spool::{Spool, SpoolLimits};
-use crate::{activation, api, notify, prometheus, register};
+use crate::{activation, api, metrics, notify, prometheus, register};
 
 /// A started daemon.
 pub struct Running {
@@ -232,7 +232,7 @@ pub async fn start(config: Config, hub: Arc<Hub>) -> anyhow::Result<Running> {
     };
     let mut listeners = vec![tokio::spawn(register::serve(registration, reg_tx))];
     if let Some(l) = prometheus_listener {
-        let how = cfg.prometheus.exposition();
+        let how = metrics::Exposition::of(&cfg.prometheus);
         listeners.push(tokio::spawn(prometheus::serve(l, prom_rx, how)));
     }
     let (api_shutdown, api_stop) = oneshot::channel::<()>();
