@@ -44,7 +44,7 @@ use tonic::transport::{Channel, Endpoint, Server, Uri};
 use tonic::{Request, Response, Status};
 
 use crate::hub::Hub;
-use crate::per_uid::{Held, PerUid};
+use crate::host::per_uid::{Held, PerUid};
 use crate::spool::{JobKey, SpoolReader};
 
 /// Where the daemon serves the API and the tools look for it (`--api-socket`, `NCCLSCOPE_API_SOCKET`).
@@ -378,7 +378,7 @@ async fn send_job(
 
 /// Binds the API socket, mode 0666: every local user may query it, for their own jobs.
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
-    crate::socket::bind(path, 0o666, "the query API")
+    crate::host::socket::bind(path, 0o666, "the query API")
 }
 
 /// Serves `service` on `listener` until `shutdown` completes; connections end as `timeouts` say.
@@ -397,7 +397,7 @@ pub async fn serve(
         let uid = io.peer_cred().map(|c| c.uid()).ok()?;
         let Ok(held) = connections.take(uid, MAX_CONNECTIONS_PER_UID, usize::MAX) else {
             // Closed at once (dropped); the line limited per uid.
-            if let Some(held_back) = crate::ratelimit::lines().allow(uid) {
+            if let Some(held_back) = crate::host::ratelimit::lines().allow(uid) {
                 tracing::warn!(
                     uid,
                     held_back,

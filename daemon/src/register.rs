@@ -26,7 +26,7 @@ use tokio::sync::oneshot;
 
 use crate::engine::{Attach, Handover, SegmentKey};
 use crate::loss::Loss;
-use crate::per_uid::{Full, PerUid};
+use crate::host::per_uid::{Full, PerUid};
 
 /// The message a plugin sends with its descriptor.
 pub const REQUEST: &[u8] = b"REGISTER\n";
@@ -42,7 +42,7 @@ pub const MAX_CONNECTIONS: usize = 1024;
 
 /// Binds the registration socket, mode 0666: every user's NCCL processes register.
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
-    crate::socket::bind(path, 0o666, "plugin registration")
+    crate::host::socket::bind(path, 0o666, "plugin registration")
 }
 
 /// Accepts registrations until the task is dropped.
@@ -91,7 +91,7 @@ fn refuse(stream: &UnixStream, uid: u32, full: Full, engine: &std_mpsc::Sender<H
             format!("the daemon holds {MAX_CONNECTIONS} registration connections not yet answered"),
         ),
     };
-    if let Some(held_back) = crate::ratelimit::lines().allow(uid) {
+    if let Some(held_back) = crate::host::ratelimit::lines().allow(uid) {
         tracing::warn!(uid, reason = %reason, held_back, "registration connection refused");
     }
     let _ = stream.try_write(format!("ERR {reason}\n").as_bytes());
@@ -175,7 +175,7 @@ async fn register(
     let segment = match checked {
         Ok(s) => s,
         Err((stage, reason)) => {
-            if let Some(held_back) = crate::ratelimit::lines().allow(cred.uid()) {
+            if let Some(held_back) = crate::host::ratelimit::lines().allow(cred.uid()) {
                 tracing::warn!(pid, uid = cred.uid(), reason = %reason, held_back, "segment refused");
             }
             let uid = cred.uid();
@@ -335,7 +335,7 @@ mod tests {
                 .filter(|l| l.contains("segment refused") && l.contains(&uid))
                 .count()
         };
-        assert_eq!(lines(FLOODER), crate::ratelimit::BURST as usize);
+        assert_eq!(lines(FLOODER), crate::host::ratelimit::BURST as usize);
         assert_eq!(lines(OTHER), 1, "{text}");
     }
 

@@ -19,7 +19,8 @@ use crate::hub::{Durable, Hub};
 use crate::otlp;
 use crate::resend::{self, Dropped};
 use crate::spool::{Spool, SpoolLimits};
-use crate::{activation, api, metrics, notify, prometheus, register};
+use crate::host::{activation, notify};
+use crate::{api, metrics, prometheus, register};
 
 /// A started daemon.
 pub struct Running {

@@ -10,7 +10,7 @@ use clap::builder::TypedValueParser;
 
 use crate::config::{Config, DEFAULT_CONFIG_PATH, Overrides};
 use crate::hub::Hub;
-use crate::logging::LogFormat;
+use crate::host::logging::LogFormat;
 
 #[derive(clap::Args)]
 #[command(
@@ -62,7 +62,7 @@ impl Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    crate::logging::init(args.log_format);
+    crate::host::logging::init(args.log_format);
     let config = Config::load(args.config.as_deref(), std::env::vars(), &args.overrides())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -78,7 +78,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let mut hup = signal(SignalKind::hangup())?;
         let mut usr1 = signal(SignalKind::user_defined1())?;
         let running = crate::run::start(config, Arc::new(Hub::default())).await?;
-        if let Err(e) = crate::notify::notify("READY=1", &[]) {
+        if let Err(e) = crate::host::notify::notify("READY=1", &[]) {
             tracing::warn!(error = %e, "could not notify systemd");
         }
         loop {
@@ -90,7 +90,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
         tracing::info!("stopping: draining segments and flushing exports");
-        let _ = crate::notify::notify("STOPPING=1", &[]);
+        let _ = crate::host::notify::notify("STOPPING=1", &[]);
         running.stop().await
     })
 }

@@ -41,7 +41,7 @@ use ncclscope_proto::segment::{Consumer, Counter, Segment};
 use ncclscope_proto::{realtime_ns, shift};
 use tokio::sync::oneshot;
 
-use crate::clock_step::StepDetector;
+use crate::host::clock_step::StepDetector;
 use crate::config::Config;
 use crate::hub::{Durable, Hub};
 use crate::loss::{Loss, Losses};
@@ -166,7 +166,7 @@ impl Engine {
             parked_ops: 0,
             tick_ns: 0,
             clock: StepDetector::default(),
-            watchdog: crate::notify::watchdog_interval().map(|every| (every, now)),
+            watchdog: crate::host::notify::watchdog_interval().map(|every| (every, now)),
             reads: Vec::new(),
             delivery: Delivery::default(),
             report: Report::new(now, started_ns),
@@ -237,7 +237,7 @@ impl Engine {
             && last.elapsed() >= *every / 2
         {
             *last = Instant::now();
-            if let Err(e) = crate::notify::notify("WATCHDOG=1", &[]) {
+            if let Err(e) = crate::host::notify::notify("WATCHDOG=1", &[]) {
                 tracing::warn!(error = %e, "watchdog ping failed");
             }
         }
@@ -330,7 +330,7 @@ impl Engine {
                 let (first, reads) = match seg.consumer.read_raw(want, &mut self.reads) {
                     Ok(r) => r,
                     Err(e) => {
-                        if let Some(held_back) = crate::ratelimit::lines().allow(seg.key.uid) {
+                        if let Some(held_back) = crate::host::ratelimit::lines().allow(seg.key.uid) {
                             tracing::error!(segment = %seg.label, error = %e, held_back, "corrupt segment detached");
                         }
                         broken.push(i);
