@@ -43,9 +43,9 @@ use tonic::transport::server::{Connected, UdsConnectInfo};
 use tonic::transport::{Channel, Endpoint, Server, Uri};
 use tonic::{Request, Response, Status};
 
-use crate::hub::Hub;
+use crate::storage::hub::Hub;
 use crate::host::per_uid::{Held, PerUid};
-use crate::spool::{JobKey, SpoolReader};
+use crate::storage::spool::{JobKey, SpoolReader};
 
 /// Where the daemon serves the API and the tools look for it (`--api-socket`, `NCCLSCOPE_API_SOCKET`).
 pub use ncclscope_proto::DEFAULT_API_SOCKET;
@@ -522,7 +522,7 @@ pub async fn connect(path: &Path) -> anyhow::Result<QueryClient<Channel>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spool::{Spool, SpoolLimits};
+    use crate::storage::spool::{Spool, SpoolLimits};
     use ncclscope_proto::api::{CollStats, Job, RankStats};
     use std::os::unix::fs::PermissionsExt;
     use std::sync::Mutex;

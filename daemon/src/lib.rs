@@ -11,7 +11,6 @@ pub mod export_queue;
 pub mod fast_map;
 pub mod histogram;
 pub mod host;
-pub mod hub;
 pub mod instance;
 pub mod loss;
 pub mod metrics;
@@ -25,13 +24,10 @@ pub mod prometheus;
 pub mod reference;
 pub mod register;
 pub mod resend;
-pub mod resume;
 pub mod run;
 pub mod spans;
-pub mod spool;
-pub mod spool_writer;
-pub mod state_writer;
 pub mod stats;
+pub mod storage;
 
 /// The exporter builds a batch of OTLP spans (many small strings) per request, and every instance
 /// has its channel list: with glibc's allocator export ran at about 60% of this rate.

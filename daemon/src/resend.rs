@@ -22,7 +22,7 @@ use tokio::sync::{Notify, mpsc};
 use crate::export_queue::{ExportCounters, SpanItem};
 use crate::instance::{InstanceRef, Shared};
 use crate::spans;
-use crate::spool::{JobKey, SpoolReader};
+use crate::storage::spool::{JobKey, SpoolReader};
 
 /// Dropped instances remembered at most (about 20 MiB of keys at the worst).
 pub const MAX_REMEMBERED: usize = 1 << 20;

@@ -15,10 +15,10 @@ use tokio::task::JoinHandle;
 use crate::config::Config;
 use crate::engine::{Attach, Engine, Handover, Outputs, SegmentKey};
 use crate::export_queue::ExportCounters;
-use crate::hub::{Durable, Hub};
+use crate::storage::hub::{Durable, Hub};
 use crate::otlp;
 use crate::resend::{self, Dropped};
-use crate::spool::{Spool, SpoolLimits};
+use crate::storage::spool::{Spool, SpoolLimits};
 use crate::host::{activation, notify};
 use crate::{api, metrics, prometheus, register};
 

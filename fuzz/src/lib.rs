@@ -12,7 +12,7 @@
 use std::path::Path;
 
 use ncclscope::config::{Config, Overrides};
-use ncclscope::spool::{Origin, Spool, SpoolLimits, SpoolReader};
+use ncclscope::storage::spool::{Origin, Spool, SpoolLimits, SpoolReader};
 use ncclscope_proto::api::Collective;
 use ncclscope_proto::fixture::Coll;
 use ncclscope_proto::record::RECORD_WORDS;

@@ -641,7 +641,7 @@ async fn another_users_process_claiming_a_job_lands_in_its_own_series_spool_and_
     );
 
     // The spool: A's job directory holds A's instances only; everything private to the daemon.
-    let spool = ncclscope::spool::SpoolReader::open_dir(node.path("spool")).unwrap();
+    let spool = ncclscope::storage::spool::SpoolReader::open_dir(node.path("spool")).unwrap();
     assert_eq!(spool.jobs(), [(A, JOB.to_string()), (B, JOB.to_string())]);
     let a: Vec<_> = spool
         .read_job(&(A, JOB.into()))
@@ -883,7 +883,7 @@ fn one_memory_file_registered_by_two_processes_is_read_once() {
     // Past the next statistics snapshot: a second reader would have counted more by now.
     std::thread::sleep(Duration::from_millis(1500));
     node.wait_metric("ncclscope_collectives_total", 1000.0);
-    let spool = ncclscope::spool::SpoolReader::open_dir(node.path("spool")).unwrap();
+    let spool = ncclscope::storage::spool::SpoolReader::open_dir(node.path("spool")).unwrap();
     assert_eq!(spool.read_job(&(A, JOB.into())).count(), 1000);
     std::fs::write(node.path("shared/release.all"), b"").unwrap();
     node.wait_all();
@@ -962,7 +962,7 @@ fn one_user_holding_its_most_registration_connections_costs_another_users_job_no
         refused >= 200.0,
         "A's connections past its most are counted, in A's series: {refused}"
     );
-    let spool = ncclscope::spool::SpoolReader::open_dir(node.path("spool")).unwrap();
+    let spool = ncclscope::storage::spool::SpoolReader::open_dir(node.path("spool")).unwrap();
     assert_eq!(spool.read_job(&(B, JOB.into())).count() as u64, NCOLLS);
     eprintln!(
         "connections: A held {MAX_CONNECTIONS_PER_UID}, {refused} refused; B's {NCOLLS} collectives spooled, 0 spool_failed, 0 state_write_failed"

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use ncclscope::spool::SpoolReader;
+use ncclscope::storage::spool::SpoolReader;
 use ncclscope_proto::prometheus::MetricFamily;
 use ncclscope_tests::promql::{histogram_quantile, native_quantile, text_buckets};
 use prost::Message;

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use ncclscope::spool::SpoolReader;
+use ncclscope::storage::spool::SpoolReader;
 use serde_json::Value;
 
 /// target/<profile>/ncclscope, built by `cargo build --workspace` (scripts/test.sh) before the tests.

@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ncclscope::spool::{Spool, SpoolLimits, SpoolReader};
+use ncclscope::storage::spool::{Spool, SpoolLimits, SpoolReader};
 use ncclscope_proto::api::{ChannelWork, Collective};
 
 const CHILD_ENV: &str = "NCCLSCOPE_TEST_SPOOL_CHILD";

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use ncclscope::spool::{Spool, SpoolLimits};
+use ncclscope::storage::spool::{Spool, SpoolLimits};
 use ncclscope_proto::api::{ChannelWork, Collective};
 use serde_json::{Value, json};
 

@@ -6,7 +6,7 @@ use ncclscope_proto::{StrId, TimingSource};
 use super::operations::Op;
 use crate::bandwidth;
 use crate::instance::{Instance, Names};
-use crate::resume::{Calibration, CommInfo};
+use crate::storage::resume::{Calibration, CommInfo};
 
 /// How far a kernel's start, on the host clock, may fall before its operation's enqueue, or its end
 /// after the daemon read it. A calibration is good to microseconds (milliseconds at worst): beyond

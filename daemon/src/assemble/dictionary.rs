@@ -16,7 +16,7 @@ use crate::bandwidth;
 use crate::config::Limits;
 use crate::fast_map::Map;
 use crate::instance::Names;
-use crate::resume::{Calibration, CommInfo};
+use crate::storage::resume::{Calibration, CommInfo};
 
 /// Dictionary entries (communicators, strings, device-function names, devices) held by every
 /// segment of one uid together, shared by their assemblers: one user's processes cannot together

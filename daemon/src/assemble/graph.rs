@@ -7,8 +7,8 @@ use std::collections::VecDeque;
 use ncclscope_proto::MAX_CHANNELS;
 
 use crate::fast_map::Map;
-use crate::resume::SavedTemplate;
-pub use crate::resume::{CapturedOp, ReplayCursor};
+use crate::storage::resume::SavedTemplate;
+pub use crate::storage::resume::{CapturedOp, ReplayCursor};
 
 /// Captured operations one communicator's template holds at most.
 pub const MAX_TEMPLATE_OPS: usize = 4096;

@@ -36,8 +36,8 @@ use ncclscope_proto::{MAX_CHANNELS, Record, StrId, TimingPath};
 use crate::config::Limits;
 use crate::fast_map::Map;
 use crate::instance::{Desc, Names};
-use crate::resume::SavedDictionary;
-use crate::resume::{Calibration, CapturedOp, CommInfo, ReplayCursor, SavedOp};
+use crate::storage::resume::SavedDictionary;
+use crate::storage::resume::{Calibration, CapturedOp, CommInfo, ReplayCursor, SavedOp};
 
 mod build;
 mod counters;

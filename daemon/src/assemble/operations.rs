@@ -8,7 +8,7 @@ use ncclscope_proto::api::ChannelWork;
 
 use crate::fast_map::Map;
 use crate::instance::{Desc, Instance};
-use crate::resume::SavedOp;
+use crate::storage::resume::SavedOp;
 
 pub(super) struct Op {
     pub comm: u32,

@@ -21,7 +21,7 @@
 use std::collections::VecDeque;
 
 use crate::fast_map::Map;
-use crate::resume::CommInfo;
+use crate::storage::resume::CommInfo;
 
 /// `log2 P` for every candidate width `P` = 1, 2, ..., 64 (NCCL's MAXCHANNELS).
 const ALL_WIDTHS: u8 = 0x7f;

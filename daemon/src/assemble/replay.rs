@@ -12,7 +12,7 @@ use super::hold::{self, Candidate, Hold, MAX_HOLD_EAGER, Owner};
 use super::lanes::{Read, Work};
 use crate::fast_map::Map;
 use crate::instance::Desc;
-use crate::resume::{CapturedOp, ReplayCursor, SavedTemplate};
+use crate::storage::resume::{CapturedOp, ReplayCursor, SavedTemplate};
 
 /// The templates, holds and settled items of one process.
 #[derive(Default)]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use clap::builder::TypedValueParser;
 
 use crate::config::{Config, DEFAULT_CONFIG_PATH, Overrides};
-use crate::hub::Hub;
+use crate::storage::hub::Hub;
 use crate::host::logging::LogFormat;
 
 #[derive(clap::Args)]

@@ -19,7 +19,7 @@ use crate::cli::sim_rank::{self, TimingPath};
 use crate::cli::stats::{fetch, render, stragglers};
 use crate::cli::top::{ViewOptions, show};
 use crate::config::Config;
-use crate::hub::Hub;
+use crate::storage::hub::Hub;
 
 #[derive(clap::Args)]
 #[command(

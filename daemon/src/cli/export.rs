@@ -17,7 +17,7 @@ use crate::node_clocks::{self, NodeClock, NodeEnds};
 use crate::otlp_json::OtlpJsonWriter;
 use crate::perfetto::PerfettoWriter;
 use crate::perfetto_proto::PerfettoProtoWriter;
-use crate::spool::{Evicted, Origin, Spool, SpoolLimits, SpoolReader};
+use crate::storage::spool::{Evicted, Origin, Spool, SpoolLimits, SpoolReader};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {

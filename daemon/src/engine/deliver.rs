@@ -11,14 +11,14 @@ use tokio::sync::{mpsc, watch};
 use crate::assemble::{Completed, done};
 use crate::config::Config;
 use crate::export_queue::{ExportCounters, SpanItem};
-use crate::hub::{Hub, SpoolRun};
+use crate::storage::hub::{Hub, SpoolRun};
 use crate::instance::{InstanceRef, Shared};
 use crate::loss::{Loss, Losses};
 use crate::prometheus;
 use crate::resend::Dropped;
-use crate::spool::{Origin, Position};
-use crate::spool_writer::SpoolWriter;
-use crate::state_writer::StateWriter;
+use crate::storage::spool::{Origin, Position};
+use crate::storage::spool_writer::SpoolWriter;
+use crate::storage::state_writer::StateWriter;
 use crate::stats::{RootWait, Stats};
 
 use super::commit::{OpDone, Parked};

@@ -4,8 +4,8 @@
 //!
 //! Commit point of a segment = the oldest of: the first record of an operation still in flight, the
 //! first record of a completed operation whose span is not yet acknowledged by the exporter, and the
-//! read position. Committing saves the segment's resume state (see [`crate::resume`]) for that point
-//! through the state writer thread ([`crate::state_writer`]), and moves the ring's tail there only
+//! read position. Committing saves the segment's resume state (see [`crate::storage::resume`]) for that point
+//! through the state writer thread ([`crate::storage::state_writer`]), and moves the ring's tail there only
 //! once the writer reports the state durable (a later tick): a daemon killed, or a machine rebooted,
 //! at any point re-reads what it had not finished and skips what it had delivered. The engine goes
 //! on from the new point meanwhile (`CommitPoint::tail`); it never waits on the disk.
@@ -43,11 +43,11 @@ use tokio::sync::oneshot;
 
 use crate::host::clock_step::StepDetector;
 use crate::config::Config;
-use crate::hub::{Durable, Hub};
+use crate::storage::hub::{Durable, Hub};
 use crate::loss::{Loss, Losses};
 use crate::metrics::Health;
-use crate::spool_writer::{BACKLOG_PAUSE, SpoolWriter};
-use crate::state_writer::{self, StateWriter};
+use crate::storage::spool_writer::{BACKLOG_PAUSE, SpoolWriter};
+use crate::storage::state_writer::{self, StateWriter};
 use crate::stats::Stats;
 
 use commit::{CommitPoint, READ_CHUNK, ring_pressed};

@@ -13,7 +13,7 @@ use ncclscope_proto::segment::Counter;
 use ncclscope_proto::{realtime_ns, shift};
 
 use crate::config::Config;
-use crate::hub::Hub;
+use crate::storage::hub::Hub;
 use crate::loss::{Loss, Losses, PluginCounts};
 use crate::metrics::{self, Health};
 use crate::prometheus;

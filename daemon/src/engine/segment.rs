@@ -8,7 +8,7 @@ use ncclscope_proto::segment::{Consumer, Counter};
 
 use crate::assemble::Assembler;
 use crate::loss::PluginCounts;
-use crate::spool::{JobKey, Origin};
+use crate::storage::spool::{JobKey, Origin};
 
 use super::commit::{CommitPoint, Reading};
 

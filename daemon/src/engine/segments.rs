@@ -14,9 +14,9 @@ use ncclscope_proto::segment::Segment;
 use crate::assemble::{AssembleCounters, Assembler, UidBudget};
 use crate::config::Config;
 use crate::loss::{Loss, PluginLosses, Refusals};
-use crate::resume;
-use crate::spool::JobKey;
-use crate::state_writer::StateWriter;
+use crate::storage::resume;
+use crate::storage::spool::JobKey;
+use crate::storage::state_writer::StateWriter;
 
 use super::segment::{Attached, SegmentKey};
 

@@ -66,7 +66,7 @@ async fn the_re_sender_queues_what_the_spool_holds_and_counts_what_it_does_not()
     use ncclscope::instance::Shared;
     use ncclscope::otlp;
     use ncclscope::resend::{self, Dropped};
-    use ncclscope::spool::{Origin, Spool, SpoolLimits};
+    use ncclscope::storage::spool::{Origin, Spool, SpoolLimits};
     use ncclscope_proto::api::Collective;
     const N: u64 = 500;
     const UID: u32 = 4321;

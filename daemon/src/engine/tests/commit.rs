@@ -114,7 +114,7 @@ impl Durable for KillAfterAppend {
         Ok(())
     }
 
-    fn index(&self) -> crate::spool::SpoolIndex {
+    fn index(&self) -> crate::storage::spool::SpoolIndex {
         self.spool.index()
     }
 }
@@ -184,7 +184,7 @@ fn a_daemon_killed_between_spooling_and_saving_state_records_nothing_twice() {
             .unwrap();
         assert_eq!(status.signal(), Some(9), "the child was killed: {status:?}");
         let spooled = |dir: &std::path::Path| -> Vec<u64> {
-            crate::spool::SpoolReader::open_dir(dir.join("spool"))
+            crate::storage::spool::SpoolReader::open_dir(dir.join("spool"))
                 .unwrap()
                 .read_job(&job_j())
                 .map(|c| c.unwrap().seq)
@@ -278,7 +278,7 @@ fn a_kill_between_saving_state_and_committing_the_tail_loses_nothing() {
         "nothing twice, nothing missing"
     );
     assert_eq!(e2.health().lost.get("resume_state_missing"), Some(&0));
-    let spooled: Vec<u64> = crate::spool::SpoolReader::open_dir(dir.path().join("spool"))
+    let spooled: Vec<u64> = crate::storage::spool::SpoolReader::open_dir(dir.path().join("spool"))
         .unwrap()
         .read_job(&job_j())
         .map(|c| c.unwrap().seq)
@@ -485,7 +485,7 @@ fn a_parked_operation_is_continued_after_a_restart_and_recorded_once() {
         e2.tick();
         e2.flush(Duration::from_secs(10));
         e2.commit_all(true);
-        let spooled: Vec<_> = crate::spool::SpoolReader::open_dir(dir.path().join("spool"))
+        let spooled: Vec<_> = crate::storage::spool::SpoolReader::open_dir(dir.path().join("spool"))
             .unwrap()
             .read_job(&job_j())
             .map(|c| c.unwrap())
@@ -534,7 +534,7 @@ fn ingest_goes_on_while_the_spool_syncs_and_the_tail_waits_for_it() {
             Durable::append(&mut self.spool, batch)
         }
 
-        fn index(&self) -> crate::spool::SpoolIndex {
+        fn index(&self) -> crate::storage::spool::SpoolIndex {
             self.spool.index()
         }
     }
@@ -565,7 +565,7 @@ fn ingest_goes_on_while_the_spool_syncs_and_the_tail_waits_for_it() {
     assert!(e.flush(Duration::from_secs(10)));
     e.commit_all(true);
     assert_eq!(p.segment().tail(), p.segment().head());
-    let spooled: Vec<u64> = crate::spool::SpoolReader::open_dir(dir.path().join("spool"))
+    let spooled: Vec<u64> = crate::storage::spool::SpoolReader::open_dir(dir.path().join("spool"))
         .unwrap()
         .read_job(&job_j())
         .map(|c| c.unwrap().seq)

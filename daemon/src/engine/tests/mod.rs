@@ -7,11 +7,11 @@ mod segments;
 
 use super::commit::{COMMIT_EVERY, Parked};
 use super::*;
-use crate::hub::SpoolRun;
+use crate::storage::hub::SpoolRun;
 use crate::resend::Dropped;
-use crate::resume::{self, SegmentState};
-use crate::spool::JobKey;
-use crate::spool::{Spool, SpoolLimits};
+use crate::storage::resume::{self, SegmentState};
+use crate::storage::spool::JobKey;
+use crate::storage::spool::{Spool, SpoolLimits};
 use crate::{metrics, prometheus};
 use ncclscope_proto::Claims;
 use ncclscope_proto::fixture::{self, Coll, Comm};

@@ -3,7 +3,7 @@
 //! the tail defined (strings, communicators, calibration) and which operations after the tail were
 //! already delivered, so a restarted daemon neither misreads nor double-counts what it re-reads
 //! (together with the spool's record of what it holds from the saved position on). The engine's
-//! state writer thread ([`crate::state_writer`]) makes a state durable ([`store`], [`sync_dir`])
+//! state writer thread ([`crate::storage::state_writer`]) makes a state durable ([`store`], [`sync_dir`])
 //! before the tail it describes is committed.
 //!
 //! Every type written to the file is defined here, apart from the in-memory structures they are
@@ -19,7 +19,7 @@ use ncclscope_proto::Gpu;
 use serde::{Deserialize, Serialize};
 
 use crate::instance::Desc;
-use crate::spool::Position;
+use crate::storage::spool::Position;
 
 /// What must survive a daemon restart to interpret a segment from its committed tail on: the saved
 /// form of the assembler's dictionary (`assemble::dictionary::Dict`) and templates.

@@ -9,15 +9,15 @@
 //! the spool's end as it was before the batch was queued, and the writer appends in queue order.
 //! A batch also waits for the resume states queued ahead of it that it must follow (a segment's
 //! first state, which tells a restarted engine to look for the segment in the spool at all): the
-//! state writer is another thread ([`crate::state_writer`]).
+//! state writer is another thread ([`crate::storage::state_writer`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
-use crate::hub::{Durable, Hub, SpoolRun};
-use crate::spool::{JobKey, Origin, Position, SpoolIndex};
-use crate::state_writer;
+use crate::storage::hub::{Durable, Hub, SpoolRun};
+use crate::storage::spool::{JobKey, Origin, Position, SpoolIndex};
+use crate::storage::state_writer;
 
 /// Batches queued and not yet durable (a delivery's new instances each, about 1,000) at which the
 /// engine stops reading segments until the writer catches up: a disk slower than a burst leaves the

@@ -12,7 +12,7 @@ use ncclscope_proto::api::{ListJobsResponse, StatsResponse};
 use tokio::sync::broadcast;
 
 use crate::instance::{Instance, InstanceRef, Names, Shared};
-use crate::spool::{Origin, Spool, SpoolIndex};
+use crate::storage::spool::{Origin, Spool, SpoolIndex};
 
 /// Where completed instances become durable before they are published: the spool. The spool
 /// writer thread (`spool_writer`) calls it with the batches the engine queued, in completion order,

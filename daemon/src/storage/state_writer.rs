@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use crate::resume::{self, SegmentState};
+use crate::storage::resume::{self, SegmentState};
 
 /// Where resume states become durable: the state directory (a test's gate around it).
 pub trait Store: Send {
