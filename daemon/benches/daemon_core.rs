@@ -18,10 +18,10 @@ use std::time::{Duration, Instant};
 
 use ncclscope::config::Config;
 use ncclscope::engine::{Engine, Outputs, SegmentKey};
-use ncclscope::export_queue::{ExportCounters, SpanItem};
+use ncclscope::export::export_queue::{ExportCounters, SpanItem};
 use ncclscope::storage::hub::{Durable, Hub};
 use ncclscope::instance::Shared;
-use ncclscope::otlp;
+use ncclscope::export::otlp;
 use ncclscope::storage::spool::{Spool, SpoolLimits};
 use ncclscope_proto::api::{ChannelWork, Collective};
 use ncclscope_proto::fixture::{self, Coll, Comm};

@@ -115,7 +115,7 @@ pub struct QueryService {
     hub: Arc<Hub>,
     spool: Option<SpoolReader>,
     streams: Arc<PerUid>,
-    /// The live export's resource ([`crate::otlp::resource_attributes`]).
+    /// The live export's resource ([`crate::export::otlp::resource_attributes`]).
     resource: Arc<[(String, String)]>,
 }
 

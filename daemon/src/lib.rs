@@ -1,29 +1,20 @@
 //! The ncclscope daemon and operator tools.
 
-pub mod align;
 pub mod api;
 pub mod assemble;
 pub mod bandwidth;
 pub mod cli;
 pub mod config;
 pub mod engine;
-pub mod export_queue;
+pub mod export;
 pub mod fast_map;
 pub mod histogram;
 pub mod host;
 pub mod instance;
 pub mod loss;
-pub mod metrics;
-pub mod node_clocks;
-pub mod otlp;
-pub mod otlp_json;
 pub mod peers;
-pub mod perfetto;
-pub mod perfetto_proto;
-pub mod prometheus;
 pub mod reference;
 pub mod register;
-pub mod resend;
 pub mod run;
 pub mod spans;
 pub mod stats;

@@ -14,13 +14,14 @@ use tokio::task::JoinHandle;
 
 use crate::config::Config;
 use crate::engine::{Attach, Engine, Handover, Outputs, SegmentKey};
-use crate::export_queue::ExportCounters;
+use crate::export::export_queue::ExportCounters;
 use crate::storage::hub::{Durable, Hub};
-use crate::otlp;
-use crate::resend::{self, Dropped};
+use crate::export::otlp;
+use crate::export::resend::{self, Dropped};
 use crate::storage::spool::{Spool, SpoolLimits};
 use crate::host::{activation, notify};
-use crate::{api, metrics, prometheus, register};
+use crate::export::{metrics, prometheus};
+use crate::{api, register};
 
 /// A started daemon.
 pub struct Running {

@@ -337,7 +337,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let ranks = driven?;
     stopped?;
     if let Some(ep) = &args.otlp_endpoint {
-        let sum = |f: fn(&crate::export_queue::ExportCounters) -> u64| -> u64 {
+        let sum = |f: fn(&crate::export::export_queue::ExportCounters) -> u64| -> u64 {
             counters.iter().map(|c| f(c)).sum()
         };
         println!(

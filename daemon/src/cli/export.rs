@@ -13,10 +13,10 @@ use opentelemetry_proto::tonic::resource::v1::Resource;
 
 use crate::api;
 use crate::config::{Config, Overrides};
-use crate::node_clocks::{self, NodeClock, NodeEnds};
-use crate::otlp_json::OtlpJsonWriter;
-use crate::perfetto::PerfettoWriter;
-use crate::perfetto_proto::PerfettoProtoWriter;
+use crate::export::node_clocks::{self, NodeClock, NodeEnds};
+use crate::export::otlp_json::OtlpJsonWriter;
+use crate::export::perfetto::PerfettoWriter;
+use crate::export::perfetto_proto::PerfettoProtoWriter;
 use crate::storage::spool::{Evicted, Origin, Spool, SpoolLimits, SpoolReader};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -109,7 +109,7 @@ pub struct Filter {
 
 impl Filter {
     pub fn keeps(&self, c: &Collective) -> bool {
-        let (start, end) = crate::perfetto::extent(c);
+        let (start, end) = crate::export::perfetto::extent(c);
         let hash = format!("{:016x}", c.comm_hash);
         self.since.is_none_or(|t| end >= t)
             && self.until.is_none_or(|t| start <= t)
@@ -274,7 +274,7 @@ struct Coverage {
 
 impl Coverage {
     fn add(&mut self, c: &Collective) {
-        let (start, end) = crate::perfetto::extent(c);
+        let (start, end) = crate::export::perfetto::extent(c);
         self.first = if self.instances == 0 {
             start
         } else {
@@ -397,7 +397,7 @@ fn combine(
     let mut result = Ok(());
     for (source, clock) in sources.iter().zip(&clocks) {
         match read(source, &mut |mut c| {
-            crate::perfetto::shift(&mut c, -clock.offset_ns);
+            crate::export::perfetto::shift(&mut c, -clock.offset_ns);
             coverage.add(&c);
             file.write(&c)
         }) {
@@ -615,7 +615,7 @@ async fn api_resource(socket: &Path) -> anyhow::Result<Resource> {
         .context("asking the daemon for its OTLP resource")?
         .into_inner();
     let pairs = reply.attributes.into_iter().map(|a| (a.key, a.value));
-    Ok(crate::otlp::resource_from(pairs))
+    Ok(crate::export::otlp::resource_from(pairs))
 }
 
 /// Without a daemon (`--spool`): the resource a daemon on this machine with its configuration
@@ -623,7 +623,7 @@ async fn api_resource(socket: &Path) -> anyhow::Result<Resource> {
 fn local_resource() -> anyhow::Result<Resource> {
     let config = Config::load(None, std::env::vars(), &Overrides::default())
         .context("reading the daemon's configuration for the OTLP/JSON file's resource")?;
-    Ok(crate::otlp::resource(&config.otlp, &crate::run::hostname()))
+    Ok(crate::export::otlp::resource(&config.otlp, &crate::run::hostname()))
 }
 
 /// Hands each instance `which` selects and `filter` keeps to `each`, read through the daemon's
@@ -733,7 +733,7 @@ fn read_spool(
         .collect())
 }
 
-/// Writes the PyTorch trace at `trace` with `colls` merged in ([`crate::perfetto::merge`]) to
+/// Writes the PyTorch trace at `trace` with `colls` merged in ([`crate::export::perfetto::merge`]) to
 /// `output` (under a temporary name, renamed into place), shifted onto the trace's clock as `align`
 /// says (the check and what it did are in the trace, key `ncclscope_alignment`, beside
 /// `ncclscope_coverage`); returns how many were added.
@@ -756,14 +756,14 @@ fn merge_into(
         .with_context(|| format!("aligning the job's collectives with {}", trace.display()))?;
     if shift != 0 {
         for c in &mut colls {
-            crate::perfetto::shift(c, shift);
+            crate::export::perfetto::shift(c, shift);
         }
     }
     if let Some(map) = torch.as_object_mut() {
         map.insert("ncclscope_alignment".into(), record);
         map.insert("ncclscope_coverage".into(), coverage.into());
     }
-    let merged = crate::perfetto::merge(torch, &colls)
+    let merged = crate::export::perfetto::merge(torch, &colls)
         .with_context(|| format!("merging into {}", trace.display()))?;
     let mut tmp = output.as_os_str().to_owned();
     tmp.push(".partial");
@@ -781,22 +781,22 @@ fn merge_into(
     Ok(colls.len() as u64)
 }
 
-/// `--merge`'s check ([`crate::align`]): the shift to apply to the collectives and what the trace
+/// `--merge`'s check ([`crate::export::align`]): the shift to apply to the collectives and what the trace
 /// records of it; an error where `align` refuses. Says what it found on stderr.
 fn alignment(
     torch: &serde_json::Value,
     colls: &[Collective],
     align: Align,
 ) -> anyhow::Result<(i64, serde_json::Value)> {
-    use crate::align::{MAX_CORRECTION_NS, MIN_PAIRS, TOLERANCE_NS};
+    use crate::export::align::{MAX_CORRECTION_NS, MIN_PAIRS, TOLERANCE_NS};
     if align == Align::Off {
         return Ok((
             0,
             serde_json::json!({"checked": false, "why": "--align off"}),
         ));
     }
-    let kernels = crate::align::nccl_kernels(torch);
-    let found = crate::align::check(&kernels, colls, crate::align::Owner::of(torch));
+    let kernels = crate::export::align::nccl_kernels(torch);
+    let found = crate::export::align::check(&kernels, colls, crate::export::align::Owner::of(torch));
     let why = match &found {
         _ if kernels.is_empty() => {
             Some("the trace holds no NCCL kernel (profile with ProfilerActivity.CUDA)".to_string())

@@ -10,12 +10,12 @@ use tokio::sync::{mpsc, watch};
 
 use crate::assemble::{Completed, done};
 use crate::config::Config;
-use crate::export_queue::{ExportCounters, SpanItem};
+use crate::export::export_queue::{ExportCounters, SpanItem};
 use crate::storage::hub::{Hub, SpoolRun};
 use crate::instance::{InstanceRef, Shared};
 use crate::loss::{Loss, Losses};
-use crate::prometheus;
-use crate::resend::Dropped;
+use crate::export::prometheus;
+use crate::export::resend::Dropped;
 use crate::storage::spool::{Origin, Position};
 use crate::storage::spool_writer::SpoolWriter;
 use crate::storage::state_writer::StateWriter;
@@ -243,7 +243,7 @@ impl Delivery {
                                     if let Some(d) = &out.dropped {
                                         let c = item.coll;
                                         let v = c.view();
-                                        let key = crate::resend::key(v);
+                                        let key = crate::export::resend::key(v);
                                         d.remember(v.uid(), v.job_id(), key, &out.export_counters);
                                     }
                                 }

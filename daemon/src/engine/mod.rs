@@ -45,7 +45,7 @@ use crate::host::clock_step::StepDetector;
 use crate::config::Config;
 use crate::storage::hub::{Durable, Hub};
 use crate::loss::{Loss, Losses};
-use crate::metrics::Health;
+use crate::export::metrics::Health;
 use crate::storage::spool_writer::{BACKLOG_PAUSE, SpoolWriter};
 use crate::storage::state_writer::{self, StateWriter};
 use crate::stats::Stats;

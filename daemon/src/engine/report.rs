@@ -15,8 +15,8 @@ use ncclscope_proto::{realtime_ns, shift};
 use crate::config::Config;
 use crate::storage::hub::Hub;
 use crate::loss::{Loss, Losses, PluginCounts};
-use crate::metrics::{self, Health};
-use crate::prometheus;
+use crate::export::metrics::{self, Health};
+use crate::export::prometheus;
 use crate::stats::Stats;
 
 use super::deliver::Outputs;

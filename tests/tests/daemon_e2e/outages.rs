@@ -62,10 +62,10 @@ async fn spans_refused_with_an_error_status_are_re_sent_from_the_spool_once_it_a
 /// is counted as not re-sent. Once the live queue's sender is gone, the re-sender ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_re_sender_queues_what_the_spool_holds_and_counts_what_it_does_not() {
-    use ncclscope::export_queue::ExportCounters;
+    use ncclscope::export::export_queue::ExportCounters;
     use ncclscope::instance::Shared;
-    use ncclscope::otlp;
-    use ncclscope::resend::{self, Dropped};
+    use ncclscope::export::otlp;
+    use ncclscope::export::resend::{self, Dropped};
     use ncclscope::storage::spool::{Origin, Spool, SpoolLimits};
     use ncclscope_proto::api::Collective;
     const N: u64 = 500;

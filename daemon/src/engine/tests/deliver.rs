@@ -12,7 +12,7 @@ fn instances_refused_by_a_full_export_queue_are_remembered_for_re_sending() {
         ..Config::default()
     };
     let (spans, mut queued) = mpsc::channel(1);
-    let dropped = Arc::new(Dropped::new(crate::resend::MAX_REMEMBERED));
+    let dropped = Arc::new(Dropped::new(crate::export::resend::MAX_REMEMBERED));
     let out = Outputs {
         spans: Some(spans),
         metrics: None,

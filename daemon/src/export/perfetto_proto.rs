@@ -1,7 +1,7 @@
 //! Writes collective instances as a Perfetto protobuf trace (a `Trace` of `TracePacket`s carrying
 //! TrackEvents, `proto/perfetto_trace.proto`), streaming, in constant memory per rank.
 //!
-//! The same layout as the JSON trace ([`crate::perfetto`]): one process per rank, per communicator a
+//! The same layout as the JSON trace ([`crate::export::perfetto`]): one process per rank, per communicator a
 //! track for its collectives and one per channel. What makes it several times smaller:
 //! - one packet sequence per rank, whose timestamps are deltas on an incremental clock (a few bytes
 //!   instead of a 19-digit time); an event earlier than the one before it (instances reach the spool
@@ -26,7 +26,7 @@ use ncclscope_proto::perfetto::{
 use prost::Message;
 
 use crate::instance::Shared;
-use crate::perfetto::extent;
+use crate::export::perfetto::extent;
 use crate::spans::{instance_key, trace_id};
 
 /// Perfetto's id of CLOCK_REALTIME (BUILTIN_CLOCK_REALTIME).
@@ -476,7 +476,7 @@ fn annotations(c: &Collective) -> Vec<DebugAnnotation> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::perfetto::PerfettoWriter;
+    use crate::export::perfetto::PerfettoWriter;
     use ncclscope_proto::api::ChannelWork;
     use ncclscope_proto::perfetto::Trace;
 

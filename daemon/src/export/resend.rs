@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, mpsc};
 
-use crate::export_queue::{ExportCounters, SpanItem};
+use crate::export::export_queue::{ExportCounters, SpanItem};
 use crate::instance::{InstanceRef, Shared};
 use crate::spans;
 use crate::storage::spool::{JobKey, SpoolReader};

@@ -1,4 +1,4 @@
-//! What the engine and the re-sender hand the OTLP exporter ([`crate::otlp`]): a span item with the
+//! What the engine and the re-sender hand the OTLP exporter ([`crate::export::otlp`]): a span item with the
 //! acknowledgement its segment waits on, and the export's outcomes, counted for the health snapshot.
 
 use std::sync::Arc;

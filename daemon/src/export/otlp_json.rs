@@ -67,7 +67,7 @@ impl<W: Write> OtlpJsonWriter<W> {
             resource_spans: vec![ResourceSpans {
                 resource: Some(self.resource.clone()),
                 scope_spans: vec![ScopeSpans {
-                    scope: Some(crate::otlp::scope()),
+                    scope: Some(crate::export::otlp::scope()),
                     spans: std::mem::take(&mut self.pending),
                     ..Default::default()
                 }],
@@ -125,7 +125,7 @@ mod tests {
 
     #[test]
     fn lines_are_export_requests_with_the_daemons_ids_and_only_the_live_spans() {
-        let resource = crate::otlp::resource(&crate::config::Otlp::default(), "node1");
+        let resource = crate::export::otlp::resource(&crate::config::Otlp::default(), "node1");
         let mut w = OtlpJsonWriter::new(Vec::new(), resource);
         for seq in 0..1200 {
             for rank in 0..2 {

@@ -18,7 +18,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 
-use crate::metrics::{self, Exposition, Family};
+use crate::export::metrics::{self, Exposition, Family};
 
 /// Answers 200 while the ingest thread publishes snapshots (every second), 503 once the latest is
 /// older than [`STALE_AFTER`]: for liveness probes and load balancers.

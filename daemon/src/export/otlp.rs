@@ -2,7 +2,7 @@
 //! backoff, and dropped (counted) when the receiver stays away; plus the periodic metrics export.
 //! Each span item carries an acknowledgement the engine waits for before it commits the segment
 //! records behind it, so spans still queued when the daemon is killed are re-read and re-exported.
-//! Instances whose spans are given up are remembered for [`crate::resend`], which re-sends them from
+//! Instances whose spans are given up are remembered for [`crate::export::resend`], which re-sends them from
 //! the spool once the receiver answers again.
 
 use std::sync::Arc;
@@ -24,8 +24,8 @@ use tonic::metadata::MetadataMap;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::config::{Otlp, key_values, metadata};
-use crate::export_queue::{ExportCounters, SpanItem};
-use crate::resend::{self, Dropped};
+use crate::export::export_queue::{ExportCounters, SpanItem};
+use crate::export::resend::{self, Dropped};
 use crate::spans;
 use crate::stats::RootWait;
 
