@@ -43,8 +43,8 @@ use tonic::transport::server::{Connected, UdsConnectInfo};
 use tonic::transport::{Channel, Endpoint, Server, Uri};
 use tonic::{Request, Response, Status};
 
-use crate::storage::hub::Hub;
 use crate::host::per_uid::{Held, PerUid};
+use crate::storage::hub::Hub;
 use crate::storage::spool::{JobKey, SpoolReader};
 
 /// Where the daemon serves the API and the tools look for it (`--api-socket`, `NCCLSCOPE_API_SOCKET`).

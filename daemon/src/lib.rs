@@ -1,4 +1,9 @@
 //! The ncclscope daemon and operator tools.
+//!
+//! The root holds the model every part shares (instances, statistics, spans, losses, the
+//! configuration) and the wiring that joins the parts (`run`, `api`, `register`, `reference`); each
+//! folder is one job: `host/`, `storage/`, `export/`, `assemble/`, `engine/`, `cli/`. Imports go one
+//! way (docs/architecture.md, "Folders").
 
 pub mod api;
 pub mod assemble;

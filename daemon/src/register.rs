@@ -25,8 +25,8 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::oneshot;
 
 use crate::engine::{Attach, Handover, SegmentKey};
-use crate::loss::Loss;
 use crate::host::per_uid::{Full, PerUid};
+use crate::loss::Loss;
 
 /// The message a plugin sends with its descriptor.
 pub const REQUEST: &[u8] = b"REGISTER\n";

@@ -15,12 +15,12 @@ use tokio::task::JoinHandle;
 use crate::config::Config;
 use crate::engine::{Attach, Engine, Handover, Outputs, SegmentKey};
 use crate::export::export_queue::ExportCounters;
-use crate::storage::hub::{Durable, Hub};
 use crate::export::otlp;
 use crate::export::resend::{self, Dropped};
-use crate::storage::spool::{Spool, SpoolLimits};
-use crate::host::{activation, notify};
 use crate::export::{metrics, prometheus};
+use crate::host::{activation, notify};
+use crate::storage::hub::{Durable, Hub};
+use crate::storage::spool::{Spool, SpoolLimits};
 use crate::{api, register};
 
 /// A started daemon.

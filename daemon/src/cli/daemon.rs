@@ -9,8 +9,8 @@ use std::sync::Arc;
 use clap::builder::TypedValueParser;
 
 use crate::config::{Config, DEFAULT_CONFIG_PATH, Overrides};
-use crate::storage::hub::Hub;
 use crate::host::logging::LogFormat;
+use crate::storage::hub::Hub;
 
 #[derive(clap::Args)]
 #[command(

@@ -623,7 +623,10 @@ async fn api_resource(socket: &Path) -> anyhow::Result<Resource> {
 fn local_resource() -> anyhow::Result<Resource> {
     let config = Config::load(None, std::env::vars(), &Overrides::default())
         .context("reading the daemon's configuration for the OTLP/JSON file's resource")?;
-    Ok(crate::export::otlp::resource(&config.otlp, &crate::run::hostname()))
+    Ok(crate::export::otlp::resource(
+        &config.otlp,
+        &crate::run::hostname(),
+    ))
 }
 
 /// Hands each instance `which` selects and `filter` keeps to `each`, read through the daemon's
@@ -796,7 +799,8 @@ fn alignment(
         ));
     }
     let kernels = crate::export::align::nccl_kernels(torch);
-    let found = crate::export::align::check(&kernels, colls, crate::export::align::Owner::of(torch));
+    let found =
+        crate::export::align::check(&kernels, colls, crate::export::align::Owner::of(torch));
     let why = match &found {
         _ if kernels.is_empty() => {
             Some("the trace holds no NCCL kernel (profile with ProfilerActivity.CUDA)".to_string())

@@ -17,10 +17,10 @@ use ncclscope_proto::segment::Consumer;
 use crate::assemble::{Assembler, done};
 use crate::fast_map::Map;
 use crate::loss::{Loss, Losses};
+use crate::stats::RootWait;
 use crate::storage::resume::{self, SegmentState};
 use crate::storage::spool::{Origin, Position};
 use crate::storage::state_writer::StateWriter;
-use crate::stats::RootWait;
 
 /// Records copied out of a ring (one pread) and decoded at once: 64 KiB, still in cache when they are
 /// applied, and the system call's cost spread over as many. Also what finishing a commit skips at once.

@@ -41,14 +41,15 @@ use ncclscope_proto::segment::{Consumer, Counter, Segment};
 use ncclscope_proto::{realtime_ns, shift};
 use tokio::sync::oneshot;
 
-use crate::host::clock_step::StepDetector;
 use crate::config::Config;
-use crate::storage::hub::{Durable, Hub};
-use crate::loss::{Loss, Losses};
 use crate::export::metrics::Health;
+use crate::host::clock_step::StepDetector;
+use crate::host::{notify, ratelimit};
+use crate::loss::{Loss, Losses};
+use crate::stats::Stats;
+use crate::storage::hub::{Durable, Hub};
 use crate::storage::spool_writer::{BACKLOG_PAUSE, SpoolWriter};
 use crate::storage::state_writer::{self, StateWriter};
-use crate::stats::Stats;
 
 use commit::{CommitPoint, READ_CHUNK, ring_pressed};
 use deliver::{Delivery, Sinks};
@@ -166,7 +167,7 @@ impl Engine {
             parked_ops: 0,
             tick_ns: 0,
             clock: StepDetector::default(),
-            watchdog: crate::host::notify::watchdog_interval().map(|every| (every, now)),
+            watchdog: notify::watchdog_interval().map(|every| (every, now)),
             reads: Vec::new(),
             delivery: Delivery::default(),
             report: Report::new(now, started_ns),
@@ -237,7 +238,7 @@ impl Engine {
             && last.elapsed() >= *every / 2
         {
             *last = Instant::now();
-            if let Err(e) = crate::host::notify::notify("WATCHDOG=1", &[]) {
+            if let Err(e) = notify::notify("WATCHDOG=1", &[]) {
                 tracing::warn!(error = %e, "watchdog ping failed");
             }
         }
@@ -330,7 +331,7 @@ impl Engine {
                 let (first, reads) = match seg.consumer.read_raw(want, &mut self.reads) {
                     Ok(r) => r,
                     Err(e) => {
-                        if let Some(held_back) = crate::host::ratelimit::lines().allow(seg.key.uid) {
+                        if let Some(held_back) = ratelimit::lines().allow(seg.key.uid) {
                             tracing::error!(segment = %seg.label, error = %e, held_back, "corrupt segment detached");
                         }
                         broken.push(i);

@@ -13,11 +13,11 @@ use ncclscope_proto::segment::Counter;
 use ncclscope_proto::{realtime_ns, shift};
 
 use crate::config::Config;
-use crate::storage::hub::Hub;
-use crate::loss::{Loss, Losses, PluginCounts};
 use crate::export::metrics::{self, Health};
 use crate::export::prometheus;
+use crate::loss::{Loss, Losses, PluginCounts};
 use crate::stats::Stats;
+use crate::storage::hub::Hub;
 
 use super::deliver::Outputs;
 use super::segments::Segments;

@@ -13,6 +13,7 @@ use ncclscope_proto::segment::Segment;
 
 use crate::assemble::{AssembleCounters, Assembler, UidBudget};
 use crate::config::Config;
+use crate::host::{notify, ratelimit};
 use crate::loss::{Loss, PluginLosses, Refusals};
 use crate::storage::resume;
 use crate::storage::spool::JobKey;
@@ -59,7 +60,7 @@ pub(super) struct Segments {
 impl Segments {
     pub fn new() -> Segments {
         Segments {
-            fd_store: crate::host::notify::fd_store_available(),
+            fd_store: notify::fd_store_available(),
             ..Segments::default()
         }
     }
@@ -137,7 +138,7 @@ impl Segments {
     /// already), once however often it is retried.
     fn count_refusal(&mut self, key: SegmentKey, stage: Loss, why: &str, cfg: &Config) {
         if !self.refused.contains(&key) {
-            if let Some(held_back) = crate::host::ratelimit::lines().allow(key.uid) {
+            if let Some(held_back) = ratelimit::lines().allow(key.uid) {
                 tracing::warn!(segment = %key, reason = %why, held_back, "segment refused; attached if handed over again once it may be");
             }
             remember(&mut self.refused, key, cfg.drain.max_segments);
@@ -188,8 +189,8 @@ impl Segments {
             let fds: Vec<_> = std::iter::once(seg.consumer.segment().fd())
                 .chain(seg.conn.as_ref().map(|c| c.as_fd()))
                 .collect();
-            let name = crate::host::notify::segment_fd_name(label);
-            if let Err(e) = crate::host::notify::notify(&format!("FDSTORE=1\nFDNAME={name}"), &fds) {
+            let name = notify::segment_fd_name(label);
+            if let Err(e) = notify::notify(&format!("FDSTORE=1\nFDNAME={name}"), &fds) {
                 tracing::warn!(segment = %label, error = %e, "cannot keep the segment in systemd's file descriptor store");
             }
         }
@@ -291,8 +292,8 @@ impl Segments {
         }
         resume::remove(state_dir, &seg.label);
         if self.fd_store {
-            let name = crate::host::notify::segment_fd_name(&seg.label);
-            if let Err(e) = crate::host::notify::notify(&format!("FDSTOREREMOVE=1\nFDNAME={name}"), &[]) {
+            let name = notify::segment_fd_name(&seg.label);
+            if let Err(e) = notify::notify(&format!("FDSTOREREMOVE=1\nFDNAME={name}"), &[]) {
                 tracing::warn!(segment = %seg.label, error = %e, "cannot remove the segment from systemd's file descriptor store");
             }
         }

@@ -25,8 +25,8 @@ use ncclscope_proto::perfetto::{
 };
 use prost::Message;
 
-use crate::instance::Shared;
 use crate::export::perfetto::extent;
+use crate::instance::Shared;
 use crate::spans::{instance_key, trace_id};
 
 /// Perfetto's id of CLOCK_REALTIME (BUILTIN_CLOCK_REALTIME).

@@ -63,9 +63,9 @@ async fn spans_refused_with_an_error_status_are_re_sent_from_the_spool_once_it_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_re_sender_queues_what_the_spool_holds_and_counts_what_it_does_not() {
     use ncclscope::export::export_queue::ExportCounters;
-    use ncclscope::instance::Shared;
     use ncclscope::export::otlp;
     use ncclscope::export::resend::{self, Dropped};
+    use ncclscope::instance::Shared;
     use ncclscope::storage::spool::{Origin, Spool, SpoolLimits};
     use ncclscope_proto::api::Collective;
     const N: u64 = 500;

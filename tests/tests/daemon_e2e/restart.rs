@@ -23,11 +23,12 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
     let mut killed = h.signal_daemon(rustix::process::Signal::KILL);
     killed.wait().unwrap();
     // What the killed daemon recorded is what its spool holds (a record the kill tore is not).
-    let recorded_by_first = ncclscope::storage::spool::SpoolReader::open_dir(h.dir.path().join("spool"))
-        .unwrap()
-        .read_job(&(rustix::process::getuid().as_raw(), JOB.to_string()))
-        .filter_map(Result::ok)
-        .count() as u64;
+    let recorded_by_first =
+        ncclscope::storage::spool::SpoolReader::open_dir(h.dir.path().join("spool"))
+            .unwrap()
+            .read_job(&(rustix::process::getuid().as_raw(), JOB.to_string()))
+            .filter_map(Result::ok)
+            .count() as u64;
     std::thread::sleep(Duration::from_millis(300));
     // The ranks see their connections end and hand their segments to the second daemon.
     h.start_daemon();
@@ -80,7 +81,8 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
     );
 
     // The spool (the durable record behind `export`) has every instance, once.
-    let reader = ncclscope::storage::spool::SpoolReader::open_dir(h.dir.path().join("spool")).unwrap();
+    let reader =
+        ncclscope::storage::spool::SpoolReader::open_dir(h.dir.path().join("spool")).unwrap();
     let spooled: Vec<(u32, u64)> = reader
         .read_job(&(rustix::process::getuid().as_raw(), JOB.to_string()))
         .map(|c| c.map(|c| (c.rank, c.seq)).unwrap())
@@ -281,7 +283,8 @@ async fn a_daemon_killed_mid_replay_resumes_the_graph_template() {
             >= produced.len()
     })
     .await;
-    let reader = ncclscope::storage::spool::SpoolReader::open_dir(h.dir.path().join("spool")).unwrap();
+    let reader =
+        ncclscope::storage::spool::SpoolReader::open_dir(h.dir.path().join("spool")).unwrap();
     let spooled: BTreeSet<(u32, String, u64, u32)> = reader
         .read_job(&(
             rustix::process::getuid().as_raw(),
@@ -452,7 +455,8 @@ async fn a_replayed_collectives_root_arrives_or_is_counted_across_repeated_sigki
         broken.len(),
         &broken[..broken.len().min(5)]
     );
-    let reader = ncclscope::storage::spool::SpoolReader::open_dir(h.dir.path().join("spool")).unwrap();
+    let reader =
+        ncclscope::storage::spool::SpoolReader::open_dir(h.dir.path().join("spool")).unwrap();
     let spooled: Vec<(u32, String, u64, u32)> = reader
         .read_job(&(rustix::process::getuid().as_raw(), JOB.into()))
         .map(|c| c.map(|c| (c.pid, c.func, c.seq, c.replay)).unwrap())

@@ -485,11 +485,12 @@ fn a_parked_operation_is_continued_after_a_restart_and_recorded_once() {
         e2.tick();
         e2.flush(Duration::from_secs(10));
         e2.commit_all(true);
-        let spooled: Vec<_> = crate::storage::spool::SpoolReader::open_dir(dir.path().join("spool"))
-            .unwrap()
-            .read_job(&job_j())
-            .map(|c| c.unwrap())
-            .collect();
+        let spooled: Vec<_> =
+            crate::storage::spool::SpoolReader::open_dir(dir.path().join("spool"))
+                .unwrap()
+                .read_job(&job_j())
+                .map(|c| c.unwrap())
+                .collect();
         let mut seqs: Vec<u64> = spooled.iter().map(|c| c.seq).collect();
         seqs.sort_unstable();
         assert_eq!(

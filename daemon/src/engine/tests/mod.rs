@@ -7,12 +7,12 @@ mod segments;
 
 use super::commit::{COMMIT_EVERY, Parked};
 use super::*;
-use crate::storage::hub::SpoolRun;
 use crate::export::resend::Dropped;
+use crate::export::{metrics, prometheus};
+use crate::storage::hub::SpoolRun;
 use crate::storage::resume::{self, SegmentState};
 use crate::storage::spool::JobKey;
 use crate::storage::spool::{Spool, SpoolLimits};
-use crate::export::{metrics, prometheus};
 use ncclscope_proto::Claims;
 use ncclscope_proto::fixture::{self, Coll, Comm};
 use ncclscope_proto::segment::Producer;
