@@ -204,7 +204,7 @@ impl Engine {
             spool.flush(deadline.saturating_duration_since(Instant::now()));
         }
         // Wait for the exporter's acknowledgements, so a clean restart re-sends nothing.
-        while (self.segments.list.iter()).any(|s| !s.commit.unacked.is_empty())
+        while (self.segments.list.iter_mut()).any(|s| s.commit.exports_in_flight())
             && Instant::now() < deadline
         {
             std::thread::sleep(min);

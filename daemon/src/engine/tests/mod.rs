@@ -5,13 +5,14 @@ mod commit;
 mod deliver;
 mod segments;
 
-use super::commit::{COMMIT_EVERY, Parked};
+use super::commit::{COMMIT_EVERY, Parked, Passed};
 use super::*;
 use crate::hub::SpoolRun;
 use crate::resend::Dropped;
 use crate::resume::{self, SegmentState};
 use crate::spool::JobKey;
 use crate::spool::{Spool, SpoolLimits};
+use crate::stats::RootWait;
 use crate::{metrics, prometheus};
 use ncclscope_proto::Claims;
 use ncclscope_proto::fixture::{self, Coll, Comm};
