@@ -52,6 +52,23 @@ pub(super) struct Reading<'a> {
     pub read_upto: u64,
 }
 
+/// What one segment's commit point takes of a delivery (see `CommitPoint::take`).
+#[derive(Default)]
+pub(super) struct Delivered {
+    pub seg: usize,
+    /// The next emit number after the spans queued.
+    pub next_emit: u64,
+    /// (first record, settlement) of each operation that waits on its collective's root.
+    pub roots: Vec<(u64, RootWait)>,
+    /// (emit number, first record, op id) of each span queued for export.
+    pub emitted: Vec<(u64, u64, u64)>,
+    /// Operations recorded without the spool (or re-read: recorded before).
+    pub recorded: Vec<OpDone>,
+    /// Operations queued for the spool, with the spool mark they follow (in the batch `send`
+    /// returns).
+    pub spooled: Option<(Position, Vec<OpDone>)>,
+}
+
 /// One segment's commit point and what it waits on.
 pub(super) struct CommitPoint {
     /// The committed tail as far as the engine goes: that of the last state queued. The ring's tail
@@ -197,11 +214,6 @@ impl CommitPoint {
         }
     }
 
-    /// Whether the saved spool mark is missing or far behind the spool's `end`.
-    pub fn mark_stale(&self, end: Option<Position>) -> bool {
-        mark_stale(self.spool_mark, end)
-    }
-
     /// The number of the last state queued, while none of the segment's is durable yet: what its
     /// spooled batches must wait for (see `on_disk`).
     pub fn state_not_on_disk(&self) -> Option<u64> {
@@ -217,13 +229,53 @@ impl CommitPoint {
     }
 
     /// An operation recorded without the spool (or whose spooled batch is durable).
-    pub fn recorded(&mut self, op_id: u64, first_pos: u64, flags: u8) {
+    fn recorded(&mut self, op_id: u64, first_pos: u64, flags: u8) {
         self.delivered.insert(op_id, (first_pos, flags));
         self.dirty = true;
     }
 
+    /// Takes what a delivery decided for this segment ([`Delivered`]; `batch`: the number of the
+    /// spool batch its spooled operations are in, `Err` if the spool writer refused it).
+    pub fn take(&mut self, d: Delivered, batch: Result<u64, ()>) {
+        for (first_pos, wait) in d.roots {
+            self.hold_root(first_pos, wait);
+        }
+        for (emit_no, first_pos, op_id) in d.emitted {
+            self.emitted(emit_no, first_pos, op_id);
+        }
+        debug_assert_eq!(self.next_emit, d.next_emit);
+        for (op_id, first_pos, flags) in d.recorded {
+            self.recorded(op_id, first_pos, flags);
+        }
+        if let Some((mark, ops)) = d.spooled {
+            self.spooled(batch, mark, ops);
+        }
+    }
+
+    /// Before the segment's fresh instances are queued for the spool (write-ahead): a state whose
+    /// spool mark precedes them, if the saved one is missing or far behind the spool's `end`. It
+    /// keeps the parked operations as last saved (for this tail): some may complete in this very
+    /// batch, and are recorded (or not) only by what follows.
+    pub fn write_ahead(
+        &mut self,
+        r: Reading<'_>,
+        states: &mut StateWriter,
+        end: Position,
+        lost: &mut Losses,
+    ) {
+        if !mark_stale(self.spool_mark, Some(end)) {
+            return;
+        }
+        let mark = self.spool_mark(|| end);
+        let tail = self.tail;
+        if let Err(e) = self.save_state(&r, states, tail, Some(mark), Parked::AsSaved) {
+            tracing::error!(segment = %r.label, error = %e, "cannot save resume state before spooling; a crash now could record these instances twice");
+            lost.add(Loss::StateWriteFailed, 1);
+        }
+    }
+
     /// Waits on the root of an operation whose records begin at `first_pos`.
-    pub fn hold_root(&mut self, first_pos: u64, wait: RootWait) {
+    fn hold_root(&mut self, first_pos: u64, wait: RootWait) {
         // Records a forced commit already freed cannot be read again: at risk until it settles.
         match first_pos >= self.tail {
             true => self.roots.push(first_pos, wait),
@@ -232,7 +284,7 @@ impl CommitPoint {
     }
 
     /// A span queued for export as `emit_no` (see `next_emit`).
-    pub fn emitted(&mut self, emit_no: u64, first_pos: u64, op_id: u64) {
+    fn emitted(&mut self, emit_no: u64, first_pos: u64, op_id: u64) {
         self.next_emit += 1;
         // Records a forced commit already freed cannot be read again: at risk until acknowledged.
         match first_pos >= self.tail {
@@ -243,7 +295,7 @@ impl CommitPoint {
 
     /// A batch queued for the spool (`Ok`: its number), or refused (recorded without the spool,
     /// counted, as when an append fails).
-    pub fn spooled(&mut self, queued: Result<u64, ()>, mark: Position, ops: Vec<OpDone>) {
+    fn spooled(&mut self, queued: Result<u64, ()>, mark: Position, ops: Vec<OpDone>) {
         match queued {
             Ok(no) => self.spooling.push_back(Spooling {
                 batch: no,
