@@ -79,6 +79,14 @@ stages! {
     /// its root) were committed before the kill; the root may not have reached the receiver (the
     /// statistics' count, an upper bound: `stats::root_at_risk`).
     ReplayRootNotResent => "replay_root_not_resent",
+    /// Spans whose records a forced commit (a ring over half full) passed before the receiver
+    /// acknowledged them, still unacknowledged when the daemon was killed: its successor cannot
+    /// send them again. Counted by the successor from the last saved state (an upper bound: those
+    /// acknowledged after it was written count too).
+    SpanNotResent => "span_not_resent",
+    /// Root spans lost the same way (a forced commit passed their ranks' records before they
+    /// settled), once per collective.
+    RootNotResent => "root_not_resent",
 }
 
 /// A count per stage.

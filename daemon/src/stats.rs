@@ -236,15 +236,28 @@ pub struct Observed {
 /// ([`Stats::take_roots_due`]), or, without rank 0, settles (rank 0's instance carries the root
 /// alone when it comes).
 #[derive(Clone, Debug, Default)]
-pub struct RootWait(Arc<AtomicBool>);
+pub struct RootWait(Arc<RootFlags>);
+
+#[derive(Debug, Default)]
+struct RootFlags {
+    settled: AtomicBool,
+    /// A segment's tail passed the records of one of its ranks before it settled (a forced
+    /// commit): that segment counts it while it is at risk (once, whichever ranks' tails pass it).
+    passed: AtomicBool,
+}
 
 impl RootWait {
     pub fn settle(&self) {
-        self.0.store(true, Ordering::Release);
+        self.0.settled.store(true, Ordering::Release);
     }
 
     pub fn settled(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+        self.0.settled.load(Ordering::Acquire)
+    }
+
+    /// Marks the root passed by a commit before it settled; whether this is the first to.
+    pub fn pass(&self) -> bool {
+        !self.0.passed.swap(true, Ordering::AcqRel)
     }
 }
 

@@ -18,7 +18,7 @@ use crate::assemble::{Assembler, done};
 use crate::fast_map::Map;
 use crate::loss::{Loss, Losses};
 use crate::stats::RootWait;
-use crate::storage::resume::{self, SegmentState};
+use crate::storage::resume::{self, AtRisk, SegmentState};
 use crate::storage::spool::{Origin, Position};
 use crate::storage::state_writer::StateWriter;
 
@@ -52,6 +52,23 @@ pub(super) struct Reading<'a> {
     pub read_upto: u64,
 }
 
+/// What one segment's commit point takes of a delivery (see `CommitPoint::take`).
+#[derive(Default)]
+pub(super) struct Delivered {
+    pub seg: usize,
+    /// The next emit number after the spans queued.
+    pub next_emit: u64,
+    /// (first record, settlement) of each operation that waits on its collective's root.
+    pub roots: Vec<(u64, RootWait)>,
+    /// (emit number, first record, op id) of each span queued for export.
+    pub emitted: Vec<(u64, u64, u64)>,
+    /// Operations recorded without the spool (or re-read: recorded before).
+    pub recorded: Vec<OpDone>,
+    /// Operations queued for the spool, with the spool mark they follow (in the batch `send`
+    /// returns).
+    pub spooled: Option<(Position, Vec<OpDone>)>,
+}
+
 /// One segment's commit point and what it waits on.
 pub(super) struct CommitPoint {
     /// The committed tail as far as the engine goes: that of the last state queued. The ring's tail
@@ -73,6 +90,10 @@ pub(super) struct CommitPoint {
     pub unacked: Unacked,
     /// Delivered operations whose collective's root span is not settled (not graph replays').
     pub roots: RootHolds,
+    /// What a forced commit passed unacknowledged, and how much of it the last saved state says
+    /// is at risk.
+    passed: Passed,
+    saved_at_risk: AtRisk,
     /// Operations this daemon delivered whose records are not yet committed: id -> (pos, sinks).
     delivered: Map<u64, (u64, u8)>,
     pub last_commit: Instant,
@@ -123,8 +144,14 @@ impl CommitPoint {
         let mut state_saved = false;
         let mut spool_mark = None;
         let mut saved_parked = (Vec::new(), 0);
+        let mut resave = false;
         match resume::load(state_dir, label) {
             Ok(Some(st)) if finish_commit(consumer, st.tail) => {
+                // The previous daemon's in-flight spans and roots behind its tail are lost with it:
+                // counted here, and the state saved again without them at the first commit.
+                lost.add(Loss::SpanNotResent, st.at_risk.spans);
+                lost.add(Loss::RootNotResent, st.at_risk.roots);
+                resave = st.at_risk != AtRisk::default();
                 let tail = consumer.segment().tail();
                 let mut delivered = st.delivered;
                 match recorded(st.spool_mark) {
@@ -156,12 +183,14 @@ impl CommitPoint {
         CommitPoint {
             tail: consumer.segment().tail(),
             saving: VecDeque::new(),
-            resave: false,
+            resave,
             on_disk: state_saved,
             acked: Arc::new(AtomicU64::new(0)),
             next_emit: 1,
             unacked: Unacked::default(),
             roots: RootHolds::default(),
+            passed: Passed::default(),
+            saved_at_risk: AtRisk::default(),
             delivered: Map::default(),
             last_commit: Instant::now(),
             dirty: false,
@@ -185,11 +214,6 @@ impl CommitPoint {
         }
     }
 
-    /// Whether the saved spool mark is missing or far behind the spool's `end`.
-    pub fn mark_stale(&self, end: Option<Position>) -> bool {
-        mark_stale(self.spool_mark, end)
-    }
-
     /// The number of the last state queued, while none of the segment's is durable yet: what its
     /// spooled batches must wait for (see `on_disk`).
     pub fn state_not_on_disk(&self) -> Option<u64> {
@@ -205,31 +229,73 @@ impl CommitPoint {
     }
 
     /// An operation recorded without the spool (or whose spooled batch is durable).
-    pub fn recorded(&mut self, op_id: u64, first_pos: u64, flags: u8) {
+    fn recorded(&mut self, op_id: u64, first_pos: u64, flags: u8) {
         self.delivered.insert(op_id, (first_pos, flags));
         self.dirty = true;
     }
 
+    /// Takes what a delivery decided for this segment ([`Delivered`]; `batch`: the number of the
+    /// spool batch its spooled operations are in, `Err` if the spool writer refused it).
+    pub fn take(&mut self, d: Delivered, batch: Result<u64, ()>) {
+        for (first_pos, wait) in d.roots {
+            self.hold_root(first_pos, wait);
+        }
+        for (emit_no, first_pos, op_id) in d.emitted {
+            self.emitted(emit_no, first_pos, op_id);
+        }
+        debug_assert_eq!(self.next_emit, d.next_emit);
+        for (op_id, first_pos, flags) in d.recorded {
+            self.recorded(op_id, first_pos, flags);
+        }
+        if let Some((mark, ops)) = d.spooled {
+            self.spooled(batch, mark, ops);
+        }
+    }
+
+    /// Before the segment's fresh instances are queued for the spool (write-ahead): a state whose
+    /// spool mark precedes them, if the saved one is missing or far behind the spool's `end`. It
+    /// keeps the parked operations as last saved (for this tail): some may complete in this very
+    /// batch, and are recorded (or not) only by what follows.
+    pub fn write_ahead(
+        &mut self,
+        r: Reading<'_>,
+        states: &mut StateWriter,
+        end: Position,
+        lost: &mut Losses,
+    ) {
+        if !mark_stale(self.spool_mark, Some(end)) {
+            return;
+        }
+        let mark = self.spool_mark(|| end);
+        let tail = self.tail;
+        if let Err(e) = self.save_state(&r, states, tail, Some(mark), Parked::AsSaved) {
+            tracing::error!(segment = %r.label, error = %e, "cannot save resume state before spooling; a crash now could record these instances twice");
+            lost.add(Loss::StateWriteFailed, 1);
+        }
+    }
+
     /// Waits on the root of an operation whose records begin at `first_pos`.
-    pub fn hold_root(&mut self, first_pos: u64, wait: RootWait) {
-        // Records a forced commit already freed cannot be read again.
-        if first_pos >= self.tail {
-            self.roots.push(first_pos, wait);
+    fn hold_root(&mut self, first_pos: u64, wait: RootWait) {
+        // Records a forced commit already freed cannot be read again: at risk until it settles.
+        match first_pos >= self.tail {
+            true => self.roots.push(first_pos, wait),
+            false => self.passed.root(wait),
         }
     }
 
     /// A span queued for export as `emit_no` (see `next_emit`).
-    pub fn emitted(&mut self, emit_no: u64, first_pos: u64, op_id: u64) {
+    fn emitted(&mut self, emit_no: u64, first_pos: u64, op_id: u64) {
         self.next_emit += 1;
-        // Records a forced commit already freed cannot be read again.
-        if first_pos >= self.tail {
-            self.unacked.push(emit_no, first_pos, op_id);
+        // Records a forced commit already freed cannot be read again: at risk until acknowledged.
+        match first_pos >= self.tail {
+            true => self.unacked.push(emit_no, first_pos, op_id),
+            false => self.passed.spans.push(emit_no),
         }
     }
 
     /// A batch queued for the spool (`Ok`: its number), or refused (recorded without the spool,
     /// counted, as when an append fails).
-    pub fn spooled(&mut self, queued: Result<u64, ()>, mark: Position, ops: Vec<OpDone>) {
+    fn spooled(&mut self, queued: Result<u64, ()>, mark: Position, ops: Vec<OpDone>) {
         match queued {
             Ok(no) => self.spooling.push_back(Spooling {
                 batch: no,
@@ -301,6 +367,13 @@ impl CommitPoint {
         self.unacked.is_empty() && self.spooling.is_empty()
     }
 
+    /// Whether spans or roots this segment exported are still in flight (what a clean shutdown
+    /// waits for, so that a restart neither re-sends nor counts them).
+    pub fn exports_in_flight(&mut self) -> bool {
+        let acked = self.acked.load(Ordering::Acquire);
+        !self.unacked.is_empty() || self.passed.at_risk(acked) != AtRisk::default()
+    }
+
     /// Moves the segment's commit point (`tail`) where it can go, queueing the state that
     /// describes it; the ring's tail follows once that state is durable (see
     /// [`Self::states_durable`]).
@@ -345,7 +418,10 @@ impl CommitPoint {
         self.dict_changed |= r.asm.take_dictionary_changed();
         let dict_changed = self.dict_changed;
         let stale = mark_stale(self.spool_mark, spool_end);
-        if target <= tail && !dict_changed && !self.dirty && !stale && !self.resave {
+        let at_risk = self.passed.at_risk(self.acked.load(Ordering::Acquire));
+        let risk_changed = at_risk != self.saved_at_risk;
+        if target <= tail && !dict_changed && !self.dirty && !stale && !self.resave && !risk_changed
+        {
             return;
         }
         let lag = target.saturating_sub(tail);
@@ -361,8 +437,10 @@ impl CommitPoint {
             return;
         }
         if forcing {
-            self.unacked.forget_before(target);
-            self.roots.forget_before(target);
+            self.passed.spans.extend(self.unacked.forget_before(target));
+            for wait in self.roots.forget_before(target) {
+                self.passed.root(wait);
+            }
             *forced += 1;
         }
         self.delivered.retain(|_, (pos, _)| *pos >= target);
@@ -381,6 +459,7 @@ impl CommitPoint {
             && !cursors_moved
             && self.state_saved
             && !self.resave
+            && !risk_changed
         {
             self.tail = self.tail.max(target);
             match self.saving.back() {
@@ -436,6 +515,7 @@ impl CommitPoint {
             Parked::Now => (r.asm.parked_ops(tail), r.read_upto),
             Parked::AsSaved => self.saved_parked.clone(),
         };
+        let at_risk = self.passed.at_risk(self.acked.load(Ordering::Acquire));
         let st = SegmentState {
             segment: r.label.to_string(),
             tail,
@@ -444,6 +524,7 @@ impl CommitPoint {
             spool_mark,
             parked_upto: if parked.is_empty() { 0 } else { parked_upto },
             parked,
+            at_risk,
         };
         let saved_parked = (st.parked.clone(), st.parked_upto);
         let no = states.queue(st)?;
@@ -453,6 +534,7 @@ impl CommitPoint {
         self.state_saved = true;
         self.spool_mark = spool_mark;
         self.saved_parked = saved_parked;
+        self.saved_at_risk = at_risk;
         Ok(no)
     }
 }
@@ -568,10 +650,18 @@ impl Unacked {
         self.first_pos.oldest()
     }
 
-    /// Stops waiting on spans whose operations' records lie before `pos` (a forced commit).
-    fn forget_before(&mut self, pos: u64) {
-        self.queue.retain(|&(_, p, _)| p >= pos);
+    /// Stops waiting on spans whose operations' records lie before `pos` (a forced commit): their
+    /// emit numbers.
+    fn forget_before(&mut self, pos: u64) -> Vec<u64> {
+        let mut passed = Vec::new();
+        self.queue.retain(|&(emit_no, p, _)| {
+            if p < pos {
+                passed.push(emit_no);
+            }
+            p >= pos
+        });
         self.first_pos.forget_before(pos);
+        passed
     }
 
     pub fn is_empty(&self) -> bool {
@@ -607,14 +697,50 @@ impl RootHolds {
         self.first_pos.oldest()
     }
 
-    /// Stops waiting on roots whose operations' records lie before `pos` (a forced commit).
-    fn forget_before(&mut self, pos: u64) {
-        self.queue.retain(|&(p, _)| p >= pos);
+    /// Stops waiting on roots whose operations' records lie before `pos` (a forced commit): their
+    /// settlements.
+    fn forget_before(&mut self, pos: u64) -> Vec<RootWait> {
+        let mut passed = Vec::new();
+        self.queue.retain(|(p, wait)| {
+            if *p < pos {
+                passed.push(wait.clone());
+            }
+            *p >= pos
+        });
         self.first_pos.forget_before(pos);
+        passed
     }
 
     pub fn is_empty(&self) -> bool {
         self.queue.is_empty()
+    }
+}
+
+/// Spans (emit numbers) and roots whose records the tail passed before the receiver acknowledged
+/// them (a forced commit): a daemon killed before it does cannot send them again. Each saved state
+/// carries how many are still in flight ([`AtRisk`]), which a restarted engine counts.
+#[derive(Default)]
+pub(super) struct Passed {
+    spans: Vec<u64>,
+    roots: Vec<RootWait>,
+}
+
+impl Passed {
+    /// A root passed unsettled, kept by the first segment to pass it (one count per collective).
+    pub fn root(&mut self, wait: RootWait) {
+        if !wait.settled() && wait.pass() {
+            self.roots.push(wait);
+        }
+    }
+
+    /// How many are still in flight, forgetting those acknowledged (up to `acked`) or settled.
+    pub fn at_risk(&mut self, acked: u64) -> AtRisk {
+        self.spans.retain(|&emit_no| emit_no > acked);
+        self.roots.retain(|w| !w.settled());
+        AtRisk {
+            spans: self.spans.len() as u64,
+            roots: self.roots.len() as u64,
+        }
     }
 }
 

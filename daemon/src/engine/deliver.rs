@@ -1,8 +1,10 @@
 //! Delivery: the instances the segments' assemblers completed go to the statistics, the spool
-//! (queued for its writer thread), the hub and the export queue, and each segment's commit point
-//! learns what it must wait for (spool batches, unacknowledged spans, unsettled roots).
+//! (queued for its writer thread), the hub and the export queue; what each segment's commit point
+//! must wait for (spool batches, unacknowledged spans, unsettled roots) is returned to the router.
+//! It sees of a segment only what the router shows it ([`Source`]).
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 
 use ncclscope_proto::api::LiveSpans;
 use opentelemetry_proto::tonic::metrics::v1::Metric;
@@ -13,16 +15,15 @@ use crate::config::Config;
 use crate::export::export_queue::{ExportCounters, SpanItem};
 use crate::export::prometheus;
 use crate::export::resend::Dropped;
-use crate::instance::{InstanceRef, Shared};
+use crate::instance::{InstanceRef, Names, Shared};
 use crate::loss::{Loss, Losses};
 use crate::stats::{RootWait, Stats};
 use crate::storage::hub::{Hub, SpoolRun};
 use crate::storage::spool::{Origin, Position};
 use crate::storage::spool_writer::SpoolWriter;
-use crate::storage::state_writer::StateWriter;
 
-use super::commit::{OpDone, Parked};
-use super::segment::Attached;
+use super::commit::Delivered;
+use super::segment::SegmentKey;
 
 /// Minimum samples in a series before "slower than slow_factor x p50" keeps an instance.
 const SLOW_MIN_SAMPLES: u64 = 100;
@@ -42,12 +43,9 @@ pub struct Outputs {
     pub host_name: String,
 }
 
-/// What a delivery writes to besides the segments.
+/// What a delivery writes to.
 pub(super) struct Sinks<'a> {
-    pub cfg: &'a Config,
-    pub stats: &'a mut Stats,
     pub spool: Option<&'a mut SpoolWriter>,
-    pub states: &'a mut StateWriter,
     pub hub: &'a Hub,
     pub out: &'a Outputs,
     pub lost: &'a mut Losses,
@@ -80,39 +78,47 @@ impl Delivery {
         self.completed.len() >= DELIVER_AT
     }
 
-    /// Statistics, then the spool (queued for the writer thread, which publishes to the hub once
-    /// the instances are durable; without a spool, published here), then the export queue. An
-    /// operation enters `delivered` (the saved state's "recorded") only once its batch is durable
-    /// (see `CommitPoint::spool_durable`); until then it holds its segment's tail.
-    pub fn deliver(&mut self, segments: &mut [Attached], to: Sinks<'_>, now: u64) {
-        if self.completed.is_empty() {
-            return;
-        }
-        let Sinks {
-            cfg,
-            stats,
-            mut spool,
-            states,
-            hub,
-            out,
-            lost,
-        } = to;
-        let mut completed = std::mem::take(&mut self.completed);
-        let mut runs = std::mem::take(&mut self.completed_runs);
-        // Each instance's root settlement to wait on, in the order of `runs` (taken in the next pass).
-        let mut waits = std::mem::take(&mut self.root_waits);
-        // Statistics first, for the live-export decision ("slow" is judged against the series before
-        // the instance joins it), which the spool keeps so that a file export writes the same spans.
-        // Nothing outside the engine reads the statistics before this pass ends (snapshots come after
-        // it), so what they count is still queued for the spool first.
-        for (i, range) in &runs {
-            let names = segments[*i].asm.names();
-            for c in &mut completed[range.clone()] {
+    /// Segments (indices) with instances to deliver that this daemon did not record before (not
+    /// read again after a restart): what the spool will take of them.
+    pub fn fresh_segments(&self) -> Vec<usize> {
+        let mut fresh: Vec<usize> = (self.completed_runs.iter())
+            .filter(|(_, range)| {
+                (self.completed[range.clone()].iter()).any(|c| c.prior & done::RECORDED == 0)
+            })
+            .map(|(i, _)| *i)
+            .collect();
+        fresh.dedup();
+        fresh
+    }
+
+    /// Segments (indices) with instances to deliver, each once.
+    pub fn segments(&self) -> Vec<usize> {
+        let mut segs: Vec<usize> = self.completed_runs.iter().map(|(i, _)| *i).collect();
+        segs.sort_unstable();
+        segs.dedup();
+        segs
+    }
+
+    /// The statistics' pass, before anything is sent: the live-export decision ("slow" is judged
+    /// against the series before the instance joins it), which the spool keeps so that a file
+    /// export writes the same spans, the root each instance carries and the settlement it waits on.
+    /// Nothing outside the engine reads the statistics before the delivery ends (snapshots come
+    /// after it), so what they count is still queued for the spool first. `names`: a segment's.
+    pub fn observe<'n>(
+        &mut self,
+        names: impl Fn(usize) -> &'n Arc<Names>,
+        cfg: &Config,
+        stats: &mut Stats,
+        now: u64,
+    ) {
+        let otlp = &cfg.otlp;
+        for (i, range) in &self.completed_runs {
+            let names = names(*i);
+            for c in &mut self.completed[range.clone()] {
                 let inst = InstanceRef {
                     inst: &c.coll,
                     names,
                 };
-                let otlp = &cfg.otlp;
                 let observed = if c.prior & done::RECORDED != 0 {
                     // Re-read after a restart: counted by the daemon that recorded it (the
                     // slow-outlier verdict is gone with its statistics); it meets its collective's
@@ -141,41 +147,47 @@ impl Delivery {
                 c.coll.live_spans = observed.live_spans;
                 c.coll.trace_root = observed.trace_root;
                 c.coll.local_lateness_ns = observed.local_lateness_ns;
-                waits.push(observed.root_wait);
+                self.root_waits.push(observed.root_wait);
             }
         }
+    }
+
+    /// After [`Self::observe`] (and the spool's write-ahead states): the spool (queued for the
+    /// writer thread, which publishes to the hub once the instances are durable; without a spool,
+    /// published here), then the export queue. `sources`: by segment index, those with instances
+    /// to deliver. What each segment's commit point must wait for is returned (the router hands it
+    /// over): an operation enters its `delivered` (the saved state's "recorded") only once its
+    /// batch is durable (see `CommitPoint::spool_durable`); until then it holds its segment's tail.
+    pub fn send(
+        &mut self,
+        sources: &[Option<Source<'_>>],
+        to: Sinks<'_>,
+    ) -> (Vec<Delivered>, Result<u64, ()>) {
+        let Sinks {
+            mut spool,
+            hub,
+            out,
+            lost,
+        } = to;
+        let mut completed = std::mem::take(&mut self.completed);
+        let mut runs = std::mem::take(&mut self.completed_runs);
+        let mut waits = std::mem::take(&mut self.root_waits);
         let mut waits_in_order = waits.drain(..);
+        let mut decided: Vec<Option<Delivered>> = Vec::new();
+        decided.resize_with(sources.len(), || None);
         // The last state the spool writer must write this batch after (see `CommitPoint::on_disk`).
         let mut after = 0;
-        if let Some(spool) = &spool {
-            // Write-ahead: the saved state's spool mark must precede what the segment queues now.
-            for (i, range) in &runs {
-                let seg = &mut segments[*i];
-                let end = spool.end(&seg.job);
-                if seg.commit.mark_stale(Some(end))
-                    && completed[range.clone()]
-                        .iter()
-                        .any(|c| c.prior & done::RECORDED == 0)
-                {
-                    // The parked operations as last saved (for this tail): some may have
-                    // completed in this very batch, and are recorded (or not) only by what follows.
-                    let parked = Parked::AsSaved;
-                    let mark = seg.commit.spool_mark(|| spool.end(&seg.job));
-                    let (cp, r) = seg.split();
-                    let tail = cp.tail;
-                    if let Err(e) = cp.save_state(&r, states, tail, Some(mark), parked) {
-                        tracing::error!(segment = %r.label, error = %e, "cannot save resume state before spooling; a crash now could record these instances twice");
-                        lost.add(Loss::StateWriteFailed, 1);
-                    }
-                }
-            }
-        }
         let mut batch = Vec::new();
-        // Per segment index: (the spool's end before this batch, its operations in the batch).
-        let mut spooled: Vec<(usize, Position, Vec<OpDone>)> = Vec::new();
         for (i, range) in runs.drain(..) {
-            let seg = &mut segments[i];
-            let names = seg.asm.names();
+            let src = sources[i]
+                .as_ref()
+                .expect("a source for every segment delivered");
+            let d = decided[i].get_or_insert_with(|| Delivered {
+                seg: i,
+                next_emit: src.next_emit,
+                ..Delivered::default()
+            });
+            let names = src.names;
             let mut ops = Vec::new();
             let mut items = match &spool {
                 Some(spool) => spool.buffer(),
@@ -209,7 +221,7 @@ impl Delivery {
                         // is what counts the root as possibly lost (`stats::root_at_risk`), and
                         // a kill before that reads it again.
                         Some(_) if c.coll.replay > 0 && fresh => {}
-                        Some(_) => seg.commit.hold_root(c.first_pos, w),
+                        Some(_) => d.roots.push((c.first_pos, w)),
                         None => w.settle(),
                     }
                 }
@@ -217,7 +229,7 @@ impl Delivery {
                 if flags & done::EXPORTED == 0 || c.coll.trace_root.is_some() {
                     match &out.spans {
                         Some(tx) => {
-                            let emit_no = seg.commit.next_emit;
+                            let emit_no = d.next_emit;
                             let inst = match to_spool {
                                 true => c.coll.clone(),
                                 false => std::mem::take(&mut c.coll),
@@ -228,11 +240,14 @@ impl Delivery {
                             };
                             match tx.try_send(SpanItem {
                                 coll,
-                                acked: Some(seg.commit.acked.clone()),
+                                acked: Some(src.acked.clone()),
                                 emit_no,
                                 settles: carried,
                             }) {
-                                Ok(()) => seg.commit.emitted(emit_no, c.first_pos, c.op_id),
+                                Ok(()) => {
+                                    d.next_emit += 1;
+                                    d.emitted.push((emit_no, c.first_pos, c.op_id));
+                                }
                                 Err(e) => {
                                     lost.add(Loss::ExportQueueFull, 1);
                                     flags |= done::EXPORTED;
@@ -253,26 +268,29 @@ impl Delivery {
                     }
                 }
                 if to_spool {
+                    let k = src.key;
                     let origin = Origin {
-                        uid: seg.key.uid,
-                        pid: seg.key.pid,
-                        inode: seg.key.inode,
+                        uid: k.uid,
+                        pid: k.pid,
+                        inode: k.inode,
                         op_id: c.op_id,
                         first_pos: c.first_pos,
                     };
                     items.push((origin, std::mem::take(&mut c.coll)));
                     ops.push((c.op_id, c.first_pos, flags));
                 } else {
-                    seg.commit.recorded(c.op_id, c.first_pos, flags);
+                    d.recorded.push((c.op_id, c.first_pos, flags));
                 }
             }
-            if let Some(spool) = &spool
-                && !ops.is_empty()
-            {
-                if let Some(no) = seg.commit.state_not_on_disk() {
+            if !ops.is_empty() {
+                if let Some(no) = src.state_not_on_disk {
                     after = after.max(no);
                 }
-                spooled.push((i, seg.commit.spool_mark(|| spool.end(&seg.job)), ops));
+                let mark = src.spool_mark.expect("a spool mark with a spool");
+                d.spooled
+                    .get_or_insert_with(|| (mark, Vec::new()))
+                    .1
+                    .extend(ops);
                 let names = names.clone();
                 batch.push(SpoolRun { names, items });
             }
@@ -282,18 +300,16 @@ impl Delivery {
         self.completed = completed;
         self.completed_runs = runs;
         self.root_waits = waits;
+        let decided: Vec<Delivered> = decided.into_iter().flatten().collect();
         let Some(spool) = &mut spool else {
-            return;
+            return (decided, Err(()));
         };
         if batch.is_empty() {
-            return;
+            return (decided, Err(()));
         }
         let queued = spool.queue(batch, after);
-        for (i, mark, ops) in spooled {
-            // Refused: recorded without the spool (counted), as when an append fails.
-            let no = queued.as_ref().map(|&no| no).map_err(|_| ());
-            segments[i].commit.spooled(no, mark, ops);
-        }
+        // Refused: recorded without the spool (counted), as when an append fails.
+        let no = queued.as_ref().map(|&no| no).map_err(|_| ());
         if let Err(batch) = queued {
             let n: usize = batch.iter().map(|r| r.items.len()).sum();
             tracing::warn!(n, "spool writer behind; instances not spooled");
@@ -304,7 +320,21 @@ impl Delivery {
                 }
             }
         }
+        (decided, no)
     }
+}
+
+/// What delivery reads of one segment: the router shows it, so delivery never holds the segment.
+pub(super) struct Source<'a> {
+    pub key: SegmentKey,
+    pub names: &'a Arc<Names>,
+    /// Its commit point's next emit number, and what the exporter acknowledged of its spans.
+    pub next_emit: u64,
+    pub acked: &'a Arc<AtomicU64>,
+    /// With a spool: the spool position its instances queued now follow, and the number of the
+    /// state they must be written after while none of the segment's is durable.
+    pub spool_mark: Option<Position>,
+    pub state_not_on_disk: Option<u64>,
 }
 
 /// Sends the root spans of collectives whose skew window closed before every local rank came

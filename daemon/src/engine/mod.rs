@@ -52,7 +52,7 @@ use crate::storage::spool_writer::{BACKLOG_PAUSE, SpoolWriter};
 use crate::storage::state_writer::{self, StateWriter};
 
 use commit::{CommitPoint, READ_CHUNK, ring_pressed};
-use deliver::{Delivery, Sinks};
+use deliver::{Delivery, Sinks, Source};
 use report::{Report, Sources};
 use segment::Attached;
 use segments::Segments;
@@ -205,7 +205,7 @@ impl Engine {
             spool.flush(deadline.saturating_duration_since(Instant::now()));
         }
         // Wait for the exporter's acknowledgements, so a clean restart re-sends nothing.
-        while (self.segments.list.iter()).any(|s| !s.commit.unacked.is_empty())
+        while (self.segments.list.iter_mut()).any(|s| s.commit.exports_in_flight())
             && Instant::now() < deadline
         {
             std::thread::sleep(min);
@@ -424,18 +424,48 @@ impl Engine {
         (self.spool.as_ref()).is_some_and(|s| s.backlog() >= BACKLOG_PAUSE)
     }
 
-    /// Delivers what the segments completed (see [`Delivery::deliver`]).
+    /// Delivers what the segments completed: the statistics' pass, the spool's write-ahead states,
+    /// then the spool and the export ([`Delivery::send`]), whose decisions each segment's commit
+    /// point takes.
     fn deliver(&mut self, now: u64) {
+        if self.delivery.completed.is_empty() {
+            return;
+        }
+        let list = &mut self.segments.list;
+        self.delivery
+            .observe(|i| list[i].asm.names(), &self.cfg, &mut self.stats, now);
+        if let Some(spool) = &self.spool {
+            for i in self.delivery.fresh_segments() {
+                let end = spool.end(&list[i].job);
+                let (cp, r) = list[i].split();
+                cp.write_ahead(r, &mut self.states, end, &mut self.daemon_lost);
+            }
+        }
+        let mut sources: Vec<Option<Source>> = Vec::new();
+        sources.resize_with(list.len(), || None);
+        for i in self.delivery.segments() {
+            let seg = &list[i];
+            let spool = self.spool.as_ref();
+            sources[i] = Some(Source {
+                key: seg.key,
+                names: seg.asm.names(),
+                next_emit: seg.commit.next_emit,
+                acked: &seg.commit.acked,
+                spool_mark: spool.map(|s| seg.commit.spool_mark(|| s.end(&seg.job))),
+                state_not_on_disk: seg.commit.state_not_on_disk(),
+            });
+        }
         let to = Sinks {
-            cfg: &self.cfg,
-            stats: &mut self.stats,
             spool: self.spool.as_mut(),
-            states: &mut self.states,
             hub: &self.hub,
             out: &self.out,
             lost: &mut self.daemon_lost,
         };
-        self.delivery.deliver(&mut self.segments.list, to, now);
+        let (decided, batch) = self.delivery.send(&sources, to);
+        drop(sources);
+        for d in decided {
+            list[d.seg].commit.take(d, batch);
+        }
     }
 
     /// Takes note of the batches the spool writer made durable, and counts the instances it could

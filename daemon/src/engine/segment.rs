@@ -89,6 +89,25 @@ impl Attached {
         (&mut self.commit, r)
     }
 
+    /// Whether its process exited and everything it held was delivered, acknowledged and durable
+    /// in the spool (its roots aside).
+    pub fn drained(&self) -> bool {
+        self.exited
+            && self.consumer.pending() == 0
+            && self.asm.pending() == 0
+            && self.commit.settled()
+    }
+
+    /// Whether operations of it wait on their collectives' roots.
+    pub fn roots_unsettled(&self) -> bool {
+        !self.commit.roots.is_empty()
+    }
+
+    /// The number of the last state queued for it and not yet durable.
+    pub fn last_state_queued(&self) -> Option<u64> {
+        self.commit.last_saving()
+    }
+
     pub fn observe_plugin_counters(&mut self) {
         for c in Counter::ALL {
             let v = &mut self.plugin_lost[c as usize];

@@ -263,17 +263,16 @@ impl Segments {
     pub fn take_drained(&mut self, i: &mut usize, grace: Duration) -> Option<Attached> {
         while *i < self.list.len() {
             let s = &mut self.list[*i];
-            let delivered =
-                s.exited && s.consumer.pending() == 0 && s.asm.pending() == 0 && s.commit.settled();
+            let delivered = s.drained();
             if !delivered {
                 s.roots_only_since = None;
             }
-            let roots = &s.commit.roots;
-            let since = match delivered && !roots.is_empty() {
+            let roots = s.roots_unsettled();
+            let since = match delivered && roots {
                 true => *s.roots_only_since.get_or_insert_with(Instant::now),
                 false => Instant::now(),
             };
-            if delivered && (roots.is_empty() || since.elapsed() >= grace) {
+            if delivered && (!roots || since.elapsed() >= grace) {
                 return Some(self.list.remove(*i));
             }
             *i += 1;
@@ -285,7 +284,7 @@ impl Segments {
     /// for it are written, so none comes back after) and its descriptors in systemd's store. The
     /// mapping and the memory file go with the [`Attached`] value.
     pub fn forget(&self, seg: &Attached, states: &StateWriter, state_dir: &Path) {
-        if let Some(no) = seg.commit.last_saving()
+        if let Some(no) = seg.last_state_queued()
             && !states.wait(no, FORGET_WAIT)
         {
             tracing::warn!(segment = %seg.label, "resume state still being written; it may outlive its segment until the next restart");

@@ -254,6 +254,18 @@ pub struct SegmentState {
     /// Read position `parked` is as of: records before it are in them already.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub parked_upto: u64,
+    /// What the tail passed unacknowledged (a forced commit) and was still in flight when this was
+    /// written: a daemon killed now cannot send it again, so its successor counts it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub at_risk: AtRisk,
+}
+
+/// Spans and root spans whose records a segment's tail passed before the receiver acknowledged
+/// them (counted once per root, by the first segment whose tail passed it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AtRisk {
+    pub spans: u64,
+    pub roots: u64,
 }
 
 fn is_zero<T: Default + PartialEq>(v: &T) -> bool {
@@ -437,9 +449,27 @@ mod tests {
             }),
             parked: vec![],
             parked_upto: 0,
+            at_risk: AtRisk::default(),
         };
         assert_eq!(serde_json::to_string(&state).unwrap(), GOLDEN);
         assert_eq!(serde_json::from_str::<SegmentState>(GOLDEN).unwrap(), state);
+    }
+
+    /// What was in flight behind the tail: added after the fields above, only when there is some.
+    #[test]
+    fn what_was_at_risk_keeps_its_format() {
+        const AT_RISK: &str = r#"{"segment":"s.1.2.3","tail":50,"dictionary":{"strings":[],"func_names":[],"calibrations":[],"comms":[],"templates":[],"p2p_seqs":[]},"delivered":[],"spool_mark":null,"at_risk":{"spans":3,"roots":2}}"#;
+        let state = SegmentState {
+            segment: "s.1.2.3".into(),
+            tail: 50,
+            at_risk: AtRisk { spans: 3, roots: 2 },
+            ..Default::default()
+        };
+        assert_eq!(serde_json::to_string(&state).unwrap(), AT_RISK);
+        assert_eq!(
+            serde_json::from_str::<SegmentState>(AT_RISK).unwrap(),
+            state
+        );
     }
 
     /// A communicator's GPU: added after the fields above, only where there is one (a state without

@@ -737,6 +737,92 @@ fn the_tail_waits_on_the_unacknowledged_operation_whose_records_come_first() {
     assert_eq!(p.segment().tail(), first, "neither span acknowledged");
 }
 
+/// Issue 37: a span or root whose records a forced commit passed before the receiver
+/// acknowledged it cannot be sent again by a killed daemon's successor: each saved state says how
+/// many are in flight and the successor counts them (`span_not_resent`, `root_not_resent`), once:
+/// its own first state no longer carries them.
+#[test]
+fn spans_a_forced_commit_passed_unacknowledged_are_counted_by_the_successor() {
+    let dir = tempfile::tempdir().unwrap();
+    let exporting_engine = || {
+        let cfg = Config {
+            state_dir: dir.path().to_path_buf(),
+            ..Config::default()
+        };
+        let (spans, queued) = mpsc::channel(1024);
+        let out = Outputs {
+            spans: Some(spans),
+            metrics: None,
+            export_counters: Arc::default(),
+            dropped: None,
+            prometheus: watch::channel(Arc::default()).0,
+            host_name: "h".into(),
+        };
+        let e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out).unwrap();
+        (e, queued)
+    };
+    let mut p = producer(64);
+    let name = key_of(&p).to_string();
+    write_dictionary(&mut p);
+    let (mut e1, mut queued) = exporting_engine();
+    let _conn = hand_over(&mut e1, &p);
+    // 20 rounds of 8 collectives through a 64-record ring; the collector acknowledges nothing.
+    for round in 0..20 {
+        write_colls(&mut p, round * 8..round * 8 + 8);
+        e1.tick();
+        e1.commit_all(true);
+    }
+    assert_eq!(p.segment().counter(Counter::RingFull), 0);
+    assert!(e1.health().forced_commits > 0);
+    let emitted = std::iter::from_fn(|| queued.try_recv().ok()).count() as u64;
+    assert_eq!(emitted, 160, "every collective's span, carrying its root");
+    // What the tail did not pass waits on its acknowledgement (2 records a collective).
+    let st = resume::load(dir.path(), &name).unwrap().unwrap();
+    let held = (p.segment().head() - st.tail) / 2;
+    let passed = emitted - held;
+    assert!(passed > 100, "{passed} passed");
+    // A lone local rank's root is its own span (counted as one); roots shared by several local
+    // ranks: `a_root_passed_by_several_ranks_tails_is_at_risk_once_until_it_settles`.
+    assert_eq!(
+        st.at_risk,
+        resume::AtRisk {
+            spans: passed,
+            roots: 0
+        }
+    );
+    drop(e1); // killed: nothing more is saved
+
+    let (mut e2, _queued) = exporting_engine();
+    let _conn = hand_over(&mut e2, &p);
+    let lost = e2.health().lost;
+    assert_eq!(lost["span_not_resent"], passed, "{lost:?}");
+    e2.tick();
+    e2.commit_all(true);
+    drop(e2);
+    let (mut e3, _queued) = exporting_engine();
+    let _conn = hand_over(&mut e3, &p);
+    let lost = e3.health().lost;
+    assert_eq!(lost["span_not_resent"], 0, "counted once: {lost:?}");
+    assert_eq!(lost["root_not_resent"], 0, "counted once: {lost:?}");
+}
+
+/// The root of a collective whose local ranks' tails a forced commit passed is at risk once (one
+/// collective, one root), until it settles; a settled one is not.
+#[test]
+fn a_root_passed_by_several_ranks_tails_is_at_risk_once_until_it_settles() {
+    let (mut rank0, mut rank1) = (Passed::default(), Passed::default());
+    let (root, settled) = (RootWait::default(), RootWait::default());
+    settled.settle();
+    for p in [&mut rank0, &mut rank1] {
+        p.root(root.clone());
+        p.root(settled.clone());
+    }
+    let risk = |p: &mut Passed| p.at_risk(0).roots;
+    assert_eq!(risk(&mut rank0) + risk(&mut rank1), 1);
+    root.settle();
+    assert_eq!(risk(&mut rank0) + risk(&mut rank1), 0);
+}
+
 #[test]
 fn a_dictionary_that_keeps_changing_is_saved_at_a_bounded_rate_and_restart_safe() {
     let dir = tempfile::tempdir().unwrap();

@@ -5,10 +5,11 @@ mod commit;
 mod deliver;
 mod segments;
 
-use super::commit::{COMMIT_EVERY, Parked};
+use super::commit::{COMMIT_EVERY, Parked, Passed};
 use super::*;
 use crate::export::resend::Dropped;
 use crate::export::{metrics, prometheus};
+use crate::stats::RootWait;
 use crate::storage::hub::SpoolRun;
 use crate::storage::resume::{self, SegmentState};
 use crate::storage::spool::JobKey;
