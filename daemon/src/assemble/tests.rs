@@ -1653,4 +1653,73 @@ fn p2p_work_items_join_their_round_and_leave_the_collectives_beside_them() {
     // A daemon restarted anywhere delivers the same (the width the eager round told is saved: a
     // capture read again after the restart is placed by it).
     restart_anywhere(&recs, from);
+
+    // The capture read before the eager round's items (the plugin forwards host events while it
+    // waits for its clock, so a rank's capture can come before its eager device records): placed
+    // in the template once the eager items tell the width, in capture order; the eager items on
+    // the channels the template uses still join their eager send and receive.
+    let (items, capture) = (from + 8..from + 13, from + 13..from + 17);
+    assert!(matches!(
+        recs[capture.start],
+        Record::CollStart { captured: true, .. }
+    ));
+    // As on a GPU: the capture 50 us after the eager items (host 1,000,100-1,000,345), the
+    // replays after it.
+    let later = |r: &Record| match *r {
+        Record::CollStart { .. } | Record::P2pStart { .. } => {
+            let mut r = r.clone();
+            if let Record::CollStart { host_ns, .. } | Record::P2pStart { host_ns, .. } = &mut r {
+                *host_ns = 1_051_000;
+            }
+            r
+        }
+        Record::DevWork { .. } => {
+            let mut r = r.clone();
+            if let Record::DevWork {
+                gpu_start,
+                gpu_stop,
+                ..
+            } = &mut r
+            {
+                (*gpu_start, *gpu_stop) = (*gpu_start + 100_000, *gpu_stop + 100_000);
+            }
+            r
+        }
+        _ => r.clone(),
+    };
+    let early: Vec<Record> = (recs[..from + 8].iter().cloned())
+        .chain(recs[capture.clone()].iter().map(later))
+        .chain(recs[items].iter().cloned())
+        .chain(recs[capture.end..].iter().map(later))
+        .collect();
+    let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 100);
+    let out = feed(&mut a, &early);
+    let got_early: Vec<_> = (out.iter())
+        .map(|c| {
+            let name = a.names().get(c.coll.desc.func).to_string();
+            (
+                name,
+                c.coll.replay,
+                c.coll.timing_source.as_str(),
+                c.coll.exec_ns,
+            )
+        })
+        .collect();
+    let mut sorted_want = want.clone();
+    sorted_want.sort();
+    let mut sorted_got = got_early;
+    sorted_got.sort();
+    assert_eq!(sorted_got, sorted_want);
+    let c = &a.counters;
+    assert_eq!(
+        (
+            c.dev_p2p,
+            c.p2p_captured_untimed,
+            c.dev_unattributed,
+            c.incomplete
+        ),
+        (0, 0, 0, 0)
+    );
+    assert_eq!(a.pending(), 0);
+    restart_anywhere(&early, from);
 }
