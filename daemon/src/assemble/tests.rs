@@ -1665,31 +1665,24 @@ fn p2p_work_items_join_their_round_and_leave_the_collectives_beside_them() {
     ));
     // As on a GPU: the capture 50 us after the eager items (host 1,000,100-1,000,345), the
     // replays after it.
-    let later = |r: &Record| match *r {
-        Record::CollStart { .. } | Record::P2pStart { .. } => {
-            let mut r = r.clone();
-            if let Record::CollStart { host_ns, .. } | Record::P2pStart { host_ns, .. } = &mut r {
+    let later = |r: &Record| {
+        let mut r = *r;
+        match &mut r {
+            Record::CollStart { host_ns, .. } | Record::P2pStart { host_ns, .. } => {
                 *host_ns = 1_051_000;
             }
-            r
-        }
-        Record::DevWork { .. } => {
-            let mut r = r.clone();
-            if let Record::DevWork {
+            Record::DevWork {
                 gpu_start,
                 gpu_stop,
                 ..
-            } = &mut r
-            {
-                (*gpu_start, *gpu_stop) = (*gpu_start + 100_000, *gpu_stop + 100_000);
-            }
-            r
+            } => (*gpu_start, *gpu_stop) = (*gpu_start + 100_000, *gpu_stop + 100_000),
+            _ => {}
         }
-        _ => r.clone(),
+        r
     };
-    let early: Vec<Record> = (recs[..from + 8].iter().cloned())
+    let early: Vec<Record> = (recs[..from + 8].iter().copied())
         .chain(recs[capture.clone()].iter().map(later))
-        .chain(recs[items].iter().cloned())
+        .chain(recs[items].iter().copied())
         .chain(recs[capture.end..].iter().map(later))
         .collect();
     let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 100);
