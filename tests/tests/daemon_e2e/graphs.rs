@@ -46,14 +46,7 @@ async fn segments_of_real_nccl_kernels_become_one_instance_per_collective_and_re
     const INSTANCES: usize = 2 * (28 + 50 * 6) + 2 * (4 + 100 * 50);
     let (h, mut collector) = Scenario::new().start_with_collector().await;
     hand_over_recorded_segments(&h, "rfc-nccl-2.30.7-2ranks-one-process.tar.xz");
-    let mut spans = Vec::new();
-    collect_rank_spans(
-        &mut collector,
-        &mut spans,
-        Duration::from_secs(120),
-        INSTANCES,
-    )
-    .await;
+    let spans = collect_rank_spans(&mut collector, INSTANCES, Duration::from_secs(120)).await;
     drained_with_nothing_lost(
         &h,
         INSTANCES,

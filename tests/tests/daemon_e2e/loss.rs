@@ -254,14 +254,7 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
         .collect();
     let ops_per_rank = (NCOLLS + P2PS) as usize;
     let expected = reports.len() * ops_per_rank;
-    let mut spans = Vec::new();
-    collect_rank_spans(
-        &mut collector,
-        &mut spans,
-        Duration::from_secs(60),
-        expected,
-    )
-    .await;
+    let mut spans = collect_rank_spans(&mut collector, expected, Duration::from_secs(60)).await;
     let rank_spans: Vec<&ExportedSpan> = spans.iter().filter(|s| is_rank_span(s)).collect();
     assert_eq!(
         rank_spans.len(),

@@ -132,7 +132,9 @@ async fn every_root_span_arrives_across_repeated_sigkills() {
     // About 6 s of collectives (more on a loaded machine); the kills come within the first 4.
     h.start_ranks(NRANKS, NCOLLS, 1500);
     let started = |s: &[ExportedSpan]| !rank_spans(s).is_empty();
-    (received.until(Duration::from_secs(60), Duration::from_millis(20), started)).await;
+    received
+        .until(Duration::from_secs(60), Duration::from_millis(20), started)
+        .await;
     for _ in 0..KILLS {
         tokio::time::sleep(Duration::from_millis(400)).await;
         h.kill_daemon();
@@ -154,12 +156,13 @@ async fn every_root_span_arrives_across_repeated_sigkills() {
                     .all(|(roots, ranks)| roots.len() == 1 && ranks.len() == NRANKS as usize)
         }
     };
-    (received.until(
-        Duration::from_secs(180),
-        Duration::from_millis(500),
-        complete,
-    ))
-    .await;
+    received
+        .until(
+            Duration::from_secs(180),
+            Duration::from_millis(500),
+            complete,
+        )
+        .await;
     let spans = received.take();
     let traces = roots_and_ranks(&spans);
     let health: Vec<String> = (h.metrics().lines())
@@ -220,24 +223,15 @@ async fn a_daemon_killed_mid_replay_resumes_the_graph_template() {
         "40000",
     ];
     let children = graph_ranks(&h, NRANKS, Duration::ZERO, "graph-restart-job", &args);
-    let mut spans = Vec::new();
-    collect_rank_spans(&mut collector, &mut spans, Duration::from_secs(60), 150).await;
+    let mut spans = collect_rank_spans(&mut collector, 150, Duration::from_secs(60)).await;
     h.kill_daemon();
     std::thread::sleep(Duration::from_millis(200));
     h.start_daemon();
     let produced = produced(children);
-    let key = |s: &ExportedSpan| -> (u32, String, u64, u32) {
-        (
-            attr(s, "process.pid").parse().unwrap(),
-            attr(s, "nccl.collective").to_string(),
-            attr(s, "nccl.seq").parse().unwrap(),
-            attr(s, "nccl.replay").parse().unwrap(),
-        )
-    };
     collect(&mut collector, &mut spans, Duration::from_secs(20), |s| {
         s.iter()
             .filter(|s| is_rank_span(s))
-            .map(key)
+            .map(instance_of)
             .collect::<BTreeSet<_>>()
             .len()
             >= produced.len()
@@ -253,7 +247,7 @@ async fn a_daemon_killed_mid_replay_resumes_the_graph_template() {
     );
     let mut by_key: BTreeMap<(u32, String, u64, u32), &ExportedSpan> = BTreeMap::new();
     for s in spans.iter().filter(|s| is_rank_span(s)) {
-        if let Some(prev) = by_key.insert(key(s), s) {
+        if let Some(prev) = by_key.insert(instance_of(s), s) {
             assert_eq!(
                 (
                     &prev.span_id,
@@ -319,7 +313,9 @@ async fn a_replayed_collectives_root_arrives_or_is_counted_across_repeated_sigki
     let replayed = |spans: &[ExportedSpan]| {
         (spans.iter()).any(|s| is_rank_span(s) && attr(s, "nccl.replay") != "0")
     };
-    (received.until(Duration::from_secs(60), Duration::from_millis(20), replayed)).await;
+    received
+        .until(Duration::from_secs(60), Duration::from_millis(20), replayed)
+        .await;
     // What each daemon counted, read just before it is killed (a restart starts the count anew).
     let mut not_resent = 0.0;
     for _ in 0..KILLS {
@@ -346,12 +342,13 @@ async fn a_replayed_collectives_root_arrives_or_is_counted_across_repeated_sigki
             && (of.values())
                 .all(|t| t.iter().map(|(_, r)| r.len()).sum::<usize>() >= NRANKS as usize)
     };
-    (received.until(
-        Duration::from_secs(120),
-        Duration::from_millis(500),
-        rank_spans_in,
-    ))
-    .await;
+    received
+        .until(
+            Duration::from_secs(120),
+            Duration::from_millis(500),
+            rank_spans_in,
+        )
+        .await;
     let rootless = |spans: &[ExportedSpan]| {
         (by_collective(spans).into_iter())
             .filter(|(_, t)| t.iter().all(|(roots, _)| roots.is_empty()))
@@ -360,12 +357,13 @@ async fn a_replayed_collectives_root_arrives_or_is_counted_across_repeated_sigki
     };
     let counted = || not_resent + lost(&h.metrics(), NOT_RESENT).unwrap_or(0.0);
     let all_counted = |s: &[ExportedSpan]| rootless(s).len() as f64 <= counted();
-    (received.until(
-        Duration::from_secs(10),
-        Duration::from_millis(200),
-        all_counted,
-    ))
-    .await;
+    received
+        .until(
+            Duration::from_secs(10),
+            Duration::from_millis(200),
+            all_counted,
+        )
+        .await;
     let spans = received.take();
     let of = by_collective(&spans);
     let health: Vec<String> = (h.metrics().lines())

@@ -88,6 +88,16 @@ pub(crate) fn collective(rank: u32, seq: u64, channels: u64) -> (Record, Vec<Rec
     (coll.start(), kernels, coll.stop(host_ns))
 }
 
+/// What a synthetic rank writes at the end, as the plugin's finalize does: its communicator's end;
+/// then it closes its segment.
+pub(crate) fn finalize(p: &mut Producer) {
+    p.push(&Record::CommEnd {
+        comm: 0,
+        host_ns: ncclscope_proto::now_ns(),
+    });
+    p.segment().close();
+}
+
 /// The rank process, run by the tests below through `RANK_ENV` = "socket|rank|nranks|ncolls|pace_us".
 /// Like the plugin, it hands its segment over again whenever the daemon goes away.
 #[test]
@@ -127,11 +137,7 @@ pub(crate) fn daemon_rank_child() {
             std::thread::sleep(pace);
         }
     }
-    p.push(&Record::CommEnd {
-        comm: 0,
-        host_ns: ncclscope_proto::now_ns(),
-    });
-    p.segment().close();
+    finalize(&mut p);
     assert_eq!(
         p.segment().counter(Counter::RingFull),
         0,
@@ -241,11 +247,7 @@ pub(crate) fn lossy_rank_child() {
             std::thread::sleep(pause);
         }
     }
-    p.push(&Record::CommEnd {
-        comm: 0,
-        host_ns: ncclscope_proto::now_ns(),
-    });
-    p.segment().close();
+    finalize(&mut p);
     println!("ring_full {}", p.segment().counter(Counter::RingFull));
     println!("max_wait_ms {}", max_wait.as_millis());
 }
@@ -502,17 +504,28 @@ pub(crate) fn is_rank_span(s: &ExportedSpan) -> bool {
     s.name.ends_with(" rank")
 }
 
-/// Receives spans until `n` rank spans came or `timeout` passes.
+/// The spans received until `n` rank spans came or `timeout` passed.
 pub(crate) async fn collect_rank_spans(
     collector: &mut FakeCollectorServer,
-    into: &mut Vec<ExportedSpan>,
-    timeout: Duration,
     n: usize,
-) {
-    collect(collector, into, timeout, |s| {
+    timeout: Duration,
+) -> Vec<ExportedSpan> {
+    let mut spans = Vec::new();
+    collect(collector, &mut spans, timeout, |s| {
         s.iter().filter(|s| is_rank_span(s)).count() >= n
     })
     .await;
+    spans
+}
+
+/// Which instance a fake rank's span is of: (pid, collective, seq, replay).
+pub(crate) fn instance_of(s: &ExportedSpan) -> (u32, String, u64, u32) {
+    (
+        attr(s, "process.pid").parse().unwrap(),
+        attr(s, "nccl.collective").to_string(),
+        attr(s, "nccl.seq").parse().unwrap(),
+        attr(s, "nccl.replay").parse().unwrap(),
+    )
 }
 
 /// The synthetic ranks' spans (all of them all-reduces).
@@ -848,23 +861,10 @@ pub(crate) async fn graph_replays(label: &str, timing: &[&str]) {
     let expected = NRANKS as usize
         * (4 + warm_up + 2 * REPLAYS as usize + (GRAPH_OPS as usize) * REPLAYS as usize);
     assert_eq!(produced.len(), expected);
-    let mut spans = Vec::new();
-    collect_rank_spans(
-        &mut collector,
-        &mut spans,
-        Duration::from_secs(60),
-        expected,
-    )
-    .await;
+    let spans = collect_rank_spans(&mut collector, expected, Duration::from_secs(60)).await;
     let mut delivered: BTreeMap<(u32, String, u64, u32), Vec<&ExportedSpan>> = BTreeMap::new();
     for s in spans.iter().filter(|s| is_rank_span(s)) {
-        let key = (
-            attr(s, "process.pid").parse().unwrap(),
-            attr(s, "nccl.collective").to_string(),
-            attr(s, "nccl.seq").parse().unwrap(),
-            attr(s, "nccl.replay").parse().unwrap(),
-        );
-        delivered.entry(key).or_default().push(s);
+        delivered.entry(instance_of(s)).or_default().push(s);
     }
     if !delivered.keys().eq(produced.keys()) {
         let missing: Vec<_> = produced
@@ -983,8 +983,7 @@ pub(crate) async fn p2p_rounds_leave_the_collectives_beside_them_whole(
     // Per rank, 9 eager steps and 10 replays: a2a: 19 all-gathers, 19 all-reduces, 19 x (send,
     // recv) x 2 peers; pp: 19 all-reduces, 19 x 4 micro-batches x (send, recv).
     const INSTANCES: usize = 2 * (19 + 19 + 19 * 4) + 2 * (19 + 19 * 4 * 2);
-    let mut spans = Vec::new();
-    collect_rank_spans(collector, &mut spans, Duration::from_secs(60), INSTANCES).await;
+    let spans = collect_rank_spans(collector, INSTANCES, Duration::from_secs(60)).await;
     let text = drained_with_nothing_lost(
         h,
         INSTANCES,
