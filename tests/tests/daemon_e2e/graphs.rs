@@ -142,10 +142,11 @@ async fn fake_nccl_p2p_rounds_leave_the_collectives_beside_them_whole() {
             .ranks(2)
             .comm_hash(comm_hash)
             .args(&["--torch-p2p", mode, "--steps", "9", "--replays", "10"])
+            .without_reports()
             .spawn(&h);
         children.extend(ranks);
     }
-    children.into_iter().for_each(|c| _ = report(c));
+    children.into_iter().for_each(|c| _ = finished(c));
     p2p_rounds_leave_the_collectives_beside_them_whole(&h, &mut collector, "fake-").await;
 }
 

@@ -1290,6 +1290,7 @@ pub(crate) struct FakeRanks<'a> {
     args: Vec<String>,
     env: Vec<(&'a str, String)>,
     lag: Duration,
+    report: bool,
 }
 
 impl<'a> FakeRanks<'a> {
@@ -1303,6 +1304,7 @@ impl<'a> FakeRanks<'a> {
             args: Vec::new(),
             env: Vec::new(),
             lag: Duration::ZERO,
+            report: true,
         }
     }
 
@@ -1333,7 +1335,14 @@ impl<'a> FakeRanks<'a> {
         self
     }
 
-    /// The rank processes, started, their output piped (see [`report`]).
+    /// Their reports discarded (a large one, unread, would hold its rank at exit).
+    pub(crate) fn without_reports(mut self) -> Self {
+        self.report = false;
+        self
+    }
+
+    /// The rank processes, started, their stderr piped and their reports too unless discarded (see
+    /// [`report`], [`finished`]).
     pub(crate) fn spawn(&self, h: &Harness) -> Vec<Child> {
         let rank_bin = ncclscope_fakenccl::process::rank_binary().unwrap();
         (0..self.nranks)
@@ -1353,7 +1362,11 @@ impl<'a> FakeRanks<'a> {
                     .env("NCCLSCOPE_JOB_ID", self.job)
                     .env("NCCLSCOPE_RING_MEMORY", "cpu")
                     .envs(self.env.iter().map(|(k, v)| (k, v)))
-                    .stdout(Stdio::piped())
+                    .stdout(if self.report {
+                        Stdio::piped()
+                    } else {
+                        Stdio::null()
+                    })
                     .stderr(Stdio::piped())
                     .spawn()
                     .unwrap()
@@ -1362,13 +1375,19 @@ impl<'a> FakeRanks<'a> {
     }
 }
 
-/// What a fake rank ran, once it exited successfully (its stderr is the failure message).
-pub(crate) fn report(child: Child) -> ncclscope_fakenccl::report::Report {
+/// A fake rank's output, once it exited, which it must do successfully (its stderr is the failure
+/// message).
+pub(crate) fn finished(child: Child) -> std::process::Output {
     let out = child.wait_with_output().unwrap();
     assert!(
         out.status.success(),
         "fakenccl-rank failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).unwrap()
+    out
+}
+
+/// What a fake rank ran, once it exited successfully.
+pub(crate) fn report(child: Child) -> ncclscope_fakenccl::report::Report {
+    serde_json::from_slice(&finished(child).stdout).unwrap()
 }
