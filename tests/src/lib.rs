@@ -49,6 +49,40 @@ pub fn daemon_args<'a>(c: &'a mut Command, dir: &Path) -> &'a mut Command {
         .args(["--state-dir".as_ref(), dir.join("state").as_os_str()])
 }
 
+/// A TCP port on `ip` that nothing listens on (now); `ip` any loopback address, all of 127.0.0.0/8
+/// being the local host.
+pub fn free_port(ip: &str) -> u16 {
+    let l = std::net::TcpListener::bind((ip, 0)).unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// The body of `GET /metrics` from the Prometheus endpoint at `addr` (`host:port`): "" while nothing
+/// answers there (a daemon starting or gone).
+pub fn scrape_metrics(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return String::new();
+    };
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    text.split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, body)| body.to_string())
+}
+
+/// Value of the sample `name{labels}` (labels as written, "" for none) in Prometheus text.
+pub fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(name_and_labels)?
+            .strip_prefix(' ')?
+            .parse()
+            .ok()
+    })
+}
+
 /// A span attribute's value; the fake collector keeps them in their Debug form
 /// (`Some(AnyValue { value: Some(IntValue(5)) })`). "" when absent.
 pub fn attr<'a>(s: &'a ExportedSpan, k: &str) -> &'a str {

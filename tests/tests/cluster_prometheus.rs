@@ -40,11 +40,6 @@ impl Drop for Proc {
     }
 }
 
-fn free_port(ip: &str) -> u16 {
-    let l = std::net::TcpListener::bind((ip, 0)).unwrap();
-    l.local_addr().unwrap().port()
-}
-
 fn answers(url: &str) -> bool {
     Command::new("curl")
         .args(["-sf", "--max-time", "5", "-o", "/dev/null", url])
@@ -66,7 +61,7 @@ fn node(root: &Path, index: u32) -> (Proc, String) {
     let dir = root.join(format!("node{index}"));
     std::fs::create_dir(&dir).unwrap();
     let ip = format!("127.0.0.{}", index + 1);
-    let target = format!("{ip}:{}", free_port(&ip));
+    let target = format!("{ip}:{}", ncclscope_tests::free_port(&ip));
     std::fs::write(
         dir.join("ncclscope.toml"),
         format!(
@@ -105,7 +100,7 @@ fn prometheus(dir: &Path, targets: &[String]) -> (Proc, String) {
         conf.join("ncclscope-rules.yaml"),
     )
     .unwrap();
-    let port = free_port("127.0.0.1");
+    let port = ncclscope_tests::free_port("127.0.0.1");
     let proc = Proc(
         Command::new(prometheus_binary())
             .arg(format!(
@@ -302,7 +297,7 @@ fn cluster_names_a_late_rank_and_a_late_node_within_a_minute_and_no_healthy_node
 /// backtrace, exit status 1.
 #[test]
 fn an_unreachable_prometheus_is_a_one_line_error() {
-    let port = free_port("127.0.0.1");
+    let port = ncclscope_tests::free_port("127.0.0.1");
     let out = Command::new(ncclscope_tests::daemon_binary())
         .args(["cluster", "--job", "j", "--once"])
         .args(["--prometheus", &format!("http://127.0.0.1:{port}")])

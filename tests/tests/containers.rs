@@ -9,7 +9,7 @@
 //! Needs root (namespaces, mounts), as CI runs; skipped otherwise.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{IoSliceMut, Read, Write};
+use std::io::IoSliceMut;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixDatagram, UnixListener};
@@ -251,13 +251,7 @@ impl Node {
     }
 
     fn metric(&self, name: &str) -> Option<f64> {
-        let mut s = std::net::TcpStream::connect(&self.prometheus).ok()?;
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .ok()?;
-        let mut text = String::new();
-        let _ = s.read_to_string(&mut text);
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        ncclscope_tests::sample(&ncclscope_tests::scrape_metrics(&self.prometheus), name)
     }
 
     /// Polls the daemon's Prometheus text until `name` is `want` (within `timeout`); how long it took.

@@ -566,18 +566,7 @@ fn the_pod_snippets_pod_and_namespace_label_the_ranks_metrics_and_spans() {
     let produced: u64 = common::produced(ranks).iter().sum();
     assert!(produced > 0);
 
-    let scrape = || -> String {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-        write!(
-            s,
-            "GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut r = String::new();
-        s.read_to_string(&mut r).unwrap();
-        r
-    };
+    let scrape = || ncclscope_tests::scrape_metrics(&format!("127.0.0.1:{port}"));
     let want = format!("namespace=\"ml-team\",pod=\"{pod}\"");
     let labelled = |text: &str| {
         (text.lines())

@@ -34,12 +34,6 @@ impl Drop for Daemon {
     }
 }
 
-/// A free TCP port on `ip` (a loopback address: all of 127.0.0.0/8 is the local host).
-fn free_port(ip: &str) -> u16 {
-    let l = std::net::TcpListener::bind((ip, 0)).unwrap();
-    l.local_addr().unwrap().port()
-}
-
 fn get(url: &str) -> Option<String> {
     let out = Command::new("curl")
         .args(["-sSf", "--max-time", "10", url])
@@ -56,7 +50,7 @@ fn node(root: &Path, index: u32, endpoint: &str, clock_offset_ns: i64) -> Daemon
     let dir = root.join(format!("node{index}"));
     std::fs::create_dir(&dir).unwrap();
     let ip = format!("127.0.0.{}", index + 1);
-    let listen = format!("{ip}:{}", free_port(&ip));
+    let listen = format!("{ip}:{}", ncclscope_tests::free_port(&ip));
     std::fs::write(
         dir.join("ncclscope.toml"),
         format!(

@@ -417,13 +417,7 @@ impl Node {
     }
 
     fn metrics(&self) -> String {
-        let mut s = std::net::TcpStream::connect(&self.prometheus).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .unwrap();
-        let mut text = String::new();
-        let _ = s.read_to_string(&mut text);
-        text.split_once("\r\n\r\n")
-            .map_or(String::new(), |(_, b)| b.to_string())
+        ncclscope_tests::scrape_metrics(&self.prometheus)
     }
 
     /// Polls Prometheus until `sample` has `want`.
@@ -431,9 +425,7 @@ impl Node {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let text = self.metrics();
-            let v = text
-                .lines()
-                .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok());
+            let v = ncclscope_tests::sample(&text, sample);
             if v == Some(want) || Instant::now() > deadline {
                 assert_eq!(v, Some(want), "{sample}\n{text}");
                 return text;
@@ -969,9 +961,9 @@ fn one_user_holding_its_most_registration_connections_costs_another_users_job_no
     );
 }
 
-/// A sample's value in a metrics text.
+/// A sample's value in a metrics text, which must have it.
 fn sample(text: &str, sample: &str) -> f64 {
-    let v = (text.lines()).find_map(|l| l.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok());
+    let v = ncclscope_tests::sample(text, sample);
     v.unwrap_or_else(|| panic!("{sample} missing\n{text}"))
 }
 

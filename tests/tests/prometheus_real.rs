@@ -46,11 +46,6 @@ fn tool(name: &str) -> PathBuf {
     p
 }
 
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
-
 /// Runs `cmd`, which must succeed; its stdout and stderr.
 fn run_ok(cmd: &mut Command) -> String {
     let out = cmd.output().unwrap();
@@ -250,7 +245,7 @@ struct Setup {
 
 fn start(native: bool) -> Setup {
     let dir = tempfile::tempdir().unwrap();
-    let metrics_port = free_port();
+    let metrics_port = ncclscope_tests::free_port("127.0.0.1");
     let config =
         format!("[prometheus]\nlisten = \"127.0.0.1:{metrics_port}\"\njob_series = true\n");
     std::fs::write(dir.path().join("ncclscope.toml"), config).unwrap();
@@ -306,7 +301,7 @@ fn start(native: bool) -> Setup {
         conf.join("ncclscope-rules.yaml"),
     )
     .unwrap();
-    let port = free_port();
+    let port = ncclscope_tests::free_port("127.0.0.1");
     let mut cmd = Command::new(tool("prometheus"));
     cmd.arg(format!(
         "--config.file={}",

@@ -44,16 +44,9 @@ async fn graph_replays_on_a_lagging_gpu_are_attributed_without_a_guess() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn segments_of_real_nccl_kernels_become_one_instance_per_collective_and_replay() {
     const INSTANCES: usize = 2 * (28 + 50 * 6) + 2 * (4 + 100 * 50);
-    let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new(&collector.endpoint());
-    h.start_daemon();
+    let (h, mut collector) = Scenario::new().start_with_collector().await;
     hand_over_recorded_segments(&h, "rfc-nccl-2.30.7-2ranks-one-process.tar.xz");
-    let mut spans = Vec::new();
-    let is_rank_span = |s: &ExportedSpan| s.name.ends_with(" rank");
-    collect(&mut collector, &mut spans, Duration::from_secs(120), |s| {
-        s.iter().filter(|s| is_rank_span(s)).count() >= INSTANCES
-    })
-    .await;
+    let spans = collect_rank_spans(&mut collector, INSTANCES, Duration::from_secs(120)).await;
     drained_with_nothing_lost(
         &h,
         INSTANCES,
@@ -131,9 +124,7 @@ async fn segments_of_real_nccl_kernels_become_one_instance_per_collective_and_re
 /// ones' work items are counted `dev_p2p`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_nccl_p2p_rounds_leave_the_collectives_beside_them_whole() {
-    let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new(&collector.endpoint());
-    h.start_daemon();
+    let (h, mut collector) = Scenario::new().start_with_collector().await;
     hand_over_recorded_segments(&h, "rfc-nccl-2.30.7-p2p.tar.xz");
     p2p_rounds_leave_the_collectives_beside_them_whole(&h, &mut collector, "rfc-raw-").await;
 }
@@ -143,35 +134,19 @@ async fn real_nccl_p2p_rounds_leave_the_collectives_beside_them_whole() {
 /// to real NCCL's p2p rounds without a GPU.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fake_nccl_p2p_rounds_leave_the_collectives_beside_them_whole() {
-    let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new(&collector.endpoint());
-    h.start_daemon();
-    let rank_bin = ncclscope_fakenccl::process::rank_binary().unwrap();
+    let (h, mut collector) = Scenario::new().start_with_collector().await;
     let mut children = Vec::new();
-    for (mode, comm_hash) in [("a2a", "1000"), ("pp", "2000")] {
-        for rank in ["0", "1"] {
-            let child = Command::new(&rank_bin)
-                .args(["--kind", "rfc", "--torch-p2p", mode, "--steps", "9"])
-                .args(["--replays", "10", "--rank", rank, "--nranks", "2"])
-                .args(["--comm-hash", comm_hash])
-                .env("NCCLSCOPE_SOCKET", h.socket())
-                .env("NCCLSCOPE_JOB_ID", format!("fake-{mode}"))
-                .env("NCCLSCOPE_RING_MEMORY", "cpu")
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
-            children.push(child);
-        }
+    for (mode, comm_hash) in [("a2a", 1000), ("pp", 2000)] {
+        let job = format!("fake-{mode}");
+        let ranks = FakeRanks::new("rfc", &job)
+            .ranks(2)
+            .comm_hash(comm_hash)
+            .args(&["--torch-p2p", mode, "--steps", "9", "--replays", "10"])
+            .without_reports()
+            .spawn(&h);
+        children.extend(ranks);
     }
-    for child in children {
-        let out = child.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "fakenccl-rank failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    children.into_iter().for_each(|c| _ = finished(c));
     p2p_rounds_leave_the_collectives_beside_them_whole(&h, &mut collector, "fake-").await;
 }
 
@@ -191,41 +166,17 @@ async fn a_burst_of_real_graph_replays_longer_than_the_ring_is_delivered_without
     }
     const INSTANCES: usize = 2 * (4 + 100 * 50);
     let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new(&collector.endpoint());
-    let unpacked = h.dir.path().join("real");
-    std::fs::create_dir(&unpacked).unwrap();
-    let data = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("data/rfc-nccl-2.30.7-2ranks-one-process.tar.xz");
-    let tar = Command::new("tar")
-        .arg("-xJf")
-        .arg(&data)
-        .arg("-C")
-        .arg(&unpacked)
-        .arg("--wildcards")
-        .arg("diag-burst100.*")
-        .status()
-        .unwrap();
-    assert!(tar.success(), "tar -xJf {}", data.display());
-    let file = std::fs::read_dir(&unpacked)
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap();
+    let mut h = Scenario::new().harness(&collector.endpoint());
+    let [file] = recorded_segments(
+        &h,
+        "rfc-nccl-2.30.7-2ranks-one-process.tar.xz",
+        &["--wildcards", "diag-burst100.*"],
+    )
+    .try_into()
+    .unwrap();
     h.start_daemon();
-    let spec = format!(
-        "{}|{}|16384|25",
-        h.socket().display(),
-        file.path().display()
-    );
-    let child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "support::recorded_burst_child",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(BURST_ENV, spec)
+    let spec = format!("{}|{}|16384|25", h.socket().display(), file.display());
+    let child = child_test("recorded_burst_child", BURST_ENV, &spec)
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
@@ -235,7 +186,7 @@ async fn a_burst_of_real_graph_replays_longer_than_the_ring_is_delivered_without
     // Distinct span ids: a batch the exporter re-sent after a timeout arrives twice (OTLP is
     // at-least-once), and two different spans of one instance would be a bug.
     collect(&mut collector, &mut spans, Duration::from_secs(120), |s| {
-        let rank_spans = s.iter().filter(|s| s.name.ends_with(" rank"));
+        let rank_spans = s.iter().filter(|s| is_rank_span(s));
         rank_spans
             .map(|s| &s.span_id)
             .collect::<BTreeSet<_>>()
@@ -255,7 +206,7 @@ async fn a_burst_of_real_graph_replays_longer_than_the_ring_is_delivered_without
         ],
     );
     let mut instances = BTreeMap::new();
-    for s in spans.iter().filter(|s| s.name.ends_with(" rank")) {
+    for s in spans.iter().filter(|s| is_rank_span(s)) {
         let key = ["nccl.rank", "nccl.collective", "nccl.seq", "nccl.replay"]
             .map(|k| attr(s, k).to_string());
         let id = instances.entry(key.clone()).or_insert(s.span_id.clone());

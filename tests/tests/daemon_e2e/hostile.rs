@@ -8,43 +8,24 @@ use crate::support::*;
 #[test]
 fn a_segment_cannot_be_truncated_under_the_daemon_and_an_unsealed_one_is_refused() {
     const NCOLLS: u64 = 2000;
-    let mut h = Harness::new("");
-    h.start_daemon();
+    let mut h = Scenario::new().start("");
     h.start_fault("truncate", 3);
     h.start_ranks(2, NCOLLS, 1000);
-    let metric = |h: &Harness, stage: &str| {
-        sample(
-            &h.metrics(),
-            &format!("ncclscope_lost_total{{stage=\"{stage}\"}}"),
-        )
-    };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while metric(&h, "segment_unsealed") != Some(1.0) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert_eq!(metric(&h, "segment_unsealed"), Some(1.0), "{}", h.metrics());
+    let text = h.metrics_when(Duration::from_secs(20), Duration::from_millis(100), |t| {
+        lost(t, "segment_unsealed") == Some(1.0)
+    });
+    assert_eq!(lost(&text, "segment_unsealed"), Some(1.0), "{text}");
     // The sealed segment was delivered whole; nothing is corrupt.
     let text = h.metrics();
-    let delivered: f64 = text
-        .lines()
-        .filter(|l| {
-            l.starts_with("ncclscope_rank_collectives_total{")
-                && l.contains("job_id=\"truncate-job\"")
-        })
-        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-        .sum();
+    let delivered = job_collectives(&text, "truncate-job");
     assert_eq!(delivered, 100.0, "{text}");
-    assert_eq!(metric(&h, "corrupt_segment"), Some(0.0));
+    assert_eq!(lost(&h.metrics(), "corrupt_segment"), Some(0.0));
     h.wait_ranks();
     let took = wait_job(&h, 2 * NCOLLS, Duration::from_secs(30));
     eprintln!("truncate: well-behaved ranks complete {took:?} after they exited");
     assert!(h.daemon_alive());
     // Every segment is dropped once its process is gone.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while h.segments_left() > 0 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert_eq!(h.segments_left(), 0);
+    assert_eq!(h.segments_left_after(Duration::from_secs(30)), 0);
 }
 
 /// Issue 11, item 4: a process writing an adversarial stream beside two well-behaved ranks. The
@@ -54,20 +35,15 @@ fn a_segment_cannot_be_truncated_under_the_daemon_and_an_unsealed_one_is_refused
 fn a_hostile_segment_is_bounded_and_does_not_starve_the_others() {
     const NCOLLS: u64 = 4000;
     const HOSTILE_SECS: u64 = 12;
-    let mut h = Harness::new("");
     // Operations that never stop time out early in the run, not in the middle of the RSS samples;
     // the dictionary limits are reached within the first seconds even on a loaded machine.
-    let mut config = std::fs::OpenOptions::new()
-        .append(true)
-        .open(&h.config)
-        .unwrap();
-    writeln!(
-        config,
-        "[aggregate]\nop_timeout_ms = 2000\n[limits]\nmax_comms = 256\nmax_strings = 1024\n\
-         max_func_names = 1024\nmax_job_series = 64"
-    )
-    .unwrap();
-    h.start_daemon();
+    let mut h = Scenario::new()
+        .config("[aggregate]\nop_timeout_ms = 2000")
+        .config(
+            "[limits]\nmax_comms = 256\nmax_strings = 1024\nmax_func_names = 1024\n\
+             max_job_series = 64",
+        )
+        .start("");
     std::thread::sleep(Duration::from_millis(300));
     let rss_start = h.daemon_rss_mib();
     for mode in ["churn", "flood", "stall"] {
@@ -97,8 +73,7 @@ fn a_hostile_segment_is_bounded_and_does_not_starve_the_others() {
     let rss_max = peak(0.0, t);
     // Peak of the last third over the peak of the middle third: what the daemon holds still grows?
     let late_growth = peak(2.0 * t / 3.0, t) - peak(t / 3.0, 2.0 * t / 3.0);
-    let stage =
-        |s: &str| sample(&text, &format!("ncclscope_lost_total{{stage=\"{s}\"}}")).unwrap_or(0.0);
+    let stage = |s: &str| lost(&text, s).unwrap_or(0.0);
     eprintln!(
         "hostile: daemon RSS {rss_start:.1} MiB before, max {rss_max:.1} MiB, last third's peak \
          over the middle third's {late_growth:.1} MiB; records {:?}; refused: comm {} string {} \

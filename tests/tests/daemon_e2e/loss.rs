@@ -16,29 +16,16 @@ use crate::support::*;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_lost_of_each_kind_costs_only_its_own_operation() {
     const NCOLLS: u64 = 20_000;
-    let collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new(&collector.endpoint());
     // No spans: a span not yet acknowledged also holds the tail (and, over half full, forces it).
-    let config = std::fs::read_to_string(&h.config).unwrap();
-    std::fs::write(
-        &h.config,
-        config.replace("[otlp]\n", "[otlp]\nsample_ratio = 0.0\n"),
-    )
-    .unwrap();
-    h.start_daemon();
+    let (h, _collector) = Scenario::new()
+        .otlp("sample_ratio = 0.0")
+        .start_with_collector()
+        .await;
     let spec = format!(
         "{}|16384|{NCOLLS}|512|30000|start:5000,kernel:10000,stop:15000|4096",
         h.socket().display()
     );
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "support::lossy_rank_child",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(LOSSY_ENV, spec)
+    let out = child_test("lossy_rank_child", LOSSY_ENV, &spec)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -56,14 +43,10 @@ async fn a_record_lost_of_each_kind_costs_only_its_own_operation() {
             .collect();
         panic!("{stdout}\nthe daemon's counters:\n{}", counters.join("\n"));
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut text = h.metrics();
-    while sample(&text, "ncclscope_segments") != Some(0.0) {
-        assert!(Instant::now() < deadline, "segment not drained: {text}");
-        std::thread::sleep(Duration::from_millis(200));
-        text = h.metrics();
-    }
-    let stage = |s: &str| sample(&text, &format!("ncclscope_lost_total{{stage=\"{s}\"}}"));
+    let drained = |text: &str| sample(text, "ncclscope_segments") == Some(0.0);
+    let text = h.metrics_when(Duration::from_secs(60), Duration::from_millis(200), drained);
+    assert!(drained(&text), "segment not drained: {text}");
+    let stage = |s: &str| lost(&text, s);
     assert_eq!(stage("ring_full"), Some(0.0), "{text}");
     assert_eq!(stage("queue_full"), Some(3.0));
     assert_eq!(stage("incomplete"), Some(2.0), "{text}");
@@ -85,9 +68,7 @@ async fn a_record_lost_of_each_kind_costs_only_its_own_operation() {
 async fn all_ranks_of_a_collective_share_one_trace_with_calibrated_times_and_nothing_is_lost() {
     const NRANKS: u32 = 4;
     const NCOLLS: u64 = 40;
-    let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new(&collector.endpoint());
-    h.start_daemon();
+    let (mut h, mut collector) = Scenario::new().start_with_collector().await;
     h.start_ranks(NRANKS, NCOLLS, 0);
     h.wait_ranks();
 
@@ -185,15 +166,10 @@ async fn all_ranks_of_a_collective_share_one_trace_with_calibrated_times_and_not
 
     // Metrics: every collective counted, every record read, the plugins' own loss counters carried.
     let total = NRANKS as u64 * NCOLLS;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut text = h.metrics();
-    while (sample(&text, "ncclscope_collectives_total") != Some(total as f64)
-        || sample(&text, "ncclscope_segments") != Some(0.0))
-        && Instant::now() < deadline
-    {
-        std::thread::sleep(Duration::from_millis(200));
-        text = h.metrics();
-    }
+    let text = h.metrics_when(Duration::from_secs(30), Duration::from_millis(200), |t| {
+        sample(t, "ncclscope_collectives_total") == Some(total as f64)
+            && sample(t, "ncclscope_segments") == Some(0.0)
+    });
     assert_eq!(
         sample(&text, "ncclscope_collectives_total"),
         Some(total as f64),
@@ -204,10 +180,7 @@ async fn all_ranks_of_a_collective_share_one_trace_with_calibrated_times_and_not
         Some((NRANKS as u64 * records_per_rank(NCOLLS)) as f64)
     );
     let queue_full: u64 = (1..=NRANKS as u64).sum();
-    assert_eq!(
-        sample(&text, "ncclscope_lost_total{stage=\"queue_full\"}"),
-        Some(queue_full as f64)
-    );
+    assert_eq!(lost(&text, "queue_full"), Some(queue_full as f64));
     for stage in [
         "ring_full",
         "incomplete",
@@ -215,19 +188,13 @@ async fn all_ranks_of_a_collective_share_one_trace_with_calibrated_times_and_not
         "export_dropped",
         "spool_failed",
     ] {
-        assert!(
-            matches!(
-                sample(&text, &format!("ncclscope_lost_total{{stage=\"{stage}\"}}")),
-                None | Some(0.0)
-            ),
-            "{stage}"
-        );
+        assert!(matches!(lost(&text, stage), None | Some(0.0)), "{stage}");
     }
-    let exec_count: f64 = text
-        .lines()
-        .filter(|l| l.starts_with("ncclscope_collective_exec_time_microseconds_count{"))
-        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-        .sum();
+    let exec_count = summed(
+        &text,
+        "ncclscope_collective_exec_time_microseconds_count{",
+        "",
+    );
     assert_eq!(
         exec_count, total as f64,
         "every instance in the exec-time histogram"
@@ -255,12 +222,7 @@ async fn all_ranks_of_a_collective_share_one_trace_with_calibrated_times_and_not
     std::thread::sleep(Duration::from_millis(300));
     assert!(h.daemon_alive(), "SIGHUP or SIGUSR1 stopped the daemon");
     // SIGTERM: drain, flush, exit cleanly.
-    let mut daemon = h.signal_daemon(rustix::process::Signal::TERM);
-    let status = wait_timeout(&mut daemon, Duration::from_secs(20));
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "daemon exits 0 on SIGTERM"
-    );
+    h.stop_daemon();
 }
 
 /// The real plugin `.so` in fake-NCCL ranks (stock KernelCh path on NCCL 2.28's v5 ABI, and the
@@ -269,68 +231,30 @@ async fn all_ranks_of_a_collective_share_one_trace_with_calibrated_times_and_not
 /// device-hook work items all join their collective.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_timings() {
-    use ncclscope_fakenccl::report::Report;
     const NRANKS: u32 = 2;
     const NCOLLS: u32 = 30;
     const P2PS: u32 = 4;
-    let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new(&collector.endpoint());
-    h.start_daemon();
-    let rank_bin = ncclscope_fakenccl::process::rank_binary().unwrap();
+    let (h, mut collector) = Scenario::new().start_with_collector().await;
+    let (colls, p2ps) = (NCOLLS.to_string(), P2PS.to_string());
     let mut children = Vec::new();
     for (kind, comm_hash) in [
         ("v5", 0x1111_0000_0000_0000u64),
         ("rfc", 0x2222_0000_0000_0000),
     ] {
-        for rank in 0..NRANKS {
-            let child = Command::new(&rank_bin)
-                .args([
-                    "--kind",
-                    kind,
-                    "--colls",
-                    &NCOLLS.to_string(),
-                    "--p2ps",
-                    &P2PS.to_string(),
-                ])
-                .args([
-                    "--channels",
-                    "3",
-                    "--kernel-ns",
-                    "15000",
-                    "--interval-us",
-                    "200",
-                ])
-                .args(["--rank", &rank.to_string(), "--nranks", &NRANKS.to_string()])
-                .args(["--comm-hash", &comm_hash.to_string()])
-                .env("NCCLSCOPE_SOCKET", h.socket())
-                .env("NCCLSCOPE_JOB_ID", "fake-job")
-                // No GPU here: the hook's rings in plain memory, written as the device would.
-                .env("NCCLSCOPE_RING_MEMORY", "cpu")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
-            children.push((kind, child));
-        }
+        let ranks = FakeRanks::new(kind, "fake-job")
+            .ranks(NRANKS)
+            .comm_hash(comm_hash)
+            .args(&["--colls", &colls, "--p2ps", &p2ps, "--channels", "3"])
+            .args(&["--kernel-ns", "15000", "--interval-us", "200"])
+            .spawn(&h);
+        children.extend(ranks.into_iter().map(|child| (kind, child)));
     }
-    let mut reports: Vec<(&str, Report)> = Vec::new();
-    for (kind, child) in children {
-        let out = child.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "fakenccl-rank failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        reports.push((kind, serde_json::from_slice(&out.stdout).unwrap()));
-    }
+    let reports: Vec<_> = (children.into_iter())
+        .map(|(kind, child)| (kind, report(child)))
+        .collect();
     let ops_per_rank = (NCOLLS + P2PS) as usize;
     let expected = reports.len() * ops_per_rank;
-    let mut spans = Vec::new();
-    let is_rank_span = |s: &ExportedSpan| s.name.ends_with(" rank");
-    collect(&mut collector, &mut spans, Duration::from_secs(60), |s| {
-        s.iter().filter(|s| is_rank_span(s)).count() >= expected
-    })
-    .await;
+    let mut spans = collect_rank_spans(&mut collector, expected, Duration::from_secs(60)).await;
     let rank_spans: Vec<&ExportedSpan> = spans.iter().filter(|s| is_rank_span(s)).collect();
     assert_eq!(
         rank_spans.len(),
@@ -460,17 +384,11 @@ async fn fake_nccl_ranks_through_the_real_plugin_become_spans_with_their_kernel_
         "segments reaped after their processes exited"
     );
     // `stats` shows each rank's sends and receives per peer, as the ranks ran them.
-    let out = Command::new(ncclscope_tests::daemon_binary())
-        .args(["stats", "--json", "--job", "fake-job", "--api-socket"])
-        .arg(h.dir.path().join("api.sock"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stats = ncclscope_tests::json_of(
+        Command::new(ncclscope_tests::daemon_binary())
+            .args(["stats", "--json", "--job", "fake-job", "--api-socket"])
+            .arg(h.dir.path().join("api.sock")),
     );
-    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let mut got = BTreeSet::new();
     for p in stats["p2p"].as_array().unwrap() {
         got.insert((
@@ -515,22 +433,18 @@ async fn a_panic_in_the_plugins_forwarding_thread_latches_it_off_and_is_counted(
     const COMMS: u32 = 3;
     const COLLS: u32 = 400;
     const PANIC_AFTER: u32 = 300;
-    let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new(&collector.endpoint());
-    h.start_daemon();
-    let out = Command::new(ncclscope_fakenccl::process::rank_binary().unwrap())
-        .args(["--kind", "v5", "--comms", &COMMS.to_string()])
-        .args(["--colls", &COLLS.to_string(), "--channels", "2"])
+    let (mut h, mut collector) = Scenario::new().start_with_collector().await;
+    let (comms, colls) = (COMMS.to_string(), COLLS.to_string());
+    let [rank] = FakeRanks::new("v5", "panic-job")
+        .args(&["--comms", &comms, "--colls", &colls, "--channels", "2"])
         // Finalize well after the panic: it must then return at once (while the thread is still
         // alive, finalize waits for it as it always did).
-        .args(["--interval-us", "100", "--hold-ms", "500"])
-        .env("NCCLSCOPE_SOCKET", h.socket())
-        .env("NCCLSCOPE_JOB_ID", "panic-job")
+        .args(&["--interval-us", "100", "--hold-ms", "500"])
         .env("NCCLSCOPE_TEST_PANIC", format!("forward:{PANIC_AFTER}"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .output()
+        .spawn(&h)
+        .try_into()
         .unwrap();
+    let out = rank.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "the job survives: {stderr}");
     let report: ncclscope_fakenccl::report::Report = serde_json::from_slice(&out.stdout).unwrap();
@@ -557,7 +471,7 @@ async fn a_panic_in_the_plugins_forwarding_thread_latches_it_off_and_is_counted(
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut text = h.metrics();
     while (sample(&text, "ncclscope_segments") != Some(0.0)
-        || sample(&text, "ncclscope_lost_total{stage=\"forward_panic\"}").unwrap_or(0.0) == 0.0)
+        || lost(&text, "forward_panic").unwrap_or(0.0) == 0.0)
         && Instant::now() < deadline
     {
         // Take the spans, so the exporter's acknowledgements let the segment be reaped.
@@ -566,7 +480,7 @@ async fn a_panic_in_the_plugins_forwarding_thread_latches_it_off_and_is_counted(
             .await;
         text = h.metrics();
     }
-    let lost = sample(&text, "ncclscope_lost_total{stage=\"forward_panic\"}").unwrap_or(0.0);
+    let lost = lost(&text, "forward_panic").unwrap_or(0.0);
     let delivered = sample(&text, "ncclscope_collectives_total").unwrap_or(0.0);
     eprintln!(
         "forwarding-thread panic after {PANIC_AFTER} events: {produced} of {} collectives reached the \
@@ -579,6 +493,5 @@ async fn a_panic_in_the_plugins_forwarding_thread_latches_it_off_and_is_counted(
         delivered > 0.0 && delivered < produced as f64,
         "what was forwarded before the panic arrives ({delivered} of {produced})"
     );
-    let mut daemon = h.signal_daemon(rustix::process::Signal::TERM);
-    assert!(wait_timeout(&mut daemon, Duration::from_secs(20)).is_some_and(|s| s.success()));
+    h.stop_daemon();
 }

@@ -20,17 +20,12 @@ fn a_collector_that_never_answers_costs_the_spool_and_the_metrics_nothing() {
             held.push(c);
         }
     });
-    let mut h = Harness::new(&endpoint);
-    h.start_daemon();
+    let mut h = Scenario::new().start(&endpoint);
     h.start_ranks(2, NCOLLS, 200);
     h.wait_ranks();
     wait_job(&h, 2 * NCOLLS, Duration::from_secs(60));
     let text = h.metrics();
-    assert_eq!(
-        sample(&text, "ncclscope_lost_total{stage=\"ring_full\"}"),
-        Some(0.0),
-        "{text}"
-    );
+    assert_eq!(lost(&text, "ring_full"), Some(0.0), "{text}");
     assert_eq!(sample(&text, "ncclscope_spans_exported_total"), Some(0.0));
 }
 

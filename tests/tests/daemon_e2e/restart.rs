@@ -8,9 +8,7 @@ use crate::support::*;
 async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
     const NRANKS: u32 = 3;
     const NCOLLS: u64 = 1500;
-    let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new(&collector.endpoint());
-    h.start_daemon();
+    let (mut h, mut collector) = Scenario::new().start_with_collector().await;
     h.start_ranks(NRANKS, NCOLLS, 1000);
     let mut spans = Vec::new();
     // Let the first daemon export part of the run, then kill it without warning.
@@ -20,15 +18,9 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
     .await;
     let before = rank_spans(&spans).len();
     assert!(before >= 600, "first daemon exported {before} rank spans");
-    let mut killed = h.signal_daemon(rustix::process::Signal::KILL);
-    killed.wait().unwrap();
+    h.kill_daemon();
     // What the killed daemon recorded is what its spool holds (a record the kill tore is not).
-    let recorded_by_first =
-        ncclscope::storage::spool::SpoolReader::open_dir(h.dir.path().join("spool"))
-            .unwrap()
-            .read_job(&(rustix::process::getuid().as_raw(), JOB.to_string()))
-            .filter_map(Result::ok)
-            .count() as u64;
+    let recorded_by_first = h.spooled(JOB).filter_map(Result::ok).count() as u64;
     std::thread::sleep(Duration::from_millis(300));
     // The ranks see their connections end and hand their segments to the second daemon.
     h.start_daemon();
@@ -81,10 +73,7 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
     );
 
     // The spool (the durable record behind `export`) has every instance, once.
-    let reader =
-        ncclscope::storage::spool::SpoolReader::open_dir(h.dir.path().join("spool")).unwrap();
-    let spooled: Vec<(u32, u64)> = reader
-        .read_job(&(rustix::process::getuid().as_raw(), JOB.to_string()))
+    let spooled: Vec<(u32, u64)> = (h.spooled(JOB))
         .map(|c| c.map(|c| (c.rank, c.seq)).unwrap())
         .collect();
     let spooled_set: BTreeSet<(u32, u64)> = spooled.iter().copied().collect();
@@ -103,20 +92,10 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
     // Metrics count each instance in the run of the daemon that recorded it: the second daemon counts
     // exactly what the first had not spooled (its counters start again from zero, a counter reset).
     let counted_by_second = expected.len() as u64 - recorded_by_first;
-    let sum = |text: &str, prefix: &str| -> f64 {
-        text.lines()
-            .filter(|l| l.starts_with(prefix))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut text = h.metrics();
-    while sum(&text, "ncclscope_collectives_total ") != counted_by_second as f64
-        && Instant::now() < deadline
-    {
-        std::thread::sleep(Duration::from_millis(200));
-        text = h.metrics();
-    }
+    let sum = |text: &str, prefix: &str| summed(text, prefix, "");
+    let text = h.metrics_when(Duration::from_secs(30), Duration::from_millis(200), |t| {
+        sum(t, "ncclscope_collectives_total ") == counted_by_second as f64
+    });
     for family in [
         "ncclscope_collectives_total ",
         "ncclscope_rank_collectives_total{",
@@ -129,17 +108,12 @@ async fn a_daemon_sigkilled_mid_run_and_restarted_loses_nothing() {
         );
     }
 
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while h.segments_left() > 0 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
     assert_eq!(
-        h.segments_left(),
+        h.segments_left_after(Duration::from_secs(30)),
         0,
         "segments drained and removed by the second daemon"
     );
-    let mut daemon = h.signal_daemon(rustix::process::Signal::TERM);
-    assert!(wait_timeout(&mut daemon, Duration::from_secs(20)).is_some_and(|s| s.success()));
+    h.stop_daemon();
 }
 
 /// Issue 37: across repeated SIGKILLs every rank span arrived but 150-215 of 10,000 root spans did
@@ -153,22 +127,17 @@ async fn every_root_span_arrives_across_repeated_sigkills() {
     const NRANKS: u32 = 3;
     const NCOLLS: u64 = 4000;
     const KILLS: usize = 6;
-    let collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new(&collector.endpoint());
-    let (received, drain) = drained_on_a_task(collector);
-    let rank_spans_in =
-        |r: &std::sync::Mutex<Vec<ExportedSpan>>| rank_spans(&r.lock().unwrap()).len();
-    h.start_daemon();
+    let (mut h, collector) = Scenario::new().start_with_collector().await;
+    let received = Drained::new(collector);
     // About 6 s of collectives (more on a loaded machine); the kills come within the first 4.
     h.start_ranks(NRANKS, NCOLLS, 1500);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while rank_spans_in(&received) == 0 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let started = |s: &[ExportedSpan]| !rank_spans(s).is_empty();
+    received
+        .until(Duration::from_secs(60), Duration::from_millis(20), started)
+        .await;
     for _ in 0..KILLS {
         tokio::time::sleep(Duration::from_millis(400)).await;
-        let mut killed = h.signal_daemon(rustix::process::Signal::KILL);
-        killed.wait().unwrap();
+        h.kill_daemon();
         h.start_daemon();
     }
     // A process that ends while no daemon runs takes its segment with it (without systemd's store):
@@ -187,12 +156,14 @@ async fn every_root_span_arrives_across_repeated_sigkills() {
                     .all(|(roots, ranks)| roots.len() == 1 && ranks.len() == NRANKS as usize)
         }
     };
-    let deadline = Instant::now() + Duration::from_secs(180);
-    while !complete(&received.lock().unwrap()) && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    drain.abort();
-    let spans = std::mem::take(&mut *received.lock().unwrap());
+    received
+        .until(
+            Duration::from_secs(180),
+            Duration::from_millis(500),
+            complete,
+        )
+        .await;
+    let spans = received.take();
     let traces = roots_and_ranks(&spans);
     let health: Vec<String> = (h.metrics().lines())
         .filter(|l| {
@@ -230,8 +201,7 @@ async fn every_root_span_arrives_across_repeated_sigkills() {
         "{KILLS} SIGKILLs: {} spans received for {NCOLLS} collectives x {NRANKS} ranks, every root there",
         spans.len()
     );
-    let mut daemon = h.signal_daemon(rustix::process::Signal::TERM);
-    assert!(wait_timeout(&mut daemon, Duration::from_secs(20)).is_some_and(|s| s.success()));
+    h.stop_daemon();
 }
 
 /// A daemon SIGKILLed while two RFC ranks replay a graph, then restarted: the second daemon resumes
@@ -242,9 +212,7 @@ async fn every_root_span_arrives_across_repeated_sigkills() {
 async fn a_daemon_killed_mid_replay_resumes_the_graph_template() {
     const NRANKS: u32 = 2;
     const REPLAYS: u32 = 30;
-    let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new(&collector.endpoint());
-    h.start_daemon();
+    let (mut h, mut collector) = Scenario::new().start_with_collector().await;
     let replays = REPLAYS.to_string();
     let args = [
         "--replays",
@@ -255,41 +223,21 @@ async fn a_daemon_killed_mid_replay_resumes_the_graph_template() {
         "40000",
     ];
     let children = graph_ranks(&h, NRANKS, Duration::ZERO, "graph-restart-job", &args);
-    let mut spans = Vec::new();
-    let is_rank_span = |s: &ExportedSpan| s.name.ends_with(" rank");
-    collect(&mut collector, &mut spans, Duration::from_secs(60), |s| {
-        s.iter().filter(|s| is_rank_span(s)).count() >= 150
-    })
-    .await;
-    let mut killed = h.signal_daemon(rustix::process::Signal::KILL);
-    killed.wait().unwrap();
+    let mut spans = collect_rank_spans(&mut collector, 150, Duration::from_secs(60)).await;
+    h.kill_daemon();
     std::thread::sleep(Duration::from_millis(200));
     h.start_daemon();
     let produced = produced(children);
-    let key = |s: &ExportedSpan| -> (u32, String, u64, u32) {
-        (
-            attr(s, "process.pid").parse().unwrap(),
-            attr(s, "nccl.collective").to_string(),
-            attr(s, "nccl.seq").parse().unwrap(),
-            attr(s, "nccl.replay").parse().unwrap(),
-        )
-    };
     collect(&mut collector, &mut spans, Duration::from_secs(20), |s| {
         s.iter()
             .filter(|s| is_rank_span(s))
-            .map(key)
+            .map(instance_of)
             .collect::<BTreeSet<_>>()
             .len()
             >= produced.len()
     })
     .await;
-    let reader =
-        ncclscope::storage::spool::SpoolReader::open_dir(h.dir.path().join("spool")).unwrap();
-    let spooled: BTreeSet<(u32, String, u64, u32)> = reader
-        .read_job(&(
-            rustix::process::getuid().as_raw(),
-            "graph-restart-job".into(),
-        ))
+    let spooled: BTreeSet<(u32, String, u64, u32)> = (h.spooled("graph-restart-job"))
         .map(|c| c.map(|c| (c.pid, c.func, c.seq, c.replay)).unwrap())
         .collect();
     assert_eq!(
@@ -299,7 +247,7 @@ async fn a_daemon_killed_mid_replay_resumes_the_graph_template() {
     );
     let mut by_key: BTreeMap<(u32, String, u64, u32), &ExportedSpan> = BTreeMap::new();
     for s in spans.iter().filter(|s| is_rank_span(s)) {
-        if let Some(prev) = by_key.insert(key(s), s) {
+        if let Some(prev) = by_key.insert(instance_of(s), s) {
             assert_eq!(
                 (
                     &prev.span_id,
@@ -349,48 +297,37 @@ async fn a_replayed_collectives_root_arrives_or_is_counted_across_repeated_sigki
     const KILLS: usize = 4;
     const JOB: &str = "graph-kills-job";
     // Roots counted lost: read again without rank 0, or passed by a forced commit in flight.
-    const NOT_RESENT: [&str; 2] = [
-        "ncclscope_lost_total{stage=\"replay_root_not_resent\"}",
-        "ncclscope_lost_total{stage=\"root_not_resent\"}",
-    ];
+    const NOT_RESENT: [&str; 2] = ["replay_root_not_resent", "root_not_resent"];
     let roots_counted = |metrics: &str| -> f64 {
         (NOT_RESENT.iter())
-            .map(|family| sample(metrics, family).unwrap_or(0.0))
+            .map(|stage| lost(metrics, stage).unwrap_or(0.0))
             .sum()
     };
-    let collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new(&collector.endpoint());
     // A skew window of 1 s: a restarted daemon counts (or sends) the roots of what it read again
     // about 1 s after it read it (its segments come back within a second or so, and its metrics
     // show the count within a second more), before the next kill.
-    let mut cfg = std::fs::OpenOptions::new()
-        .append(true)
-        .open(&h.config)
-        .unwrap();
-    cfg.write_all(b"[aggregate]\nskew_window_ms = 1000\n")
-        .unwrap();
-    let (received, drain) = drained_on_a_task(collector);
-    h.start_daemon();
+    let (mut h, collector) = Scenario::new()
+        .config("[aggregate]\nskew_window_ms = 1000\n")
+        .start_with_collector()
+        .await;
+    let received = Drained::new(collector);
     // About 15 s of replays, more on a loaded machine.
     let (replays, interval) = (REPLAYS.to_string(), INTERVAL_US.to_string());
     let args = ["--replays", &replays, "--eager-between", "0"];
     let args = [&args[..], &["--interval-us", &interval]].concat();
     let mut children = graph_ranks(&h, NRANKS, LAG, JOB, &args);
-    let replayed = |r: &std::sync::Mutex<Vec<ExportedSpan>>| {
-        let spans = r.lock().unwrap();
-        (spans.iter()).any(|s| s.name.ends_with(" rank") && attr(s, "nccl.replay") != "0")
+    let replayed = |spans: &[ExportedSpan]| {
+        (spans.iter()).any(|s| is_rank_span(s) && attr(s, "nccl.replay") != "0")
     };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !replayed(&received) && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    received
+        .until(Duration::from_secs(60), Duration::from_millis(20), replayed)
+        .await;
     // What each daemon counted, read just before it is killed (a restart starts the count anew).
     let mut not_resent = 0.0;
     for _ in 0..KILLS {
         tokio::time::sleep(Duration::from_millis(3000)).await;
         not_resent += roots_counted(&h.metrics());
-        let mut killed = h.signal_daemon(rustix::process::Signal::KILL);
-        killed.wait().unwrap();
+        h.kill_daemon();
         h.start_daemon();
     }
     assert!(
@@ -411,10 +348,13 @@ async fn a_replayed_collectives_root_arrives_or_is_counted_across_repeated_sigki
             && (of.values())
                 .all(|t| t.iter().map(|(_, r)| r.len()).sum::<usize>() >= NRANKS as usize)
     };
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !rank_spans_in(&received.lock().unwrap()) && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    received
+        .until(
+            Duration::from_secs(120),
+            Duration::from_millis(500),
+            rank_spans_in,
+        )
+        .await;
     let rootless = |spans: &[ExportedSpan]| {
         (by_collective(spans).into_iter())
             .filter(|(_, t)| t.iter().all(|(roots, _)| roots.is_empty()))
@@ -422,13 +362,15 @@ async fn a_replayed_collectives_root_arrives_or_is_counted_across_repeated_sigki
             .collect::<Vec<_>>()
     };
     let counted = || not_resent + roots_counted(&h.metrics());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while rootless(&received.lock().unwrap()).len() as f64 > counted() && Instant::now() < deadline
-    {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    drain.abort();
-    let spans = std::mem::take(&mut *received.lock().unwrap());
+    let all_counted = |s: &[ExportedSpan]| rootless(s).len() as f64 <= counted();
+    received
+        .until(
+            Duration::from_secs(10),
+            Duration::from_millis(200),
+            all_counted,
+        )
+        .await;
+    let spans = received.take();
     let of = by_collective(&spans);
     let health: Vec<String> = (h.metrics().lines())
         .filter(|l| l.starts_with("ncclscope_lost_total") && !l.ends_with(" 0"))
@@ -464,10 +406,7 @@ async fn a_replayed_collectives_root_arrives_or_is_counted_across_repeated_sigki
         broken.len(),
         &broken[..broken.len().min(5)]
     );
-    let reader =
-        ncclscope::storage::spool::SpoolReader::open_dir(h.dir.path().join("spool")).unwrap();
-    let spooled: Vec<(u32, String, u64, u32)> = reader
-        .read_job(&(rustix::process::getuid().as_raw(), JOB.into()))
+    let spooled: Vec<(u32, String, u64, u32)> = (h.spooled(JOB))
         .map(|c| c.map(|c| (c.pid, c.func, c.seq, c.replay)).unwrap())
         .collect();
     assert_eq!(
@@ -486,8 +425,7 @@ async fn a_replayed_collectives_root_arrives_or_is_counted_across_repeated_sigki
         collectives.len(),
         rootless.len()
     );
-    let mut daemon = h.signal_daemon(rustix::process::Signal::TERM);
-    assert!(wait_timeout(&mut daemon, Duration::from_secs(20)).is_some_and(|s| s.success()));
+    h.stop_daemon();
 }
 
 /// A collective's traces: the root span ids and (rank, parent id) of the rank spans of each.
@@ -497,7 +435,7 @@ type CollectiveTraces<'a> = Vec<(BTreeSet<&'a str>, BTreeSet<(u32, &'a str)>)>;
 fn by_collective(spans: &[ExportedSpan]) -> BTreeMap<(String, u64, u32), CollectiveTraces<'_>> {
     let traces = roots_and_ranks(spans);
     let mut of: BTreeMap<(String, u64, u32), BTreeSet<&str>> = BTreeMap::new();
-    for s in spans.iter().filter(|s| s.name.ends_with(" rank")) {
+    for s in spans.iter().filter(|s| is_rank_span(s)) {
         let key = (
             attr(s, "nccl.collective").to_string(),
             attr(s, "nccl.seq").parse().unwrap(),
@@ -528,48 +466,21 @@ fn whole(t: &CollectiveTraces<'_>, nranks: u32) -> bool {
 /// channels into a graph and replay it as `args` say (`--replays`, `--eager-between`,
 /// `--interval-us`); each rank started `lag` after the one before it.
 fn graph_ranks(h: &Harness, nranks: u32, lag: Duration, job: &str, args: &[&str]) -> Vec<Child> {
-    let rank_bin = ncclscope_fakenccl::process::rank_binary().unwrap();
-    (0..nranks)
-        .map(|rank| {
-            if rank > 0 {
-                std::thread::sleep(lag);
-            }
-            Command::new(&rank_bin)
-                .args(["--kind", "rfc", "--colls", "2", "--channels", "4"])
-                .args([
-                    "--graph-ops",
-                    "20",
-                    "--graph-channels",
-                    "4",
-                    "--kernel-ns",
-                    "5000",
-                ])
-                .args(args)
-                .args(["--rank", &rank.to_string(), "--nranks", &nranks.to_string()])
-                .args(["--comm-hash", &0x4444_0000_0000_0000u64.to_string()])
-                .env("NCCLSCOPE_SOCKET", h.socket())
-                .env("NCCLSCOPE_JOB_ID", job)
-                .env("NCCLSCOPE_RING_MEMORY", "cpu")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect()
+    FakeRanks::new("rfc", job)
+        .ranks(nranks)
+        .comm_hash(0x4444_0000_0000_0000)
+        .lag(lag)
+        .args(&["--colls", "2", "--channels", "4", "--graph-ops", "20"])
+        .args(&["--graph-channels", "4", "--kernel-ns", "5000"])
+        .args(args)
+        .spawn(h)
 }
 
 /// What the ranks ran, once they exit: (pid, collective, seq, replay) -> exec time.
 fn produced(children: Vec<Child>) -> BTreeMap<(u32, String, u64, u32), u64> {
-    use ncclscope_fakenccl::report::Report;
     let mut produced = BTreeMap::new();
     for child in children {
-        let out = child.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let report: Report = serde_json::from_slice(&out.stdout).unwrap();
+        let report = report(child);
         for ((func, seq, replay), op) in report.comms[0].instances() {
             let key = (report.pid, func.to_string(), seq, replay);
             produced.insert(key, op.hook_exec_ns().unwrap());

@@ -1,14 +1,17 @@
-//! What the daemon's end-to-end tests share: the rank processes (this test binary re-run as an
-//! ignored test: `support::daemon_rank_child` and the others), the harness that runs the real daemon
-//! binary with a real OTLP receiver, and the waits and checks the tests build their scenarios from.
+//! What the daemon's end-to-end tests share, so that a test reads as its scenario: the synthetic rank
+//! processes (this test binary re-run as an ignored test: `support::daemon_rank_child` and the
+//! others, started with [`child_test`]); [`Scenario`], which configures and starts the real daemon
+//! binary with a real OTLP receiver into a [`Harness`] (which starts ranks, kills and restarts the
+//! daemon, reads its metrics and spool); [`FakeRanks`], the real plugin in fake-NCCL rank processes;
+//! [`Drained`], a collector drained while the test blocks; and the waits and checks on spans and
+//! metrics. What every test binary shares (the daemon binary, scraping /metrics) is `ncclscope_tests`.
 
 pub(crate) use fake_opentelemetry_collector::{ExportedSpan, FakeCollectorServer};
 pub(crate) use ncclscope_fakenccl::process::Registrant;
 pub(crate) use ncclscope_proto::segment::{self, Claims, Counter, Producer, Segment};
 pub(crate) use ncclscope_proto::{Record, StrId, TimingPath, fixture};
-pub(crate) use ncclscope_tests::attr;
+pub(crate) use ncclscope_tests::{attr, sample};
 pub(crate) use std::collections::{BTreeMap, BTreeSet, HashMap};
-pub(crate) use std::io::{Read, Write};
 pub(crate) use std::path::{Path, PathBuf};
 pub(crate) use std::process::{Child, Command, Stdio};
 pub(crate) use std::sync::Arc;
@@ -85,6 +88,16 @@ pub(crate) fn collective(rank: u32, seq: u64, channels: u64) -> (Record, Vec<Rec
     (coll.start(), kernels, coll.stop(host_ns))
 }
 
+/// What a synthetic rank writes at the end, as the plugin's finalize does: its communicator's end;
+/// then it closes its segment.
+pub(crate) fn finalize(p: &mut Producer) {
+    p.push(&Record::CommEnd {
+        comm: 0,
+        host_ns: ncclscope_proto::now_ns(),
+    });
+    p.segment().close();
+}
+
 /// The rank process, run by the tests below through `RANK_ENV` = "socket|rank|nranks|ncolls|pace_us".
 /// Like the plugin, it hands its segment over again whenever the daemon goes away.
 #[test]
@@ -124,11 +137,7 @@ pub(crate) fn daemon_rank_child() {
             std::thread::sleep(pace);
         }
     }
-    p.push(&Record::CommEnd {
-        comm: 0,
-        host_ns: ncclscope_proto::now_ns(),
-    });
-    p.segment().close();
+    finalize(&mut p);
     assert_eq!(
         p.segment().counter(Counter::RingFull),
         0,
@@ -238,11 +247,7 @@ pub(crate) fn lossy_rank_child() {
             std::thread::sleep(pause);
         }
     }
-    p.push(&Record::CommEnd {
-        comm: 0,
-        host_ns: ncclscope_proto::now_ns(),
-    });
-    p.segment().close();
+    finalize(&mut p);
     println!("ring_full {}", p.segment().counter(Counter::RingFull));
     println!("max_wait_ms {}", max_wait.as_millis());
 }
@@ -260,7 +265,8 @@ pub(crate) fn sealed_memfd(bytes: &[u8]) -> std::os::fd::OwnedFd {
     fd
 }
 
-/// A daemon, its rank processes and their segments, all cleaned up on drop (even on failure).
+/// A daemon, its rank processes and their segments, all cleaned up on drop (even on failure). Made
+/// by a [`Scenario`].
 pub(crate) struct Harness {
     pub(crate) dir: tempfile::TempDir,
     pub(crate) config: PathBuf,
@@ -271,26 +277,49 @@ pub(crate) struct Harness {
     pub(crate) ranks: Vec<Child>,
 }
 
-pub(crate) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// The daemon a test runs against, configured before it starts: its sockets, spool and state in a
+/// directory of its own, spans batched within 50 ms, Prometheus with job series on a free port, and
+/// what the test adds (`Scenario::new().otlp("sample_ratio = 0.0").start_with_collector()`).
+#[derive(Default)]
+pub(crate) struct Scenario {
+    otlp: String,
+    tables: String,
 }
 
-impl Harness {
-    pub(crate) fn new(otlp_endpoint: &str) -> Harness {
+impl Scenario {
+    pub(crate) fn new() -> Scenario {
+        Scenario::default()
+    }
+
+    /// A key of the `[otlp]` table, beside the harness's own (`"max_attempts = 2"`).
+    pub(crate) fn otlp(mut self, key_value: &str) -> Scenario {
+        self.otlp += key_value;
+        self.otlp.push('\n');
+        self
+    }
+
+    /// Tables the harness does not write (`"[aggregate]\nskew_window_ms = 1000\n"`).
+    pub(crate) fn config(mut self, tables: &str) -> Scenario {
+        self.tables += tables;
+        if !self.tables.ends_with('\n') {
+            self.tables.push('\n');
+        }
+        self
+    }
+
+    /// The harness, its daemon not started yet, exporting to `otlp_endpoint` once it is.
+    pub(crate) fn harness(self, otlp_endpoint: &str) -> Harness {
         let dir = tempfile::tempdir().unwrap();
-        let prometheus = format!("127.0.0.1:{}", free_port());
+        let prometheus = format!("127.0.0.1:{}", ncclscope_tests::free_port("127.0.0.1"));
         let config = dir.path().join("ncclscope.toml");
         let d = dir.path().display();
         std::fs::write(
             &config,
             format!(
                 "socket = \"{d}/ncclscope.sock\"\napi_socket = \"{d}/api.sock\"\n\
-                 state_dir = \"{d}/state\"\n[spool]\ndir = \"{d}/spool\"\n[otlp]\n\
-                 batch_timeout_ms = 50\nmetrics_interval_ms = 500\n[prometheus]\nlisten = \"{prometheus}\"\njob_series = true\n"
+                 state_dir = \"{d}/state\"\n[spool]\ndir = \"{d}/spool\"\n[otlp]\n{}\
+                 batch_timeout_ms = 50\nmetrics_interval_ms = 500\n[prometheus]\nlisten = \"{prometheus}\"\njob_series = true\n{}",
+                self.otlp, self.tables
             ),
         )
         .unwrap();
@@ -304,6 +333,21 @@ impl Harness {
         }
     }
 
+    /// The daemon started (listening), exporting to `otlp_endpoint` ("" for nowhere).
+    pub(crate) fn start(self, otlp_endpoint: &str) -> Harness {
+        let mut h = self.harness(otlp_endpoint);
+        h.start_daemon();
+        h
+    }
+
+    /// The daemon started, exporting to a fake collector of its own.
+    pub(crate) async fn start_with_collector(self) -> (Harness, FakeCollectorServer) {
+        let collector = FakeCollectorServer::start().await.unwrap();
+        (self.start(&collector.endpoint()), collector)
+    }
+}
+
+impl Harness {
     pub(crate) fn socket(&self) -> PathBuf {
         self.dir.path().join("ncclscope.sock")
     }
@@ -333,21 +377,31 @@ impl Harness {
         child
     }
 
+    /// SIGKILLs the daemon, without warning, and reaps it.
+    pub(crate) fn kill_daemon(&mut self) {
+        let mut killed = self.signal_daemon(rustix::process::Signal::KILL);
+        killed.wait().unwrap();
+    }
+
+    /// SIGTERMs the daemon, which must drain, flush and exit 0 within 20 s.
+    pub(crate) fn stop_daemon(&mut self) {
+        let mut daemon = self.signal_daemon(rustix::process::Signal::TERM);
+        let status = wait_timeout(&mut daemon, Duration::from_secs(20));
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "daemon exits 0 on SIGTERM"
+        );
+    }
+
+    /// `nranks` synthetic ranks (`daemon_rank_child`), each writing `ncolls` collectives `pace_us`
+    /// apart.
     pub(crate) fn start_ranks(&mut self, nranks: u32, ncolls: u64, pace_us: u64) {
         for rank in 0..nranks {
             let spec = format!(
                 "{}|{rank}|{nranks}|{ncolls}|{pace_us}",
                 self.socket().display()
             );
-            let child = Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--ignored",
-                    "--exact",
-                    "support::daemon_rank_child",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env(RANK_ENV, spec)
+            let child = child_test("daemon_rank_child", RANK_ENV, &spec)
                 .stdout(Stdio::null())
                 .spawn()
                 .unwrap();
@@ -361,23 +415,47 @@ impl Harness {
         }
     }
 
+    /// What the spool holds of the current user's `job`, oldest first.
+    pub(crate) fn spooled(&self, job: &str) -> ncclscope::storage::spool::JobRecords {
+        ncclscope::storage::spool::SpoolReader::open_dir(self.dir.path().join("spool"))
+            .unwrap()
+            .read_job(&(rustix::process::getuid().as_raw(), job.to_string()))
+    }
+
     /// Segments the daemon holds (its `ncclscope_segments`; nothing else can hold one after its
     /// process ended).
     pub(crate) fn segments_left(&self) -> usize {
         sample(&self.metrics(), "ncclscope_segments").map_or(usize::MAX, |n| n as usize)
     }
 
+    /// The segments the daemon still holds once it has none left or `timeout` passed.
+    pub(crate) fn segments_left_after(&self, timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        while self.segments_left() > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        self.segments_left()
+    }
+
     pub(crate) fn metrics(&self) -> String {
-        let Ok(mut s) = std::net::TcpStream::connect(&self.prometheus) else {
-            return String::new();
-        };
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .unwrap();
-        let mut text = String::new();
-        let _ = s.read_to_string(&mut text);
-        text.split_once("\r\n\r\n")
-            .map_or(String::new(), |(_, body)| body.to_string())
+        ncclscope_tests::scrape_metrics(&self.prometheus)
+    }
+
+    /// The daemon's metrics, scraped every `every` until `done` holds of them or `timeout` passed:
+    /// the last text (the metrics are published on the daemon's tick, after what they count).
+    pub(crate) fn metrics_when(
+        &self,
+        timeout: Duration,
+        every: Duration,
+        done: impl Fn(&str) -> bool,
+    ) -> String {
+        let deadline = Instant::now() + timeout;
+        let mut text = self.metrics();
+        while !done(&text) && Instant::now() < deadline {
+            std::thread::sleep(every);
+            text = self.metrics();
+        }
+        text
     }
 }
 
@@ -390,14 +468,18 @@ impl Drop for Harness {
     }
 }
 
-/// Value of the sample `name{labels}` (labels as written, "" for none) in Prometheus text.
-pub(crate) fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
-    text.lines().find_map(|l| {
-        l.strip_prefix(name_and_labels)?
-            .strip_prefix(' ')?
-            .parse()
-            .ok()
-    })
+/// The loss counted at `stage` (`ncclscope_lost_total{stage="..."}`) in Prometheus text.
+pub(crate) fn lost(text: &str, stage: &str) -> Option<f64> {
+    sample(text, &format!("ncclscope_lost_total{{stage=\"{stage}\"}}"))
+}
+
+/// The sum of the samples of the lines that start with `prefix` (a family and its `{` or ` `) and
+/// contain `with` ("" for all), in Prometheus text.
+pub(crate) fn summed(text: &str, prefix: &str, with: &str) -> f64 {
+    (text.lines())
+        .filter(|l| l.starts_with(prefix) && l.contains(with))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum()
 }
 
 /// Receives spans until `done` says so or `timeout` passes.
@@ -417,6 +499,36 @@ pub(crate) async fn collect(
     }
 }
 
+/// A rank's span of an operation (`AllReduce rank`, `Send rank`), not a root.
+pub(crate) fn is_rank_span(s: &ExportedSpan) -> bool {
+    s.name.ends_with(" rank")
+}
+
+/// The spans received until `n` rank spans came or `timeout` passed.
+pub(crate) async fn collect_rank_spans(
+    collector: &mut FakeCollectorServer,
+    n: usize,
+    timeout: Duration,
+) -> Vec<ExportedSpan> {
+    let mut spans = Vec::new();
+    collect(collector, &mut spans, timeout, |s| {
+        s.iter().filter(|s| is_rank_span(s)).count() >= n
+    })
+    .await;
+    spans
+}
+
+/// Which instance a fake rank's span is of: (pid, collective, seq, replay).
+pub(crate) fn instance_of(s: &ExportedSpan) -> (u32, String, u64, u32) {
+    (
+        attr(s, "process.pid").parse().unwrap(),
+        attr(s, "nccl.collective").to_string(),
+        attr(s, "nccl.seq").parse().unwrap(),
+        attr(s, "nccl.replay").parse().unwrap(),
+    )
+}
+
+/// The synthetic ranks' spans (all of them all-reduces).
 pub(crate) fn rank_spans(spans: &[ExportedSpan]) -> Vec<&ExportedSpan> {
     spans
         .iter()
@@ -424,10 +536,8 @@ pub(crate) fn rank_spans(spans: &[ExportedSpan]) -> Vec<&ExportedSpan> {
         .collect()
 }
 
-pub(crate) fn wait_timeout(
-    child: &mut Child,
-    timeout: Duration,
-) -> Option<std::process::ExitStatus> {
+/// How `child` exited, if it did within `timeout` (else it is killed).
+fn wait_timeout(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(s) = child.try_wait().unwrap() {
@@ -464,17 +574,12 @@ pub(crate) fn roots_and_ranks(spans: &[ExportedSpan]) -> Traces<'_> {
 /// `expected` instances, joined every device-hook work item and counted nothing at `stages`; returns
 /// the metrics text.
 pub(crate) fn drained_with_nothing_lost(h: &Harness, expected: usize, stages: &[&str]) -> String {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut text = h.metrics();
     // The metrics are published on the daemon's tick: spans can arrive before a first page counts them.
     let drained = |text: &str| {
         sample(text, "ncclscope_segments") == Some(0.0)
             && sample(text, "ncclscope_collectives_total") == Some(expected as f64)
     };
-    while !drained(&text) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(200));
-        text = h.metrics();
-    }
+    let text = h.metrics_when(Duration::from_secs(30), Duration::from_millis(200), drained);
     assert_eq!(
         sample(&text, "ncclscope_device_hook_join_ratio"),
         Some(1.0),
@@ -487,10 +592,7 @@ pub(crate) fn drained_with_nothing_lost(h: &Harness, expected: usize, stages: &[
     );
     for stage in stages {
         assert!(
-            matches!(
-                sample(&text, &format!("ncclscope_lost_total{{stage=\"{stage}\"}}")),
-                None | Some(0.0)
-            ),
+            matches!(lost(&text, stage), None | Some(0.0)),
             "{stage}: {text}"
         );
     }
@@ -664,15 +766,7 @@ pub(crate) fn daemon_fault_child() {
 impl Harness {
     pub(crate) fn start_fault(&mut self, mode: &str, seconds: u64) {
         let spec = format!("{mode}|{}|{seconds}", self.socket().display());
-        let child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--ignored",
-                "--exact",
-                "support::daemon_fault_child",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(FAULT_ENV, spec)
+        let child = child_test("daemon_fault_child", FAULT_ENV, &spec)
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
@@ -700,15 +794,14 @@ impl Harness {
 
     /// The e2e ranks' collectives the daemon counted, over their rank series.
     pub(crate) fn job_collectives(&self) -> f64 {
-        self.metrics()
-            .lines()
-            .filter(|l| {
-                l.starts_with("ncclscope_rank_collectives_total{")
-                    && l.contains(&format!("job_id=\"{JOB}\""))
-            })
-            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-            .sum()
+        job_collectives(&self.metrics(), JOB)
     }
+}
+
+/// `job`'s collectives counted in Prometheus text, over its rank series.
+pub(crate) fn job_collectives(text: &str, job: &str) -> f64 {
+    let job = format!("job_id=\"{job}\"");
+    summed(text, "ncclscope_rank_collectives_total{", &job)
 }
 
 /// Waits until the e2e ranks' `total` collectives are counted; returns how long that took.
@@ -730,47 +823,20 @@ pub(crate) fn wait_job(h: &Harness, total: u64, timeout: Duration) -> Duration {
 /// delivered per (pid, seq, replay) with exact exec and wall times, one trace per (seq, replay), and
 /// no loss counted.
 pub(crate) async fn graph_replays(label: &str, timing: &[&str]) {
-    use ncclscope_fakenccl::report::Report;
     const NRANKS: u32 = 2;
     const REPLAYS: u32 = 6;
     const GRAPH_OPS: u64 = 50;
-    let mut collector = FakeCollectorServer::start().await.unwrap();
-    let mut h = Harness::new(&collector.endpoint());
-    h.start_daemon();
-    let rank_bin = ncclscope_fakenccl::process::rank_binary().unwrap();
-    let children: Vec<Child> = (0..NRANKS)
-        .map(|rank| {
-            Command::new(&rank_bin)
-                .args(["--kind", "rfc", "--colls", "4", "--channels", "4"])
-                .args([
-                    "--graph-ops",
-                    &GRAPH_OPS.to_string(),
-                    "--graph-channels",
-                    "8",
-                ])
-                .args(["--replays", &REPLAYS.to_string(), "--eager-between", "2"])
-                .args(timing)
-                .args(["--rank", &rank.to_string(), "--nranks", &NRANKS.to_string()])
-                .args(["--comm-hash", &0x3333_0000_0000_0000u64.to_string()])
-                .env("NCCLSCOPE_SOCKET", h.socket())
-                .env("NCCLSCOPE_JOB_ID", "graph-job")
-                .env("NCCLSCOPE_RING_MEMORY", "cpu")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let mut reports: Vec<Report> = Vec::new();
-    for child in children {
-        let out = child.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "fakenccl-rank failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        reports.push(serde_json::from_slice(&out.stdout).unwrap());
-    }
+    let (h, mut collector) = Scenario::new().start_with_collector().await;
+    let (graph_ops, replays) = (GRAPH_OPS.to_string(), REPLAYS.to_string());
+    let children = FakeRanks::new("rfc", "graph-job")
+        .ranks(NRANKS)
+        .comm_hash(0x3333_0000_0000_0000)
+        .args(&["--colls", "4", "--channels", "4"])
+        .args(&["--graph-ops", &graph_ops, "--graph-channels", "8"])
+        .args(&["--replays", &replays, "--eager-between", "2"])
+        .args(timing)
+        .spawn(&h);
+    let reports: Vec<_> = children.into_iter().map(report).collect();
     // What each rank produced: (pid, collective, seq, replay) -> (exec, wall).
     let mut produced: BTreeMap<(u32, String, u64, u32), (u64, u64)> = BTreeMap::new();
     for report in &reports {
@@ -795,21 +861,10 @@ pub(crate) async fn graph_replays(label: &str, timing: &[&str]) {
     let expected = NRANKS as usize
         * (4 + warm_up + 2 * REPLAYS as usize + (GRAPH_OPS as usize) * REPLAYS as usize);
     assert_eq!(produced.len(), expected);
-    let mut spans = Vec::new();
-    let is_rank_span = |s: &ExportedSpan| s.name.ends_with(" rank");
-    collect(&mut collector, &mut spans, Duration::from_secs(60), |s| {
-        s.iter().filter(|s| is_rank_span(s)).count() >= expected
-    })
-    .await;
+    let spans = collect_rank_spans(&mut collector, expected, Duration::from_secs(60)).await;
     let mut delivered: BTreeMap<(u32, String, u64, u32), Vec<&ExportedSpan>> = BTreeMap::new();
     for s in spans.iter().filter(|s| is_rank_span(s)) {
-        let key = (
-            attr(s, "process.pid").parse().unwrap(),
-            attr(s, "nccl.collective").to_string(),
-            attr(s, "nccl.seq").parse().unwrap(),
-            attr(s, "nccl.replay").parse().unwrap(),
-        );
-        delivered.entry(key).or_default().push(s);
+        delivered.entry(instance_of(s)).or_default().push(s);
     }
     if !delivered.keys().eq(produced.keys()) {
         let missing: Vec<_> = produced
@@ -877,13 +932,13 @@ pub(crate) async fn graph_replays(label: &str, timing: &[&str]) {
     eprintln!(
         "{label}: produced {expected} instances, delivered {}, dev_ambiguous {:?}",
         delivered.len(),
-        sample(&text, "ncclscope_lost_total{stage=\"dev_ambiguous\"}")
+        lost(&text, "dev_ambiguous")
     );
 }
 
-/// Hands the segments recorded in tests/data/`name` (a tar of saved segments) to the daemon, each in
-/// a sealed memory file, as the plugin would have made it.
-pub(crate) fn hand_over_recorded_segments(h: &Harness, name: &str) {
+/// The segment files recorded in tests/data/`name` (a tar of saved segments), unpacked into the
+/// harness's directory; `tar_args` pick some (`--wildcards`, a pattern).
+pub(crate) fn recorded_segments(h: &Harness, name: &str, tar_args: &[&str]) -> Vec<PathBuf> {
     let data = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("data")
         .join(name);
@@ -894,11 +949,20 @@ pub(crate) fn hand_over_recorded_segments(h: &Harness, name: &str) {
         .arg(&data)
         .arg("-C")
         .arg(&unpacked)
+        .args(tar_args)
         .status()
         .unwrap();
     assert!(tar.success(), "tar -xJf {}", data.display());
-    for f in std::fs::read_dir(&unpacked).unwrap() {
-        let fd = sealed_memfd(&std::fs::read(f.unwrap().path()).unwrap());
+    (std::fs::read_dir(&unpacked).unwrap())
+        .map(|f| f.unwrap().path())
+        .collect()
+}
+
+/// Hands the segments recorded in tests/data/`name` (a tar of saved segments) to the daemon, each in
+/// a sealed memory file, as the plugin would have made it.
+pub(crate) fn hand_over_recorded_segments(h: &Harness, name: &str) {
+    for f in recorded_segments(h, name, &[]) {
+        let fd = sealed_memfd(&std::fs::read(f).unwrap());
         let (reply, _ended) = ncclscope_fakenccl::process::register(
             &h.socket(),
             std::os::fd::AsFd::as_fd(&fd),
@@ -919,12 +983,7 @@ pub(crate) async fn p2p_rounds_leave_the_collectives_beside_them_whole(
     // Per rank, 9 eager steps and 10 replays: a2a: 19 all-gathers, 19 all-reduces, 19 x (send,
     // recv) x 2 peers; pp: 19 all-reduces, 19 x 4 micro-batches x (send, recv).
     const INSTANCES: usize = 2 * (19 + 19 + 19 * 4) + 2 * (19 + 19 * 4 * 2);
-    let mut spans = Vec::new();
-    let is_rank_span = |s: &ExportedSpan| s.name.ends_with(" rank");
-    collect(collector, &mut spans, Duration::from_secs(60), |s| {
-        s.iter().filter(|s| is_rank_span(s)).count() >= INSTANCES
-    })
-    .await;
+    let spans = collect_rank_spans(collector, INSTANCES, Duration::from_secs(60)).await;
     let text = drained_with_nothing_lost(
         h,
         INSTANCES,
@@ -938,8 +997,7 @@ pub(crate) async fn p2p_rounds_leave_the_collectives_beside_them_whole(
     );
     // Every p2p work item joined its send and receive, eager or replayed.
     for stage in ["dev_p2p", "p2p_captured_untimed"] {
-        let series = format!("ncclscope_lost_total{{stage=\"{stage}\"}}");
-        assert_eq!(sample(&text, &series), Some(0.0), "{stage}");
+        assert_eq!(lost(&text, stage), Some(0.0), "{stage}");
     }
     let mut per_op: BTreeMap<(String, u32, String), usize> = BTreeMap::new();
     let mut sides: HashMap<String, Vec<(String, u32, String)>> = HashMap::new();
@@ -1092,23 +1150,22 @@ pub(crate) async fn dropped_spans_re_sent_once_the_collector_answers(outage: Out
         Outage::Hang => flaky_front(collector.address(), up.clone(), true),
         Outage::Error => erroring_front(collector.endpoint(), up.clone()).await,
     };
-    let mut h = Harness::new(&front);
     // Two attempts a batch, 1 s each at most: the outage drops everything within seconds.
-    let config = std::fs::read_to_string(&h.config).unwrap();
-    let otlp = "[otlp]\nmax_attempts = 2\nrequest_timeout_ms = 1000\n";
-    std::fs::write(&h.config, config.replace("[otlp]\n", otlp)).unwrap();
-    h.start_daemon();
+    let mut h = Scenario::new()
+        .otlp("max_attempts = 2")
+        .otlp("request_timeout_ms = 1000")
+        .start(&front);
     h.start_ranks(NRANKS, NCOLLS, 100);
     h.wait_ranks();
     wait_job(&h, NRANKS as u64 * NCOLLS, Duration::from_secs(60));
     // Each rank's span, and rank 0's root.
     let total = ((NRANKS as u64 + 1) * NCOLLS) as usize;
-    let dropped = "ncclscope_lost_total{stage=\"export_dropped\"}";
+    let dropped = |text: &str| lost(text, "export_dropped");
     let t = Instant::now();
-    while sample(&h.metrics(), dropped) != Some(total as f64) {
-        assert!(t.elapsed() < Duration::from_secs(120), "{}", h.metrics());
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let text = h.metrics_when(Duration::from_secs(120), Duration::from_millis(100), |t| {
+        dropped(t) == Some(total as f64)
+    });
+    assert_eq!(dropped(&text), Some(total as f64), "{text}");
     let down_for = t.elapsed();
     up.store(true, Ordering::SeqCst);
     let t = Instant::now();
@@ -1148,45 +1205,189 @@ pub(crate) async fn dropped_spans_re_sent_once_the_collector_answers(outage: Out
     // back (it timed out, though the receiver may have taken it) is dropped and re-sent again.
     let instances = (NRANKS as u64 * NCOLLS) as f64;
     let resent = |text: &str| sample(text, "ncclscope_export_resent_total").unwrap_or(0.0);
-    let t = Instant::now();
-    let mut text = h.metrics();
-    while resent(&text) < instances && t.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(100));
-        text = h.metrics();
-    }
+    let text = h.metrics_when(Duration::from_secs(10), Duration::from_millis(100), |t| {
+        resent(t) >= instances
+    });
     assert!(resent(&text) >= instances, "{text}");
-    assert_eq!(
-        sample(&text, "ncclscope_lost_total{stage=\"export_not_resent\"}"),
-        Some(0.0)
-    );
-    assert!(sample(&text, dropped) >= Some(total as f64));
+    assert_eq!(lost(&text, "export_not_resent"), Some(0.0));
+    assert!(dropped(&text) >= Some(total as f64));
     eprintln!(
         "{outage:?}, down {down_for:?}: {total} spans dropped; up: {} spans received ({} unique) in \
          {resent_in:?}, {} instances re-sent, {:?} spans dropped in all, export_errors {:?}",
         spans.len(),
         unique(&spans),
         resent(&text),
-        sample(&text, dropped),
+        dropped(&text),
         sample(&text, "ncclscope_export_errors_total"),
     );
 }
 
-/// The spans `collector` receives, drained by a task of its own (abort the handle when done): the
+/// The spans `collector` receives, drained by a task of its own until this is taken or dropped: the
 /// receiver holds 64 spans, so a test that blocks its thread (restarting daemons) would otherwise
 /// leave it full and the daemons' exports waiting.
-pub(crate) fn drained_on_a_task(
-    mut collector: FakeCollectorServer,
-) -> (
-    Arc<std::sync::Mutex<Vec<ExportedSpan>>>,
-    tokio::task::JoinHandle<()>,
-) {
-    let received = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let into = received.clone();
-    let drain = tokio::spawn(async move {
-        loop {
-            let got = collector.exported_spans(1, Duration::from_millis(50)).await;
-            into.lock().unwrap().extend(got);
+pub(crate) struct Drained {
+    spans: Arc<std::sync::Mutex<Vec<ExportedSpan>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drained {
+    pub(crate) fn new(mut collector: FakeCollectorServer) -> Drained {
+        let spans = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let into = spans.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let got = collector.exported_spans(1, Duration::from_millis(50)).await;
+                into.lock().unwrap().extend(got);
+            }
+        });
+        Drained { spans, task }
+    }
+
+    /// Looks at what came every `every` until `done` holds of it or `timeout` passes.
+    pub(crate) async fn until(
+        &self,
+        timeout: Duration,
+        every: Duration,
+        done: impl Fn(&[ExportedSpan]) -> bool,
+    ) {
+        let deadline = Instant::now() + timeout;
+        while !done(&self.spans.lock().unwrap()) && Instant::now() < deadline {
+            tokio::time::sleep(every).await;
         }
-    });
-    (received, drain)
+    }
+
+    /// What came, the draining stopped.
+    pub(crate) fn take(self) -> Vec<ExportedSpan> {
+        self.task.abort();
+        std::mem::take(&mut *self.spans.lock().unwrap())
+    }
+}
+
+impl Drop for Drained {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// This test binary run again as the ignored test `support::{name}` (a child process of the tests
+/// above), given `spec` in the environment variable `env`.
+pub(crate) fn child_test(name: &str, env: &str, spec: &str) -> Command {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--ignored", "--exact", &format!("support::{name}")])
+        .args(["--nocapture", "--test-threads=1"])
+        .env(env, spec);
+    c
+}
+
+/// Fake-NCCL rank processes (`fakenccl-rank`: the real plugin `.so` in a fake NCCL host) of one
+/// communicator of a job, registering with a harness's daemon, their hook rings in plain memory (no
+/// GPU here, written as the device would). `FakeRanks::new("rfc", "job").ranks(2).args(..)`.
+pub(crate) struct FakeRanks<'a> {
+    kind: &'a str,
+    job: &'a str,
+    nranks: u32,
+    comm_hash: Option<u64>,
+    args: Vec<String>,
+    env: Vec<(&'a str, String)>,
+    lag: Duration,
+    report: bool,
+}
+
+impl<'a> FakeRanks<'a> {
+    /// One rank of NCCL host `kind` (`v5`, `rfc`...), the host's own communicator hash.
+    pub(crate) fn new(kind: &'a str, job: &'a str) -> FakeRanks<'a> {
+        FakeRanks {
+            kind,
+            job,
+            nranks: 1,
+            comm_hash: None,
+            args: Vec::new(),
+            env: Vec::new(),
+            lag: Duration::ZERO,
+            report: true,
+        }
+    }
+
+    pub(crate) fn ranks(mut self, nranks: u32) -> Self {
+        self.nranks = nranks;
+        self
+    }
+
+    pub(crate) fn comm_hash(mut self, comm_hash: u64) -> Self {
+        self.comm_hash = Some(comm_hash);
+        self
+    }
+
+    /// More of `fakenccl-rank`'s arguments: what each rank runs.
+    pub(crate) fn args(mut self, args: &[&str]) -> Self {
+        self.args.extend(args.iter().map(|a| a.to_string()));
+        self
+    }
+
+    pub(crate) fn env(mut self, key: &'a str, value: impl Into<String>) -> Self {
+        self.env.push((key, value.into()));
+        self
+    }
+
+    /// Each rank started `lag` after the one before it.
+    pub(crate) fn lag(mut self, lag: Duration) -> Self {
+        self.lag = lag;
+        self
+    }
+
+    /// Their reports discarded (a large one, unread, would hold its rank at exit).
+    pub(crate) fn without_reports(mut self) -> Self {
+        self.report = false;
+        self
+    }
+
+    /// The rank processes, started, their stderr piped and their reports too unless discarded (see
+    /// [`report`], [`finished`]).
+    pub(crate) fn spawn(&self, h: &Harness) -> Vec<Child> {
+        let rank_bin = ncclscope_fakenccl::process::rank_binary().unwrap();
+        (0..self.nranks)
+            .map(|rank| {
+                if rank > 0 {
+                    std::thread::sleep(self.lag);
+                }
+                let mut c = Command::new(&rank_bin);
+                c.args(["--kind", self.kind])
+                    .args(&self.args)
+                    .args(["--rank", &rank.to_string()])
+                    .args(["--nranks", &self.nranks.to_string()]);
+                if let Some(hash) = self.comm_hash {
+                    c.args(["--comm-hash", &hash.to_string()]);
+                }
+                c.env("NCCLSCOPE_SOCKET", h.socket())
+                    .env("NCCLSCOPE_JOB_ID", self.job)
+                    .env("NCCLSCOPE_RING_MEMORY", "cpu")
+                    .envs(self.env.iter().map(|(k, v)| (k, v)))
+                    .stdout(if self.report {
+                        Stdio::piped()
+                    } else {
+                        Stdio::null()
+                    })
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect()
+    }
+}
+
+/// A fake rank's output, once it exited, which it must do successfully (its stderr is the failure
+/// message).
+pub(crate) fn finished(child: Child) -> std::process::Output {
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "fakenccl-rank failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// What a fake rank ran, once it exited successfully.
+pub(crate) fn report(child: Child) -> ncclscope_fakenccl::report::Report {
+    serde_json::from_slice(&finished(child).stdout).unwrap()
 }
