@@ -696,20 +696,7 @@ fn a_state_that_cannot_be_written_is_counted_and_saved_again() {
 #[test]
 fn the_tail_waits_on_the_unacknowledged_operation_whose_records_come_first() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = Config {
-        state_dir: dir.path().to_path_buf(),
-        ..Config::default()
-    };
-    let (spans, _unread) = mpsc::channel(16);
-    let out = Outputs {
-        spans: Some(spans),
-        metrics: None,
-        export_counters: Arc::default(),
-        dropped: None,
-        prometheus: watch::channel(Arc::default()).0,
-        host_name: "h".into(),
-    };
-    let mut e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out).unwrap();
+    let (mut e, _unread) = exporting_engine(dir.path(), 16, None);
     let mut p = producer(64);
     write_dictionary(&mut p);
     p.push(&comm_record(1, 6));
@@ -744,23 +731,7 @@ fn the_tail_waits_on_the_unacknowledged_operation_whose_records_come_first() {
 #[test]
 fn spans_a_forced_commit_passed_unacknowledged_are_counted_by_the_successor() {
     let dir = tempfile::tempdir().unwrap();
-    let exporting_engine = || {
-        let cfg = Config {
-            state_dir: dir.path().to_path_buf(),
-            ..Config::default()
-        };
-        let (spans, queued) = mpsc::channel(1024);
-        let out = Outputs {
-            spans: Some(spans),
-            metrics: None,
-            export_counters: Arc::default(),
-            dropped: None,
-            prometheus: watch::channel(Arc::default()).0,
-            host_name: "h".into(),
-        };
-        let e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out).unwrap();
-        (e, queued)
-    };
+    let exporting_engine = || exporting_engine(dir.path(), 1024, None);
     let mut p = producer(64);
     let name = key_of(&p).to_string();
     write_dictionary(&mut p);

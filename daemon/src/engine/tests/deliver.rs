@@ -7,21 +7,8 @@ use super::*;
 #[test]
 fn instances_refused_by_a_full_export_queue_are_remembered_for_re_sending() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = Config {
-        state_dir: dir.path().to_path_buf(),
-        ..Config::default()
-    };
-    let (spans, mut queued) = mpsc::channel(1);
     let dropped = Arc::new(Dropped::new(crate::export::resend::MAX_REMEMBERED));
-    let out = Outputs {
-        spans: Some(spans),
-        metrics: None,
-        export_counters: Arc::default(),
-        dropped: Some(dropped.clone()),
-        prometheus: watch::channel(Arc::default()).0,
-        host_name: "h".into(),
-    };
-    let mut e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out).unwrap();
+    let (mut e, mut queued) = exporting_engine(dir.path(), 1, Some(dropped.clone()));
     let mut p = producer(64);
     write_dictionary(&mut p);
     for seq in 0..3 {

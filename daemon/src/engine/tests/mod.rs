@@ -7,6 +7,7 @@ mod segments;
 
 use super::commit::{COMMIT_EVERY, Parked, Passed};
 use super::*;
+use crate::export::export_queue::SpanItem;
 use crate::export::resend::Dropped;
 use crate::export::{metrics, prometheus};
 use crate::stats::RootWait;
@@ -56,6 +57,30 @@ fn engine_with(
         rx,
         hub,
     )
+}
+
+/// An engine over `dir` that queues spans for export on a channel of `queue` (returned: whatever
+/// the test does not acknowledge stays unacknowledged), remembering refused ones in `dropped`.
+fn exporting_engine(
+    dir: &std::path::Path,
+    queue: usize,
+    dropped: Option<Arc<Dropped>>,
+) -> (Engine, mpsc::Receiver<SpanItem>) {
+    let cfg = Config {
+        state_dir: dir.to_path_buf(),
+        ..Config::default()
+    };
+    let (spans, queued) = mpsc::channel(queue);
+    let out = Outputs {
+        spans: Some(spans),
+        metrics: None,
+        export_counters: Arc::default(),
+        dropped,
+        prometheus: watch::channel(Arc::default()).0,
+        host_name: "h".into(),
+    };
+    let e = Engine::new(Arc::new(cfg), Arc::new(Hub::default()), None, out).unwrap();
+    (e, queued)
 }
 
 /// A segment of job "j" written by this process, as a plugin's.
