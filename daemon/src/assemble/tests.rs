@@ -1606,19 +1606,24 @@ fn p2p_work_items_join_their_round_and_leave_the_collectives_beside_them() {
             dev(0, 42, 3 + 2 * r, t + 200, 12),
         ]);
     }
-    let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 100);
-    let out = feed(&mut a, &recs);
-    let got: Vec<_> = (out.iter())
-        .map(|c| {
-            let name = a.names().get(c.coll.desc.func).to_string();
-            (
-                name,
-                c.coll.replay,
-                c.coll.timing_source.as_str(),
-                c.coll.exec_ns,
-            )
-        })
-        .collect();
+    // (function, replay, timing source, exec) of each instance `recs` deliver, in order.
+    let run = |recs: &[Record]| {
+        let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 100);
+        let out = feed(&mut a, recs);
+        let got: Vec<_> = (out.iter())
+            .map(|c| {
+                let name = a.names().get(c.coll.desc.func).to_string();
+                (
+                    name,
+                    c.coll.replay,
+                    c.coll.timing_source.as_str(),
+                    c.coll.exec_ns,
+                )
+            })
+            .collect();
+        (a, got)
+    };
+    let (a, got) = run(&recs);
     // The send and receive complete with their round's items, both timed by them; the captured
     // ones are in the template on their round's channels (the eager round told the width), and
     // each replay's items time its send and receive.
@@ -1685,22 +1690,9 @@ fn p2p_work_items_join_their_round_and_leave_the_collectives_beside_them() {
         .chain(recs[items].iter().copied())
         .chain(recs[capture.end..].iter().map(later))
         .collect();
-    let mut a = Assembler::new(7, 0, "job".into(), "node".into(), 100);
-    let out = feed(&mut a, &early);
-    let got_early: Vec<_> = (out.iter())
-        .map(|c| {
-            let name = a.names().get(c.coll.desc.func).to_string();
-            (
-                name,
-                c.coll.replay,
-                c.coll.timing_source.as_str(),
-                c.coll.exec_ns,
-            )
-        })
-        .collect();
+    let (a, mut sorted_got) = run(&early);
     let mut sorted_want = want.clone();
     sorted_want.sort();
-    let mut sorted_got = got_early;
     sorted_got.sort();
     assert_eq!(sorted_got, sorted_want);
     let c = &a.counters;
