@@ -489,8 +489,10 @@ async fn a_panic_in_the_plugins_forwarding_thread_latches_it_off_and_is_counted(
         slowest / 1000
     );
     assert!(lost >= 1.0, "forward_panic counted: {text}");
+    // At most what started: an operation the lost events left incomplete is still delivered at
+    // the process's end with what it has, so all may arrive when the thread kept up.
     assert!(
-        delivered > 0.0 && delivered < produced as f64,
+        delivered > 0.0 && delivered <= produced as f64,
         "what was forwarded before the panic arrives ({delivered} of {produced})"
     );
     h.stop_daemon();
