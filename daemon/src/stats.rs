@@ -389,6 +389,21 @@ impl Stats {
         min_samples: u64,
         decide: impl FnOnce(Option<u64>, u64) -> LiveSpans,
     ) -> Observed {
+        self.observe_read(c, now_ns, min_samples, false, decide)
+    }
+
+    /// [`Self::observe`], for an instance a daemon before a restart may have read (`again`): not
+    /// recorded by it (killed before its spool had it), so counted here, but it meets its
+    /// collective's ranks as a re-read one does ([`Self::rejoin`]): the others may be gone with the
+    /// previous daemon, and a graph replay's root it carried may be lost (`root_at_risk`).
+    pub fn observe_read(
+        &mut self,
+        c: InstanceRef,
+        now_ns: u64,
+        min_samples: u64,
+        again: bool,
+        decide: impl FnOnce(Option<u64>, u64) -> LiveSpans,
+    ) -> Observed {
         let window = self.window_ns;
         let type_key = spans::type_key(c.func());
         let key = spans::instance_key_typed(c, type_key);
@@ -506,7 +521,7 @@ impl Stats {
             (r.local_lateness_ns).filter(|_| live != LiveSpans::None && !c.desc.is_p2p);
         Observed {
             local_lateness_ns,
-            ..self.meet(c, type_key, now_ns, live, false)
+            ..self.meet(c, type_key, now_ns, live, again)
         }
     }
 
@@ -1238,6 +1253,13 @@ mod tests {
         );
         s.expire(2_000_000_000);
         assert_eq!(s.replay_roots_not_resent, 1);
+        // One the previous daemon read but did not record (killed before its spool had it) counts
+        // the same; read for the first time, it does not.
+        let sent = |_: Option<u64>, _: u64| LiveSpans::Rank;
+        s.observe_read(replayed(1, 5, 3).view(), 0, 1, true, sent);
+        s.observe_read(replayed(1, 6, 3).view(), 0, 1, false, sent);
+        s.expire(4_000_000_000);
+        assert_eq!(s.replay_roots_not_resent, 2);
     }
 
     /// Issue 37: a rank whose segment the daemon reads before another local rank's communicator is

@@ -204,6 +204,11 @@ impl CommitPoint {
         }
     }
 
+    /// Whether a previous daemon's state for the segment applied (at attach: a restart).
+    pub fn resumed(&self) -> bool {
+        self.state_saved
+    }
+
     /// The spool position the segment's state may save (`end`: the spool's end for its job): at or
     /// before everything of it the spool takes from now on and everything of it queued and not yet
     /// durable.

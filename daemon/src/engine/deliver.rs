@@ -103,17 +103,18 @@ impl Delivery {
     /// against the series before the instance joins it), which the spool keeps so that a file
     /// export writes the same spans, the root each instance carries and the settlement it waits on.
     /// Nothing outside the engine reads the statistics before the delivery ends (snapshots come
-    /// after it), so what they count is still queued for the spool first. `names`: a segment's.
+    /// after it), so what they count is still queued for the spool first. `shown`: a segment's
+    /// names and `read_again_until` (see `Attached`).
     pub fn observe<'n>(
         &mut self,
-        names: impl Fn(usize) -> &'n Arc<Names>,
+        shown: impl Fn(usize) -> (&'n Arc<Names>, u64),
         cfg: &Config,
         stats: &mut Stats,
         now: u64,
     ) {
         let otlp = &cfg.otlp;
         for (i, range) in &self.completed_runs {
-            let names = names(*i);
+            let (names, read_again_until) = shown(*i);
             for c in &mut self.completed[range.clone()] {
                 let inst = InstanceRef {
                     inst: &c.coll,
@@ -136,7 +137,11 @@ impl Delivery {
                     }
                     o
                 } else {
-                    stats.observe(inst, now, SLOW_MIN_SAMPLES, |p50, key| {
+                    // Not recorded by the daemon before a restart, though it may have read it
+                    // (killed before the spool had it): it meets its collective's ranks as one
+                    // read again does (`Stats::observe_read`).
+                    let again = c.first_pos < read_again_until;
+                    stats.observe_read(inst, now, SLOW_MIN_SAMPLES, again, |p50, key| {
                         let slow = otlp.slow_factor > 0.0
                             && p50.is_some_and(|p50| {
                                 inst.exec_ns as f64 > otlp.slow_factor * p50 as f64
@@ -219,8 +224,12 @@ impl Delivery {
                         // apart (its re-read ranks wait the skew window for ranks the kill did
                         // not make read again), and the ring filled. One read again waits: it
                         // is what counts the root as possibly lost (`stats::root_at_risk`), and
-                        // a kill before that reads it again.
-                        Some(_) if c.coll.replay > 0 && fresh => {}
+                        // a kill before that reads it again; so does one a daemon before a
+                        // restart may have read without recording it.
+                        Some(_)
+                            if c.coll.replay > 0
+                                && fresh
+                                && c.first_pos >= src.read_again_until => {}
                         Some(_) => d.roots.push((c.first_pos, w)),
                         None => w.settle(),
                     }
@@ -335,6 +344,8 @@ pub(super) struct Source<'a> {
     /// state they must be written after while none of the segment's is durable.
     pub spool_mark: Option<Position>,
     pub state_not_on_disk: Option<u64>,
+    /// See `Attached::read_again_until`.
+    pub read_again_until: u64,
 }
 
 /// Sends the root spans of collectives whose skew window closed before every local rank came

@@ -275,6 +275,11 @@ impl Engine {
             &mut self.daemon_lost,
         );
         let tail = consumer.segment().tail();
+        // A previous daemon may have read (and delivered) any record written before now.
+        let read_again_until = match commit.resumed() {
+            true => consumer.segment().head(),
+            false => 0,
+        };
         let exited = conn.is_none();
         self.segments.add(Attached {
             key,
@@ -284,6 +289,7 @@ impl Engine {
             consumer,
             asm,
             read_upto: tail,
+            read_again_until,
             gaps: 0,
             exited,
             roots_only_since: None,
@@ -432,8 +438,9 @@ impl Engine {
             return;
         }
         let list = &mut self.segments.list;
+        let shown = |i: usize| (list[i].asm.names(), list[i].read_again_until);
         self.delivery
-            .observe(|i| list[i].asm.names(), &self.cfg, &mut self.stats, now);
+            .observe(shown, &self.cfg, &mut self.stats, now);
         if let Some(spool) = &self.spool {
             for i in self.delivery.fresh_segments() {
                 let end = spool.end(&list[i].job);
@@ -453,6 +460,7 @@ impl Engine {
                 acked: &seg.commit.acked,
                 spool_mark: spool.map(|s| seg.commit.spool_mark(|| s.end(&seg.job))),
                 state_not_on_disk: seg.commit.state_not_on_disk(),
+                read_again_until: seg.read_again_until,
             });
         }
         let to = Sinks {

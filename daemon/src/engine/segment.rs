@@ -67,6 +67,9 @@ pub(super) struct Attached {
     pub consumer: Consumer,
     pub asm: Assembler,
     pub read_upto: u64,
+    /// Records before this were written before the segment was attached to this daemon, after a
+    /// restart (0 otherwise): the previous daemon may have read them.
+    pub read_again_until: u64,
     /// Records lost in the segment as last seen (plugin loss counters, records of unknown
     /// operations, undecodable records): a rise is a gap (see `observe_gaps`).
     pub gaps: u64,
