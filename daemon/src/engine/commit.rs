@@ -56,8 +56,6 @@ pub(super) struct Reading<'a> {
 #[derive(Default)]
 pub(super) struct Delivered {
     pub seg: usize,
-    /// The next emit number after the spans queued.
-    pub next_emit: u64,
     /// (first record, settlement) of each operation that waits on its collective's root.
     pub roots: Vec<(u64, RootWait)>,
     /// (emit number, first record, op id) of each span queued for export.
@@ -246,9 +244,9 @@ impl CommitPoint {
             self.hold_root(first_pos, wait);
         }
         for (emit_no, first_pos, op_id) in d.emitted {
+            debug_assert_eq!(emit_no, self.next_emit);
             self.emitted(emit_no, first_pos, op_id);
         }
-        debug_assert_eq!(self.next_emit, d.next_emit);
         for (op_id, first_pos, flags) in d.recorded {
             self.recorded(op_id, first_pos, flags);
         }

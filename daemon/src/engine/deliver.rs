@@ -78,22 +78,17 @@ impl Delivery {
         self.completed.len() >= DELIVER_AT
     }
 
-    /// Segments (indices) with instances to deliver that this daemon did not record before (not
-    /// read again after a restart): what the spool will take of them.
-    pub fn fresh_segments(&self) -> Vec<usize> {
-        let mut fresh: Vec<usize> = (self.completed_runs.iter())
+    /// Segments (indices) with instances to deliver, each once; with `fresh`, only those with
+    /// instances this daemon did not record before (not read again after a restart): what the
+    /// spool will take of them.
+    pub fn segments(&self, fresh: bool) -> Vec<usize> {
+        let mut segs: Vec<usize> = (self.completed_runs.iter())
             .filter(|(_, range)| {
-                (self.completed[range.clone()].iter()).any(|c| c.prior & done::RECORDED == 0)
+                !fresh
+                    || (self.completed[range.clone()].iter()).any(|c| c.prior & done::RECORDED == 0)
             })
             .map(|(i, _)| *i)
             .collect();
-        fresh.dedup();
-        fresh
-    }
-
-    /// Segments (indices) with instances to deliver, each once.
-    pub fn segments(&self) -> Vec<usize> {
-        let mut segs: Vec<usize> = self.completed_runs.iter().map(|(i, _)| *i).collect();
         segs.sort_unstable();
         segs.dedup();
         segs
@@ -189,7 +184,6 @@ impl Delivery {
                 .expect("a source for every segment delivered");
             let d = decided[i].get_or_insert_with(|| Delivered {
                 seg: i,
-                next_emit: src.next_emit,
                 ..Delivered::default()
             });
             let names = src.names;
@@ -238,7 +232,8 @@ impl Delivery {
                 if flags & done::EXPORTED == 0 || c.coll.trace_root.is_some() {
                     match &out.spans {
                         Some(tx) => {
-                            let emit_no = d.next_emit;
+                            // Numbered on from the commit point's next, in the order queued.
+                            let emit_no = src.next_emit + d.emitted.len() as u64;
                             let inst = match to_spool {
                                 true => c.coll.clone(),
                                 false => std::mem::take(&mut c.coll),
@@ -253,10 +248,7 @@ impl Delivery {
                                 emit_no,
                                 settles: carried,
                             }) {
-                                Ok(()) => {
-                                    d.next_emit += 1;
-                                    d.emitted.push((emit_no, c.first_pos, c.op_id));
-                                }
+                                Ok(()) => d.emitted.push((emit_no, c.first_pos, c.op_id)),
                                 Err(e) => {
                                     lost.add(Loss::ExportQueueFull, 1);
                                     flags |= done::EXPORTED;

@@ -442,7 +442,7 @@ impl Engine {
         self.delivery
             .observe(shown, &self.cfg, &mut self.stats, now);
         if let Some(spool) = &self.spool {
-            for i in self.delivery.fresh_segments() {
+            for i in self.delivery.segments(true) {
                 let end = spool.end(&list[i].job);
                 let (cp, r) = list[i].split();
                 cp.write_ahead(r, &mut self.states, end, &mut self.daemon_lost);
@@ -450,7 +450,7 @@ impl Engine {
         }
         let mut sources: Vec<Option<Source>> = Vec::new();
         sources.resize_with(list.len(), || None);
-        for i in self.delivery.segments() {
+        for i in self.delivery.segments(false) {
             let seg = &list[i];
             let spool = self.spool.as_ref();
             sources[i] = Some(Source {
