@@ -14,7 +14,7 @@ use crate::assemble::{Completed, done};
 use crate::config::Config;
 use crate::export::export_queue::{ExportCounters, SpanItem};
 use crate::export::prometheus;
-use crate::export::resend::Dropped;
+use crate::export::resend::{Dropped, Wanted};
 use crate::instance::{InstanceRef, Names, Shared};
 use crate::loss::{Loss, Losses};
 use crate::stats::{RootWait, Stats};
@@ -256,12 +256,7 @@ impl Delivery {
                                     if let Some(root) = item.settles {
                                         root.settle();
                                     }
-                                    if let Some(d) = &out.dropped {
-                                        let c = item.coll;
-                                        let v = c.view();
-                                        let key = crate::export::resend::key(v);
-                                        d.remember(v.uid(), v.job_id(), key, &out.export_counters);
-                                    }
+                                    remember_dropped(out, item.coll.view());
                                 }
                             }
                         }
@@ -342,7 +337,8 @@ pub(super) struct Source<'a> {
 
 /// Sends the root spans of collectives whose skew window closed before every local rank came
 /// ([`Stats::take_roots_due`]); their ranks' records wait until the export ends. A root the
-/// export queue refuses is counted there (`export_queue_full`) and waited on no longer.
+/// export queue refuses is counted there (`export_queue_full`), waited on no longer and re-sent
+/// like a dropped span.
 pub(super) fn send_roots_due(stats: &mut Stats, out: &Outputs, lost: &mut Losses) {
     for (coll, wait) in stats.take_roots_due() {
         let Some(tx) = &out.spans else {
@@ -357,10 +353,21 @@ pub(super) fn send_roots_due(stats: &mut Stats, out: &Outputs, lost: &mut Losses
         };
         if let Err(e) = tx.try_send(item) {
             lost.add(Loss::ExportQueueFull, 1);
-            if let Some(w) = e.into_inner().settles {
+            let item = e.into_inner();
+            if let Some(w) = item.settles {
                 w.settle();
             }
+            remember_dropped(out, item.coll.view());
         }
+    }
+}
+
+/// An export the full queue refused, for the re-sender (with the root it carried, which its
+/// spooled instance may lack).
+fn remember_dropped(out: &Outputs, c: InstanceRef) {
+    if let Some(d) = &out.dropped {
+        let wanted = Wanted::of(c);
+        d.remember(c.uid(), c.job_id(), wanted, &out.export_counters);
     }
 }
 

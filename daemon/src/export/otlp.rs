@@ -212,8 +212,8 @@ struct InFlight {
 struct Sent {
     acked: Option<(Arc<AtomicU64>, u64)>,
     settles: Option<RootWait>,
-    /// The instance's job and [`resend::key`], when dropped instances are remembered.
-    dropped: Option<(Arc<Names>, u64)>,
+    /// The instance's job and what a re-send needs, when dropped instances are remembered.
+    dropped: Option<(Arc<Names>, resend::Wanted)>,
 }
 
 /// Runs until `spans` and `metrics` are both closed and drained. With `dropped`, instances given up
@@ -266,7 +266,7 @@ pub async fn run(
                             let sent = Sent {
                                 acked: i.acked.map(|a| (a, i.emit_no)),
                                 settles: i.settles,
-                                dropped: dropped.is_some().then(|| (i.coll.names.clone(), resend::key(i.coll.view()))),
+                                dropped: dropped.is_some().then(|| (i.coll.names.clone(), resend::Wanted::of(i.coll.view()))),
                             };
                             (i.coll, sent)
                         })
@@ -324,8 +324,8 @@ fn acknowledge(
         if let Some((acked, emit_no)) = item.acked {
             acked.fetch_max(emit_no, Ordering::Release);
         }
-        if !ok && let (Some(d), Some((names, key))) = (dropped, item.dropped) {
-            d.remember(names.uid, &names.job_id, key, counters);
+        if !ok && let (Some(d), Some((names, wanted))) = (dropped, item.dropped) {
+            d.remember(names.uid, &names.job_id, wanted, counters);
         }
     }
 }

@@ -9,10 +9,13 @@
 //! instances it finds again, at most [`RESEND_PER_TICK`] per [`TICK`] and only while the live queue is
 //! at most half full, so live export keeps its room. A key whose instance is no longer in the spool
 //! (evicted, or never spooled) is counted as not re-sent. Re-sent spans carry no acknowledgement: the
-//! spool already holds their instances, so no segment waits on them. The keys live in memory only:
-//! what a daemon dropped and had not re-sent when it stopped is not re-sent by the next one.
+//! spool already holds their instances, so no segment waits on them. A dropped export that carried
+//! its collective's root span also leaves the root's times ([`Wanted`]): a root sent when its skew
+//! window closed left after its rank 0 instance was spooled, so the spool does not hold them. The
+//! keys live in memory only: what a daemon dropped and had not re-sent when it stopped is not
+//! re-sent by the next one.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -39,6 +42,23 @@ pub fn key(c: InstanceRef) -> u64 {
     u64::from_be_bytes(id)
 }
 
+/// What the re-sender is asked for of one dropped export: its instance's [`key`], and the root
+/// span's times if the export carried one (the spooled instance may lack them; see the module).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Wanted {
+    pub key: u64,
+    pub root: Option<(u64, u64)>,
+}
+
+impl Wanted {
+    pub fn of(c: InstanceRef) -> Wanted {
+        Wanted {
+            key: key(c),
+            root: c.trace_root,
+        }
+    }
+}
+
 /// After a failed span export, the re-sender waits this long before it tries the collector again
 /// (with the next batch it re-sends) if no live export has succeeded meanwhile: after a job's last
 /// collective nothing else would tell it the collector is back.
@@ -60,9 +80,17 @@ pub struct Dropped {
 
 #[derive(Default)]
 struct State {
-    jobs: BTreeMap<JobKey, HashSet<u64>>,
+    jobs: BTreeMap<JobKey, Keys>,
     /// Keys remembered, including those a scan took and has not finished with.
     held: usize,
+}
+
+/// One job's dropped instances: every key, and the root times of those that carried a root (few:
+/// one local rank's in a collective carries it).
+#[derive(Debug, Default)]
+struct Keys {
+    all: HashSet<u64>,
+    roots: HashMap<u64, (u64, u64)>,
 }
 
 impl Dropped {
@@ -76,19 +104,19 @@ impl Dropped {
         }
     }
 
-    /// Remembers a dropped instance of job (`uid`, `job`) by its [`key`]; past the bound it is
-    /// counted as not re-sent instead. Cheap: the engine's ingest thread calls it.
-    pub fn remember(&self, uid: u32, job: &str, key: u64, counters: &ExportCounters) {
+    /// Remembers a dropped export of job (`uid`, `job`); past the bound it is counted as not
+    /// re-sent instead. Cheap: the engine's ingest thread calls it.
+    pub fn remember(&self, uid: u32, job: &str, w: Wanted, counters: &ExportCounters) {
         let mut s = lock(&self.state);
         if s.held >= self.limit {
             counters.not_resent.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        if s.jobs
-            .entry((uid, job.to_string()))
-            .or_default()
-            .insert(key)
-        {
+        let keys = s.jobs.entry((uid, job.to_string())).or_default();
+        if let Some(root) = w.root {
+            keys.roots.insert(w.key, root);
+        }
+        if keys.all.insert(w.key) {
             s.held += 1;
         }
         drop(s);
@@ -132,7 +160,7 @@ impl Dropped {
     }
 
     /// Takes one job's keys to re-send, while the collector answers.
-    fn take_job(&self) -> Option<(JobKey, HashSet<u64>)> {
+    fn take_job(&self) -> Option<(JobKey, Keys)> {
         if !self.answering() {
             return None;
         }
@@ -173,7 +201,7 @@ pub async fn run(
             let _ = tokio::time::timeout(Duration::from_secs(1), dropped.wake.notified()).await;
             continue;
         };
-        let taken = keys.len();
+        let taken = keys.all.len();
         let open = resend_job(&dropped, &spool, job, keys, &spans, &counters).await;
         dropped.release(taken);
         if !open {
@@ -188,7 +216,7 @@ async fn resend_job(
     dropped: &Dropped,
     spool: &SpoolReader,
     job: JobKey,
-    mut keys: HashSet<u64>,
+    keys: Keys,
     spans: &mpsc::WeakSender<SpanItem>,
     counters: &ExportCounters,
 ) -> bool {
@@ -196,21 +224,29 @@ async fn resend_job(
     let reader = spool.clone();
     // Spool reads are blocking file I/O: a thread of their own, handing over what matches.
     let scan = tokio::task::spawn_blocking(move || {
+        let Keys { mut all, mut roots } = keys;
         for record in reader.read_job(&job) {
             if found_tx.is_closed() {
-                return keys.len();
+                return all.len();
             }
             // A corrupt record ends its file: the instances past it count as not re-sent.
             let Ok(c) = record else { continue };
-            let inst = Shared::from(&c);
-            if keys.remove(&key(inst.view())) && found_tx.blocking_send(inst).is_err() {
-                return keys.len() + 1;
+            let mut inst = Shared::from(&c);
+            let k = key(inst.view());
+            if !all.remove(&k) {
+                continue;
             }
-            if keys.is_empty() {
+            if let Some(root) = roots.remove(&k) {
+                inst.inst.trace_root = Some(root);
+            }
+            if found_tx.blocking_send(inst).is_err() {
+                return all.len() + 1;
+            }
+            if all.is_empty() {
                 break;
             }
         }
-        keys.len()
+        all.len()
     });
     let mut pace = Pace::new();
     let mut closed = false;
@@ -233,7 +269,7 @@ async fn resend_job(
             // Full after all (the engine queued meanwhile): remembered again for the next scan.
             Err(mpsc::error::TrySendError::Full(item)) => {
                 let c = item.coll.view();
-                dropped.remember(c.uid(), c.job_id(), key(c), counters);
+                dropped.remember(c.uid(), c.job_id(), Wanted::of(c), counters);
             }
             Err(mpsc::error::TrySendError::Closed(_)) => {
                 closed = true;
@@ -297,10 +333,11 @@ mod tests {
     fn past_the_bound_a_drop_is_counted_not_remembered() {
         let d = Dropped::new(2);
         let c = ExportCounters::default();
-        d.remember(1, "j", 10, &c);
-        d.remember(1, "j", 10, &c);
-        d.remember(2, "j", 11, &c);
-        d.remember(1, "k", 12, &c);
+        let w = |key| Wanted { key, root: None };
+        d.remember(1, "j", w(10), &c);
+        d.remember(1, "j", w(10), &c);
+        d.remember(2, "j", w(11), &c);
+        d.remember(1, "k", w(12), &c);
         assert_eq!(d.held(), 2, "a key remembered twice is held once");
         assert_eq!(c.not_resent.load(Ordering::Relaxed), 1);
         d.answered(false);
@@ -310,7 +347,7 @@ mod tests {
         );
         d.answered(true);
         let (job, keys) = d.take_job().unwrap();
-        assert_eq!((job, keys.len()), ((1, "j".to_string()), 1));
+        assert_eq!((job, keys.all.len()), ((1, "j".to_string()), 1));
         assert_eq!(d.held(), 2, "taken keys still count until their scan ends");
         d.release(1);
         assert_eq!(d.held(), 1);

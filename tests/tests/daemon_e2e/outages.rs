@@ -54,7 +54,9 @@ async fn spans_refused_with_an_error_status_are_re_sent_from_the_spool_once_it_a
 /// Issue 22: the re-sender in this process, with a real spool and a real receiver. Instances
 /// remembered as dropped (as the engine remembers those its full export queue refuses) are queued
 /// again from the spool and arrive with their ids; one the spool does not hold (evicted meanwhile)
-/// is counted as not re-sent. Once the live queue's sender is gone, the re-sender ends.
+/// is counted as not re-sent. A root span that went after its rank 0 instance was spooled (its skew
+/// window closed before a local rank came) is re-sent with the times its dropped export carried,
+/// which the spool does not hold. Once the live queue's sender is gone, the re-sender ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_re_sender_queues_what_the_spool_holds_and_counts_what_it_does_not() {
     use ncclscope::export::export_queue::ExportCounters;
@@ -67,13 +69,15 @@ async fn the_re_sender_queues_what_the_spool_holds_and_counts_what_it_does_not()
     const UID: u32 = 4321;
     let dir = tempfile::tempdir().unwrap();
     let mut spool = Spool::open(dir.path(), SpoolLimits::default()).unwrap();
+    const LATE_ROOT: (u64, u64) = (1_000, 9_000);
     let coll = |seq| Collective {
         uid: UID,
         job_id: "j".into(),
         func: "AllReduce".into(),
         comm_hash: COMM_HASH,
         seq,
-        rank: 1,
+        // Rank 0 of the last one: its root span was sent when its window closed, not spooled.
+        rank: if seq == N - 1 { 0 } else { 1 },
         nranks: 2,
         // As the engine spools an instance whose rank span the live export sends.
         live_spans: ncclscope_proto::api::LiveSpans::Rank as i32,
@@ -84,8 +88,14 @@ async fn the_re_sender_queues_what_the_spool_holds_and_counts_what_it_does_not()
     let counters = Arc::new(ExportCounters::default());
     let dropped = Arc::new(Dropped::new(resend::MAX_REMEMBERED));
     for seq in 0..=N {
-        let key = resend::key(Shared::from(&coll(seq)).view());
-        dropped.remember(UID, "j", key, &counters);
+        let mut c = Shared::from(&coll(seq));
+        if seq == N - 1 {
+            // The root-only export of that instance, dropped after its own.
+            dropped.remember(UID, "j", resend::Wanted::of(c.view()), &counters);
+            c.inst.trace_root = Some(LATE_ROOT);
+            c.inst.live_spans = ncclscope_proto::api::LiveSpans::None;
+        }
+        dropped.remember(UID, "j", resend::Wanted::of(c.view()), &counters);
     }
     let mut collector = FakeCollectorServer::start().await.unwrap();
     let cfg = ncclscope::config::Otlp {
@@ -114,18 +124,31 @@ async fn the_re_sender_queues_what_the_spool_holds_and_counts_what_it_does_not()
     ));
     let mut spans = Vec::new();
     collect(&mut collector, &mut spans, Duration::from_secs(30), |s| {
-        s.len() >= N as usize
+        s.len() > N as usize
     })
     .await;
     let took = t.elapsed();
     let ids: BTreeSet<String> = spans.iter().map(|s| s.span_id.clone()).collect();
-    let expected: BTreeSet<String> = (0..N)
+    let mut expected: BTreeSet<String> = (0..N)
         .map(|seq| {
+            let c = coll(seq);
             let key = ncclscope::spans::collective_key("AllReduce", seq, 0);
-            hex(&ncclscope::spans::rank_span_id(UID, COMM_HASH, key, 1))
+            hex(&ncclscope::spans::rank_span_id(UID, COMM_HASH, key, c.rank))
         })
         .collect();
-    assert_eq!(ids, expected, "every spooled instance re-sent with its ids");
+    let late = ncclscope::spans::collective_key("AllReduce", N - 1, 0);
+    let root_id = hex(&ncclscope::spans::root_span_id(UID, COMM_HASH, late));
+    expected.insert(root_id.clone());
+    assert_eq!(
+        ids, expected,
+        "every spooled instance re-sent with its ids, and the late root"
+    );
+    let root = spans.iter().find(|s| s.span_id == root_id).unwrap();
+    assert_eq!(
+        (root.start_time_unix_nano, root.end_time_unix_nano),
+        LATE_ROOT,
+        "the root's times, which only its dropped export had"
+    );
     let deadline = Instant::now() + Duration::from_secs(10);
     while dropped.held() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
