@@ -286,3 +286,44 @@ fn a_capture_read_after_the_eager_work_before_it_is_replayed_whole() {
         );
     }
 }
+
+/// A rank of `daemon_e2e::graphs::fake_nccl_p2p_rounds_…` (a2a: per step an all-gather on one
+/// communicator, a grouped send and receive to both ranks and an all-reduce on another; 9 eager steps,
+/// then one captured and replayed 10 times), recorded where it failed on a loaded machine (1 of 8
+/// runs): the forwarding thread fell behind, so every host event came first and then each channel's
+/// ring was drained whole in turn, the replays' items on channels 0-1 long before the eager peer
+/// round's on channels 32-33. A replay's self-round item on channel 1 was taken for an eager round's
+/// and narrowed the schedule to 2 channels: the eager sends and receives to the peer were placed on
+/// the wrong channels and the replays misread (61 items unattributed, 20 operations mismatched, 46
+/// of 114 instances lost).
+#[test]
+fn p2p_items_drained_channel_by_channel_after_a_capture_join_their_rounds_and_replays() {
+    let records = load("p2p-drained-channel-by-channel.records.xz");
+    let (whole, out) = assemble_whole(&records);
+    let c = &whole.counters;
+    assert_eq!(
+        (
+            c.dev_unattributed,
+            c.dev_ambiguous,
+            c.dev_mismatch,
+            c.incomplete,
+            c.p2p_host_timed,
+            c.dev_p2p
+        ),
+        (0, 0, 0, 0, 0, 0),
+        "unattributed, ambiguous, mismatch, incomplete, host-timed, p2p items unjoined"
+    );
+    // Per step: 1 all-gather, 2 sends, 2 receives, 1 all-reduce; 9 eager steps and 10 replays.
+    let on_device = out
+        .iter()
+        .filter(|c| c.coll.timing_source == TimingSource::DeviceHook);
+    assert_eq!((out.len(), on_device.count()), (19 * 6, 19 * 6));
+    for cut in (1..records.len()).step_by(11) {
+        let (got, tail) = handed_over(&records, cut, Some(cut % 5));
+        assert_eq!(
+            instances(got.iter()),
+            instances(out.iter()),
+            "restart at record {cut} (commit point {tail})"
+        );
+    }
+}

@@ -1145,10 +1145,13 @@ impl Assembler {
     /// communicator's p2p schedule, which may place eager operations (they then wait on their
     /// lanes) and captured ones (they enter the graph template on their channels) it belongs to.
     fn narrow_p2p(&mut self, read: &Read, now_ns: u64, out: &mut Vec<Completed>) {
-        if self.p2p_owner(read).is_some() {
+        let (comm, ch) = read.key;
+        // An item a replay of a captured send or receive may own tells nothing of the eager rounds'
+        // width: a forwarding thread that fell behind drains one channel's ring whole, the
+        // replays' items with it, before the ring of the channel an eager round ran on.
+        if self.p2p_owner(read).is_some() || self.replays.p2p_on_channel(comm, ch) {
             return;
         }
-        let (comm, ch) = read.key;
         let mut placed = Vec::new();
         let narrowed = self.p2p.item(comm, ch, &mut placed);
         if !placed.is_empty() {

@@ -197,6 +197,15 @@ impl Replays {
             .is_some_and(|l| !l.is_empty())
     }
 
+    /// Whether `comm`'s template has a captured send or receive on channel `ch`: a p2p item there
+    /// may be a replay's.
+    pub fn p2p_on_channel(&self, comm: u32, ch: u8) -> bool {
+        (self.templates.get(&comm)).is_some_and(|t| {
+            (t.by_channel.get(ch as usize))
+                .is_some_and(|l| l.iter().any(|&i| t.ops[i as usize].desc.is_p2p))
+        })
+    }
+
     /// Captured operation `index` of `comm`: a send's or receive's channels (see
     /// [`CapturedOp::channels`]) and the receive fused with it, if one is.
     pub fn p2p_of(&self, comm: u32, index: u32) -> (Option<u64>, Option<u32>) {
