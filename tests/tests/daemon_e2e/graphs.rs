@@ -156,6 +156,9 @@ async fn fake_nccl_p2p_rounds_leave_the_collectives_beside_them_whole() {
 /// operation's work item comes 17,954 records after its host event (the plugin drains the other
 /// communicator's rings first), so a tail that waited on open operations would hold the ring full:
 /// the daemon must free it whatever waits, the producer drop nothing, and every instance arrive.
+/// The producer waits for room while the tail keeps moving (up to 5 s since it last did, half the
+/// operation timeout): a daemon starved of CPU by a loaded machine (3 busy loops on 2 cores made
+/// it drop 2,791) costs time, a tail held on an open operation still costs records.
 /// On the GPU the 300-replay burst overflowed the default ring (256 Ki records) and lost 60% of its
 /// instances to `ring_full`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

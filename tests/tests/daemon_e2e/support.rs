@@ -149,7 +149,10 @@ pub(crate) const BURST_ENV: &str = "NCCLSCOPE_TEST_BURST";
 
 /// A process that writes a recorded segment's records into its own small live segment at a pace,
 /// as the plugin forwards a burst of graph replays, run by the test below through `BURST_ENV` =
-/// "socket|recorded segment file|capacity|records per millisecond".
+/// "socket|recorded segment file|capacity|records per millisecond". Where the ring is full it waits
+/// for room, up to 5 s since the daemon's tail last moved (half the operation timeout), and then
+/// drops (`ring_full`): a daemon slowed by a loaded machine costs time, a tail held on an open
+/// operation costs records.
 #[test]
 #[ignore = "child process of the daemon end-to-end tests"]
 pub(crate) fn recorded_burst_child() {
@@ -168,9 +171,17 @@ pub(crate) fn recorded_burst_child() {
     };
     let mut p = Producer::new(Segment::create(&claims, capacity).unwrap());
     let _registered = Registrant::start(socket, p.segment(), Duration::from_secs(30));
+    let full = |p: &Producer| p.segment().head() - p.segment().tail() >= capacity;
     for chunk in records.chunks(per_ms) {
         let started = Instant::now();
         for (_, r) in chunk {
+            let (mut tail, mut moved) = (p.segment().tail(), Instant::now());
+            while full(&p) && moved.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(1));
+                if p.segment().tail() != tail {
+                    (tail, moved) = (p.segment().tail(), Instant::now());
+                }
+            }
             p.push(r.as_ref().unwrap());
         }
         std::thread::sleep(Duration::from_millis(1).saturating_sub(started.elapsed()));
