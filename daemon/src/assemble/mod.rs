@@ -1146,10 +1146,14 @@ impl Assembler {
     /// lanes) and captured ones (they enter the graph template on their channels) it belongs to.
     fn narrow_p2p(&mut self, read: &Read, now_ns: u64, out: &mut Vec<Completed>) {
         let (comm, ch) = read.key;
-        // An item a replay of a captured send or receive may own tells nothing of the eager rounds'
-        // width: a forwarding thread that fell behind drains one channel's ring whole, the
-        // replays' items with it, before the ring of the channel an eager round ran on.
-        if self.p2p_owner(read).is_some() || self.replays.p2p_on_channel(comm, ch) {
+        // Only while operations wait for the width (rarely, once it is known). An item a replay of
+        // a captured send or receive may own tells nothing of the eager rounds' width: a
+        // forwarding thread that fell behind drains one channel's ring whole, the replays' items
+        // with it, before the ring of the channel an eager round ran on.
+        if !self.p2p.awaits_width(comm)
+            || self.p2p_owner(read).is_some()
+            || self.replays.p2p_on_channel(comm, ch)
+        {
             return;
         }
         let mut placed = Vec::new();

@@ -259,6 +259,11 @@ impl Schedules {
         })
     }
 
+    /// Whether operations of `comm` wait for its width (only then can an item narrow it).
+    pub fn awaits_width(&self, comm: u32) -> bool {
+        self.comms.get(&comm).is_some_and(|s| !s.pending.is_empty())
+    }
+
     /// A p2p work item on `channel` that no placed operation waits for: the widths under which no
     /// pending operation runs there are ruled out (unless that leaves none: the item is then
     /// another's, or early), and the operations now agreed on go to `placed`. Whether the widths
