@@ -56,6 +56,19 @@ fn handed_over(records: &[Record], cut: usize, unacked: Option<usize>) -> (Vec<C
     (first, tail)
 }
 
+/// Asserts that a restart at every `step`-th record (some instances delivered but unacknowledged)
+/// delivers `want` ([`instances`]).
+fn restarts_deliver(records: &[Record], want: &[(u64, u32, u64, u64)], step: usize) {
+    for cut in (1..records.len()).step_by(step) {
+        let (got, tail) = handed_over(records, cut, Some(cut % 5));
+        assert_eq!(
+            instances(got.iter()),
+            want,
+            "restart at record {cut} (commit point {tail})"
+        );
+    }
+}
+
 /// (seq, replay, exec, start) of the instances delivered, sorted.
 fn instances<'a>(c: impl Iterator<Item = &'a Completed>) -> Vec<(u64, u32, u64, u64)> {
     let mut v: Vec<_> = c
@@ -175,14 +188,7 @@ fn an_item_settled_as_eager_before_a_restart_keeps_its_channel_in_step() {
     let want = instances(out.iter());
     assert_eq!(want.len(), 2 + 10 * 21);
     assert_eq!(whole.counters.dev_unattributed, 0);
-    for cut in (1..records.len()).step_by(2) {
-        let (got, tail) = handed_over(&records, cut, Some(cut % 5));
-        assert_eq!(
-            instances(got.iter()),
-            want,
-            "restart at record {cut} (commit point {tail})"
-        );
-    }
+    restarts_deliver(&records, &want, 2);
 }
 
 /// CUDA-graph replays on a GPU that lags the CPU: the fake RFC rank's GPU runs each kernel after the
@@ -277,14 +283,7 @@ fn a_capture_read_after_the_eager_work_before_it_is_replayed_whole() {
             .collect();
         assert_eq!(seqs, (52..102).collect::<Vec<u64>>(), "replay {replay}");
     }
-    for cut in (1..records.len()).step_by(13) {
-        let (got, tail) = handed_over(&records, cut, Some(cut % 5));
-        assert_eq!(
-            instances(got.iter()),
-            instances(out.iter()),
-            "restart at record {cut} (commit point {tail})"
-        );
-    }
+    restarts_deliver(&records, &instances(out.iter()), 13);
 }
 
 /// A rank of `daemon_e2e::graphs::fake_nccl_p2p_rounds_…` (a2a: per step an all-gather on one
@@ -318,12 +317,5 @@ fn p2p_items_drained_channel_by_channel_after_a_capture_join_their_rounds_and_re
         .iter()
         .filter(|c| c.coll.timing_source == TimingSource::DeviceHook);
     assert_eq!((out.len(), on_device.count()), (19 * 6, 19 * 6));
-    for cut in (1..records.len()).step_by(11) {
-        let (got, tail) = handed_over(&records, cut, Some(cut % 5));
-        assert_eq!(
-            instances(got.iter()),
-            instances(out.iter()),
-            "restart at record {cut} (commit point {tail})"
-        );
-    }
+    restarts_deliver(&records, &instances(out.iter()), 11);
 }

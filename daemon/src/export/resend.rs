@@ -27,7 +27,8 @@ use crate::instance::{InstanceRef, Shared};
 use crate::spans;
 use crate::storage::spool::{JobKey, SpoolReader};
 
-/// Dropped instances remembered at most (about 20 MiB of keys at the worst).
+/// Dropped instances remembered at most (about 20 MiB of keys at the worst, and about 50 MiB more
+/// where every one carried a root: rank 0 alone on its node in every communicator).
 pub const MAX_REMEMBERED: usize = 1 << 20;
 /// The pace of re-sending: at most this many instances per [`TICK`] (10,000 a second).
 pub const RESEND_PER_TICK: usize = 100;
